@@ -1,0 +1,69 @@
+"""Kernels behind the model: each op dispatches to its Triton launcher for CUDA tensors and to the
+plain-torch reference (which defines the semantics) otherwise, or everywhere when STOKER_TRITON=0."""
+from __future__ import annotations
+
+import os
+import torch
+
+from engine.kernels._triton import HAS_TRITON
+from engine.kernels.activation import silu_and_mul_ref
+from engine.kernels.attention import paged_attention_ref, paged_decode_attention_ref
+from engine.kernels.rmsnorm import rms_norm_ref
+from engine.kernels.rotary import rope_cos_sin, rotary_and_cache_ref
+
+__all__ = [
+    "paged_attention", "paged_attention_ref", "paged_decode_attention", "paged_decode_attention_ref",
+    "rms_norm", "rms_norm_ref", "rope_cos_sin", "rotary_and_cache", "rotary_and_cache_ref",
+    "silu_and_mul", "silu_and_mul_ref", "use_triton",
+]
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Read per call (a dict lookup) so tests and benchmarks can flip STOKER_TRITON at run time."""
+    return x.is_cuda and HAS_TRITON and os.environ.get("STOKER_TRITON", "1") != "0"
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm_ref(x, weight, eps, residual)
+
+
+def rotary_and_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    rotary_and_cache_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return silu_and_mul_ref(x)

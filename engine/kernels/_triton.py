@@ -1,0 +1,48 @@
+"""Guarded Triton import shared by the kernel files.
+
+The CPU path (references) must work even where triton is missing or fails to import (no compiler, wrong
+CUDA), so the op files import `triton`/`tl` from here. Without triton, `triton.jit` is the identity and
+`tl.<anything>` is None, so the kernel definitions still parse; `HAS_TRITON` tells the dispatcher not to
+launch them.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # ImportError, or a broken install raising at import: fall back to the references
+    HAS_TRITON = False
+
+    class _Missing:
+        def __getattr__(self, name: str) -> Any:
+            return None
+
+    class _NoTriton(_Missing):
+        @staticmethod
+        def jit(fn: Any = None, **_: Any) -> Any:
+            return fn if fn is not None else (lambda f: f)
+
+    triton = _NoTriton()  # type: ignore[assignment]
+    tl = _Missing()  # type: ignore[assignment]
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1: kernels then run on CPU tensors (the tests use this)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_launchable(*tensors: Any) -> None:
+    """Raise a clear error instead of a Triton crash when a kernel cannot run on these tensors."""
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not importable here; use the *_ref functions (or STOKER_TRITON=0)")
+    on_cpu = [t for t in tensors if not t.is_cuda]
+    if on_cpu and not interpreting():
+        raise ValueError("Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tests)")
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(f"all kernel inputs must be on one device, got {sorted(map(str, devices))}")
