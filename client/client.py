@@ -1,0 +1,520 @@
+"""Producer and subscriber helpers that speak only the wire contract (schemas/): no engine, no torch.
+
+    async with Client("127.0.0.1:9092", "redis://127.0.0.1:6379/0") as c:
+        async for event in c.stream(prompt="Hello", max_tokens=32):   # Chunk ... then the Done
+            print(event.text, end="")
+        done = await c.generate(messages=[{"role": "user", "content": "Hi"}])
+
+How a request is followed: subscribe to its pub/sub channel (and wait for Redis to confirm) BEFORE the job
+is produced, so no first token can be missed. Pub/sub is at-most-once, so every event goes through an
+`EventSequencer` (highest attempt wins, duplicate seqs dropped, gaps filled from the replayable stream by
+XRANGE), and a quiet channel is checked against the result key, so a lost terminal event costs a poll
+interval instead of a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaProducer
+
+import schemas
+from schemas import Cancel, Chunk, ContractError, Done, ErrorCode, Job, Names
+from schemas import Error as ErrorEvent
+
+Event = Chunk | Done | ErrorEvent
+DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+CANCEL_TTL_S = 3600  # as long as the result key lives: a cancel must outlast a job waiting in Kafka
+
+
+class ClientError(Exception):
+    """Base of the errors this module raises."""
+
+
+class RequestFailed(ClientError):
+    """The request ended with an `error` event; `code` is the contract's stable snake_case code."""
+
+    def __init__(self, request_id: str, code: str, message: str):
+        super().__init__(f"request {request_id} failed: {code}: {message}")
+        self.request_id, self.code, self.message = request_id, code, message
+
+
+class RequestTimeout(ClientError, TimeoutError):
+    """No terminal event within the timeout. The job may still run: cancel it if you no longer want it."""
+
+    def __init__(self, request_id: str, timeout_s: float, events_seen: int):
+        super().__init__(
+            f"request {request_id}: no terminal event within {timeout_s:g} s ({events_seen} events seen); "
+            "is a worker running on this topic and prefix? (`stoker workers` lists live ones)"
+        )
+        self.request_id, self.timeout_s, self.events_seen = request_id, timeout_s, events_seen
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def decode_event(data: bytes) -> Event:
+    """Decodes one event in either encoding (schemas sniffs: a JSON object starts with `{`, a msgpack map not)."""
+    return schemas.decode_event(data)
+
+
+class EventSequencer:
+    """Applies the contract's ordering rules to events of one request, in the order they arrive.
+
+    `offer` answers "accept" (deliver it), "drop" (an older attempt or a duplicate seq) or "gap" (seqs are
+    missing before it: fill them from the stream, then offer it again, or `skip_to` it if they are lost).
+    """
+
+    def __init__(self) -> None:
+        self.attempt = 0
+        self.next_seq = 0
+        self.lost = 0  # seqs given up on (stream capped or expired before we could read them)
+
+    def offer(self, event: Event) -> str:
+        if event.attempt < self.attempt:
+            return "drop"
+        if event.attempt > self.attempt:  # a takeover: the new attempt's seqs start again from 0
+            self.attempt, self.next_seq = event.attempt, 0
+        if event.seq < self.next_seq:
+            return "drop"
+        if event.seq > self.next_seq:
+            return "gap"
+        self.next_seq += 1
+        return "accept"
+
+    def skip_to(self, event: Event) -> None:
+        self.lost += event.seq - self.next_seq
+        self.next_seq = event.seq + 1
+
+
+class TextAssembler:
+    """Turns accepted chunks into text deltas that are safe to show once, across takeovers.
+
+    When a worker dies mid-request another starts it again (attempt + 1, text from the beginning). What the
+    reader has already seen cannot be taken back, so a new attempt's text is shown only past the length
+    already shown. This is exact when the rerun reproduces the prefix (greedy or seeded sampling); otherwise
+    the `done` text, which is authoritative, is the one to keep."""
+
+    def __init__(self) -> None:
+        self.shown = ""
+        self._attempt = 0
+        self._attempt_text = ""
+
+    def feed(self, chunk: Chunk) -> str:
+        if chunk.attempt != self._attempt:
+            self._attempt, self._attempt_text = chunk.attempt, ""
+        self._attempt_text += chunk.text
+        delta = self._attempt_text[len(self.shown):]
+        self.shown += delta
+        return delta
+
+
+class _Dispatcher:
+    """One pub/sub connection shared by every request the client follows: a reader task routes each
+    message to the queue of its channel, and `subscribe` returns only once Redis has confirmed, so a job
+    produced afterwards cannot publish before we listen. One connection for N requests keeps a load test
+    of thousands of concurrent requests from opening thousands of sockets."""
+
+    def __init__(self, redis: aioredis.Redis):
+        self._pubsub = redis.pubsub()
+        self._queues: dict[bytes, asyncio.Queue[bytes]] = {}
+        self._confirm: dict[bytes, asyncio.Future[None]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._failure: BaseException | None = None
+
+    async def start(self) -> None:
+        await self._pubsub.connect()
+        self._reader = asyncio.create_task(self._read(), name="stoker-client-pubsub")
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        await self._pubsub.aclose()
+
+    async def subscribe(self, channel: str, timeout_s: float) -> asyncio.Queue[bytes]:
+        key = channel.encode()
+        if key in self._queues:
+            raise ClientError(f"already following channel {channel}: request ids must be fresh")
+        if self._failure is not None:
+            raise ClientError(f"the Redis pub/sub connection failed: {self._failure!r}")
+        queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self._queues[key] = queue
+        confirmed = self._confirm[key] = asyncio.get_running_loop().create_future()
+        try:
+            await self._pubsub.subscribe(channel)
+            await asyncio.wait_for(confirmed, timeout_s)
+        except BaseException:
+            self._queues.pop(key, None)
+            raise
+        finally:
+            self._confirm.pop(key, None)
+        return queue
+
+    async def unsubscribe(self, channel: str) -> None:
+        if self._queues.pop(channel.encode(), None) is not None and self._failure is None:
+            with contextlib.suppress(Exception):  # the connection may be gone; nothing left to free then
+                await self._pubsub.unsubscribe(channel)
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                if not self._pubsub.subscribed:  # get_message needs a subscription to read anything
+                    await asyncio.sleep(0.005)
+                    continue
+                msg = await self._pubsub.get_message(timeout=1.0)
+                if msg is None:
+                    continue
+                channel = msg["channel"]
+                if msg["type"] == "subscribe":
+                    confirmed = self._confirm.get(channel)
+                    if confirmed is not None and not confirmed.done():
+                        confirmed.set_result(None)
+                elif msg["type"] == "message" and (queue := self._queues.get(channel)) is not None:
+                    queue.put_nowait(msg["data"])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # wake every follower: each falls back to polling the stream/result key
+            self._failure = exc
+            for confirmed in self._confirm.values():
+                if not confirmed.done():
+                    confirmed.set_exception(ClientError(f"Redis pub/sub connection failed: {exc!r}"))
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    """One live worker, from its heartbeat key `{prefix}:worker:{worker_id}` (a JSON object)."""
+
+    worker_id: str
+    model: str | None
+    capacity: Any
+    version: str | None
+    info: dict[str, Any] = field(default_factory=dict)  # the whole heartbeat, for fields added later
+
+
+class Client:
+    """Produces jobs to Kafka and follows their events in Redis. Use as `async with Client(...) as c:`."""
+
+    def __init__(
+        self,
+        bootstrap_servers: str = DEFAULT_BOOTSTRAP,
+        redis_url: str = DEFAULT_REDIS_URL,
+        *,
+        prefix: str = schemas.REDIS_PREFIX,
+        topic: str = schemas.JOBS_TOPIC,
+        msgpack: bool = False,
+        timeout: float = 300.0,
+        poll_interval: float = 0.5,
+        kafka_options: dict[str, Any] | None = None,
+        redis_options: dict[str, Any] | None = None,
+    ):
+        if timeout <= 0 or poll_interval <= 0:
+            raise ValueError(f"timeout ({timeout}) and poll_interval ({poll_interval}) must be > 0 seconds")
+        self.bootstrap_servers, self.redis_url, self.topic = bootstrap_servers, redis_url, topic
+        self.names = Names(redis_prefix=prefix, jobs_topic=topic)
+        self.prefix = prefix
+        self.msgpack, self.timeout, self.poll_interval = msgpack, timeout, poll_interval
+        self._kafka_options = {"acks": "all", "linger_ms": 2, **(kafka_options or {})}
+        self._redis_options = redis_options or {}
+        self._producer: AIOKafkaProducer | None = None
+        self._redis: aioredis.Redis | None = None
+        self._dispatcher: _Dispatcher | None = None
+
+    async def __aenter__(self) -> Client:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        self._redis = aioredis.from_url(self.redis_url, **self._redis_options)
+        await self._redis.ping()  # fail here, with the URL in the message, not on the first request
+        self._dispatcher = _Dispatcher(self._redis)
+        await self._dispatcher.start()
+
+    async def close(self) -> None:
+        if self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
+        if self._dispatcher is not None:
+            await self._dispatcher.close()
+            self._dispatcher = None
+        if self._redis is not None:
+            await self._redis.aclose()
+            self._redis = None
+
+    @property
+    def redis(self) -> aioredis.Redis:
+        if self._redis is None:
+            raise ClientError("the client is not started: use `async with Client(...)` or `await start()`")
+        return self._redis
+
+    async def _kafka(self) -> AIOKafkaProducer:
+        # Started lazily so read-only uses (tail, workers, cancel) need no broker.
+        if self._producer is None:
+            producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap_servers, **self._kafka_options)
+            await producer.start()
+            self._producer = producer
+        return self._producer
+
+    # ---- producing -------------------------------------------------------------------------------------
+    def make_job(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        **params: Any,
+    ) -> Job:
+        """Builds and validates a job (ContractError names any bad field) before anything is sent."""
+        fields = {"prompt": prompt, "messages": messages, "prompt_token_ids": prompt_token_ids, **params}
+        raw = {"type": "job", "request_id": request_id or new_request_id(),
+               **{k: v for k, v in fields.items() if v is not None}}
+        try:
+            data = msgspec.json.encode(raw)
+        except (TypeError, msgspec.EncodeError) as exc:  # e.g. a set or an object where JSON wants a value
+            raise ContractError(ErrorCode.INVALID_JOB, f"cannot encode the job: {exc}", raw["request_id"]) from None
+        # The worker's own decoder: the same checks and messages the worker would answer with, but now.
+        return schemas.decode_job(data)
+
+    async def submit(self, job: Job) -> None:
+        """Produces the job (key = request id) and returns once the broker has it; does not follow it."""
+        producer = await self._kafka()
+        headers = [(schemas.CONTENT_TYPE_HEADER, schemas.content_type_for(self.msgpack).encode())]
+        await producer.send_and_wait(
+            self.topic, schemas.encode_job(job, msgpack=self.msgpack), key=job.request_id.encode(), headers=headers
+        )
+
+    # ---- following ---------------------------------------------------------------------------------------
+    async def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        cancel_on_exit: bool = True,
+        **params: Any,
+    ) -> AsyncIterator[Chunk | Done]:
+        """Submits a job and yields its `chunk` events in order, then its `done` event (last). An `error`
+        event raises RequestFailed. If the caller stops iterating early (break, task cancelled, client
+        disconnect in the gateway), the job is cancelled unless cancel_on_exit=False."""
+        job = self.make_job(prompt, messages=messages, prompt_token_ids=prompt_token_ids,
+                            request_id=request_id, **params)
+        async for event in self.run(job, timeout=timeout, cancel_on_exit=cancel_on_exit):
+            yield event
+
+    async def run(
+        self, job: Job, *, timeout: float | None = None, cancel_on_exit: bool = True
+    ) -> AsyncIterator[Chunk | Done]:
+        """Like `stream`, for a job already built (e.g. by `make_job`)."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        if self._dispatcher is None:
+            raise ClientError("the client is not started: use `async with Client(...)` or `await start()`")
+        channel = self.names.events_channel(job.request_id)
+        queue = await self._dispatcher.subscribe(channel, timeout)  # before producing: no lost first tokens
+        finished = False
+        try:
+            await self.submit(job)
+            async for event in self._follow(job.request_id, queue, deadline, timeout):
+                if isinstance(event, ErrorEvent):
+                    finished = True
+                    raise RequestFailed(job.request_id, event.code, event.message)
+                finished = isinstance(event, Done)
+                yield event
+        finally:
+            await self._dispatcher.unsubscribe(channel)
+            if cancel_on_exit and not finished:
+                with contextlib.suppress(Exception):  # best effort: Redis may be the reason we are leaving
+                    await asyncio.shield(self.cancel(job.request_id))
+
+    async def generate(self, prompt: str | None = None, **kwargs: Any) -> Done:
+        """Submits a job and returns its `done` event (text, finish_reason, usage, timings)."""
+        async for event in self.stream(prompt, **kwargs):
+            if isinstance(event, Done):
+                return event
+        raise ClientError("the event stream ended without a done event")  # _follow never does this
+
+    async def _follow(
+        self, request_id: str, queue: asyncio.Queue[bytes], deadline: float, timeout: float
+    ) -> AsyncIterator[Event]:
+        sequencer = EventSequencer()
+        seen = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RequestTimeout(request_id, timeout, seen)
+            try:
+                raw = await asyncio.wait_for(queue.get(), min(remaining, self.poll_interval))
+            except TimeoutError:
+                # Quiet channel: the terminal event may have been lost (pub/sub is at-most-once). The
+                # result key says whether it exists; the stream then replays what we missed, in order.
+                if await self.redis.exists(self.names.result(request_id)):
+                    async for event in self._replay(request_id, sequencer):
+                        seen += 1
+                        yield event
+                        if isinstance(event, Done | ErrorEvent):
+                            return
+                    terminal = await self.result(request_id)  # stream capped/expired: the key is final
+                    if terminal is not None:
+                        yield terminal
+                        return
+                continue
+            event = decode_event(raw)
+            verdict = sequencer.offer(event)
+            if verdict == "gap":
+                for _ in range(3):  # the worker XADDs in the same pipeline as the PUBLISH: a retry suffices
+                    async for replayed in self._replay(request_id, sequencer):
+                        seen += 1
+                        yield replayed
+                        if isinstance(replayed, Done | ErrorEvent):
+                            return
+                    if (verdict := sequencer.offer(event)) != "gap":
+                        break
+                    await asyncio.sleep(0.02)
+                else:
+                    sequencer.skip_to(event)
+                    verdict = "accept"
+            if verdict == "accept":
+                seen += 1
+                yield event
+                if isinstance(event, Done | ErrorEvent):
+                    return
+
+    async def _replay(self, request_id: str, sequencer: EventSequencer) -> AsyncIterator[Event]:
+        """Yields the stream's events that the sequencer accepts (those we have not delivered yet)."""
+        for _entry_id, entry in await self.redis.xrange(self.names.stream(request_id)):
+            event = decode_event(entry[b"data"])
+            if sequencer.offer(event) == "accept":
+                yield event
+
+    async def tail(self, request_id: str, *, timeout: float | None = None) -> AsyncIterator[Event]:
+        """Follows a request from its replayable stream (from 0-0, so it works for late subscribers) until
+        its terminal event, which is yielded too (an `error` is yielded, not raised: tail is an observer)."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        sequencer, last_id, seen = EventSequencer(), b"0-0", 0
+        stream = self.names.stream(request_id)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RequestTimeout(request_id, timeout, seen)
+            block_ms = max(1, int(min(remaining, self.poll_interval) * 1000))
+            reply = await self.redis.xread({stream: last_id}, block=block_ms, count=512)
+            for _stream, entries in reply or []:
+                for entry_id, entry in entries:
+                    last_id = entry_id
+                    event = decode_event(entry[b"data"])
+                    verdict = sequencer.offer(event)
+                    if verdict == "gap":  # the stream is capped: its oldest entries are gone
+                        sequencer.skip_to(event)
+                        verdict = "accept"
+                    if verdict == "accept":
+                        seen += 1
+                        yield event
+                        if isinstance(event, Done | ErrorEvent):
+                            return
+            if not reply and (terminal := await self.result(request_id)) is not None:
+                yield terminal  # the stream expired (or was never written) but the result stands
+                return
+
+    # ---- control and inspection ----------------------------------------------------------------------------
+    async def cancel(self, request_id: str, ttl_s: int = CANCEL_TTL_S) -> None:
+        """Cancels a request: the key makes it stick for a job still in Kafka, the channel reaches the worker
+        running it now. Set the key first so a worker that reads the job after our PUBLISH still sees it."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.names.cancelled(request_id), b"1", ex=ttl_s)
+            pipe.publish(self.names.cancel_channel, schemas.encode_cancel(Cancel(request_id=request_id)))
+            await pipe.execute()
+
+    async def result(self, request_id: str) -> Done | ErrorEvent | None:
+        """The terminal event under the result key, or None if the request has not finished (or expired)."""
+        raw = await self.redis.get(self.names.result(request_id))
+        if raw is None:
+            return None
+        event = decode_event(raw)
+        if not isinstance(event, Done | ErrorEvent):
+            raise ClientError(f"result key of {request_id} holds a {type(event).__name__}, not done/error")
+        return event
+
+    async def workers(self) -> list[WorkerInfo]:
+        """Live workers, from their heartbeat keys (they expire when a worker stops renewing them)."""
+        pattern = f"{self.prefix}:worker:*"
+        keys = [k async for k in self.redis.scan_iter(match=pattern, count=500)]
+        values = await self.redis.mget(keys) if keys else []
+        found = []
+        prefix_len = len(pattern) - 1
+        for key, value in zip(keys, values, strict=True):
+            if value is None:  # expired between SCAN and MGET
+                continue
+            try:
+                info = msgspec.json.decode(value)
+            except msgspec.DecodeError:
+                continue  # not a heartbeat of ours; skip rather than fail the whole listing
+            if not isinstance(info, dict):
+                continue
+            worker_id = key.decode()[prefix_len:]
+            found.append(WorkerInfo(worker_id, info.get("model"), info.get("capacity"), info.get("version"), info))
+        return sorted(found, key=lambda w: w.worker_id)
+
+
+class SyncClient:
+    """A blocking wrapper over Client for scripts and notebooks without an event loop of their own.
+
+        with SyncClient(bootstrap, redis_url) as c:
+            print(c.generate("Hello", max_tokens=16).text)
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self._runner = asyncio.Runner()
+        self._client = Client(*args, **kwargs)
+
+    def __enter__(self) -> SyncClient:
+        self._runner.run(self._client.start())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(RuntimeError):  # closing twice: the runner is already closed
+            self._runner.run(self._client.close())
+        self._runner.close()
+
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> Done:
+        return self._runner.run(self._client.generate(prompt, **kwargs))
+
+    def stream(self, prompt: str | None = None, **kwargs: Any) -> Iterator[Chunk | Done]:
+        agen = self._client.stream(prompt, **kwargs)
+        try:
+            while True:
+                try:
+                    yield self._runner.run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._runner.run(agen.aclose())  # cancels the job if the caller stopped early
+
+    def cancel(self, request_id: str) -> None:
+        self._runner.run(self._client.cancel(request_id))
+
+    def result(self, request_id: str) -> Done | ErrorEvent | None:
+        return self._runner.run(self._client.result(request_id))
+
+    def workers(self) -> list[WorkerInfo]:
+        return self._runner.run(self._client.workers())
