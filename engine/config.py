@@ -1,0 +1,66 @@
+"""The engine's root config: one dataclass, validated once, each component takes its part."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model_path: str
+    model_name: str | None = None  # served name; None = the model folder's name
+    device: str | None = None  # None = "cuda" when available, else "cpu"
+    dtype: str | None = None  # None = bfloat16 on CUDA, float32 on CPU
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # None = as many as the memory budget allows
+    kv_cache_memory_bytes: int | None = None  # explicit KV budget; CPU default 256 MiB
+    gpu_memory_utilization: float = 0.9  # on CUDA without an explicit budget: share of the GPU we may fill
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    seed: int | None = None  # seeds the draw of per-request seeds for unseeded requests
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not os.path.isdir(self.model_path):
+            problems.append(
+                f"model_path {self.model_path!r} is not a directory (expected a Hugging Face model folder)"
+            )
+        if self.model_name is None:
+            self.model_name = os.path.basename(os.path.normpath(self.model_path))
+        if self.device is None:
+            import torch
+
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            problems.append(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.dtype is None:
+            self.dtype = "float32" if self.device == "cpu" else "bfloat16"
+        if self.dtype not in _DTYPES:
+            problems.append(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            problems.append(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            problems.append(f"num_kv_blocks must be >= 1 or None, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            problems.append(f"kv_cache_memory_bytes must be >= 1 or None, got {self.kv_cache_memory_bytes}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            problems.append(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1:
+            problems.append(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            problems.append(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            problems.append(f"max_model_len must be >= 2 or None, got {self.max_model_len}")
+        if problems:
+            raise ValueError("EngineConfig: " + "; ".join(problems))
+
+    @property
+    def torch_dtype(self):  # -> torch.dtype (torch imported lazily: this module stays cheap)
+        import torch
+
+        return getattr(torch, self.dtype)  # type: ignore[arg-type]

@@ -1,0 +1,87 @@
+"""Incremental detokenization with stop strings.
+
+Text deltas never split a UTF-8 character: byte-level BPE tokens may end mid-character, which decodes to a
+trailing U+FFFD, so such a span is held back until a later token completes it. Deltas never carry a
+partial stop string that may still match: the longest suffix of the text that is a prefix of some stop
+string is held back. `flush()` releases what is held when the request ends for another reason.
+
+Each step decodes only a short window (a few tokens of context before the new ones, as vLLM does): the
+context keeps decoders that strip a leading space (sentencepiece "Metaspace") from eating real spaces.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+_CONTEXT_TOKENS = 5
+
+
+class Decoder(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Decoder,
+        prompt_token_ids: list[int],
+        stop: tuple[str, ...] = (),
+        include_stop_str_in_output: bool = False,
+    ):
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.include_stop = include_stop_str_in_output
+        self.max_stop_len = max((len(s) for s in self.stop), default=0)
+        self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])  # context, then the output tokens
+        self.prefix_offset = 0  # start of the decode window
+        self.read_offset = len(self.ids)  # tokens before this are already in self.text
+        self.text = ""  # the completion so far (only whole characters; truncated at a stop string)
+        self.emitted = 0  # characters of self.text already handed out
+        self.stopped = False
+
+    def _decode_pending(self, allow_partial: bool) -> None:
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not allow_partial):
+            return  # nothing new, or an unfinished UTF-8 character: wait for the next token
+        self.text += new_text[len(prefix_text) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+
+    def add(self, token_ids: list[int], check_stop: bool = True) -> str:
+        """Feed new tokens; returns the text that may be sent now. Sets `stopped` when a stop string matched
+        (the text is then final: cut before the stop string, or after it with include_stop_str_in_output).
+        check_stop=False (before min_tokens) ignores stop strings completed by these tokens."""
+        if self.stopped:
+            return ""
+        old_len = len(self.text)
+        self.ids.extend(token_ids)
+        self._decode_pending(allow_partial=False)
+        if check_stop and self.stop and len(self.text) > old_len:
+            search_from = max(0, old_len - self.max_stop_len + 1)
+            hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+            if hits:
+                index, stop = min(hits)
+                self.text = self.text[: index + (len(stop) if self.include_stop else 0)]
+                self.stopped = True
+                return self._take(len(self.text))
+        return self._take(len(self.text) - self._partial_stop_len())
+
+    def flush(self) -> str:
+        """The request ended (not by a stop string): release everything held back, replacement chars too."""
+        if not self.stopped:
+            self._decode_pending(allow_partial=True)
+        return self._take(len(self.text))
+
+    def _partial_stop_len(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of some stop string."""
+        for length in range(min(self.max_stop_len - 1, len(self.text)), 0, -1):
+            tail = self.text[-length:]
+            if any(s.startswith(tail) for s in self.stop):
+                return length
+        return 0
+
+    def _take(self, end: int) -> str:
+        if end <= self.emitted:
+            return ""
+        delta, self.emitted = self.text[self.emitted : end], end
+        return delta

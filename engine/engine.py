@@ -1,0 +1,330 @@
+"""LLMEngine: the API the worker drives (see engine/outputs.py for the contract)."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.loader import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.outputs import EngineRequestError, EngineStats, RequestOutput, TokenLogprob, TopLogprob
+from engine.sampler import SamplerOutput, SamplingRequest
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from engine.sequence import FinishReason, SamplingParams, Sequence
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Request:
+    seq: Sequence
+    seed: int  # the request's seed, or one drawn at add time: seeded and unseeded draw the same way
+    stop_ids: frozenset[int]  # eos (unless ignore_eos) and stop_token_ids
+    detokenizer: IncrementalDetokenizer
+    first_scheduled_ms: float | None = None
+
+    def sampling_row(self) -> SamplingRequest:
+        seq = self.seq
+        return SamplingRequest(
+            seq.params, self.seed, seq.prompt_token_ids, seq.output_token_ids, tuple(self.stop_ids)
+        )
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_config = ModelConfig.from_folder(config.model_path)
+        self.tokenizer = Tokenizer(config.model_path)
+        self.model_name: str = config.model_name  # type: ignore[assignment]
+        mc = self.model_config
+        max_len = config.max_model_len or mc.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
+                f"{mc.max_position_embeddings}; lower it or leave it unset"
+            )
+        if mc.sliding_window is not None and mc.sliding_window < max_len:
+            log.warning(
+                "sliding window attention is not implemented: capping max_model_len at %d", mc.sliding_window
+            )
+            max_len = mc.sliding_window
+        self.runner = ModelRunner(config, mc, max_len)
+        pool_tokens = self.runner.num_blocks * config.block_size
+        if pool_tokens < max_len:  # so that context_length_exceeded fires before the scheduler's own check
+            log.warning("KV pool holds %d tokens: capping max_model_len (%d) to it", pool_tokens, max_len)
+            max_len = pool_tokens
+        self.max_model_len: int = max_len
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=self.runner.num_blocks,
+                block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                enable_prefix_caching=config.enable_prefix_caching,
+            )
+        )
+        self.eos_token_ids = frozenset(mc.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        )
+        self._lock = threading.Lock()
+        self._inbox: list[tuple[str, Any]] = []  # ("add", _Request) | ("abort", request_id), in call order
+        self._pending_ids: set[str] = set()  # added, not yet applied: catches duplicates across threads
+        self._requests: dict[str, _Request] = {}  # applied and unfinished; touched only by step()
+        self._rng = random.Random(config.seed)
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+
+    # ---- thread-safe inbox -------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        *,
+        prompt: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        deadline_ms: float | None = None,
+    ) -> None:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise EngineRequestError("invalid_job", "request_id must be a non-empty string")
+        ids = self._prompt_ids(request_id, prompt, messages, prompt_token_ids)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise EngineRequestError(
+                "context_length_exceeded",
+                f"{request_id}: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"model's context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens",
+            )
+        stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else self.eos_token_ids
+        )
+        seq = Sequence(request_id, ids, params, priority=priority, deadline_ms=deadline_ms)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output)
+        with self._lock:
+            if request_id in self._pending_ids or request_id in self._requests:
+                raise EngineRequestError(
+                    "invalid_job", f"request_id {request_id!r} is already queued or running"
+                )
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+            self._pending_ids.add(request_id)
+            self._inbox.append(("add", _Request(seq, seed, stop_ids, detok)))
+
+    def _prompt_ids(
+        self,
+        request_id: str,
+        prompt: str | None,
+        messages: list[dict[str, Any]] | None,
+        prompt_token_ids: list[int] | None,
+    ) -> list[int]:
+        given = [
+            name
+            for name, v in (
+                ("prompt", prompt),
+                ("messages", messages),
+                ("prompt_token_ids", prompt_token_ids),
+            )
+            if v is not None
+        ]
+        if len(given) != 1:
+            raise EngineRequestError(
+                "invalid_job",
+                f"{request_id}: give exactly one of prompt, messages, "
+                f"prompt_token_ids (got {', '.join(given) or 'none'})",
+            )
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise EngineRequestError("invalid_job", f"{request_id}: prompt must be a string")
+            ids = self.tokenizer.encode(prompt) if prompt else []
+        elif messages is not None:
+            if (
+                not isinstance(messages, list)
+                or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
+                    for m in messages
+                )
+                or not messages
+            ):
+                raise EngineRequestError(
+                    "invalid_job",
+                    f"{request_id}: messages must be a non-empty list of {{role, content}} objects",
+                )
+            try:
+                ids = self.tokenizer.encode_chat(messages)
+            except Exception as e:  # a template's raise_exception or a jinja error: the request's fault
+                raise EngineRequestError(
+                    "invalid_job", f"{request_id}: cannot render the chat template: {e}"
+                ) from e
+        else:
+            ids = list(prompt_token_ids)  # type: ignore[arg-type]
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+            if bad:
+                raise EngineRequestError(
+                    "invalid_job",
+                    f"{request_id}: prompt_token_ids {bad[:5]} are not "
+                    f"token ids of this model (0 <= id < {vocab})",
+                )
+        if not ids:
+            raise EngineRequestError(
+                "invalid_job", f"{request_id}: the prompt is empty; give at least one token"
+            )
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._pending_ids) or self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        queried, hits = self.scheduler.prefix_cache_stats
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting + len(self._pending_ids),
+            kv_blocks_total=self.runner.num_blocks,
+            kv_blocks_free=self.scheduler.num_free_blocks,
+            prefix_cache_queries=queried,
+            prefix_cache_hits=hits,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+        )
+
+    # ---- the loop ----------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        # One step: apply the inbox (adds, aborts) -> schedule -> forward every chunk and sample where a chunk
+        # reaches its sequence's end -> scheduler.postprocess -> append tokens, detokenize, stop -> report.
+        self._apply_inbox()
+        now_ms = time.time() * 1000
+        out = self.scheduler.schedule()
+        outputs = [self._ended_output(seq.request_id) for seq in out.ended]
+        if not out.chunks:
+            return outputs
+        for chunk in out.chunks:
+            req = self._requests[chunk.seq.request_id]
+            if req.first_scheduled_ms is None:
+                req.first_scheduled_ms = now_ms
+        sampling = [c for c in out.chunks if c.samples]
+        logits = self.runner.forward(self.runner.prepare(out))
+        results = self._sample(logits, sampling)
+        self.scheduler.postprocess(out)
+        for chunk, result in zip(sampling, results, strict=True):
+            outputs.append(self._process(chunk, result))
+        return outputs
+
+    def _apply_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            self._pending_ids.clear()
+        for kind, item in inbox:
+            if kind == "add":
+                self._requests[item.seq.request_id] = item
+                self.scheduler.add(item.seq)
+                self._prompt_tokens_total += item.seq.num_prompt_tokens
+            else:
+                self.scheduler.abort(item)
+
+    def _sample(
+        self, logits: Any, chunks: list[ScheduledChunk]
+    ) -> list[tuple[int, TokenLogprob | None] | Exception]:
+        """Sample all rows at once; if that fails, row by row, so one bad request fails alone."""
+        rows = [self._requests[c.seq.request_id].sampling_row() for c in chunks]
+        try:
+            return self._unpack(self.runner.sample(logits, rows), rows)
+        except Exception:
+            log.exception("batched sampling failed; retrying row by row")
+        results: list[tuple[int, TokenLogprob | None] | Exception] = []
+        for i, row in enumerate(rows):
+            try:
+                results.extend(self._unpack(self.runner.sample(logits[i : i + 1], [row]), [row]))
+            except Exception as e:
+                results.append(e)
+        return results
+
+    @staticmethod
+    def _unpack(
+        out: SamplerOutput, rows: list[SamplingRequest]
+    ) -> list[tuple[int, TokenLogprob | None] | Exception]:
+        token_ids = out.token_ids.tolist()
+        if out.logprobs is None or out.top_ids is None or out.top_logprobs is None:
+            return [(t, None) for t in token_ids]
+        lps, top_ids, top_lps = out.logprobs.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
+        results: list[tuple[int, TokenLogprob | None] | Exception] = []
+        for i, (row, token) in enumerate(zip(rows, token_ids, strict=True)):
+            n = row.params.logprobs
+            top = [TopLogprob(t, lp) for t, lp in zip(top_ids[i][:n], top_lps[i][:n], strict=True)]
+            results.append((token, TokenLogprob(token, lps[i], top) if n else None))
+        return results
+
+    def _process(
+        self, chunk: ScheduledChunk, result: tuple[int, TokenLogprob | None] | Exception
+    ) -> RequestOutput:
+        req = self._requests[chunk.seq.request_id]
+        try:
+            if isinstance(result, Exception):
+                raise result
+            return self._append(req, *result)
+        except Exception as e:
+            log.exception("request %s failed in sampling/post-processing", req.seq.request_id)
+            self.scheduler.finish(req.seq, FinishReason.STOP)
+            del self._requests[req.seq.request_id]
+            return self._output(
+                req, [], "", None, finished=True, reason=None, error=("internal", f"{type(e).__name__}: {e}")
+            )
+
+    def _append(self, req: _Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        seq, params = req.seq, req.seq.params
+        seq.output_token_ids.append(token)
+        self._generation_tokens_total += 1
+        past_min = seq.num_output_tokens >= params.min_tokens
+        text = req.detokenizer.add([token], check_stop=past_min)
+        reason: FinishReason | None = None
+        if req.detokenizer.stopped or (token in req.stop_ids and past_min):
+            reason = FinishReason.STOP
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            text += req.detokenizer.flush()
+            self.scheduler.finish(seq, reason)
+            del self._requests[seq.request_id]
+        return self._output(req, [token], text, [logprob] if logprob else None, reason is not None, reason)
+
+    def _ended_output(self, request_id: str) -> RequestOutput:
+        """A request the scheduler ended without running it this step (cancelled or past its deadline)."""
+        req = self._requests.pop(request_id)
+        return self._output(req, [], req.detokenizer.flush(), None, True, req.seq.finish_reason)
+
+    @staticmethod
+    def _output(
+        req: _Request,
+        token_ids: list[int],
+        text: str,
+        logprobs: list[TokenLogprob] | None,
+        finished: bool,
+        reason: FinishReason | None,
+        error: tuple[str, str] | None = None,
+    ) -> RequestOutput:
+        seq = req.seq
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=token_ids,
+            text_delta=text,
+            logprobs=logprobs if seq.params.logprobs else None,
+            finished=finished,
+            finish_reason=reason.value if reason is not None else None,
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_output_tokens,
+            cached_tokens=seq.num_cached_tokens,
+            first_scheduled_ms=req.first_scheduled_ms,
+            error_code=error[0] if error else None,
+            error_message=error[1] if error else None,
+        )

@@ -1,0 +1,60 @@
+"""The paged KV cache: per layer k/v tensors [num_blocks, block_size, num_kv_heads, head_dim] (kernel_api.md)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import EngineConfig
+from engine.loader import ModelConfig
+
+CPU_DEFAULT_KV_BYTES = 256 * 2**20
+
+
+def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * itemsize
+
+
+def activation_reserve_bytes(model: ModelConfig, config: EngineConfig) -> int:
+    """Rough peak of one forward's temporaries, kept free on the GPU beside the KV cache: the widest
+    per-token tensors (qkv, gate_up, attention out, residual) for a full token budget, plus float32
+    logits and sampler work (sort, probabilities) for max_num_seqs rows. Over-estimates on purpose."""
+    itemsize = torch.empty((), dtype=config.torch_dtype).element_size()
+    per_token = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim + 3 * model.intermediate_size
+    per_token += 4 * model.hidden_size
+    return (
+        config.max_num_batched_tokens * per_token * itemsize + config.max_num_seqs * model.vocab_size * 4 * 6
+    )
+
+
+def num_kv_blocks(model: ModelConfig, config: EngineConfig) -> int:
+    """Blocks that fit the budget: num_kv_blocks, else kv_cache_memory_bytes, else (CUDA) the share of the GPU
+    given by gpu_memory_utilization left after the weights and an activation reserve, else 256 MiB (CPU)."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    per_block = kv_bytes_per_block(model, config.block_size, config.torch_dtype)
+    budget = config.kv_cache_memory_bytes
+    if budget is None and config.device != "cpu":
+        free, total = torch.cuda.mem_get_info(torch.device(config.device))
+        used = total - free  # weights already loaded, plus anything else on the GPU
+        budget = int(total * config.gpu_memory_utilization) - used - activation_reserve_bytes(model, config)
+    elif budget is None:
+        budget = CPU_DEFAULT_KV_BYTES
+    blocks = budget // per_block
+    if blocks < 1:
+        raise ValueError(
+            f"KV cache budget of {budget} bytes holds no block of {per_block} bytes: raise kv_cache_memory_bytes"
+            " or gpu_memory_utilization, or lower max_num_batched_tokens/max_num_seqs"
+        )
+    return int(blocks)
+
+
+def allocate_kv_cache(
+    model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: str
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+    # Zeroed: padding slots of block tables may be read (and masked) by the kernels; no NaNs there.
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(model.num_layers)
+    ]

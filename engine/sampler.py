@@ -1,0 +1,178 @@
+"""Batched sampling on the device: penalties, min_tokens, temperature, top-k/top-p/min-p, seeded draws, logprobs.
+
+No per-request Python loop touches the vocabulary: per-row settings are [N] tensors, and the few [N, V]
+masks (token counts, banned ids) are built with one scatter each. The random draw is a Gumbel-max race
+whose noise is a counter-based hash of (seed, output position, vocab index): a seeded request draws the
+same tokens whatever else is in the batch, on any device, with no generator state to carry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sequence import SamplingParams
+
+LOGPROB_FLOOR = -9999.0
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (two xor-shift-multiply rounds) on int64 holding values in [0, 2^32).
+    The multiplier is < 2^28, so products stay below 2^60: no signed overflow on any device."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    return (x >> 16) ^ x
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N] int64 seeds (< 2^63) and output positions -> [N, V] float32 uniforms in (0, 1), a pure function of
+    (seed, position, vocab index)."""
+    key = _mix32((seeds & _M32) ^ 0x2545F491)
+    key = _mix32(key ^ (seeds >> 32))
+    key = _mix32(key ^ (positions & _M32))
+    index = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    h = _mix32(_mix32((key[:, None] + index[None, :] * 0x9E3779B1) & _M32))
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in float32, never 0 or 1
+
+
+@dataclass(slots=True)
+class SamplingRequest:
+    """One row to sample: the request's settings and the token history the penalties need."""
+
+    params: SamplingParams
+    seed: int  # resolved: the request's seed, or one drawn at add time
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    stop_ids: tuple[int, ...]  # eos (unless ignore_eos) + stop_token_ids: banned until min_tokens
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row settings as device tensors, plus host-side flags that let the sampler skip unused stages."""
+
+    temperature: torch.Tensor  # [N] float32, 0 = greedy
+    top_k: torch.Tensor  # [N] int64, vocab_size when off
+    top_p: torch.Tensor  # [N] float32
+    min_p: torch.Tensor  # [N] float32
+    seeds: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64: index of the token being drawn among the outputs
+    presence: torch.Tensor  # [N] float32
+    frequency: torch.Tensor  # [N] float32
+    repetition: torch.Tensor  # [N] float32
+    output_counts: torch.Tensor | None  # [N, V] float32 counts of output tokens (when a penalty is on)
+    prompt_mask: torch.Tensor | None  # [N, V] bool: token in the prompt (when repetition_penalty != 1)
+    banned: torch.Tensor | None  # [N, V] bool: stop ids masked until min_tokens
+    num_logprobs: int  # max top-N asked in the batch; 0 = skip
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+
+    @classmethod
+    def build(cls, rows: list[SamplingRequest], vocab_size: int, device: torch.device | str) -> SamplingBatch:
+        ps = [r.params for r in rows]
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        def id_mask(id_lists: list[list[int]], counts: bool) -> torch.Tensor:
+            # Pad with an extra column V that is dropped after the scatter.
+            width = max(1, max(len(ids) for ids in id_lists))
+            padded = torch.full((len(id_lists), width), vocab_size, dtype=torch.int64)
+            for i, ids in enumerate(id_lists):
+                padded[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+            padded = padded.to(device, non_blocking=True)
+            out = torch.zeros(len(id_lists), vocab_size + 1, dtype=torch.float32, device=device)
+            out.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+            return out[:, :vocab_size] if counts else out[:, :vocab_size] > 0
+
+        want_counts = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in ps)
+        want_prompt = any(p.repetition_penalty != 1 for p in ps)
+        bans = [list(r.stop_ids) if len(r.output_token_ids) < r.params.min_tokens else [] for r in rows]
+        for r in rows:
+            bad = [t for t in r.prompt_token_ids + r.output_token_ids if not 0 <= t < vocab_size]
+            if bad and (want_counts or want_prompt):
+                raise ValueError(f"token ids {bad[:4]} outside the vocabulary (size {vocab_size})")
+        return cls(
+            temperature=tensor([p.temperature for p in ps], torch.float32),
+            top_k=tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in ps], torch.int64),
+            top_p=tensor([p.top_p for p in ps], torch.float32),
+            min_p=tensor([p.min_p for p in ps], torch.float32),
+            seeds=tensor([r.seed for r in rows], torch.int64),
+            positions=tensor([len(r.output_token_ids) for r in rows], torch.int64),
+            presence=tensor([p.presence_penalty for p in ps], torch.float32),
+            frequency=tensor([p.frequency_penalty for p in ps], torch.float32),
+            repetition=tensor([p.repetition_penalty for p in ps], torch.float32),
+            output_counts=id_mask([r.output_token_ids for r in rows], counts=True) if want_counts else None,
+            prompt_mask=id_mask([r.prompt_token_ids for r in rows], counts=False) if want_prompt else None,
+            banned=id_mask(bans, counts=False) if any(bans) else None,
+            num_logprobs=max(p.logprobs for p in ps),
+            all_greedy=all(p.greedy for p in ps),
+            any_top_k=any(0 < p.top_k < vocab_size and not p.greedy for p in ps),
+            any_top_p=any(p.top_p < 1 and not p.greedy for p in ps),
+            any_min_p=any(p.min_p > 0 and not p.greedy for p in ps),
+        )
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N] int64
+    logprobs: torch.Tensor | None  # [N] float32: the sampled token's raw logprob
+    top_ids: torch.Tensor | None  # [N, num_logprobs] int64
+    top_logprobs: torch.Tensor | None  # [N, num_logprobs] float32
+
+
+def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Repetition (prompt + output; positive logits divided, negative multiplied, as vLLM), then
+    frequency (per output occurrence) and presence (once per distinct output token)."""
+    if b.output_counts is None:
+        return logits
+    counts = b.output_counts
+    seen = counts > 0
+    if b.prompt_mask is not None:
+        seen_any = seen | b.prompt_mask
+        penalty = b.repetition[:, None].expand_as(logits)
+        logits = torch.where(seen_any, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    return logits - b.frequency[:, None] * counts - b.presence[:, None] * seen.to(logits.dtype)
+
+
+def _mask_top_k_top_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Top-k, then top-p over the renormalised survivors (keeps at least the most likely token)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    remove = rank >= b.top_k[:, None]
+    if b.any_top_p:
+        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # probability of the strictly more likely tokens
+        remove |= (mass_before >= b.top_p[:, None]) & (b.top_p < 1)[:, None]
+    return logits.masked_fill(torch.zeros_like(remove).scatter_(1, order, remove), float("-inf"))
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
+        """logits: [N, V] float32 (fresh; may be modified) -> sampled ids and, when asked, logprobs."""
+        raw_logprobs = logits.log_softmax(dim=-1) if b.num_logprobs else None
+        logits = apply_penalties(logits, b)
+        if b.banned is not None:
+            logits = logits.masked_fill(b.banned, float("-inf"))
+        token_ids = logits.argmax(dim=-1)
+        if not b.all_greedy:
+            greedy = b.temperature == 0
+            scaled = logits / torch.where(greedy, 1.0, b.temperature)[:, None]
+            if b.any_top_k or b.any_top_p:
+                scaled = _mask_top_k_top_p(scaled, b)
+            if b.any_min_p:
+                probs = scaled.softmax(dim=-1)
+                scaled = scaled.masked_fill(
+                    probs < b.min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf")
+                )
+            gumbel = -torch.log(-torch.log(uniform_noise(b.seeds, b.positions, logits.shape[-1])))
+            token_ids = torch.where(greedy, token_ids, (scaled + gumbel).argmax(dim=-1))
+        if not b.num_logprobs:
+            return SamplerOutput(token_ids, None, None, None)
+        assert raw_logprobs is not None
+        floored = raw_logprobs.clamp(min=LOGPROB_FLOOR)
+        top_logprobs, top_ids = floored.topk(b.num_logprobs, dim=-1)
+        return SamplerOutput(token_ids, floored.gather(1, token_ids[:, None])[:, 0], top_ids, top_logprobs)
