@@ -230,6 +230,7 @@ class Client:
         self._producer: AIOKafkaProducer | None = None
         self._redis: aioredis.Redis | None = None
         self._dispatcher: _Dispatcher | None = None
+        self._cleanups: set[asyncio.Future[Any]] = set()  # unsubscribe/cancel tasks still in flight
 
     async def __aenter__(self) -> Client:
         await self.start()
@@ -245,6 +246,8 @@ class Client:
         await self._dispatcher.start()
 
     async def close(self) -> None:
+        if self._cleanups:  # let pending cancels reach Redis before the connection goes
+            await asyncio.wait(list(self._cleanups), timeout=5.0)
         if self._producer is not None:
             await self._producer.stop()
             self._producer = None
@@ -338,10 +341,15 @@ class Client:
                 finished = isinstance(event, Done)
                 yield event
         finally:
-            await self._dispatcher.unsubscribe(channel)
+            # Cleanup runs as its own task: when we are here because our task was cancelled (a gateway
+            # client hung up; anyio cancels every later await too), the cancel must still go out.
+            cleanup = [self._dispatcher.unsubscribe(channel)]
             if cancel_on_exit and not finished:
-                with contextlib.suppress(Exception):  # best effort: Redis may be the reason we are leaving
-                    await asyncio.shield(self.cancel(job.request_id))
+                cleanup.append(self.cancel(job.request_id))
+            task = asyncio.ensure_future(asyncio.gather(*cleanup, return_exceptions=True))
+            self._cleanups.add(task)
+            task.add_done_callback(self._cleanups.discard)
+            await asyncio.shield(task)
 
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> Done:
         """Submits a job and returns its `done` event (text, finish_reason, usage, timings)."""
