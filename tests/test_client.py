@@ -196,10 +196,19 @@ async def test_subscribes_before_producing_so_no_first_token_is_lost(kafka_boots
         return [("pub", chunk(rid, i)) for i in range(4)] + [("pub", done(rid, 4, "alpha beta gamma delta "))]
 
     async with scripted(kafka_bootstrap, redis_url, pub_only) as (c, responder):
+        subscribers_at_submit: dict[str, int] = {}
+        real_submit = c.submit
+
+        async def observed_submit(job: Job) -> None:  # what Redis says at the moment the job is produced
+            channel = c.names.events_channel(job.request_id)
+            subscribers_at_submit[job.request_id] = dict(await c.redis.pubsub_numsub(channel))[channel.encode()]
+            await real_submit(job)
+
+        c.submit = observed_submit  # type: ignore[method-assign]
         for _ in range(3):
             events = [e async for e in c.stream("hi", max_tokens=4, timeout=20)]
             rid = events[0].request_id
-            assert responder.subscribers_at_arrival[rid] == 1  # listening before the job reached Kafka
+            assert subscribers_at_submit[rid] == 1 and responder.subscribers_at_arrival[rid] == 1
             assert [e.seq for e in events] == [0, 1, 2, 3, 4]
             assert "".join(e.text for e in events[:-1]) == events[-1].text
 
