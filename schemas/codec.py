@@ -148,7 +148,10 @@ def _encode_checked(message: Job | Cancel, msgpack: bool, max_bytes: int) -> byt
         data = encode(message, msgpack)
     except (TypeError, OverflowError, msgspec.EncodeError) as exc:  # e.g. an int beyond 64 bits, a set in metadata
         raise ContractError(bad, f"cannot encode: {exc}", message.request_id) from None
-    _decode_inbound(data, content_type_for(msgpack), max_bytes, type(message))
+    if isinstance(message, Job):
+        _decode_inbound(data, content_type_for(msgpack), max_bytes, Job)
+    else:
+        _decode_inbound(data, content_type_for(msgpack), max_bytes, Cancel)
     return data
 
 

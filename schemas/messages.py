@@ -33,9 +33,9 @@ Role = Literal["system", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length", "cancelled", "deadline"]
 
 
-class _Struct(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
-    """Common config: keyword-only (required fields may follow defaulted ones), immutable, defaults omitted on
-    the wire (absent == default). Unknown fields are ignored on decode, as the contract requires."""
+class _Struct(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Common config: keyword-only (required fields may follow defaulted ones), defaults omitted on the wire
+    (absent == default). Unknown fields are ignored on decode, as the contract requires."""
 
 
 class _Message(_Struct, tag_field="type"):
