@@ -1,0 +1,210 @@
+"""Worker parts that need no broker: offset watermarks, the stand-in engine, the engine thread, config."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import pytest
+
+from engine.outputs import EngineRequestError, RequestOutput
+from engine.sequence import SamplingParams
+from worker.config import WorkerConfig
+from worker.driver import EngineDriver
+from worker.fake_engine import FAIL_MARKER, FakeEngine, fake_token_id, fake_token_text
+from worker.main import parse_config
+from worker.offsets import OffsetTracker
+
+
+# -- offsets ------------------------------------------------------------------------------------------------
+def test_watermark_waits_for_the_lowest_offset_in_flight():
+    t = OffsetTracker()
+    for off in range(10, 15):
+        t.track("p0", off)
+    assert t.watermark("p0") == 10
+    t.finish("p0", 12)
+    t.finish("p0", 11)
+    assert t.watermark("p0") == 10  # 10 still running: nothing past it may be committed
+    t.finish("p0", 10)
+    assert t.watermark("p0") == 13
+    t.finish("p0", 14)
+    t.finish("p0", 13)
+    assert t.watermark("p0") == 15  # all done: one past the highest seen
+    assert t.to_commit() == {"p0": 15}
+    t.mark_committed("p0", 15)
+    assert t.to_commit() == {}
+
+
+def test_watermark_random_order_matches_reference():
+    rng = random.Random(7)
+    t = OffsetTracker()
+    offsets = list(range(100, 400))
+    for off in offsets:
+        t.track("p", off)
+        if rng.random() < 0.1:
+            t.track("p", off)  # a duplicate delivery changes nothing
+    done: set[int] = set()
+    order = offsets[:]
+    rng.shuffle(order)
+    for off in order:
+        t.finish("p", off)
+        done.add(off)
+        expected = min((o for o in offsets if o not in done), default=offsets[-1] + 1)
+        assert t.watermark("p") == expected
+    assert t.in_flight_count() == 0
+
+
+def test_forgotten_partition_ignores_late_finishes():
+    t = OffsetTracker()
+    t.track("a", 5)
+    t.track("b", 1)
+    t.forget("a")
+    t.finish("a", 5)  # revoked meanwhile: no error, no commit
+    assert t.watermark("a") is None
+    assert set(t.to_commit()) == {"b"}
+
+
+# -- the stand-in engine ------------------------------------------------------------------------------------
+def _run_to_end(engine: FakeEngine) -> dict[str, list[RequestOutput]]:
+    outs: dict[str, list[RequestOutput]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    return outs
+
+
+def test_fake_engine_is_deterministic_and_respects_max_tokens():
+    engine = FakeEngine(vocab_size=1000)
+    engine.add_request("r1", prompt="hello there", params=SamplingParams(max_tokens=5))
+    outs = _run_to_end(engine)["r1"]
+    ids = [t for o in outs for t in o.new_token_ids]
+    assert ids == [fake_token_id("r1", i, 1000) for i in range(5)]
+    assert "".join(o.text_delta for o in outs) == "".join(fake_token_text(t) for t in ids)
+    assert outs[-1].finished and outs[-1].finish_reason == "length" and outs[-1].completion_tokens == 5
+    assert outs[-1].prompt_tokens == 2
+
+
+def test_fake_engine_priority_order_when_the_batch_is_full():
+    engine = FakeEngine(max_num_seqs=1)
+    for rid, prio in (("low", 5), ("high", -1), ("mid", 0)):
+        engine.add_request(rid, prompt="x", params=SamplingParams(max_tokens=2), priority=prio)
+    finished = []
+    while engine.has_unfinished():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == ["high", "mid", "low"]
+
+
+def test_fake_engine_abort_deadline_stop_and_errors():
+    engine = FakeEngine(max_model_len=50)
+    engine.add_request("cancel-me", prompt="x", params=SamplingParams(max_tokens=40))
+    engine.add_request("late", prompt="x", params=SamplingParams(max_tokens=40), deadline_ms=time.time() * 1000 - 1)
+    engine.add_request("boom", prompt=f"x {FAIL_MARKER}", params=SamplingParams(max_tokens=3))
+    text = "".join(fake_token_text(fake_token_id("stopper", i, engine.vocab_size)) for i in range(3))
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    engine.add_request("stopper", prompt="x", params=SamplingParams(max_tokens=40, stop=(stop,)))
+    first = engine.step()
+    engine.abort("cancel-me")
+    outs = _run_to_end(engine)
+    for out in first:
+        outs[out.request_id].insert(0, out) if out.request_id in outs else outs.setdefault(out.request_id, [out])
+    assert outs["cancel-me"][-1].finish_reason == "cancelled"
+    assert outs["late"][-1].finish_reason == "deadline" and not outs["late"][-1].new_token_ids
+    assert outs["boom"][-1].error_code == "internal" and outs["boom"][-1].finished
+    streamed = "".join(o.text_delta for o in outs["stopper"])
+    assert outs["stopper"][-1].finish_reason == "stop" and stop not in streamed
+    assert text.startswith(streamed)
+    with pytest.raises(EngineRequestError) as exc:
+        engine.add_request("long", prompt="a b c", params=SamplingParams(max_tokens=48))
+    assert exc.value.code == "context_length_exceeded"
+
+
+# -- engine thread ------------------------------------------------------------------------------------------
+async def test_driver_delivers_every_step_and_sleeps_when_idle():
+    loop = asyncio.get_running_loop()
+    got: list[RequestOutput] = []
+    done = asyncio.Event()
+    engine = FakeEngine()
+
+    def sink(outputs, stats, step_ms):
+        got.extend(outputs)
+        driver.published()
+        if any(o.finished for o in outputs):
+            done.set()
+
+    driver = EngineDriver(engine, loop, sink)
+    driver.start()
+    try:
+        driver.add_request("a", prompt="p", params=SamplingParams(max_tokens=20))
+        await asyncio.wait_for(done.wait(), 5)
+        assert [t for o in got for t in o.new_token_ids] == [fake_token_id("a", i, engine.vocab_size) for i in range(20)]
+        steps = driver.steps
+        await asyncio.sleep(0.3)
+        assert driver.steps == steps  # no work, no steps
+    finally:
+        driver.stop()
+
+
+async def test_driver_stops_stepping_while_outputs_are_unpublished():
+    loop = asyncio.get_running_loop()
+    batches: list[int] = []
+    engine = FakeEngine()
+    driver = EngineDriver(engine, loop, lambda outs, stats, ms: batches.append(len(outs)), max_unpublished_steps=3)
+    driver.start()
+    try:
+        driver.add_request("a", prompt="p", params=SamplingParams(max_tokens=100))
+        await asyncio.sleep(0.3)
+        assert driver.steps == 3 and len(batches) == 3  # held at the limit: nothing published yet
+        driver.published()
+        await asyncio.sleep(0.1)
+        assert driver.steps == 4
+    finally:
+        driver.stop()
+
+
+def test_driver_thread_is_idle_without_work():
+    loop = asyncio.new_event_loop()
+    driver = EngineDriver(FakeEngine(), loop, lambda *a: None)
+    driver.start()
+    try:
+        thread = next(t for t in threading.enumerate() if t.name == "stoker-engine")
+        time.sleep(0.3)
+        assert thread.is_alive() and driver.steps == 0
+    finally:
+        driver.stop()
+        loop.close()
+
+
+# -- config -------------------------------------------------------------------------------------------------
+def test_config_from_env_and_flags():
+    env = {"STOKER_FAKE_ENGINE": "1", "KAFKA_BOOTSTRAP_SERVERS": "k:1", "REDIS_URL": "redis://r:2/0",
+           "STOKER_JOB_TOPIC": "jobs.x", "STOKER_PREFIX": "px", "STOKER_METRICS_PORT": "9500",
+           "STOKER_MAX_NUM_SEQS": "8", "KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT", "KAFKA_SASL_MECHANISM": "PLAIN",
+           "KAFKA_SASL_USERNAME": "u", "KAFKA_SASL_PASSWORD": "p"}
+    cfg = parse_config(["--max-num-seqs", "4", "--group-id", "g"], env)
+    assert cfg.fake_engine and cfg.bootstrap_servers == "k:1" and cfg.redis_url == "redis://r:2/0"
+    assert cfg.names.jobs_topic == "jobs.x" and cfg.names.dlq_topic == "jobs.x.dlq" and cfg.prefix == "px"
+    assert cfg.max_num_seqs == 4 and cfg.group_id == "g" and cfg.metrics_port == 9500  # flag beats env
+    assert cfg.max_waiting == 4
+    assert cfg.kafka_security() == {"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": "PLAIN",
+                                    "sasl_plain_username": "u", "sasl_plain_password": "p"}
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({}, "no model"),
+    ({"fake_engine": True, "max_num_seqs": 0}, "max_num_seqs"),
+    ({"fake_engine": True, "redis_url": "http://x"}, "redis_url"),
+    ({"fake_engine": True, "claim_ttl_s": 0.1}, "claim_ttl_s"),
+    ({"fake_engine": True, "security_protocol": "SASL_SSL"}, "sasl_mechanism"),
+    ({"fake_engine": True, "job_topic": "bad topic"}, "jobs_topic"),
+])
+def test_config_rejects_bad_values_with_a_reason(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        WorkerConfig(**kwargs)
+
+
+def test_bad_env_value_is_named(capsys):
+    with pytest.raises(SystemExit):
+        parse_config([], {"STOKER_FAKE_ENGINE": "1", "STOKER_MAX_NUM_SEQS": "many"})
+    assert "STOKER_MAX_NUM_SEQS" in capsys.readouterr().err

@@ -1,0 +1,122 @@
+"""The worker's one root config, validated at construction. The environment and the command line are read
+only in worker.main; tests build a WorkerConfig directly."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+
+from schemas.codec import DEFAULT_MAX_MESSAGE_BYTES
+from schemas.names import DEFAULT_MAX_ATTEMPTS, DEFAULT_TTL_S, JOBS_TOPIC, REDIS_PREFIX, Names
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    # Engine
+    model: str | None = None  # model folder (Hugging Face layout); None only with fake_engine
+    served_model_name: str | None = None  # the name jobs may ask for; None = the engine's (folder name)
+    fake_engine: bool = False  # the deterministic stand-in (benchmarks, tests)
+    fake_step_delay_s: float = 0.0  # stand-in only: time one step takes
+    device: str | None = None  # "cuda", "cpu"; None = cuda when available
+    kv_cache_memory_bytes: int | None = None  # memory budget for the KV cache; None = the engine's default
+    max_num_seqs: int = 256  # requests in the running batch at most
+    max_model_len: int | None = None
+    # Kafka
+    bootstrap_servers: str = "127.0.0.1:9092"
+    job_topic: str = JOBS_TOPIC
+    dlq_topic: str = ""  # empty = job_topic + ".dlq"
+    group_id: str = "stoker-workers"
+    security_protocol: str = "PLAINTEXT"  # PLAINTEXT | SSL | SASL_PLAINTEXT | SASL_SSL
+    sasl_mechanism: str | None = None  # PLAIN | SCRAM-SHA-256 | SCRAM-SHA-512
+    sasl_username: str | None = None
+    sasl_password: str | None = None
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    max_poll_records: int = 64
+    # Redis
+    redis_url: str = "redis://127.0.0.1:6379/0"  # rediss:// for TLS
+    redis_password: str | None = None  # overrides the URL's
+    redis_ca_certs: str | None = None
+    prefix: str = REDIS_PREFIX
+    ttl_s: int = DEFAULT_TTL_S  # stream, result key
+    stream_maxlen: int = 10_000  # approximate cap per request stream
+    claim_ttl_s: float = 10.0
+    attempts_ttl_s: int = 86_400
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    # Intake and shutdown
+    max_waiting: int | None = None  # requests queued in the engine beyond the batch; None = max_num_seqs
+    min_free_kv_fraction: float = 0.02  # pause intake below this share of free KV blocks
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    drain_timeout_s: float = 30.0
+    # Operations
+    worker_id: str = field(default_factory=default_worker_id)
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = 9400  # 0 = pick a free port, -1 = off
+    log_prompts: bool = False
+    log_level: str = "INFO"
+    log_format: str = "kv"  # kv | json
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.fake_engine and not self.model:
+            problems.append("no model: set --model / STOKER_MODEL to a model folder (or STOKER_FAKE_ENGINE=1)")
+        if self.max_num_seqs < 1:
+            problems.append(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_waiting is None:
+            self.max_waiting = self.max_num_seqs
+        if self.max_waiting < 1:
+            problems.append(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if not 0 <= self.min_free_kv_fraction < 1:
+            problems.append(f"min_free_kv_fraction must be in [0, 1), got {self.min_free_kv_fraction}")
+        if self.max_poll_records < 1:
+            problems.append(f"max_poll_records must be >= 1, got {self.max_poll_records}")
+        if self.security_protocol not in ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"):
+            problems.append(f"security_protocol must be PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL, got "
+                            f"{self.security_protocol!r}")
+        if self.security_protocol.startswith("SASL") and not self.sasl_mechanism:
+            problems.append(f"security_protocol {self.security_protocol} needs a sasl_mechanism")
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            problems.append(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        for name in ("ttl_s", "stream_maxlen", "attempts_ttl_s", "max_attempts", "max_message_bytes"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.claim_ttl_s < 1:
+            problems.append(f"claim_ttl_s must be >= 1 s (renewed every third of it), got {self.claim_ttl_s}")
+        if self.drain_timeout_s < 0:
+            problems.append(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if not -1 <= self.metrics_port <= 65535:
+            problems.append(f"metrics_port must be -1 (off), 0 (any) or a port, got {self.metrics_port}")
+        if self.log_format not in ("kv", "json"):
+            problems.append(f"log_format must be kv or json, got {self.log_format!r}")
+        if not self.worker_id or any(c.isspace() for c in self.worker_id):
+            problems.append(f"worker_id must be non-empty without whitespace, got {self.worker_id!r}")
+        try:
+            self.names  # noqa: B018 -- validates the prefix and topic names
+        except ValueError as exc:
+            problems.append(str(exc))
+        if problems:
+            raise ValueError("invalid worker config: " + "; ".join(problems))
+
+    @property
+    def names(self) -> Names:
+        return Names(redis_prefix=self.prefix, jobs_topic=self.job_topic, dlq_topic=self.dlq_topic)
+
+    def kafka_security(self) -> dict[str, object]:
+        """aiokafka keyword arguments for TLS / SASL."""
+        args: dict[str, object] = {"security_protocol": self.security_protocol}
+        if "SSL" in self.security_protocol:
+            from aiokafka.helpers import create_ssl_context
+
+            args["ssl_context"] = create_ssl_context(cafile=self.ssl_cafile, certfile=self.ssl_certfile,
+                                                     keyfile=self.ssl_keyfile)
+        if self.security_protocol.startswith("SASL"):
+            args.update(sasl_mechanism=self.sasl_mechanism, sasl_plain_username=self.sasl_username,
+                        sasl_plain_password=self.sasl_password)
+        return args

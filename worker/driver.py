@@ -1,0 +1,130 @@
+"""Runs engine.step() on its own thread and hands each step's outputs to the asyncio loop.
+
+The thread sleeps on a condition while the engine has nothing to do (no busy spin), and also while too
+many steps' outputs are still unpublished (Redis slow or down): then the engine stops stepping, requests
+stop advancing, intake pauses, and memory stays bounded instead of queueing tokens without limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from engine.outputs import EngineStats, RequestOutput
+from engine.sequence import SamplingParams
+
+log = logging.getLogger("stoker.worker.driver")
+
+
+class EngineLike(Protocol):
+    """What the worker needs of LLMEngine (and of the stand-in FakeEngine)."""
+
+    model_name: str
+    max_model_len: int
+
+    def add_request(
+        self,
+        request_id: str,
+        *,
+        prompt: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        params: SamplingParams,
+        priority: int = 0,
+        deadline_ms: float | None = None,
+    ) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+
+# Receives (outputs, engine stats after the step, step_end_epoch_ms) on the loop thread. Empty outputs
+# with driver.fatal set mean the engine broke.
+OutputSink = Callable[[list[RequestOutput], EngineStats | None, float], None]
+
+
+class EngineDriver:
+    def __init__(self, engine: EngineLike, loop: asyncio.AbstractEventLoop, sink: OutputSink,
+                 max_unpublished_steps: int = 4):
+        self.engine = engine
+        self._loop = loop
+        self._sink = sink
+        self._max_unpublished = max_unpublished_steps
+        self._cond = threading.Condition()
+        self._unpublished = 0  # steps handed to the loop and not yet acknowledged by the publisher
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.fatal: BaseException | None = None  # set when step() itself raised: the engine is broken
+        self.steps = 0
+        self.busy_s = 0.0  # time spent inside step(), for metrics
+        self.last_stats: EngineStats | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="stoker-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def notify(self) -> None:
+        """New work (a request added or aborted): wake the thread if it sleeps."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def published(self) -> None:
+        """The loop has safely published one step's outputs (called on the loop thread)."""
+        with self._cond:
+            self._unpublished -= 1
+            self._cond.notify_all()
+
+    def add_request(self, request_id: str, **kwargs: Any) -> None:
+        self.engine.add_request(request_id, **kwargs)  # validates synchronously; raises EngineRequestError
+        self.notify()
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self.notify()
+
+    def _run(self) -> None:
+        # The loop: wait for work and for the publisher to keep up, step, hand the outputs over.
+        engine = self.engine
+        while True:
+            with self._cond:
+                while not self._stopping and (
+                    self._unpublished >= self._max_unpublished or not engine.has_unfinished()
+                ):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+            started = time.perf_counter()
+            try:
+                outputs = engine.step()
+            except BaseException as exc:  # the engine is broken, not one request: the worker must stop
+                log.exception("event=engine_step_failed")
+                self.fatal = exc
+                self._loop.call_soon_threadsafe(self._sink, [], None, time.time() * 1000)
+                return
+            self.busy_s += time.perf_counter() - started
+            self.steps += 1
+            stats = engine.stats()  # read here, on the engine's thread, so the loop never touches the engine
+            self.last_stats = stats
+            if outputs:
+                with self._cond:
+                    self._unpublished += 1
+                try:
+                    self._loop.call_soon_threadsafe(self._sink, outputs, stats, time.time() * 1000)
+                except RuntimeError:  # the loop closed under us: shutting down
+                    return

@@ -1,0 +1,163 @@
+"""`stoker-worker`: flags and STOKER_* environment -> WorkerConfig -> engine -> Worker, with a SIGTERM drain.
+
+Every flag has an environment variable (shown in --help); a flag given on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from worker.config import WorkerConfig, default_worker_id
+
+# (flag, env var, type, default, help). bool flags are switches; env accepts 1/true/yes.
+_OPTIONS: list[tuple[str, str, Any, Any, str]] = [
+    ("--model", "STOKER_MODEL", str, None, "model folder (Hugging Face layout)"),
+    ("--served-model-name", "STOKER_SERVED_MODEL_NAME", str, None, "model name jobs may ask for"),
+    ("--fake-engine", "STOKER_FAKE_ENGINE", bool, False, "use the deterministic stand-in engine"),
+    ("--fake-step-delay-s", "STOKER_FAKE_STEP_DELAY_S", float, 0.0, "stand-in engine: seconds per step"),
+    ("--device", "STOKER_DEVICE", str, None, "cuda or cpu (default: cuda when available)"),
+    ("--kv-cache-memory-bytes", "STOKER_KV_CACHE_MEMORY_BYTES", int, None, "KV cache memory budget"),
+    ("--max-num-seqs", "STOKER_MAX_NUM_SEQS", int, 256, "max concurrent requests in the batch"),
+    ("--max-model-len", "STOKER_MAX_MODEL_LEN", int, None, "context length cap"),
+    ("--bootstrap-servers", "KAFKA_BOOTSTRAP_SERVERS", str, "127.0.0.1:9092", "Kafka bootstrap servers"),
+    ("--job-topic", "STOKER_JOB_TOPIC", str, "stoker.jobs", "job topic"),
+    ("--dlq-topic", "STOKER_DLQ_TOPIC", str, "", "dead-letter topic (default: job topic + .dlq)"),
+    ("--group-id", "STOKER_GROUP_ID", str, "stoker-workers", "Kafka consumer group"),
+    ("--security-protocol", "KAFKA_SECURITY_PROTOCOL", str, "PLAINTEXT", "PLAINTEXT|SSL|SASL_PLAINTEXT|SASL_SSL"),
+    ("--sasl-mechanism", "KAFKA_SASL_MECHANISM", str, None, "PLAIN|SCRAM-SHA-256|SCRAM-SHA-512"),
+    ("--sasl-username", "KAFKA_SASL_USERNAME", str, None, "SASL user"),
+    ("--sasl-password", "KAFKA_SASL_PASSWORD", str, None, "SASL password (prefer the env var)"),
+    ("--ssl-cafile", "KAFKA_SSL_CAFILE", str, None, "CA bundle for Kafka TLS"),
+    ("--ssl-certfile", "KAFKA_SSL_CERTFILE", str, None, "client certificate for Kafka TLS"),
+    ("--ssl-keyfile", "KAFKA_SSL_KEYFILE", str, None, "client key for Kafka TLS"),
+    ("--redis-url", "REDIS_URL", str, "redis://127.0.0.1:6379/0", "Redis URL (rediss:// for TLS)"),
+    ("--redis-password", "REDIS_PASSWORD", str, None, "Redis password (prefer the env var)"),
+    ("--redis-ca-certs", "REDIS_CA_CERTS", str, None, "CA bundle for Redis TLS"),
+    ("--prefix", "STOKER_PREFIX", str, "stoker", "Redis key prefix"),
+    ("--ttl-s", "STOKER_TTL_S", int, 3600, "TTL of streams and result keys"),
+    ("--stream-maxlen", "STOKER_STREAM_MAXLEN", int, 10_000, "approximate cap of each request stream"),
+    ("--claim-ttl-s", "STOKER_CLAIM_TTL_S", float, 10.0, "claim TTL (renewed every third of it)"),
+    ("--max-attempts", "STOKER_MAX_ATTEMPTS", int, 3, "starts before a job is dead-lettered as poison"),
+    ("--max-waiting", "STOKER_MAX_WAITING", int, None, "queued requests before intake pauses"),
+    ("--drain-timeout-s", "STOKER_DRAIN_TIMEOUT_S", float, 30.0, "SIGTERM: wait this long for running requests"),
+    ("--worker-id", "STOKER_WORKER_ID", str, None, "worker id (default host-pid-random)"),
+    ("--metrics-host", "STOKER_METRICS_HOST", str, "0.0.0.0", "metrics/health bind address"),
+    ("--metrics-port", "STOKER_METRICS_PORT", int, 9400, "metrics/health port (0 any, -1 off)"),
+    ("--log-prompts", "STOKER_LOG_PROMPTS", bool, False, "log prompt text (off: prompts may be private)"),
+    ("--log-level", "STOKER_LOG_LEVEL", str, "INFO", "DEBUG|INFO|WARNING|ERROR"),
+    ("--log-format", "STOKER_LOG_FORMAT", str, "kv", "kv or json"),
+]
+
+
+def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = None) -> WorkerConfig:
+    env = dict(os.environ) if env is None else env
+    parser = argparse.ArgumentParser(prog="stoker-worker", description="Stoker GPU worker: Kafka in, Redis out.")
+    for flag, var, typ, _default, help_text in _OPTIONS:
+        if typ is bool:
+            parser.add_argument(flag, action="store_true", default=None, help=f"{help_text} [env {var}]")
+        else:
+            parser.add_argument(flag, type=typ, default=None, help=f"{help_text} [env {var}]")
+    args = parser.parse_args(argv)
+    values: dict[str, Any] = {}
+    for flag, var, typ, default, _ in _OPTIONS:
+        name = flag[2:].replace("-", "_")
+        value = getattr(args, name)
+        if value is None and env.get(var, "") != "":
+            raw = env[var]
+            try:
+                value = raw.strip().lower() in ("1", "true", "yes", "on") if typ is bool else typ(raw)
+            except ValueError:
+                parser.error(f"environment variable {var}={raw!r} is not a valid {typ.__name__}")
+        values[name] = default if value is None else value
+    if values["worker_id"] is None:
+        values["worker_id"] = default_worker_id()
+    try:
+        return WorkerConfig(**values)
+    except ValueError as exc:
+        parser.error(str(exc))
+    raise AssertionError("unreachable")
+
+
+class _KVFormatter(logging.Formatter):
+    """`ts=... level=... logger=... event=... k=v` lines (the message already holds key=value pairs)."""
+
+    def __init__(self, as_json: bool):
+        super().__init__()
+        self.as_json = as_json
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
+        msg = record.getMessage()
+        if record.exc_info:
+            msg += " exc=" + json.dumps(self.formatException(record.exc_info))
+        if self.as_json:
+            return json.dumps({"ts": ts, "level": record.levelname.lower(), "logger": record.name, "msg": msg})
+        return f"ts={ts} level={record.levelname.lower()} logger={record.name} {msg}"
+
+
+def setup_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_KVFormatter(fmt == "json"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("aiokafka").setLevel(max(logging.WARNING, root.level))
+
+
+def build_engine(cfg: WorkerConfig) -> Any:
+    if cfg.fake_engine:
+        from worker.fake_engine import FakeEngine
+
+        return FakeEngine(cfg.served_model_name or "fake", max_num_seqs=cfg.max_num_seqs,
+                          max_model_len=cfg.max_model_len or 4096, step_delay_s=cfg.fake_step_delay_s)
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+
+    kwargs: dict[str, Any] = {"model_path": cfg.model, "max_num_seqs": cfg.max_num_seqs}
+    if cfg.served_model_name:
+        kwargs["model_name"] = cfg.served_model_name
+    if cfg.device:
+        kwargs["device"] = cfg.device
+    if cfg.kv_cache_memory_bytes:
+        kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+    if cfg.max_model_len:
+        kwargs["max_model_len"] = cfg.max_model_len
+    return LLMEngine(EngineConfig(**kwargs))
+
+
+async def serve(cfg: WorkerConfig) -> None:
+    from worker.service import Worker
+
+    log = logging.getLogger("stoker.worker")
+    started = time.monotonic()
+    engine = await asyncio.to_thread(build_engine, cfg)  # loading may take minutes; keep signals responsive
+    log.info("event=engine_loaded model=%s load_s=%.1f", getattr(engine, "model_name", "?"),
+             time.monotonic() - started)
+    worker = Worker(cfg, engine)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.request_stop)
+    await worker.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(argv)
+    setup_logging(cfg.log_level, cfg.log_format)
+    try:
+        asyncio.run(serve(cfg))
+    except RuntimeError as exc:
+        logging.getLogger("stoker.worker").error("event=worker_failed error=%r", str(exc))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

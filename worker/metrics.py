@@ -1,0 +1,96 @@
+"""Prometheus metrics and the small HTTP server for /metrics, /healthz and /readyz.
+
+prometheus_client's own server cannot answer health probes, so a tiny asyncio HTTP/1.0 responder serves all
+three on one port (one request per connection; probes and scrapers need no more).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+log = logging.getLogger("stoker.worker.metrics")
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("stoker_requests_running", "requests in the engine's running batch", registry=r)
+        self.waiting = Gauge("stoker_requests_waiting", "requests queued in the engine", registry=r)
+        self.parked = Gauge("stoker_requests_parked", "jobs waiting on another worker's claim", registry=r)
+        self.kv_usage = Gauge("stoker_kv_cache_usage", "share of KV blocks in use (0-1)", registry=r)
+        self.prompt_tokens = Counter("stoker_prompt_tokens", "prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("stoker_generation_tokens", "tokens generated", registry=r)
+        self.prefix_queries = Counter("stoker_prefix_cache_queries", "prompt tokens looked up", registry=r)
+        self.prefix_hits = Counter("stoker_prefix_cache_hits", "prompt tokens found cached", registry=r)
+        self.ttft = Histogram("stoker_time_to_first_token_seconds", "Kafka record time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("stoker_inter_token_latency_seconds", "time between a request's chunks",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("stoker_e2e_latency_seconds", "Kafka record time to terminal event",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("stoker_queue_time_seconds", "Kafka record time to first engine step",
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.finished = Counter("stoker_requests_finished", "requests ended, by finish reason or error code",
+                                ["reason"], registry=r)
+        self.dlq = Counter("stoker_dead_letters", "records sent to the dead-letter topic", ["code"], registry=r)
+        self.events = Counter("stoker_events_published", "events written to Redis", registry=r)
+        self.redis_retries = Counter("stoker_redis_retries", "Redis calls retried after a failure", ["op"],
+                                     registry=r)
+        self.lag = Gauge("stoker_consumer_lag", "records behind the end of the job topic, all partitions",
+                         registry=r)
+        self.engine_busy = Counter("stoker_engine_busy_seconds", "time spent inside engine.step()", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class HealthServer:
+    """GET /metrics, /healthz (the process is alive and its loops run), /readyz (model loaded, consumer
+    joined: `ready()` says)."""
+
+    def __init__(self, metrics: WorkerMetrics, ready: Callable[[], bool], healthy: Callable[[], bool]):
+        self.metrics, self.ready, self.healthy = metrics, ready, healthy
+        self._server: asyncio.Server | None = None
+        self.port: int | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        self._server = await asyncio.start_server(self._handle, host, port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request_line = await asyncio.wait_for(reader.readline(), 5)
+            while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
+                pass  # headers: not needed
+            parts = request_line.decode("latin-1").split()
+            path = parts[1].split("?", 1)[0] if len(parts) >= 2 else ""
+            if path == "/metrics":
+                status, body, ctype = 200, self.metrics.render(), CONTENT_TYPE_LATEST
+            elif path == "/healthz":
+                ok = self.healthy()
+                status, body, ctype = (200 if ok else 503), (b"ok\n" if ok else b"unhealthy\n"), "text/plain"
+            elif path == "/readyz":
+                ok = self.ready()
+                status, body, ctype = (200 if ok else 503), (b"ready\n" if ok else b"not ready\n"), "text/plain"
+            else:
+                status, body, ctype = 404, b"not found: try /metrics, /healthz, /readyz\n", "text/plain"
+            reason = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}[status]
+            writer.write(f"HTTP/1.0 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                         f"Connection: close\r\n\r\n".encode() + body)
+            await writer.drain()
+        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()

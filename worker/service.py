@@ -1,0 +1,641 @@
+"""The worker: Kafka in, engine, Redis out, nothing lost.
+
+Tasks on one asyncio loop, each owned by Worker and cancelled in stop():
+  poll      reads job records (getmany), decodes them, claims them in Redis, hands them to the engine;
+            never waits on the engine (the engine has its own thread, worker.driver)
+  publish   drains what the engine produced: one Redis pipeline per batch of steps, then marks the
+            records whose terminal event is stored as finished
+  commit    commits each partition's contiguous watermark of finished records
+  renew     renews our claims and the heartbeat key, learns of cancels and of claims lost
+  parked    re-checks jobs another worker holds: commit once their result exists, take over on expiry
+  cancels   listens on the cancel channel
+Life of a record: read -> tracked in flight -> (claimed -> engine -> chunks -> terminal event in Redis) or
+(answered at once: already done, cancelled, past deadline, bad input -> DLQ) -> finished -> committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import KafkaError
+from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from engine.outputs import EngineRequestError, EngineStats, RequestOutput
+from engine.sequence import SamplingParams
+from schemas import (
+    Chunk,
+    ContractError,
+    Done,
+    Error,
+    ErrorCode,
+    Job,
+    Timings,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    content_type_of,
+    decode_cancel,
+    decode_job,
+    dlq_headers,
+    encode_event,
+    is_msgpack,
+    is_valid_request_id,
+)
+from worker.config import WorkerConfig
+from worker.driver import EngineDriver, EngineLike
+from worker.metrics import HealthServer, WorkerMetrics
+from worker.offsets import OffsetTracker
+from worker.redis_io import OutEvent, RedisIO
+
+log = logging.getLogger("stoker.worker")
+VERSION = "0.1.0"
+Record = tuple[TopicPartition, int]
+
+
+def now_ms() -> float:
+    return time.time() * 1000
+
+
+@dataclass(slots=True)
+class Request:
+    """A job this worker has claimed (running in the engine, or answered without running)."""
+
+    job: Job
+    msgpack: bool
+    attempt: int
+    record_ms: float  # the Kafka record's timestamp: the start of every latency we report
+    records: list[Record]
+    raw: tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]
+    seq: int = 0
+    text: list[str] = field(default_factory=list)
+    first_token_ms: float | None = None
+    last_chunk_ms: float | None = None
+    first_scheduled_ms: float | None = None
+    lost: bool = False  # our claim went to another worker: stop publishing
+
+
+@dataclass(slots=True)
+class Parked:
+    """A decoded job not running here (yet): being claimed, or waiting on another worker's claim."""
+
+    job: Job
+    msgpack: bool
+    record_ms: float
+    records: list[Record]
+    raw: tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]  # the record's key, value, headers (DLQ)
+
+
+@dataclass(slots=True)
+class Batch:
+    """One pipeline's worth of output: events, records finished once they are stored, engine steps acked."""
+
+    events: list[OutEvent] = field(default_factory=list)
+    finished_records: list[Record] = field(default_factory=list)
+    steps: int = 0
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    def __init__(self, worker: Worker):
+        self.worker = worker
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        await self.worker.on_revoked(set(revoked))
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        self.worker.on_assigned(set(assigned))
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, engine: EngineLike):
+        self.cfg = config
+        self.engine = engine
+        self.model_name = config.served_model_name or engine.model_name
+        self.names = config.names
+        self.metrics = WorkerMetrics()
+        self.tracker = OffsetTracker()
+        self.active: dict[str, Request] = {}
+        self.parked: dict[str, Parked] = {}
+        # Cancels for ids we have not met yet (the pub/sub message may beat the Kafka record).
+        self._early_cancels: OrderedDict[str, None] = OrderedDict()
+        self._outbox: asyncio.Queue[Batch] = asyncio.Queue()
+        self._commit_wakeup = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._paused = False
+        self._assigned: set[TopicPartition] = set()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._started_at = time.time()
+        self.ready = False
+        self.consumer: AIOKafkaConsumer | None = None
+        self.producer: AIOKafkaProducer | None = None
+        self.redis: aioredis.Redis | None = None
+        self.rio: RedisIO | None = None
+        self.driver: EngineDriver | None = None
+        self.health: HealthServer | None = None
+        self.fatal: BaseException | None = None
+
+    # -- life cycle ---------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.cfg
+        loop = asyncio.get_running_loop()
+        tls: dict[str, Any] = {"ssl_ca_certs": cfg.redis_ca_certs} if cfg.redis_url.startswith("rediss://") else {}
+        if cfg.redis_password is not None:
+            tls["password"] = cfg.redis_password
+        self.redis = aioredis.Redis.from_url(cfg.redis_url, socket_timeout=10, socket_connect_timeout=5,
+                                             health_check_interval=15, **tls)
+        self.rio = RedisIO(self.redis, self.names, token=cfg.worker_id, stream_maxlen=cfg.stream_maxlen,
+                           ttl_s=cfg.ttl_s, claim_ttl_ms=int(cfg.claim_ttl_s * 1000),
+                           attempts_ttl_s=cfg.attempts_ttl_s,
+                           on_retry=lambda op, exc: self.metrics.redis_retries.labels(op).inc())
+        if cfg.metrics_port >= 0:
+            self.health = HealthServer(self.metrics, ready=lambda: self.ready, healthy=self._healthy)
+            await self.health.start(cfg.metrics_host, cfg.metrics_port)
+            log.info("event=metrics_listening port=%s", self.health.port)
+        self.driver = EngineDriver(self.engine, loop, self._on_step)
+        self.driver.start()
+        security = cfg.kafka_security()
+        self.producer = AIOKafkaProducer(bootstrap_servers=cfg.bootstrap_servers, acks="all",
+                                         client_id=f"stoker-worker-{cfg.worker_id}", **security)
+        await self.producer.start()
+        self.consumer = AIOKafkaConsumer(
+            bootstrap_servers=cfg.bootstrap_servers, group_id=cfg.group_id, enable_auto_commit=False,
+            auto_offset_reset="earliest", client_id=f"stoker-worker-{cfg.worker_id}",
+            max_poll_records=cfg.max_poll_records, **security,
+        )
+        self.consumer.subscribe([self.names.jobs_topic], listener=_Rebalance(self))
+        await self.consumer.start()
+        await self.rio.retry("ping", self.redis.ping)
+        for coro in (self._poll_loop(), self._publish_loop(), self._commit_loop(), self._renew_loop(),
+                     self._parked_loop(), self._cancel_loop()):
+            self._tasks.append(asyncio.create_task(coro))
+        log.info("event=worker_started worker=%s model=%s topic=%s group=%s", cfg.worker_id, self.model_name,
+                 self.names.jobs_topic, cfg.group_id)
+
+    async def run(self) -> None:
+        """Until request_stop() (SIGTERM) or a fatal error; then drain and stop."""
+        await self.start()
+        try:
+            await self._stopping.wait()
+        finally:
+            await self.stop()
+        if self.fatal is not None:
+            raise RuntimeError("the engine failed; see the log") from self.fatal
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def stop(self) -> None:
+        """Drain: stop reading, let running requests finish (up to drain_timeout_s), publish, commit, hand
+        back what is left (its claim released, so another worker takes it at once), close."""
+        self._stopping.set()
+        self.ready = False
+        poll = self._tasks[0] if self._tasks else None
+        if poll is not None:
+            poll.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await poll
+        deadline = time.monotonic() + self.cfg.drain_timeout_s
+        while (self.active or not self._outbox.empty()) and time.monotonic() < deadline and self.fatal is None:
+            await asyncio.sleep(0.05)
+        await self._commit_now()
+        if self.rio is not None:
+            for rid in list(self.active):
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.rio.release(rid), 2)
+            self.rio.stopping = True
+        for task in self._tasks[1:]:
+            task.cancel()
+        for task in self._tasks[1:]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.driver is not None:
+            await asyncio.to_thread(self.driver.stop)
+        if self.consumer is not None:
+            with contextlib.suppress(Exception):
+                await self.consumer.stop()
+        if self.producer is not None:
+            with contextlib.suppress(Exception):
+                await self.producer.stop()
+        if self.redis is not None:
+            with contextlib.suppress(Exception):
+                await self.redis.delete(self.rio.worker_key(self.cfg.worker_id)) if self.rio else None
+            await self.redis.aclose()
+        if self.health is not None:
+            await self.health.stop()
+        log.info("event=worker_stopped worker=%s left_running=%d", self.cfg.worker_id, len(self.active))
+
+    def _healthy(self) -> bool:
+        return self.fatal is None and all(not t.done() for t in self._tasks)
+
+    # -- intake -------------------------------------------------------------------------------------------
+    async def _poll_loop(self) -> None:
+        assert self.consumer is not None
+        while not self._stopping.is_set():
+            try:
+                batches = await self.consumer.getmany(timeout_ms=200, max_records=self.cfg.max_poll_records)
+            except KafkaError as exc:  # broker restart, etc.: aiokafka reconnects; keep polling
+                log.warning("event=kafka_poll_error error=%r", str(exc))
+                await asyncio.sleep(0.5)
+                continue
+            if not self.ready and self.consumer.assignment():
+                self.ready = True
+            records = [rec for tp_records in batches.values() for rec in tp_records]
+            if records:
+                await self._intake(records)
+            self._apply_backpressure()
+
+    async def _intake(self, records: list[ConsumerRecord[Any, Any]]) -> None:
+        claims: dict[str, Parked] = {}  # request_id -> what to claim, in read order
+        for rec in records:
+            tp = TopicPartition(rec.topic, rec.partition)
+            if tp not in self._assigned:
+                continue  # revoked while the batch was in hand: the new owner reads it
+            self.tracker.track(tp, rec.offset)
+            record: Record = (tp, rec.offset)
+            record_ms = float(rec.timestamp) if rec.timestamp and rec.timestamp > 0 else now_ms()
+            ctype = content_type_of(rec.headers)
+            try:
+                job = decode_job(rec.value, ctype, max_bytes=self.cfg.max_message_bytes)
+                msgpack = is_msgpack(ctype)
+            except ContractError as exc:
+                await self._reject(rec, record, exc)
+                continue
+            rid = job.request_id
+            if rid in self.active:  # delivered again while we run it (a rebalance came back to us)
+                self.active[rid].records.append(record)
+            elif rid in self.parked:
+                self.parked[rid].records.append(record)
+            elif rid in claims:
+                claims[rid].records.append(record)
+            else:
+                claims[rid] = Parked(job, msgpack, record_ms, [record], (rec.key, rec.value, list(rec.headers or ())))
+                if self.cfg.log_prompts:
+                    log.info("event=job_read request_id=%s prompt=%r", rid, job.prompt or job.messages)
+        if claims:
+            assert self.rio is not None
+            outcomes = await self.rio.admit(list(claims))
+            for (rid, parked), (status, attempt) in zip(claims.items(), outcomes, strict=True):
+                self._admitted(rid, parked, status, attempt)
+
+    def _admitted(self, rid: str, job: Parked, status: str, attempt: int) -> None:
+        """Act on the claim script's answer for one job."""
+        if status == "done":  # a result stands: nothing to republish, just commit
+            self._finish_records(job.records)
+            return
+        if status == "busy":  # another worker's live claim: wait for its result or its claim's expiry
+            self.parked[rid] = job
+            self.metrics.parked.set(len(self.parked))
+            return
+        req = Request(job.job, job.msgpack, attempt, job.record_ms, job.records, job.raw)
+        self.active[rid] = req
+        if attempt > self.cfg.max_attempts:
+            asyncio.create_task(self._poison(req))
+            return
+        if status == "cancelled" or rid in self._early_cancels:
+            self._end_without_running(req, "cancelled")
+            return
+        if job.job.deadline_ms is not None and now_ms() >= job.job.deadline_ms:
+            self._end_without_running(req, "deadline")
+            return
+        if job.job.model is not None and job.job.model != self.model_name:
+            self._fail(req, ErrorCode.UNKNOWN_MODEL, f"this worker serves model {self.model_name!r}, the job "
+                       f"asked for {job.job.model!r}: send it to a topic served by that model, or omit `model`")
+            return
+        try:
+            self._submit(req)
+        except EngineRequestError as exc:
+            # A valid message the model can't serve (e.g. too long): an error event, no DLQ, committed.
+            self._fail(req, exc.code, exc.message)
+        except Exception as exc:  # noqa: BLE001 -- one request's failure must not stop the worker
+            log.exception("event=add_request_failed request_id=%s", rid)
+            self._fail(req, ErrorCode.INTERNAL, f"the engine could not take the request: {exc}")
+
+    def _submit(self, req: Request) -> None:
+        job = req.job
+        assert self.driver is not None
+        params = SamplingParams(
+            max_tokens=job.max_tokens, min_tokens=job.min_tokens, temperature=job.temperature, top_p=job.top_p,
+            top_k=job.top_k, min_p=job.min_p, seed=job.seed, presence_penalty=job.presence_penalty,
+            frequency_penalty=job.frequency_penalty, repetition_penalty=job.repetition_penalty,
+            stop=tuple(job.stop), stop_token_ids=tuple(job.stop_token_ids), ignore_eos=job.ignore_eos,
+            include_stop_str_in_output=job.include_stop_str_in_output, logprobs=job.logprobs,
+        )
+        messages = [{"role": m.role, "content": m.content} for m in job.messages] if job.messages else None
+        self.driver.add_request(job.request_id, prompt=job.prompt, messages=messages,
+                                prompt_token_ids=job.prompt_token_ids, params=params, priority=job.priority,
+                                deadline_ms=job.deadline_ms)
+
+    def _apply_backpressure(self) -> None:
+        """Pause every assigned partition while the engine has enough queued (or too little KV left)."""
+        assert self.consumer is not None and self.cfg.max_waiting is not None
+        stats = self.driver.last_stats if self.driver else None
+        queued = len(self.active) + len(self.parked)
+        limit = self.cfg.max_num_seqs + self.cfg.max_waiting
+        low_kv = stats is not None and stats.kv_blocks_total > 0 and (
+            stats.kv_blocks_free / stats.kv_blocks_total < self.cfg.min_free_kv_fraction and stats.num_waiting > 0)
+        should_pause = queued >= limit or low_kv or self._outbox.qsize() > 64
+        assignment = self.consumer.assignment()
+        if should_pause and not self._paused and assignment:
+            self.consumer.pause(*assignment)
+            self._paused = True
+            log.debug("event=intake_paused queued=%d low_kv=%s", queued, low_kv)
+        elif self._paused and not should_pause and queued < limit * 3 // 4 + 1:
+            self.consumer.resume(*assignment)
+            self._paused = False
+
+    # -- answers that need no engine ----------------------------------------------------------------------
+    def _event_bytes(self, req: Request, event: Chunk | Done | Error) -> bytes:
+        return encode_event(event, req.msgpack)
+
+    def _end_without_running(self, req: Request, reason: str) -> None:
+        t = now_ms()
+        total = t - req.record_ms
+        done = Done(request_id=req.job.request_id, attempt=req.attempt, seq=req.seq, finish_reason=reason,  # type: ignore[arg-type]
+                    text="", usage=Usage(prompt_tokens=0, completion_tokens=0, cached_tokens=0),
+                    timings=Timings(queue_ms=total, ttft_ms=total, total_ms=total), model=self.model_name,
+                    worker=self.cfg.worker_id, tenant=req.job.tenant, metadata=req.job.metadata)
+        self._send_terminal(req, done, reason)
+
+    def _fail(self, req: Request, code: str, message: str) -> None:
+        err = Error(request_id=req.job.request_id, attempt=req.attempt, seq=req.seq, code=str(code), message=message)
+        self._send_terminal(req, err, str(code))
+
+    def _send_terminal(self, req: Request, event: Done | Error, reason: str) -> None:
+        self.active.pop(req.job.request_id, None)
+        self.metrics.finished.labels(reason).inc()
+        kind = 2
+        self._outbox.put_nowait(Batch([OutEvent(req.job.request_id, self._event_bytes(req, event), kind)],
+                                      list(req.records)))
+
+    async def _dead_letter(self, rec_key: bytes | None, rec_value: bytes | None,
+                           headers: list[tuple[str, bytes]], code: str, message: str, attempts: int) -> None:
+        assert self.producer is not None
+        extra = dlq_headers(code, message[:1000], int(now_ms()), self.cfg.worker_id, attempts)
+        while True:
+            try:
+                await self.producer.send_and_wait(self.names.dlq_topic, value=rec_value, key=rec_key,
+                                                  headers=list(headers) + extra)
+                break
+            except KafkaError as exc:  # keep the record in flight until the dead letter is stored
+                log.warning("event=dlq_retry error=%r", str(exc))
+                await asyncio.sleep(0.5)
+        self.metrics.dlq.labels(code).inc()
+
+    async def _reject(self, rec: ConsumerRecord[Any, Any], record: Record, exc: ContractError) -> None:
+        """A record that breaks the contract: to the DLQ, and an error event when a request id is readable."""
+        key = rec.key.decode("utf-8", "replace") if isinstance(rec.key, bytes) else None
+        rid = exc.request_id or (key if is_valid_request_id(key) else None)
+        log.warning("event=job_rejected request_id=%s code=%s topic=%s partition=%d offset=%d", rid, exc.code,
+                    rec.topic, rec.partition, rec.offset)
+        await self._dead_letter(rec.key, rec.value, list(rec.headers or ()), exc.code, exc.message, 0)
+        if rid is None:
+            self._finish_records([record])
+            return
+        msgpack = False
+        with contextlib.suppress(ContractError):
+            msgpack = is_msgpack(content_type_of(rec.headers))
+        # A stand-in Job only to carry the id into the Request; it is never run.
+        req = Request(Job(request_id=rid, prompt_token_ids=[0]), msgpack, 1, now_ms(), [record], (None, None, []))
+        self._fail(req, exc.code, exc.message)
+
+    async def _poison(self, req: Request) -> None:
+        """Started max_attempts times without finishing: never again. DLQ (the job as we read it) + error."""
+        code, msg = ErrorCode.POISON_JOB, (f"the job was started {req.attempt - 1} times without finishing "
+                                          f"(limit {self.cfg.max_attempts}); it will not be run again")
+        log.error("event=poison_job request_id=%s attempts=%d", req.job.request_id, req.attempt - 1)
+        key, value, headers = req.raw
+        await self._dead_letter(key, value, headers, code, msg, req.attempt - 1)
+        self._fail(req, code, msg)
+
+    # -- output -------------------------------------------------------------------------------------------
+    def _on_step(self, outputs: list[RequestOutput], stats: EngineStats | None, step_ms: float) -> None:
+        """On the loop thread, once per engine step: turn outputs into events, queue one Batch."""
+        assert self.driver is not None
+        if self.driver.fatal is not None:
+            self.fatal = self.driver.fatal
+            self._stopping.set()
+            return
+        batch = Batch(steps=1)
+        m = self.metrics
+        for out in outputs:
+            req = self.active.get(out.request_id)
+            if req is None or req.lost:
+                continue
+            if out.first_scheduled_ms is not None and req.first_scheduled_ms is None:
+                req.first_scheduled_ms = out.first_scheduled_ms
+                m.queue.observe(max(0.0, out.first_scheduled_ms - req.record_ms) / 1000)
+            rid = out.request_id
+            if out.new_token_ids or out.text_delta:
+                if req.first_token_ms is None:
+                    req.first_token_ms = step_ms
+                    m.ttft.observe(max(0.0, step_ms - req.record_ms) / 1000)
+                elif req.last_chunk_ms is not None:
+                    m.itl.observe(max(0.0, step_ms - req.last_chunk_ms) / 1000)
+                req.last_chunk_ms = step_ms
+                req.text.append(out.text_delta)
+                chunk = Chunk(request_id=rid, attempt=req.attempt, seq=req.seq, text=out.text_delta,
+                              token_ids=out.new_token_ids, logprobs=_logprobs(out))
+                batch.events.append(OutEvent(rid, encode_event(chunk, req.msgpack), 1 if req.seq == 0 else 0))
+                req.seq += 1
+            if not out.finished:
+                continue
+            del self.active[rid]
+            if out.error_code is not None:
+                event: Done | Error = Error(request_id=rid, attempt=req.attempt, seq=req.seq, code=out.error_code,
+                                            message=out.error_message or "the engine failed this request")
+                reason = out.error_code
+            else:
+                first = req.first_scheduled_ms if req.first_scheduled_ms is not None else step_ms
+                event = Done(
+                    request_id=rid, attempt=req.attempt, seq=req.seq, finish_reason=out.finish_reason or "stop",  # type: ignore[arg-type]
+                    text="".join(req.text),
+                    usage=Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                                cached_tokens=out.cached_tokens),
+                    timings=Timings(queue_ms=max(0.0, first - req.record_ms),
+                                    ttft_ms=max(0.0, (req.first_token_ms or step_ms) - req.record_ms),
+                                    total_ms=max(0.0, step_ms - req.record_ms)),
+                    model=self.model_name, worker=self.cfg.worker_id, tenant=req.job.tenant,
+                    metadata=req.job.metadata)
+                reason = out.finish_reason or "stop"
+                m.e2e.observe(max(0.0, step_ms - req.record_ms) / 1000)
+            m.finished.labels(reason).inc()
+            batch.events.append(OutEvent(rid, encode_event(event, req.msgpack), 2))
+            batch.finished_records.extend(req.records)
+        if stats is not None:
+            m.running.set(stats.num_running)
+            m.waiting.set(stats.num_waiting)
+            m.kv_usage.set(stats.kv_usage)
+        self._outbox.put_nowait(batch)
+
+    async def _publish_loop(self) -> None:
+        assert self.rio is not None and self.driver is not None
+        while True:
+            batch = await self._outbox.get()
+            # Coalesce a backlog into one pipeline (bounded, so one call stays small).
+            while not self._outbox.empty() and len(batch.events) < 4096:
+                more = self._outbox.get_nowait()
+                batch.events += more.events
+                batch.finished_records += more.finished_records
+                batch.steps += more.steps
+            await self.rio.publish(batch.events)
+            self.metrics.events.inc(len(batch.events))
+            self._finish_records(batch.finished_records)
+            for _ in range(batch.steps):
+                self.driver.published()
+
+    def _finish_records(self, records: list[Record]) -> None:
+        for tp, offset in records:
+            self.tracker.finish(tp, offset)
+        if records:
+            self._commit_wakeup.set()
+
+    # -- commits and rebalances ---------------------------------------------------------------------------
+    async def _commit_loop(self) -> None:
+        while True:
+            await self._commit_wakeup.wait()
+            self._commit_wakeup.clear()
+            await self._commit_now()
+            await asyncio.sleep(0.05)  # at most ~20 commits/s: batches the watermark moves
+
+    async def _commit_now(self) -> None:
+        if self.consumer is None:
+            return
+        offsets = {tp: off for tp, off in self.tracker.to_commit().items() if tp in self._assigned}
+        if not offsets:
+            return
+        try:
+            await self.consumer.commit({tp: OffsetAndMetadata(off, "") for tp, off in offsets.items()})
+        except KafkaError as exc:  # rebalancing: the listener commits what is safe; try again later
+            log.warning("event=commit_failed error=%r", str(exc))
+            return
+        for tp, off in offsets.items():
+            self.tracker.mark_committed(tp, off)
+
+    async def on_revoked(self, revoked: set[TopicPartition]) -> None:
+        """Commit what is safe, stop admitting those partitions' jobs. Running ones go on: the new owner
+        finds our claim, parks the job until our result lands, then commits it."""
+        await self._commit_now()
+        self._assigned -= revoked
+        for tp in revoked:
+            self.tracker.forget(tp)
+        for rid, parked in list(self.parked.items()):
+            parked.records = [r for r in parked.records if r[0] not in revoked]
+            if not parked.records:
+                del self.parked[rid]
+        for req in self.active.values():
+            req.records = [r for r in req.records if r[0] not in revoked]
+        log.info("event=partitions_revoked partitions=%s", sorted(f"{tp.topic}-{tp.partition}" for tp in revoked))
+
+    def on_assigned(self, assigned: set[TopicPartition]) -> None:
+        self._assigned |= assigned
+        if self._paused and self.consumer is not None and assigned:
+            self.consumer.pause(*assigned)  # keep newly assigned partitions in step with the pause state
+        log.info("event=partitions_assigned partitions=%s", sorted(f"{tp.topic}-{tp.partition}" for tp in assigned))
+
+    # -- claims, cancels, parked jobs ---------------------------------------------------------------------
+    async def _renew_loop(self) -> None:
+        assert self.rio is not None and self.driver is not None
+        interval = self.cfg.claim_ttl_s / 3
+        key = self.rio.worker_key(self.cfg.worker_id)
+        while True:
+            ids = [rid for rid, req in self.active.items() if not req.lost]
+            beat = json.dumps({"worker": self.cfg.worker_id, "model": self.model_name,
+                               "capacity": self.cfg.max_num_seqs, "running": len(ids), "version": VERSION,
+                               "started_at": self._started_at}).encode()
+            codes = await self.rio.renew(ids, (key, beat, max(3, int(self.cfg.claim_ttl_s))))
+            for rid, code in zip(ids, codes, strict=True):
+                req = self.active.get(rid)
+                if req is None:
+                    continue
+                if code == 1:  # another worker runs it now (we were presumed dead): stop, let theirs stand
+                    log.warning("event=claim_lost request_id=%s", rid)
+                    req.lost = True
+                    del self.active[rid]
+                    self.driver.abort(rid)
+                    if req.records:
+                        self.parked[rid] = Parked(req.job, req.msgpack, req.record_ms, req.records, req.raw)
+                elif code == 2:
+                    self.driver.abort(rid)
+            await self._update_lag()
+            await asyncio.sleep(interval)
+
+    async def _update_lag(self) -> None:
+        consumer = self.consumer
+        if consumer is None or not self._assigned:
+            return
+        with contextlib.suppress(Exception):
+            parts = list(self._assigned)
+            ends = await consumer.end_offsets(parts)
+            lag = 0
+            for tp in parts:
+                mark = self.tracker.watermark(tp)
+                if mark is None:
+                    mark = await consumer.committed(tp) or 0
+                lag += max(0, ends.get(tp, 0) - mark)
+            self.metrics.lag.set(lag)
+
+    async def _parked_loop(self) -> None:
+        assert self.rio is not None
+        while True:
+            await asyncio.sleep(min(0.5, self.cfg.claim_ttl_s / 5))
+            if not self.parked:
+                continue
+            ids = list(self.parked)
+            outcomes = await self.rio.admit(ids)
+            for rid, (status, attempt) in zip(ids, outcomes, strict=True):
+                parked = self.parked.get(rid)
+                if parked is None or status == "busy":
+                    continue
+                del self.parked[rid]
+                self._admitted(rid, parked, status, attempt)
+            self.metrics.parked.set(len(self.parked))
+
+    async def _cancel_loop(self) -> None:
+        assert self.redis is not None and self.rio is not None
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.names.cancel_channel)
+                while True:
+                    msg = await pubsub.get_message(timeout=1.0)
+                    if msg is not None:
+                        self._on_cancel(msg["data"])
+            except (OSError, RedisConnectionError, RedisTimeoutError) as exc:
+                # The renew loop also checks cancel keys, so a cancel sent while we were away still lands.
+                log.warning("event=cancel_listener_reconnect error=%r", str(exc))
+                await asyncio.sleep(0.5)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+
+    def _on_cancel(self, data: bytes) -> None:
+        try:
+            rid = decode_cancel(data).request_id
+        except ContractError as exc:
+            log.warning("event=bad_cancel code=%s message=%r", exc.code, exc.message)
+            return
+        if rid in self.active and self.driver is not None:
+            self.driver.abort(rid)
+        else:
+            self._early_cancels[rid] = None
+            while len(self._early_cancels) > 10_000:
+                self._early_cancels.popitem(last=False)
+
+
+def _logprobs(out: RequestOutput) -> list[TokenLogprob] | None:
+    if not out.logprobs:
+        return None
+    return [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                         top=[TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top])
+            for lp in out.logprobs]
+
