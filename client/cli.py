@@ -2,7 +2,7 @@
 
 Connection settings come from flags or the same environment variables the worker reads
 (KAFKA_BOOTSTRAP_SERVERS, REDIS_URL, STOKER_PREFIX, STOKER_JOB_TOPIC). Exit codes: 0 done, 1 the request
-ended with an error event, 2 bad usage, 3 timeout, 130 interrupted (the job is cancelled first).
+ended with an error event, 2 bad usage, 3 timeout, 4 Kafka or Redis unreachable, 130 interrupted (the job is cancelled first).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from aiokafka.errors import KafkaConnectionError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 import schemas
 from client.client import DEFAULT_BOOTSTRAP, DEFAULT_REDIS_URL, Client, RequestFailed, RequestTimeout
@@ -22,7 +24,7 @@ from client.load import LoadConfig, plot_latency, run_load
 from schemas import Chunk, Done
 from schemas import Error as ErrorEvent
 
-EXIT_FAILED, EXIT_TIMEOUT, EXIT_INTERRUPTED = 1, 3, 130
+EXIT_FAILED, EXIT_TIMEOUT, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 1, 3, 4, 130
 
 
 def _connection_flags(p: argparse.ArgumentParser) -> None:
@@ -198,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"stoker: {exc}", file=sys.stderr)
         return 2
+    except (RedisConnectionError, KafkaConnectionError) as exc:
+        print(f"stoker: cannot reach Kafka ({args.bootstrap}) or Redis ({args.redis_url}): {exc}; "
+              "is the stack up? (`stoker stack status`)", file=sys.stderr)
+        return EXIT_UNREACHABLE
     except RequestFailed as exc:
         print(f"\nstoker: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -230,6 +230,7 @@ class Client:
         self._producer: AIOKafkaProducer | None = None
         self._redis: aioredis.Redis | None = None
         self._dispatcher: _Dispatcher | None = None
+        self._producer_lock = asyncio.Lock()
         self._cleanups: set[asyncio.Future[Any]] = set()  # unsubscribe/cancel tasks still in flight
 
     async def __aenter__(self) -> Client:
@@ -265,11 +266,17 @@ class Client:
         return self._redis
 
     async def _kafka(self) -> AIOKafkaProducer:
-        # Started lazily so read-only uses (tail, workers, cancel) need no broker.
-        if self._producer is None:
-            producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap_servers, **self._kafka_options)
-            await producer.start()
-            self._producer = producer
+        # Started lazily so read-only uses (tail, workers, cancel) need no broker; the lock makes the
+        # first N concurrent submits share one producer.
+        async with self._producer_lock:
+            if self._producer is None:
+                producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap_servers, **self._kafka_options)
+                try:
+                    await producer.start()
+                except BaseException:
+                    await producer.stop()
+                    raise
+                self._producer = producer
         return self._producer
 
     # ---- producing -------------------------------------------------------------------------------------

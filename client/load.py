@@ -231,7 +231,7 @@ def plot_latency(report: LoadReport, width: int = 800, height: int = 400) -> byt
             for dx in (-1, 0, 1):
                 for dy in (-1, 0, 1):
                     put(cx + dx, cy + dy, colour)
-    text(width - margin - 40, height - margin + 10, f"{x_max:.1f}s")
+    text(width - margin - 40, height - margin + 10, f"{x_max:.3g}s")
     text(4, margin - 16, f"{y_max:.0f}ms")
     text(4, height - margin + 10, "0")
     return _png(width, height, pixels)
