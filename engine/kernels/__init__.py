@@ -3,18 +3,26 @@ plain-torch reference (which defines the semantics) otherwise, or everywhere whe
 from __future__ import annotations
 
 import os
+
 import torch
 
 from engine.kernels._triton import HAS_TRITON
-from engine.kernels.activation import silu_and_mul_ref
-from engine.kernels.attention import paged_attention_ref, paged_decode_attention_ref
-from engine.kernels.rmsnorm import rms_norm_ref
-from engine.kernels.rotary import rope_cos_sin, rotary_and_cache_ref
+from engine.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from engine.kernels.attention import (
+    paged_attention_ref,
+    paged_attention_triton,
+    paged_decode_attention_ref,
+    paged_decode_attention_triton,
+)
+from engine.kernels.rmsnorm import rms_norm_ref, rms_norm_triton
+from engine.kernels.rotary import rope_cos_sin, rotary_and_cache_ref, rotary_and_cache_triton
 
 __all__ = [
     "paged_attention", "paged_attention_ref", "paged_decode_attention", "paged_decode_attention_ref",
     "rms_norm", "rms_norm_ref", "rope_cos_sin", "rotary_and_cache", "rotary_and_cache_ref",
     "silu_and_mul", "silu_and_mul_ref", "use_triton",
+    "paged_attention_triton", "paged_decode_attention_triton", "rms_norm_triton", "rotary_and_cache_triton",
+    "silu_and_mul_triton",
 ]
 
 
@@ -26,6 +34,8 @@ def use_triton(x: torch.Tensor) -> bool:
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(x):
+        return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_ref(x, weight, eps, residual)
 
 
@@ -39,7 +49,8 @@ def rotary_and_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    rotary_and_cache_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    op = rotary_and_cache_triton if use_triton(q) else rotary_and_cache_ref
+    op(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(
@@ -51,7 +62,8 @@ def paged_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+    op = paged_attention_triton if use_triton(q) else paged_attention_ref
+    return op(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
 
 
 def paged_decode_attention(
@@ -62,8 +74,9 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+    op = paged_decode_attention_triton if use_triton(q) else paged_decode_attention_ref
+    return op(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    return silu_and_mul_ref(x)
+    return silu_and_mul_triton(x) if use_triton(x) else silu_and_mul_ref(x)

@@ -27,8 +27,8 @@ except Exception:  # ImportError, or a broken install raising at import: fall ba
         def jit(fn: Any = None, **_: Any) -> Any:
             return fn if fn is not None else (lambda f: f)
 
-    triton = _NoTriton()  # type: ignore[assignment]
-    tl = _Missing()  # type: ignore[assignment]
+    triton = _NoTriton()
+    tl = _Missing()
 
 
 def interpreting() -> bool:

@@ -92,3 +92,274 @@ def paged_decode_attention_ref(
                          f"{context_lens.shape[0]}, got {tuple(q.shape)}")
     query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+
+
+# ---------------------------------------------------------------------------------------------- Triton
+# Both kernels keep the scores in the log2 domain (scale * log2(e) folded into one multiply, exp2 instead
+# of exp) and run the online softmax in float32. K/V rows are gathered token by token through the block
+# table, so a tile of keys need not align with cache blocks and tile size is free of block_size.
+
+_LOG2E = 1.4426950408889634
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs would silently use tf32 tensor cores (~1e-3 error); keep fp32 exact, it is a test dtype.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_kernel_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *ints: torch.Tensor) -> None:
+    check_launchable(q, k_cache, v_cache, *ints)
+    if q.stride(2) != 1:
+        raise ValueError("attention: the head_dim of q must be contiguous")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("attention: k_cache and v_cache must be contiguous")
+    for t in ints:
+        if t.dtype not in (torch.int32, torch.int64) or t.stride(-1) != 1:
+            raise ValueError(f"attention: block_tables/query_start_loc/context_lens must be int32 or int64 "
+                             f"with a contiguous last dim, got {t.dtype}, strides {t.stride()}")
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+    qk_scale, q_seq_stride, q_head_stride, block_table_stride, out_seq_stride, out_head_stride,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Program (sequence, kv head, split): all GROUP query heads sharing this kv head are rows of one tile,
+    # so each K/V row is read once per group; the context is cut into NUM_SPLITS contiguous pieces.
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), TILE_N) * TILE_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, context_len)
+
+    rows = tl.arange(0, BLOCK_G)
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, BLOCK_D)
+    row_mask = rows < GROUP
+    dim_mask = dims < HEAD_DIM
+    q = tl.load(q_ptr + seq * q_seq_stride + heads[:, None] * q_head_stride + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for tile_start in range(start, end, TILE_N):
+        pos = tile_start + tl.arange(0, TILE_N)
+        key_mask = pos < end
+        block = tl.load(block_tables_ptr + seq * block_table_stride + pos // BLOCK_SIZE, mask=key_mask, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        kv_offset = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
+        kv_mask = key_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offset, mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        scores = tl.where(key_mask[None, :], scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        correction = tl.exp2(running_max - new_max)
+        probs = tl.exp2(scores - new_max[:, None])
+        running_sum = running_sum * correction + tl.sum(probs, axis=1)
+        v = tl.load(v_cache_ptr + kv_offset, mask=kv_mask, other=0.0)
+        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+        running_max = new_max
+
+    out_mask = row_mask[:, None] & dim_mask[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / running_sum[:, None]
+        tl.store(out_ptr + seq * out_seq_stride + heads[:, None] * out_head_stride + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # Partials [B, Hq, NUM_SPLITS(, D)]; an empty split (start >= context) leaves max=-inf, sum=0.
+        part = (seq * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split
+        tl.store(part_max_ptr + part, running_max, mask=row_mask)
+        tl.store(part_sum_ptr + part, running_sum, mask=row_mask)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, out_seq_stride, out_head_stride,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    part = (seq * NUM_Q_HEADS + head) * NUM_SPLITS + splits
+    split_mask = splits < NUM_SPLITS
+    part_max = tl.load(part_max_ptr + part, mask=split_mask, other=float("-inf"))
+    part_sum = tl.load(part_sum_ptr + part, mask=split_mask, other=0.0)
+    part_out = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+                       mask=split_mask[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+    weight = tl.exp2(part_max - tl.max(part_max, axis=0))  # split 0 is never empty, so the max is finite
+    out = tl.sum(part_out * weight[:, None], axis=0) / tl.sum(part_sum * weight, axis=0)
+    tl.store(out_ptr + seq * out_seq_stride + head * out_head_stride + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the CPU interpreter: pretend a tiny GPU so tests exercise several splits
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count: int, tile_n: int) -> int:
+    """Enough (seq, kv head, split) programs for ~2 waves over the SMs, but never a split shorter than
+    two key tiles (a split that short costs more in its partial write and the reduce than it saves).
+    Depends only on shapes, not on context_lens values, so it needs no host sync and is CUDA-graph safe."""
+    wanted = triton.cdiv(2 * sm_count, max(1, batch * num_kv_heads))
+    return max(1, min(wanted, triton.cdiv(max_context, 2 * tile_n), 64))
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """num_splits: None picks from the shapes (decode_num_splits); tests force 1 or several."""
+    _check_cache(q, k_cache, v_cache)
+    if q.shape[0] != context_lens.shape[0] or block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
+        raise ValueError(f"decode attention: q [B, Hq, D], block_tables [B, max_blocks], context_lens [B] "
+                         f"expected, got {tuple(q.shape)}, {tuple(block_tables.shape)}, {tuple(context_lens.shape)}")
+    _check_kernel_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    batch, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty(batch, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    tile_n = 64 if q.is_cuda else 16  # the interpreter pays per element: small tiles keep tests fast
+    max_context = block_tables.shape[1] * block_size  # a bound on every context length, known without sync
+    if num_splits is None:
+        num_splits = decode_num_splits(batch, num_kv_heads, max_context, _sm_count(q.device), tile_n)
+    part_out = part_max = part_sum = out  # placeholders, unused when there is one split
+    if num_splits > 1:
+        part_out = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_max = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max, part_sum,
+        scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=tile_n,
+        NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype), num_warps=4,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(batch, num_q_heads)](
+            out, part_out, part_max, part_sum, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+        )
+    return out
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, out_ptr,
+    qk_scale, num_seqs, q_token_stride, q_head_stride, block_table_stride, out_token_stride, out_head_stride,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Program (query tile, kv head). A tile is up to BLOCK_Q consecutive tokens of ONE sequence times the
+    # GROUP query heads of this kv head: BLOCK_M = BLOCK_Q * GROUP rows (padded to a power of two), so
+    # each K/V tile is loaded once for the whole group. Sequence b's tiles are numbered from
+    # query_start_loc[b] // BLOCK_Q + b on, which leaves gaps but needs no host-side prefix sum: the grid
+    # is sized by the bound T // BLOCK_Q + B and a binary search finds each tile's sequence.
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    lo = 0
+    hi = num_seqs
+    while lo < hi:  # first sequence whose tiles start after this one, minus one
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+    seq_start = tl.load(query_start_loc_ptr + seq)
+    num_queries = tl.load(query_start_loc_ptr + seq + 1) - seq_start
+    first_query = (tile - (seq_start // BLOCK_Q + seq)) * BLOCK_Q
+    if first_query < num_queries:
+        context_len = tl.load(context_lens_ptr + seq)
+        rows = tl.arange(0, BLOCK_M)
+        query = first_query + rows // GROUP  # index of the query within its sequence
+        heads = kv_head * GROUP + rows % GROUP
+        dims = tl.arange(0, BLOCK_D)
+        row_mask = (rows < BLOCK_Q * GROUP) & (query < num_queries)
+        dim_mask = dims[None, :] < HEAD_DIM
+        token = (seq_start + query).to(tl.int64)
+        q = tl.load(q_ptr + token[:, None] * q_token_stride + heads[:, None] * q_head_stride + dims[None, :],
+                    mask=row_mask[:, None] & dim_mask, other=0.0)
+        query_pos = context_len - num_queries + query
+        running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        running_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # Keys 0 .. the tile's last query position; every row sees key 0, so no row's max stays -inf.
+        key_end = tl.minimum(context_len - num_queries + first_query + BLOCK_Q, context_len)
+        for tile_start in range(0, key_end, TILE_N):
+            pos = tile_start + tl.arange(0, TILE_N)
+            key_mask = pos < key_end
+            block = tl.load(block_tables_ptr + seq * block_table_stride + pos // BLOCK_SIZE,
+                            mask=key_mask, other=0)
+            slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+            kv_offset = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
+            k = tl.load(k_cache_ptr + kv_offset, mask=key_mask[:, None] & dim_mask, other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            visible = key_mask[None, :] & (pos[None, :] <= query_pos[:, None])
+            scores = tl.where(visible, scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            correction = tl.exp2(running_max - new_max)
+            probs = tl.exp2(scores - new_max[:, None])
+            running_sum = running_sum * correction + tl.sum(probs, axis=1)
+            v = tl.load(v_cache_ptr + kv_offset, mask=key_mask[:, None] & dim_mask, other=0.0)
+            acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+            running_max = new_max
+        out = acc / running_sum[:, None]
+        tl.store(out_ptr + token[:, None] * out_token_stride + heads[:, None] * out_head_stride + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask)
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    _check_cache(q, k_cache, v_cache)
+    _check_batch(q.shape[0], block_tables, query_start_loc, context_lens)
+    _check_kernel_inputs(q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = context_lens.shape[0]
+    # Zeros, not empty: rows past query_start_loc[-1] (batch padding) belong to no tile; keep them finite
+    # like the reference does. A memset of T*Hq*D is negligible next to the attention itself.
+    out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    # 64 rows x 64 keys x 128 dims in fp16 keeps q, k, v tiles at 16 KiB each (fits with 4 warps).
+    block_m = 64 if q.is_cuda else 16
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_q = block_m // group
+    num_tiles = num_tokens // block_q + num_seqs
+    _prefill_kernel[(num_tiles, num_kv_heads)](
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
+        scale * _LOG2E, num_seqs, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=64 if q.is_cuda else 16,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=4,
+    )
+    return out

@@ -30,3 +30,54 @@ def rms_norm_ref(
     s32 = s.float()
     h = s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + eps)
     return (weight * h.to(x.dtype)).to(x.dtype), s
+
+
+def _num_warps(block: int) -> int:
+    # One row per program: wider rows get more warps so each thread holds <= ~16 elements (Liger's rule).
+    return 16 if block >= 8192 else 8 if block >= 2048 else 4 if block >= 512 else 2
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr,
+    x_row_stride, residual_row_stride, out_row_stride, sum_row_stride,
+    hidden, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * residual_row_stride + cols, mask=mask, other=0.0)
+        # Round the sum to the model dtype before normalising, exactly like `x + residual` in torch.
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * sum_row_stride + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=0) / hidden + eps)
+    normed = (x32 * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)  # HF rounds before the weight
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * out_row_stride + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(x, weight, residual)
+    check_launchable(x, weight, *([] if residual is None else [residual]))
+    if x.stride(1) != 1 or weight.stride(0) != 1 or (residual is not None and residual.stride(1) != 1):
+        raise ValueError("rms_norm: the last dim of x, residual and weight must be contiguous")
+    num_rows, hidden = x.shape
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    summed = x if residual is None else torch.empty_like(out)
+    if num_rows == 0:
+        return out, summed
+    block = triton.next_power_of_2(hidden)
+    res = x if residual is None else residual  # unused pointer when HAS_RESIDUAL is False
+    _rms_norm_kernel[(num_rows,)](
+        x, res, weight, out, summed,
+        x.stride(0), res.stride(0), out.stride(0), summed.stride(0),
+        hidden, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_num_warps(block),
+    )
+    return out, summed

@@ -116,3 +116,84 @@ def rotary_and_cache_ref(
     num_kv_heads, head_dim = k.shape[1:]
     k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[keep]
     v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[keep]
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, token, token_stride, head_stride, num_heads, cos, sin,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    """Rotates all heads of one token in place; returns the rotated halves (float32) for the cache write."""
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < num_heads) & (dims < HALF)
+    ptr = x_ptr + token * token_stride + heads * head_stride + dims
+    x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    out1 = x1 * cos - x2 * sin
+    out2 = x2 * cos + x1 * sin
+    tl.store(ptr, out1.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr + HALF, out2.to(x_ptr.dtype.element_ty), mask=mask)
+    return out1, out2
+
+
+@triton.jit
+def _rotary_and_cache_kernel(
+    q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    q_token_stride, q_head_stride, k_token_stride, k_head_stride, v_token_stride, v_head_stride,
+    num_q_heads, num_kv_heads,
+    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    # One program per token, all heads at once: cos/sin are loaded once and reused by every head.
+    token = tl.program_id(0).to(tl.int64)
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    table = cos_sin_ptr + position * (2 * HALF) + dims
+    cos = tl.load(table, mask=dims < HALF, other=0.0)
+    sin = tl.load(table + HALF, mask=dims < HALF, other=0.0)
+    _rotate_heads(q_ptr, token, q_token_stride, q_head_stride, num_q_heads, cos, sin,
+                  HALF, BLOCK_HQ, BLOCK_HALF)
+    k1, k2 = _rotate_heads(k_ptr, token, k_token_stride, k_head_stride, num_kv_heads, cos, sin,
+                           HALF, BLOCK_HKV, BLOCK_HALF)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    heads = tl.arange(0, BLOCK_HKV)[:, None]
+    mask = (heads < num_kv_heads) & (dims < HALF) & (slot >= 0)  # slot < 0: a padding token
+    cache_offset = slot * (num_kv_heads * 2 * HALF) + heads * (2 * HALF) + dims
+    dtype = k_cache_ptr.dtype.element_ty
+    tl.store(k_cache_ptr + cache_offset, k1.to(dtype), mask=mask)
+    tl.store(k_cache_ptr + cache_offset + HALF, k2.to(dtype), mask=mask)
+    v_ptr = v_ptr + token * v_token_stride + heads * v_head_stride + dims
+    tl.store(v_cache_ptr + cache_offset, tl.load(v_ptr, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + cache_offset + HALF, tl.load(v_ptr + HALF, mask=mask), mask=mask)
+
+
+def rotary_and_cache_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    _check(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    check_launchable(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("rotary_and_cache: the head_dim of q, k and v must be contiguous (row strides may vary)")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos_sin.is_contiguous()):
+        raise ValueError("rotary_and_cache: k_cache, v_cache and cos_sin must be contiguous")
+    num_tokens, num_q_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return
+    num_kv_heads = k.shape[1]
+    _rotary_and_cache_kernel[(num_tokens,)](
+        q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        num_q_heads, num_kv_heads,
+        HALF=head_dim // 2,
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+        BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        num_warps=4,
+    )
