@@ -1,0 +1,245 @@
+"""The OpenAI-compatible gateway, driven by the official `openai` package, over a live stack: real Kafka,
+real Redis and a `stoker-worker` subprocess on the stand-in engine (STOKER_FAKE_ENGINE=1), each test module
+with its own topic and Redis prefix."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from client.client import Client
+from client.gateway import create_app
+from schemas import Done
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP_DELAY_S = 0.02  # the stand-in engine's step time: slow enough to disconnect mid-stream, fast enough for CI
+
+pytestmark = pytest.mark.stack
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _create_topics(bootstrap: str, names: list[str]) -> None:
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(n, num_partitions=2, replication_factor=1) for n in names])
+    finally:
+        await admin.close()
+
+
+class Live:
+    """A worker subprocess on its own topic/prefix, and the gateway served in-process by uvicorn."""
+
+    def __init__(self, bootstrap: str, redis_url: str):
+        tag = uuid.uuid4().hex[:10]
+        self.bootstrap, self.redis_url = bootstrap, redis_url
+        self.topic, self.prefix = f"test.gw.{tag}", f"gw{tag}"
+        self.worker: subprocess.Popen[bytes] | None = None
+        self.server: uvicorn.Server | None = None
+        self.thread: threading.Thread | None = None
+        self.port = free_port()
+        self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"stoker-gw-worker-{tag}.log"
+
+    def client(self, **kw: object) -> Client:
+        return Client(self.bootstrap, self.redis_url, prefix=self.prefix, topic=self.topic, **kw)  # type: ignore[arg-type]
+
+    def start(self, serve_gateway: bool = True) -> None:
+        asyncio.run(_create_topics(self.bootstrap, [self.topic, self.topic + ".dlq"]))
+        env = dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=self.bootstrap, REDIS_URL=self.redis_url,
+                   STOKER_JOB_TOPIC=self.topic, STOKER_PREFIX=self.prefix, STOKER_GROUP_ID=f"g-{self.prefix}",
+                   STOKER_FAKE_ENGINE="1", STOKER_FAKE_STEP_DELAY_S=str(STEP_DELAY_S), STOKER_METRICS_PORT="-1")
+        with self.log.open("wb") as out:
+            self.worker = subprocess.Popen([sys.executable, "-m", "worker.main"], cwd=ROOT, env=env,
+                                           stdout=out, stderr=subprocess.STDOUT)
+        asyncio.run(self._wait_for_heartbeat())
+        if serve_gateway:
+            self._serve()
+
+    def _serve(self) -> None:
+        app = create_app(lambda: self.client(), timeout=30.0)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the gateway did not start within 20 s")
+            time.sleep(0.05)
+
+    async def _wait_for_heartbeat(self) -> None:
+        async with self.client() as c:
+            for _ in range(300):
+                if await c.workers():
+                    return
+                assert self.worker is not None
+                if self.worker.poll() is not None:
+                    break
+                await asyncio.sleep(0.1)
+        raise RuntimeError(f"the worker did not come up; its log:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+        if self.thread is not None:
+            self.thread.join(10)
+        if self.worker is not None and self.worker.poll() is None:
+            self.worker.terminate()  # SIGTERM: the worker drains and exits
+            try:
+                self.worker.wait(20)
+            except subprocess.TimeoutExpired:
+                self.worker.kill()
+                self.worker.wait(5)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+
+@pytest.fixture(scope="module")
+def live(kafka_bootstrap: str, redis_url: str) -> Iterator[Live]:
+    stack = Live(kafka_bootstrap, redis_url)
+    try:
+        stack.start()
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture
+async def oai(live: Live) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=live.base_url, api_key="unused", max_retries=0, timeout=30) as c:
+        yield c
+
+
+async def test_models_lists_what_live_workers_serve(oai: openai.AsyncOpenAI) -> None:
+    models = await oai.models.list()
+    assert [m.id for m in models.data] == ["fake"]
+
+
+async def test_completion_not_streaming(oai: openai.AsyncOpenAI) -> None:
+    r = await oai.completions.create(model="fake", prompt="Once upon a time", max_tokens=7,
+                                     extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
+    assert r.usage is not None and r.usage.completion_tokens == 7 and r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 7
+    assert len(r.choices[0].text.split()) == 7  # the stand-in engine says one word per token
+
+
+async def test_chat_not_streaming_accepts_max_completion_tokens(oai: openai.AsyncOpenAI) -> None:
+    r = await oai.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}],
+                                          max_completion_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.usage is not None and r.usage.completion_tokens == 5
+    assert r.choices[0].message.content and len(r.choices[0].message.content.split()) == 5
+
+
+async def test_chat_streaming_with_usage_joins_to_the_done_text(oai: openai.AsyncOpenAI, live: Live) -> None:
+    raw = await oai.chat.completions.with_raw_response.create(
+        model="fake", messages=[{"role": "user", "content": "tell me"}], max_tokens=12, seed=7, temperature=0.0,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    stream = raw.parse()
+    pieces, finish, usage, roles = [], None, None, []
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+            assert chunk.choices == []
+            continue
+        delta = chunk.choices[0].delta
+        roles.append(delta.role)
+        pieces.append(delta.content or "")
+        finish = chunk.choices[0].finish_reason or finish
+    assert roles[0] == "assistant" and finish == "length"
+    assert usage is not None and usage.completion_tokens == 12
+    async with live.client() as c:  # the worker's done event (its text is authoritative) under the result key
+        done = await c.result(raw.headers["x-request-id"])
+    assert isinstance(done, Done) and "".join(pieces) == done.text and done.usage.completion_tokens == 12
+
+
+async def test_completion_streaming_and_stop_as_string(oai: openai.AsyncOpenAI) -> None:
+    stream = await oai.completions.create(model="fake", prompt="x", max_tokens=6, stream=True, stop="never-said",
+                                          extra_body={"ignore_eos": True})
+    texts = [c.choices[0].text async for c in stream if c.choices]
+    assert len("".join(texts).split()) == 6
+
+
+@pytest.mark.parametrize(("kwargs", "status", "param"), [
+    ({"n": 2}, 400, "n"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),
+    ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ({"temperature": -1.0}, 400, None),
+])
+async def test_unsupported_or_bad_params_get_openai_errors(oai: openai.AsyncOpenAI, kwargs: dict, status: int,
+                                                           param: str | None) -> None:
+    with pytest.raises(openai.APIStatusError) as info:
+        await oai.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], **kwargs)
+    assert info.value.status_code == status
+    body = info.value.body
+    assert isinstance(body, dict) and body["message"] and body["type"] == "invalid_request_error"
+    if param is not None:
+        assert body["param"] == param
+    else:
+        assert "temperature" in body["message"]
+
+
+async def test_unknown_model_is_404_and_bad_json_400_and_bad_type_422(oai: openai.AsyncOpenAI, live: Live) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        await oai.completions.create(model="gpt-9", prompt="hi")
+    assert "gpt-9" in info.value.message and "fake" in info.value.message
+    async with httpx.AsyncClient(base_url=live.base_url) as h:
+        r = await h.post("/chat/completions", content=b"{not json")
+        assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+        r = await h.post("/completions", json={"model": "fake", "prompt": "hi", "max_tokens": "many"})
+        assert r.status_code == 422 and r.json()["error"]["param"] == "max_tokens"
+        r = await h.get("/nothing-here")
+        assert r.status_code == 404 and "error" in r.json()
+
+
+async def test_no_live_workers_is_503(live: Live) -> None:
+    app = create_app(lambda: Client(live.bootstrap, live.redis_url, prefix=f"empty{uuid.uuid4().hex[:8]}"))
+    transport = httpx.ASGITransport(app=app)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://gw") as h:
+        r = await h.post("/v1/completions", json={"model": "fake", "prompt": "hi"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_workers"
+
+
+async def test_client_disconnect_cancels_the_job_in_the_worker(live: Live) -> None:
+    body = {"model": "fake", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 2000,
+            "stream": True, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=live.base_url, timeout=30) as h, \
+            h.stream("POST", "/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        request_id = r.headers["x-request-id"]
+        lines = r.aiter_lines()
+        while not (await anext(lines)).startswith("data: {"):
+            pass
+        # leaving the block closes the connection mid-stream: 2000 tokens at 20 ms a step take 40 s
+    async with live.client() as c:
+        done = None
+        for _ in range(100):
+            done = await c.result(request_id)
+            if done is not None:
+                break
+            await asyncio.sleep(0.1)
+    assert isinstance(done, Done) and done.finish_reason == "cancelled"
+    assert done.usage.completion_tokens < 2000
