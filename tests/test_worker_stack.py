@@ -1,0 +1,306 @@
+"""The worker against a real Kafka broker and Redis, with the stand-in engine (fast, deterministic).
+
+Each test has its own topic, group and Redis prefix (tests/worker_harness.py). Workers run in-process
+(asyncio tasks) except where a process must die (SIGKILL) or drain (SIGTERM)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+
+import msgspec
+import pytest
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer
+
+from engine.sequence import SamplingParams
+from schemas import DLQ_HEADERS, Cancel, Chunk, Done, Error, encode_cancel
+from tests.worker_harness import (
+    Space,
+    check_sequence,
+    committed_offsets,
+    job,
+    make_space,
+    produce,
+    start_worker_process,
+    stop_process,
+    wait_results,
+)
+from worker.config import WorkerConfig
+from worker.fake_engine import FAIL_MARKER, FakeEngine
+from worker.service import Worker
+
+pytestmark = [pytest.mark.stack, pytest.mark.timeout(120)]
+
+
+@contextlib.asynccontextmanager
+async def running_worker(space: Space, engine: FakeEngine | None = None, **cfg: object) -> AsyncIterator[Worker]:
+    settings: dict[str, object] = dict(
+        fake_engine=True, bootstrap_servers=space.bootstrap, redis_url=space.redis_url,
+        job_topic=space.names.jobs_topic, prefix=space.names.redis_prefix, group_id=space.group,
+        metrics_port=-1, claim_ttl_s=3, drain_timeout_s=5)
+    settings.update(cfg)
+    config = WorkerConfig(**settings)  # type: ignore[arg-type]
+    worker = Worker(config, engine or FakeEngine(max_num_seqs=config.max_num_seqs))
+    task = asyncio.create_task(worker.run())
+    try:
+        for _ in range(200):  # joined the group and got partitions
+            if worker.ready or task.done():
+                break
+            await asyncio.sleep(0.05)
+        if task.done():
+            task.result()
+        yield worker
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, 30)
+
+
+@pytest.fixture
+async def space(request: pytest.FixtureRequest) -> Space:
+    return await make_space(request)
+
+
+@pytest.fixture
+async def r(space: Space) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(space.redis_url)
+    yield client
+    await client.aclose()
+
+
+def expected_text(request_id: str, max_tokens: int) -> str:
+    """What the stand-in engine alone produces for this request."""
+    engine = FakeEngine()
+    engine.add_request(request_id, prompt="x", params=SamplingParams(max_tokens=max_tokens))
+    text = []
+    while engine.has_unfinished():
+        text += [o.text_delta for o in engine.step()]
+    return "".join(text)
+
+
+async def test_200_concurrent_jobs_all_finish_in_order_and_get_committed(space, r):
+    jobs = [job(f"req-{i}", max_tokens=1 + i % 37, priority=i % 3, temperature=0.5 * (i % 2), seed=i,
+                tenant=f"t{i % 4}", metadata={"n": i}) for i in range(200)]
+    async with running_worker(space, max_num_seqs=64):
+        await produce(space.bootstrap, space.names.jobs_topic, jobs, msgpack_every=5)
+        results = await wait_results(r, space.names, [j["request_id"] for j in jobs], timeout=60)
+        for i, j in enumerate(jobs):
+            outcome = results[j["request_id"]]
+            check_sequence(outcome)
+            done = outcome.terminal
+            assert isinstance(done, Done) and done.attempt == 1 and done.finish_reason == "length"
+            assert done.text == expected_text(j["request_id"], j["max_tokens"])
+            assert done.usage.completion_tokens == j["max_tokens"] and done.usage.prompt_tokens == 4
+            assert done.tenant == f"t{i % 4}" and done.metadata == {"n": i} and done.model == "fake"
+            assert 0 <= done.timings.queue_ms <= done.timings.ttft_ms <= done.timings.total_ms
+        # MessagePack in, MessagePack out (every 5th job), on the result key too.
+        raw = await r.get(space.names.result("req-5"))
+        assert isinstance(msgspec.msgpack.decode(raw), dict)
+        assert json.loads(await r.get(space.names.result("req-1")))["type"] == "done"
+        assert 0 < await r.ttl(space.names.stream("req-1")) <= 3600
+        assert 0 < await r.ttl(space.names.result("req-1")) <= 3600
+        assert await r.exists(space.names.claim("req-1")) == 0  # released at the end
+        for _ in range(50):
+            committed, end = await committed_offsets(space.bootstrap, space.group, space.names.jobs_topic)
+            if committed == end:
+                break
+            await asyncio.sleep(0.1)
+        assert (committed, end) == (200, 200)
+
+
+async def test_cancel_mid_stream_and_before_read(space, r):
+    names = space.names
+    async with running_worker(space, engine=FakeEngine(step_delay_s=0.01)):
+        pubsub = r.pubsub()
+        await pubsub.subscribe(names.events_channel("long"))
+        await produce(space.bootstrap, names.jobs_topic, [job("long", max_tokens=2000)])
+        first = None
+        while first is None:
+            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5)
+            first = msg
+        await r.publish(names.cancel_channel, encode_cancel(Cancel(request_id="long")))
+        # Cancelled before any worker reads it: the key makes it stick.
+        await r.set(names.cancelled("early"), b"1", ex=60)
+        await produce(space.bootstrap, names.jobs_topic, [job("early", max_tokens=50)])
+        results = await wait_results(r, names, ["long", "early"], timeout=30)
+        await pubsub.aclose()
+    long, early = results["long"], results["early"]
+    check_sequence(long)
+    assert isinstance(long.terminal, Done) and long.terminal.finish_reason == "cancelled"
+    assert 0 < long.terminal.usage.completion_tokens < 2000
+    assert isinstance(early.terminal, Done) and early.terminal.finish_reason == "cancelled"
+    assert early.events == [early.terminal] and early.terminal.text == ""  # never ran
+
+
+async def test_deadlines_while_running_and_while_queued(space, r):
+    now = time.time() * 1000
+    async with running_worker(space, engine=FakeEngine(step_delay_s=0.01)):
+        await produce(space.bootstrap, space.names.jobs_topic, [
+            job("runs-out", max_tokens=3000, deadline_ms=int(now + 1500)),
+            job("already-late", max_tokens=10, deadline_ms=int(now - 1000)),
+        ])
+        results = await wait_results(r, space.names, ["runs-out", "already-late"], timeout=30)
+    runs_out, late = results["runs-out"].terminal, results["already-late"].terminal
+    assert isinstance(runs_out, Done) and runs_out.finish_reason == "deadline" and runs_out.usage.completion_tokens > 0
+    assert isinstance(late, Done) and late.finish_reason == "deadline" and late.usage.completion_tokens == 0
+    assert results["already-late"].events == [late]
+
+
+async def test_priority_orders_jobs_the_worker_holds(space, r):
+    engine = FakeEngine(max_num_seqs=1, step_delay_s=0.005)
+    async with running_worker(space, engine=engine, max_num_seqs=1, max_waiting=16):
+        # One partition would make Kafka order them too; these land in one poll, so the engine picks.
+        jobs = [job("blocker", max_tokens=60)] + [job(f"p{p}", max_tokens=3, priority=p) for p in (5, 3, 9, -2, 0)]
+        await produce(space.bootstrap, space.names.jobs_topic, jobs)
+        results = await wait_results(r, space.names, [j["request_id"] for j in jobs], timeout=30)
+    # Produced together, so total_ms (record time -> done) orders them by when they ran.
+    by_end = sorted((rid for rid in results if rid != "blocker"), key=lambda rid: results[rid].terminal.timings.total_ms)
+    assert by_end == ["p-2", "p0", "p3", "p5", "p9"]
+
+
+async def test_malformed_jobs_go_to_the_dlq_with_headers_and_an_error_event(space, r):
+    names = space.names
+    async with running_worker(space):
+        await produce(space.bootstrap, names.jobs_topic, [
+            (b"bad-1", b'{"type": "job", "request_id": "bad-1", "max_tokens": 0, "prompt": "x"}', [("trace", b"t1")]),
+            (b"bad-2", b"\x00 not json", []),
+            (None, b"[1, 2]", []),
+            job("too-long", prompt="a " * 10, max_tokens=4090),  # valid message the model can't serve
+            job("wrong-model", model="other"),
+            job("fails", prompt=f"x {FAIL_MARKER}"),
+        ])
+        results = await wait_results(r, names, ["bad-1", "bad-2", "too-long", "wrong-model", "fails"], timeout=30)
+    codes = {rid: (o.terminal.code if isinstance(o.terminal, Error) else None) for rid, o in results.items()}
+    assert codes == {"bad-1": "invalid_job", "bad-2": "invalid_job", "too-long": "context_length_exceeded",
+                     "wrong-model": "unknown_model", "fails": "internal"}
+    assert "max_tokens" in results["bad-1"].terminal.message
+    consumer = AIOKafkaConsumer(names.dlq_topic, bootstrap_servers=space.bootstrap, auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        batches = await consumer.getmany(timeout_ms=5000)
+        records = [rec for recs in batches.values() for rec in recs]
+    finally:
+        await consumer.stop()
+    # Only the malformed messages are dead letters; engine refusals are answered and committed.
+    assert sorted(rec.value for rec in records) == sorted(
+        [b'{"type": "job", "request_id": "bad-1", "max_tokens": 0, "prompt": "x"}', b"\x00 not json", b"[1, 2]"])
+    bad1 = next(rec for rec in records if rec.key == b"bad-1")
+    headers = dict(bad1.headers)
+    assert headers["trace"] == b"t1" and set(DLQ_HEADERS) <= set(headers)
+    assert headers["stoker-error-code"] == b"invalid_job" and int(headers["stoker-failed-at"]) > 0
+
+
+async def test_redelivered_job_with_a_result_republishes_nothing(space, r):
+    names = space.names
+    await r.set(names.result("old"), b'{"type":"done"}', ex=60)
+    async with running_worker(space):
+        await produce(space.bootstrap, names.jobs_topic, [job("old"), job("new", max_tokens=2)])
+        await wait_results(r, names, ["new"], timeout=30)
+        for _ in range(50):
+            committed, end = await committed_offsets(space.bootstrap, space.group, names.jobs_topic)
+            if committed == end == 2:
+                break
+            await asyncio.sleep(0.1)
+    assert (committed, end) == (2, 2)
+    assert await r.get(names.result("old")) == b'{"type":"done"}'
+    assert await r.exists(names.stream("old")) == 0
+
+
+async def test_poison_job_goes_to_the_dlq_and_never_runs(space, r):
+    names = space.names
+    await r.set(f"{names.redis_prefix}:attempts:doomed", 3)
+    async with running_worker(space):
+        await produce(space.bootstrap, names.jobs_topic, [job("doomed")])
+        results = await wait_results(r, names, ["doomed"], timeout=30)
+    err = results["doomed"].terminal
+    assert isinstance(err, Error) and err.code == "poison_job" and err.attempt == 4
+    assert results["doomed"].events == [err]
+
+
+async def test_job_held_by_another_worker_is_parked_then_taken_over(space, r):
+    names = space.names
+    await r.set(names.claim("held"), b"someone-else", px=1500)
+    await r.set(f"{names.redis_prefix}:attempts:held", 1)
+    async with running_worker(space):
+        await produce(space.bootstrap, names.jobs_topic, [job("held", max_tokens=3), job("free", max_tokens=3)])
+        free = await wait_results(r, names, ["free"], timeout=10)  # not held up by the parked one
+        assert await r.exists(names.result("held")) == 0
+        held = await wait_results(r, names, ["held"], timeout=20)
+    assert free["free"].terminal.attempt == 1
+    done = held["held"].terminal
+    assert isinstance(done, Done) and done.attempt == 2 and done.finish_reason == "length"
+
+
+async def test_two_workers_split_the_partitions(space, r):
+    jobs = [job(f"s{i}", max_tokens=20) for i in range(120)]
+    async with running_worker(space) as w1, running_worker(space) as w2:
+        for _ in range(100):  # both joined: the group rebalanced to two members
+            if w1._assigned and w2._assigned:
+                break
+            await asyncio.sleep(0.1)
+        assert w1._assigned and w2._assigned and not (w1._assigned & w2._assigned)
+        await produce(space.bootstrap, space.names.jobs_topic, jobs)
+        results = await wait_results(r, space.names, [j["request_id"] for j in jobs], timeout=60)
+    workers = {o.terminal.worker for o in results.values()}
+    assert workers == {w1.cfg.worker_id, w2.cfg.worker_id}
+    for o in results.values():
+        check_sequence(o)
+        assert o.terminal.attempt == 1
+
+
+async def test_metrics_health_and_heartbeat(space, r):
+    async with running_worker(space, metrics_port=0) as w:
+        await produce(space.bootstrap, space.names.jobs_topic, [job("m1", max_tokens=4)])
+        await wait_results(r, space.names, ["m1"], timeout=20)
+        port = w.health.port
+
+        def get(path: str) -> tuple[int, str]:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+                    return resp.status, resp.read().decode()
+            except urllib.error.HTTPError as exc:
+                return exc.code, ""
+
+        status, body = await asyncio.to_thread(get, "/metrics")
+        assert status == 200
+        assert 'stoker_requests_finished_total{reason="length"} 1.0' in body
+        assert "stoker_generation_tokens_total" in body and "stoker_time_to_first_token_seconds_count 1.0" in body
+        assert (await asyncio.to_thread(get, "/readyz"))[0] == 200
+        assert (await asyncio.to_thread(get, "/healthz"))[0] == 200
+        beat = json.loads(await r.get(f"{space.names.redis_prefix}:worker:{w.cfg.worker_id}"))
+        assert beat["model"] == "fake" and beat["capacity"] == 256
+
+
+async def test_sigkill_mid_stream_then_a_fresh_worker_finishes_everything(space, r, tmp_path):
+    names = space.names
+    ids = [f"k{i}" for i in range(12)]
+    env = space.worker_env(STOKER_FAKE_STEP_DELAY_S="0.02")
+    proc = start_worker_process(env, log_path=tmp_path / "w1.log")
+    try:
+        await produce(space.bootstrap, names.jobs_topic, [job(i, max_tokens=150) for i in ids])
+        for _ in range(300):  # wait until every job streams
+            if all(await asyncio.gather(*(r.exists(names.stream(i)) for i in ids))):
+                break
+            await asyncio.sleep(0.05)
+        proc.kill()
+        proc.wait(10)
+        assert not any(await asyncio.gather(*(r.exists(names.result(i)) for i in ids)))
+    finally:
+        stop_process(proc, signal.SIGKILL)
+    proc2 = start_worker_process(env, log_path=tmp_path / "w2.log")
+    try:
+        results = await wait_results(r, names, ids, timeout=60)
+    finally:
+        assert stop_process(proc2) == 0  # SIGTERM drains and exits 0
+    for rid, o in results.items():
+        check_sequence(o)
+        assert isinstance(o.terminal, Done) and o.terminal.attempt == 2  # the killed start counted once
+        assert o.terminal.text == expected_text(rid, 150)
+        assert {e.attempt for e in o.events} == {1, 2}
+    committed, end = await committed_offsets(space.bootstrap, space.group, names.jobs_topic)
+    assert committed == end == len(ids)
