@@ -120,8 +120,9 @@ async def _submit(args: argparse.Namespace) -> int:
         params["messages"] = messages + [{"role": "user", "content": args.prompt}]
     else:
         params["prompt"] = args.prompt
-    async with _client(args) as client:
-        job = client.make_job(request_id=args.request_id, **params)
+    client = _client(args)
+    job = client.make_job(request_id=args.request_id, **params)  # validated before any connection is made
+    async with client:
         print(f"request_id {job.request_id}", file=sys.stderr, flush=True)
         async for event in client.run(job, timeout=args.timeout):
             if args.json:

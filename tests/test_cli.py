@@ -1,0 +1,170 @@
+"""The `stoker` CLI and the load generator: pure parts (percentiles, the PNG writer, flag wiring) without a
+stack, and submit/tail/workers/load against a live fake-engine worker, run with torch import blocked."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_gateway import Live
+
+from client import cli
+from client.load import LoadConfig, LoadReport, RequestRecord, percentile, plot_latency
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Runs `client.cli.main(argv)` in a fresh interpreter where importing torch, triton or engine fails.
+NO_TORCH = """
+import sys, importlib.abc
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name in ('torch', 'triton') or name.startswith(('torch.', 'triton.', 'engine')):
+            raise ImportError('blocked for this test: ' + name)
+sys.meta_path.insert(0, Block())
+from client.cli import main
+code = main(sys.argv[1:])
+assert 'torch' not in sys.modules
+sys.exit(code)
+"""
+
+
+def read_png(data: bytes) -> tuple[int, int, bytes]:
+    """(width, height, RGB bytes without filter bytes) of an 8-bit RGB PNG with filter 0 rows."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, width, height = 8, b"", 0, 0
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos:pos + 4])
+        tag, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        assert struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])[0] == zlib.crc32(tag + body)
+        if tag == b"IHDR":
+            width, height, depth, colour = struct.unpack(">IIBB", body[:10])
+            assert (depth, colour) == (8, 2)
+        elif tag == b"IDAT":
+            idat += body
+        pos += 12 + length
+    raw = zlib.decompress(idat)
+    stride = width * 3 + 1
+    assert len(raw) == stride * height and all(raw[y * stride] == 0 for y in range(height))
+    return width, height, b"".join(raw[y * stride + 1:(y + 1) * stride] for y in range(height))
+
+
+def test_percentile_interpolates() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == pytest.approx(50.5)
+    assert percentile(values, 99) == pytest.approx(99.01)
+    assert percentile([7.0], 90) == 7.0
+
+
+def test_report_table_and_plot_from_records() -> None:
+    records = [RequestRecord(start=float(i), first_token=i + 0.1, end=i + 0.5, output_tokens=4,
+                             token_gaps=[0.1, 0.1, 0.2]) for i in range(10)]
+    records.append(RequestRecord(start=10.0, error="context_length_exceeded"))
+    report = LoadReport(LoadConfig(num_requests=11, output_len=4), records, duration_s=10.5)
+    table = report.table()
+    assert "ok 10  errors 1" in table and "error context_length_exceeded: 1" in table
+    ttft = next(line for line in table.splitlines() if line.startswith("ttft_ms")).split()
+    assert float(ttft[1]) == pytest.approx(100.0)  # p50 TTFT: 0.1 s
+    assert "throughput 3.8 output tok/s" in table  # 40 tokens / 10.5 s
+
+    width, height, pixels = read_png(plot_latency(report, width=300, height=200))
+    assert (width, height) == (300, 200)
+    colours = {pixels[i:i + 3] for i in range(0, len(pixels), 3)}
+    assert bytes((214, 39, 40)) in colours and bytes((31, 119, 180)) in colours  # e2e and TTFT points drawn
+    # the slowest e2e (500 ms, the y maximum) sits on the top of the plot area, 40 px margin
+    top_row = pixels[40 * width * 3:(40 + 2) * width * 3]
+    assert bytes((214, 39, 40)) in {top_row[i:i + 3] for i in range(0, len(top_row), 3)}
+
+
+def test_load_config_rejects_nonsense() -> None:
+    with pytest.raises(ValueError, match="num_requests"):
+        LoadConfig(num_requests=0)
+    with pytest.raises(ValueError, match="rate"):
+        LoadConfig(rate=-1)
+
+
+def test_stack_subcommand_calls_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    from client import stack
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(stack, "main", lambda argv: seen.append(argv) or 3)
+    assert cli.main(["stack", "status", "--redis-port", "7000"]) == 3
+    assert seen == [["status", "--redis-port", "7000"]]
+
+
+def test_bad_flag_value_exits_2_naming_the_field(capsys: pytest.CaptureFixture[str]) -> None:
+    # validated before connecting: nothing listens on port 1, yet the answer is about the flag
+    assert cli.main(["submit", "hi", "--temperature", "-1", "--redis-url", "redis://127.0.0.1:1/0"]) == 2
+    assert "temperature" in capsys.readouterr().err
+    assert cli.main(["workers", "--redis-url", "redis://127.0.0.1:1/0"]) == 4
+    assert "cannot reach" in capsys.readouterr().err
+
+
+# ---- live ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def worker(kafka_bootstrap: str, redis_url: str) -> Iterator[Live]:
+    live = Live(kafka_bootstrap, redis_url)
+    try:
+        live.start(serve_gateway=False)
+        yield live
+    finally:
+        live.stop()
+
+
+def stoker(live: Live, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=live.bootstrap, REDIS_URL=live.redis_url,
+               STOKER_PREFIX=live.prefix, STOKER_JOB_TOPIC=live.topic)
+    return subprocess.run([sys.executable, "-c", NO_TORCH, *argv], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.stack
+def test_submit_json_then_tail_replays_the_same_events(worker: Live) -> None:
+    out = stoker(worker, "submit", "hello", "--max-tokens", "5", "--ignore-eos", "--json", "--request-id",
+                 "cli-req-1")
+    assert out.returncode == 0, out.stderr
+    events = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [e["seq"] for e in events] == list(range(len(events))) and events[-1]["type"] == "done"
+    assert "".join(e["text"] for e in events[:-1]) == events[-1]["text"]
+    assert events[-1]["usage"]["completion_tokens"] == 5
+
+    tail = stoker(worker, "tail", "cli-req-1", "--json")
+    assert tail.returncode == 0, tail.stderr
+    assert [json.loads(line) for line in tail.stdout.splitlines()] == events
+
+
+@pytest.mark.stack
+def test_submit_chat_streams_text(worker: Live) -> None:
+    out = stoker(worker, "submit", "hi", "--chat", "--system", "be brief", "--max-tokens", "3", "--ignore-eos")
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.split()) == 3 and "[length]" in out.stderr and "completion 3 tokens" in out.stderr
+
+
+@pytest.mark.stack
+def test_workers_lists_the_live_worker(worker: Live) -> None:
+    out = stoker(worker, "workers", "--json")
+    assert out.returncode == 0, out.stderr
+    (info,) = json.loads(out.stdout)
+    assert info["model"] == "fake" and info["capacity"] >= 1 and info["worker_id"]
+
+
+@pytest.mark.stack
+def test_load_reports_latencies_and_writes_a_plot(worker: Live, tmp_path: Path) -> None:
+    plot = tmp_path / "latency.png"
+    out = stoker(worker, "load", "-n", "40", "--rate", "40", "--prompt-len", "16", "--output-len", "8",
+                 "--no-progress", "--plot", str(plot), timeout=120)
+    print(out.stdout)  # the table, for the record (pytest -s shows it)
+    assert out.returncode == 0, out.stderr
+    assert "requests 40  ok 40  errors 0" in out.stdout
+    for metric in ("ttft_ms", "itl_ms", "e2e_ms"):
+        row = next(line for line in out.stdout.splitlines() if line.startswith(metric)).split()
+        p50, p90, p99 = (float(v) for v in row[1:4])
+        assert 0 < p50 <= p90 <= p99
+    width, height, _ = read_png(plot.read_bytes())
+    assert (width, height) == (800, 400)
