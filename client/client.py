@@ -18,9 +18,9 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import redis.asyncio as aioredis
@@ -319,7 +319,7 @@ class Client:
         timeout: float | None = None,
         cancel_on_exit: bool = True,
         **params: Any,
-    ) -> AsyncIterator[Chunk | Done]:
+    ) -> AsyncGenerator[Chunk | Done, None]:
         """Submits a job and yields its `chunk` events in order, then its `done` event (last). An `error`
         event raises RequestFailed. If the caller stops iterating early (break, task cancelled, client
         disconnect in the gateway), the job is cancelled unless cancel_on_exit=False."""
@@ -330,7 +330,7 @@ class Client:
 
     async def run(
         self, job: Job, *, timeout: float | None = None, cancel_on_exit: bool = True
-    ) -> AsyncIterator[Chunk | Done]:
+    ) -> AsyncGenerator[Chunk | Done, None]:
         """Like `stream`, for a job already built (e.g. by `make_job`)."""
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
@@ -413,7 +413,9 @@ class Client:
 
     async def _replay(self, request_id: str, sequencer: EventSequencer) -> AsyncIterator[Event]:
         """Yields the stream's events that the sequencer accepts (those we have not delivered yet)."""
-        for _entry_id, entry in await self.redis.xrange(self.names.stream(request_id)):
+        # redis-py's stubs cover every decode_responses mode; ours returns bytes
+        entries = cast(list[tuple[bytes, dict[bytes, bytes]]], await self.redis.xrange(self.names.stream(request_id)))
+        for _entry_id, entry in entries:
             event = decode_event(entry[b"data"])
             if sequencer.offer(event) == "accept":
                 yield event
@@ -423,17 +425,18 @@ class Client:
         its terminal event, which is yielded too (an `error` is yielded, not raised: tail is an observer)."""
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        sequencer, last_id, seen = EventSequencer(), b"0-0", 0
+        sequencer, last_id, seen = EventSequencer(), "0-0", 0
         stream = self.names.stream(request_id)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RequestTimeout(request_id, timeout, seen)
             block_ms = max(1, int(min(remaining, self.poll_interval) * 1000))
-            reply = await self.redis.xread({stream: last_id}, block=block_ms, count=512)
+            reply = cast(list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] | None,
+                         await self.redis.xread({stream: last_id}, block=block_ms, count=512))
             for _stream, entries in reply or []:
                 for entry_id, entry in entries:
-                    last_id = entry_id
+                    last_id = entry_id.decode()
                     event = decode_event(entry[b"data"])
                     verdict = sequencer.offer(event)
                     if verdict == "gap":  # the stream is capped: its oldest entries are gone
@@ -459,7 +462,7 @@ class Client:
 
     async def result(self, request_id: str) -> Done | ErrorEvent | None:
         """The terminal event under the result key, or None if the request has not finished (or expired)."""
-        raw = await self.redis.get(self.names.result(request_id))
+        raw = cast(bytes | None, await self.redis.get(self.names.result(request_id)))
         if raw is None:
             return None
         event = decode_event(raw)
@@ -486,6 +489,10 @@ class Client:
             worker_id = key.decode()[prefix_len:]
             found.append(WorkerInfo(worker_id, info.get("model"), info.get("capacity"), info.get("version"), info))
         return sorted(found, key=lambda w: w.worker_id)
+
+
+async def _anext(agen: AsyncGenerator[Chunk | Done, None]) -> Chunk | Done:
+    return await anext(agen)
 
 
 class SyncClient:
@@ -519,7 +526,7 @@ class SyncClient:
         try:
             while True:
                 try:
-                    yield self._runner.run(agen.__anext__())
+                    yield self._runner.run(_anext(agen))
                 except StopAsyncIteration:
                     return
         finally:
