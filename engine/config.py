@@ -23,6 +23,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_prefix_caching: bool = True
     seed: int | None = None  # seeds the draw of per-request seeds for unseeded requests
+    cuda_graphs: bool = True  # on CUDA: capture decode steps per batch bucket at startup (cuda_graphs.py)
 
     def __post_init__(self) -> None:
         problems = []

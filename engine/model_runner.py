@@ -7,7 +7,10 @@ the same interface.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -17,6 +20,8 @@ from engine.loader import ModelConfig, load_weights
 from engine.models import MODEL_REGISTRY
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRequest
 from engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -42,15 +47,35 @@ class ModelRunner:
         self.device = torch.device(config.device)  # type: ignore[arg-type]
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
+        t0 = time.perf_counter()
         with torch.device(self.device):
             self.model = MODEL_REGISTRY[model_config.architecture](model_config, self.dtype, max_model_len)
-        load_weights(self.model, config.model_path)
+        # Startup report (GPU work, see engine/fast_load.py and engine/cuda_graphs.py): seconds and bytes.
+        self.startup: dict[str, Any] = {}
+        if self.device.type == "cuda":
+            from engine.fast_load import load_weights_fast
+
+            self.startup |= load_weights_fast(self.model, config.model_path, self.device)
+        else:
+            load_weights(self.model, config.model_path)
         self.model.eval()
         self.num_blocks = num_kv_blocks(model_config, config)
         self.kv_caches = allocate_kv_cache(
             model_config, self.num_blocks, self.block_size, self.dtype, config.device
         )  # type: ignore[arg-type]
         self.sampler = Sampler()
+        self.graphs = None
+        if self.device.type == "cuda" and config.cuda_graphs:
+            from engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self, config.max_num_seqs, max_model_len)
+            self.startup["graph_capture_s"] = self.graphs.capture()
+            self.startup["graph_buckets"] = self.graphs.sizes
+        self.startup["ready_s"] = time.perf_counter() - t0
+        if self.device.type == "cuda":
+            log.info("model ready in %.2f s (weights %.2f s, %.1f GB/s; graph capture %.2f s)",
+                     self.startup["ready_s"], self.startup.get("load_s", 0.0),
+                     self.startup.get("gb_per_s", 0.0), self.startup.get("graph_capture_s", 0.0))
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         host = torch.tensor(values, dtype=dtype)
@@ -98,10 +123,29 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inp: ModelInput) -> torch.Tensor:
         """-> float32 logits [N, V] of the sampled rows only (lm_head runs on those rows alone)."""
+        if self.graphs is not None and self.graphs.fits(inp):
+            return self.graphs.run(inp)  # decode-only: replay the captured graph of the batch's bucket
         hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
         return self.model.compute_logits(hidden[inp.sample_indices])
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: list[SamplingRequest]) -> SamplerOutput:
         batch = SamplingBatch.build(rows, logits.shape[-1], self.device)
-        return self.sampler(logits, batch)
+        out = self.sampler(logits, batch)
+        return _to_host(out) if self.device.type == "cuda" else out
+
+
+def _to_host(out: SamplerOutput) -> SamplerOutput:
+    """The step's one host sync: non_blocking copies into pinned memory, then wait on a blocking-sync event
+    so the CPU sleeps instead of spinning while the GPU finishes (spinning would burn a core per worker)."""
+    def host(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return h.copy_(t, non_blocking=True)
+
+    res = SamplerOutput(host(out.token_ids), host(out.logprobs), host(out.top_ids), host(out.top_logprobs))
+    done = torch.cuda.Event(blocking=True)
+    done.record()
+    done.synchronize()
+    return res  # type: ignore[arg-type]

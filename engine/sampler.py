@@ -75,7 +75,10 @@ class SamplingBatch:
         ps = [r.params for r in rows]
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+            host = torch.tensor(values, dtype=dtype)
+            if torch.device(device).type == "cuda":  # pinned: the copy is truly async, no stream sync
+                host = host.pin_memory()
+            return host.to(device, non_blocking=True)
 
         def id_mask(id_lists: list[list[int]], counts: bool) -> torch.Tensor:
             # Pad with an extra column V that is dropped after the scatter.

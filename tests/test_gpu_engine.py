@@ -1,0 +1,201 @@
+"""The engine on the GPU: logits and greedy tokens against transformers, CUDA-graph decode, fast loading.
+
+GPU tests are marked `gpu` and skipped without CUDA; the fast loader and the bucket arithmetic also run on
+the CPU so CI checks them everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.cuda_graphs import bucket_sizes, pick_bucket
+from engine.fast_load import load_weights_fast, read_header
+from engine.loader import ModelConfig, load_weights
+from engine.make_model import write_tokenizer
+from engine.models import MODEL_REGISTRY
+
+CUDA = torch.cuda.is_available()
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
+VOCAB = 384
+
+
+def _hf_llama(out_dir: str, max_shard_size: str | None = None):
+    """A small Llama (head_dim 64, GQA 4:1) with random weights scaled so logits are peaked; saved with
+    save_pretrained (float32 safetensors) plus make_model's tokenizer. Returns the transformers model."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.08,
+        bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, rope_theta=10000.0,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("norm"):
+                module.weight.uniform_(0.6, 1.4)  # not all ones: a misplaced norm shows
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 1
+    model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    assert write_tokenizer(out_dir, VOCAB) == VOCAB
+    return model
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory):
+    path = str(tmp_path_factory.mktemp("gpu_llama"))
+    return path, _hf_llama(path, max_shard_size="2MB")  # several shards: the loaders walk the index
+
+
+# ---- CPU: bucket arithmetic and the fast loader -----------------------------------------------------------
+def test_bucket_sizes_and_pick() -> None:
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(32) == [1, 2, 4, 8, 16, 32]
+    assert bucket_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+    sizes = bucket_sizes(48)
+    assert [pick_bucket(sizes, n) for n in (1, 2, 3, 5, 17, 33, 48)] == [1, 2, 4, 8, 32, 48, 48]
+    with pytest.raises(ValueError, match="no CUDA-graph bucket for a batch of 49"):
+        pick_bucket(sizes, 49)
+    with pytest.raises(ValueError, match="max_batch must be >= 1"):
+        bucket_sizes(0)
+
+
+def _fresh_model(path: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    mc = ModelConfig.from_folder(path)
+    with torch.device(device):
+        return MODEL_REGISTRY[mc.architecture](mc, dtype, 64)
+
+
+@pytest.mark.parametrize("device,dtype", [
+    pytest.param("cpu", torch.float32, id="cpu-f32"),
+    pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=gpu),
+    pytest.param("cuda", torch.float32, id="cuda-f32", marks=gpu),
+])
+def test_fast_load_matches_reference_loader(llama, device: str, dtype: torch.dtype) -> None:
+    path, _ = llama
+    ref, fast = _fresh_model(path, device, dtype), _fresh_model(path, device, dtype)
+    for p in fast.parameters():
+        p.data.fill_(float("nan"))  # anything left unwritten fails the comparison
+    load_weights(ref, path)
+    # Tiny chunks and groups: tensors split over many chunks, groups of several tensors, many threads.
+    stats = load_weights_fast(fast, path, device, threads=4, chunk_bytes=4096 + 8, group_bytes=300_000,
+                              progress=False)
+    assert stats["files"] > 1 and stats["bytes"] > 0
+    for (name, a), (_, b) in zip(ref.named_parameters(), fast.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_fast_load_rejects_bad_files(tmp_path, llama) -> None:
+    path, _ = llama
+    short = tmp_path / "short.safetensors"
+    short.write_bytes(b"\x01\x02")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        read_header(str(short))
+    bad = tmp_path / "bad.safetensors"
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}).encode()
+    bad.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
+    with pytest.raises(ValueError, match="tensor w has a byte range"):
+        read_header(str(bad))
+    entries = read_header(os.path.join(path, sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))[0]))
+    assert entries == sorted(entries, key=lambda e: e.begin) and all(e.end > e.begin for e in entries)
+
+
+# ---- GPU: logits and tokens against transformers ---------------------------------------------------------
+def _engine(path: str, dtype: str, **kw):
+    from engine.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model_path=path, device="cuda", dtype=dtype, max_model_len=256,
+                                  num_kv_blocks=128, max_num_seqs=8, **kw))
+
+
+def _input(runner, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+           qsl: list[int], ctx: list[int], samples: list[int], decode_only: bool):
+    from engine.model_runner import AttentionMetadata, ModelInput
+
+    width = max(len(t) for t in tables)
+    tables = [t + [0] * (width - len(t)) for t in tables]
+    meta = AttentionMetadata(runner._tensor(slots, torch.int64), runner._tensor(tables, torch.int32),
+                             runner._tensor(qsl, torch.int32), runner._tensor(ctx, torch.int32), decode_only)
+    return ModelInput(runner._tensor(ids, torch.int64), runner._tensor(positions, torch.int64), meta,
+                      runner._tensor(samples, torch.int64))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_bf16_logits_match_transformers_prefill_and_graph_decode(llama) -> None:
+    path, hf = llama
+    hf = hf.to("cuda")
+    engine = _engine(path, "bfloat16")
+    runner = engine.runner
+    assert runner.graphs is not None and runner.graphs.sizes == [1, 2, 4, 8]
+    gen = torch.Generator().manual_seed(1)
+    lens, extra = [37, 5, 70], 4  # 3 sequences: a decode batch of 3 replays bucket 4 with one pad row
+    seqs = [torch.randint(2, VOCAB, (n + extra,), generator=gen).tolist() for n in lens]
+    with torch.no_grad():
+        ref = [hf(torch.tensor([s], device="cuda")).logits[0].float() for s in seqs]
+    bs = runner.block_size
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(len(seqs))]  # 128 tokens of blocks each
+
+    def slot(i: int, p: int) -> int:
+        return tables[i][p // bs] * bs + p % bs
+
+    # Prefill all three prompts in one mixed batch, logits of every prompt position.
+    ids, pos, slots, qsl, samples = [], [], [], [0], []
+    for i, n in enumerate(lens):
+        ids += seqs[i][:n]
+        pos += list(range(n))
+        slots += [slot(i, p) for p in range(n)]
+        qsl.append(qsl[-1] + n)
+    inp = _input(runner, ids, pos, slots, tables, qsl, lens, list(range(len(ids))), False)
+    ours = runner.forward(inp)
+    theirs = torch.cat([ref[i][:n] for i, n in enumerate(lens)])
+    err = ((ours - theirs).norm() / theirs.norm()).item()
+    assert err <= 1e-2, f"prefill logits rel error {err:.2e}"
+    # Decode the next tokens (teacher-forced) through the captured graphs.
+    before = runner.graphs.replays
+    for step in range(extra):
+        p = [n + step for n in lens]
+        inp = _input(runner, [seqs[i][p[i]] for i in range(3)], p, [slot(i, p[i]) for i in range(3)], tables,
+                     [0, 1, 2, 3], [x + 1 for x in p], [0, 1, 2], True)
+        ours = runner.forward(inp)
+        theirs = torch.stack([ref[i][p[i]] for i in range(3)])
+        err = ((ours - theirs).norm() / theirs.norm()).item()
+        assert err <= 1e-2, f"decode step {step}: logits rel error {err:.2e}"
+    assert runner.graphs.replays == before + extra
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
+def test_fp32_greedy_tokens_match_transformers(llama, cuda_graphs: bool) -> None:
+    from engine.sequence import SamplingParams
+
+    path, hf = llama
+    hf = hf.to("cuda")
+    engine = _engine(path, "float32", cuda_graphs=cuda_graphs)
+    gen = torch.Generator().manual_seed(2)
+    prompts = {f"r{n}": torch.randint(2, VOCAB, (n,), generator=gen).tolist() for n in (5, 17, 33, 64, 1)}
+    for rid, ids in prompts.items():
+        engine.add_request(rid, prompt_token_ids=ids,
+                           params=SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    got: dict[str, list[int]] = {rid: [] for rid in prompts}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.error_code is None, out.error_message
+            got[out.request_id] += out.new_token_ids
+    for rid, ids in prompts.items():
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=24, do_sample=False)
+        assert got[rid] == want[0, len(ids):].tolist(), rid
+    if cuda_graphs:
+        assert engine.runner.graphs is not None and engine.runner.graphs.replays >= 20
+        assert engine.runner.startup["graph_capture_s"] > 0 and engine.runner.startup["load_s"] > 0
+    else:
+        assert engine.runner.graphs is None
