@@ -1,0 +1,259 @@
+"""Every Triton kernel against its plain-torch reference, on odd shapes, fresh random inputs each run,
+with tolerances tied to the dtype.
+
+Two ways this module runs:
+- on CUDA (tests marked gpu): bf16, fp16 and fp32 on the GPU;
+- on the CPU under TRITON_INTERPRET=1, which must be set before any kernel is decorated, i.e. before
+  engine.kernels is first imported. Other test modules import engine.kernels first, so the driver test
+  at the bottom re-runs this file in a fresh interpreter-mode subprocess; in that subprocess the CPU cases
+  run (fp32/fp16 only: the interpreter mishandles bf16) and the driver skips itself.
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+triton = pytest.importorskip("triton")
+
+if INTERPRET:
+    import numpy as np
+    from triton.runtime import interpreter as _interpreter
+
+    if tuple(int(p) for p in np.__version__.split(".")[:2]) >= (2, 4):
+        # triton 3.6's interpreter does int(array_of_shape_1) for runtime loop bounds, which numpy >= 2.4
+        # rejects (triton-lang/triton#9171, fixed upstream by #9172 after 3.6). Apply that one-line fix.
+        _original_patch = _interpreter._patch_lang_tensor
+
+        def _patch_lang_tensor(tensor, scope):  # type: ignore[no-untyped-def]
+            _original_patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+        _interpreter._patch_lang_tensor = _patch_lang_tensor
+
+from engine.kernels import (  # noqa: E402  (after the interpreter fix above)
+    paged_attention,
+    paged_attention_ref,
+    paged_attention_triton,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    paged_decode_attention_triton,
+    rms_norm,
+    rms_norm_ref,
+    rms_norm_triton,
+    rope_cos_sin,
+    rotary_and_cache_ref,
+    rotary_and_cache_triton,
+    silu_and_mul_ref,
+    silu_and_mul_triton,
+)
+from engine.kernels.attention import decode_num_splits  # noqa: E402
+
+_GPU = pytest.mark.gpu
+_NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+if INTERPRET:
+    CASES = [pytest.param("cpu", torch.float32, id="cpu-fp32"), pytest.param("cpu", torch.float16, id="cpu-fp16")]
+else:
+    CASES = [pytest.param("cuda", dt, id=f"cuda-{name}", marks=[_GPU, _NO_CUDA])
+             for name, dt in [("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)]]
+
+
+def tol(dtype: torch.dtype) -> dict[str, float]:
+    return {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
+            torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}[dtype]
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(actual.float(), expected.float(), **tol(dtype))
+
+
+# ---------------------------------------------------------------------------------------------- rms_norm
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("rows,hidden", [(7, 48), (1, 4096), (3, 80)])
+def test_rms_norm(device: str, dtype: torch.dtype, rows: int, hidden: int) -> None:
+    wide = torch.randn(rows, hidden + 16, device=device, dtype=dtype)
+    x = wide[:, :hidden]  # a row stride != hidden must be honoured
+    residual = torch.randn(rows, hidden, device=device, dtype=dtype)
+    weight = torch.randn(hidden, device=device, dtype=dtype)
+    out, same = rms_norm_triton(x, weight, 1e-5)
+    close(out, rms_norm_ref(x, weight, 1e-5)[0], dtype)
+    assert same is x
+    out, summed = rms_norm_triton(x, weight, 1e-5, residual)
+    ref_out, ref_summed = rms_norm_ref(x, weight, 1e-5, residual)
+    close(out, ref_out, dtype)
+    torch.testing.assert_close(summed, ref_summed, rtol=0, atol=0)  # the sum is rounded exactly like torch
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_rms_norm_per_head_view(device: str, dtype: torch.dtype) -> None:
+    q = torch.randn(5, 6, 64, device=device, dtype=dtype)  # Qwen3 q-norm: one row per (token, head)
+    weight = torch.randn(64, device=device, dtype=dtype)
+    close(rms_norm_triton(q.view(-1, 64), weight, 1e-6)[0], rms_norm_ref(q.view(-1, 64), weight, 1e-6)[0], dtype)
+
+
+# ------------------------------------------------------------------------------------------- activation
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("rows,inter", [(7, 45), (3, 1500), (1, 1)])
+def test_silu_and_mul(device: str, dtype: torch.dtype, rows: int, inter: int) -> None:
+    x = torch.randn(rows, 2 * inter, device=device, dtype=dtype) * 3
+    out = silu_and_mul_triton(x)
+    assert out.shape == (rows, inter) and out.dtype == dtype
+    close(out, silu_and_mul_ref(x), dtype)
+
+
+# ------------------------------------------------------------------------------------------------- rope
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("hq,hkv,head_dim,block_size", [(6, 2, 64, 16), (6, 2, 80, 8), (4, 4, 32, 8)])
+def test_rotary_and_cache(device: str, dtype: torch.dtype, hq: int, hkv: int, head_dim: int, block_size: int) -> None:
+    num_tokens, num_blocks = 7, 4
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    cos_sin = rope_cos_sin(head_dim, 512, 500000.0, scaling, device=device)
+    qkv = torch.randn(num_tokens, (hq + 2 * hkv) * head_dim, device=device, dtype=dtype)
+    positions = torch.randint(0, 512, (num_tokens,), device=device)
+    slots = torch.randperm(num_blocks * block_size, device=device)[:num_tokens]
+    slots[[1, 4]] = -1  # padding
+    k_cache = torch.randn(num_blocks, block_size, hkv, head_dim, device=device).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+
+    def fused_views(t: torch.Tensor) -> list[torch.Tensor]:
+        return [p.view(num_tokens, -1, head_dim) for p in t.split([hq * head_dim, hkv * head_dim, hkv * head_dim], -1)]
+
+    ref_qkv, ref_k_cache, ref_v_cache = qkv.clone(), k_cache.clone(), v_cache.clone()
+    rotary_and_cache_triton(*fused_views(qkv), positions, cos_sin, k_cache, v_cache, slots)
+    rotary_and_cache_ref(*fused_views(ref_qkv), positions, cos_sin, ref_k_cache, ref_v_cache, slots)
+    close(qkv, ref_qkv, dtype)
+    close(k_cache, ref_k_cache, dtype)
+    torch.testing.assert_close(v_cache, ref_v_cache, rtol=0, atol=0)
+
+
+# -------------------------------------------------------------------------------------------- attention
+def paged_batch(
+    lens: list[int], hkv: int, head_dim: int, block_size: int, device: str, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random caches whose blocks are handed out in shuffled order; the blocks no sequence owns hold NaN
+    and block_tables entries past each sequence's last block are out-of-range garbage, so a kernel that
+    reads anything it should not either poisons its output or faults."""
+    owned = [math.ceil(n / block_size) for n in lens]
+    num_blocks = sum(owned) + 2
+    k_cache = torch.randn(num_blocks, block_size, hkv, head_dim, device=device).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    order = torch.randperm(num_blocks).tolist()
+    k_cache[order[-2:]] = float("nan")
+    v_cache[order[-2:]] = float("nan")
+    block_tables = torch.full((len(lens), max(owned) + 3), 1 << 24, dtype=torch.int32)
+    taken = 0
+    for seq, n_blocks in enumerate(owned):
+        block_tables[seq, :n_blocks] = torch.tensor(order[taken:taken + n_blocks])
+        taken += n_blocks
+        # The last block's slots past the context hold NaN too: only positions < context may be read.
+        tail = lens[seq] % block_size
+        if tail:
+            k_cache[block_tables[seq, n_blocks - 1], tail:] = float("nan")
+            v_cache[block_tables[seq, n_blocks - 1], tail:] = float("nan")
+    return k_cache, v_cache, block_tables.to(device)
+
+
+ATTN_SHAPES = [(6, 2, 64, 16), (6, 2, 80, 8), (8, 1, 32, 16), (4, 4, 64, 8)]  # Hq, Hkv, D, block_size
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("hq,hkv,head_dim,block_size", ATTN_SHAPES)
+def test_paged_attention_mixed_batch(
+    device: str, dtype: torch.dtype, hq: int, hkv: int, head_dim: int, block_size: int
+) -> None:
+    # (new queries, context): fresh prefill, chunk after a cached prefix, decodes, context 1, an empty
+    # sequence in the middle, and a prefill longer than one query tile.
+    shapes = [(17, 17), (5, 40), (1, 100), (1, 1), (0, 9), (3, 3), (37, 50)]
+    k_cache, v_cache, block_tables = paged_batch([c for _, c in shapes], hkv, head_dim, block_size, device, dtype)
+    query_start_loc = torch.tensor([0] + [n for n, _ in shapes], device=device).cumsum(0).to(torch.int32)
+    context_lens = torch.tensor([c for _, c in shapes], dtype=torch.int32, device=device)
+    num_real = int(query_start_loc[-1])
+    q = torch.randn(num_real + 3, hq, head_dim, device=device, dtype=dtype)  # 3 rows of batch padding
+    scale = head_dim**-0.5
+    out = paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+    ref = paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+    assert out.shape == q.shape and out.dtype == dtype
+    close(out[:num_real], ref[:num_real], dtype)
+    assert torch.equal(out[num_real:], torch.zeros_like(out[num_real:]))
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("hq,hkv,head_dim,block_size", ATTN_SHAPES)
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
+def test_paged_decode_attention(
+    device: str, dtype: torch.dtype, hq: int, hkv: int, head_dim: int, block_size: int, num_splits: int | None
+) -> None:
+    lens = [1, 17, 100, 33, 64]  # with 8 splits most splits of the short sequences are empty
+    k_cache, v_cache, block_tables = paged_batch(lens, hkv, head_dim, block_size, device, dtype)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(lens), hq, head_dim, device=device, dtype=dtype)
+    out = paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, 0.1, num_splits)
+    close(out, paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, 0.1), dtype)
+
+
+def test_decode_num_splits_fills_the_gpu() -> None:
+    # Batch 1, 8 kv heads, 132 SMs (H200): 33 splits give 264 programs, 2 waves.
+    assert decode_num_splits(1, 8, 8192, 132, 64) == 33
+    assert decode_num_splits(1, 8, 512, 132, 64) == 4  # short context: no split under 2 tiles
+    assert decode_num_splits(64, 8, 4096, 132, 64) == 1  # 512 programs already
+    assert decode_num_splits(1, 1, 1 << 20, 132, 64) == 64  # capped: scratch and reduce stay small
+
+
+# ----------------------------------------------------------------------------- dispatch and bad inputs
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_launchers_reject_bad_layouts(device: str, dtype: torch.dtype) -> None:
+    x = torch.randn(4, 32, device=device, dtype=dtype)
+    with pytest.raises(ValueError, match="contiguous"):
+        rms_norm_triton(x.t().contiguous().t(), torch.randn(32, device=device, dtype=dtype), 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        silu_and_mul_triton(x.t().contiguous().t())
+    k_cache = torch.randn(4, 8, 2, 16, device=device, dtype=dtype)
+    q = torch.randn(2, 4, 16, device=device, dtype=dtype)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        paged_decode_attention_triton(q, k_cache, k_cache, torch.zeros(2, 4, device=device),
+                                      torch.ones(2, dtype=torch.int32, device=device), 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        paged_attention_triton(q, k_cache.transpose(0, 1), k_cache.transpose(0, 1),
+                               torch.zeros(1, 4, dtype=torch.int32, device=device),
+                               torch.tensor([0, 2], dtype=torch.int32, device=device),
+                               torch.tensor([2], dtype=torch.int32, device=device), 1.0)
+
+
+@_GPU
+@_NO_CUDA
+def test_dispatch_uses_triton_on_cuda_and_reference_with_stoker_triton_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    lens = [5, 40]
+    k_cache, v_cache, block_tables = paged_batch(lens, 2, 64, 16, "cuda", torch.float16)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 6, 64, device="cuda", dtype=torch.float16)
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
+    fast = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.1)
+    mixed = paged_attention(q, k_cache, v_cache, block_tables, qsl, context_lens, 0.1)
+    torch.testing.assert_close(fast, paged_decode_attention_triton(q, k_cache, v_cache, block_tables,
+                                                                   context_lens, 0.1), rtol=0, atol=0)
+    monkeypatch.setenv("STOKER_TRITON", "0")
+    slow = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.1)
+    x = torch.randn(3, 48, device="cuda", dtype=torch.float16)
+    torch.testing.assert_close(rms_norm(x, torch.ones(48, device="cuda", dtype=torch.float16), 1e-6)[0],
+                               rms_norm_ref(x, torch.ones(48, device="cuda", dtype=torch.float16), 1e-6)[0],
+                               rtol=0, atol=0)
+    close(fast, slow, torch.float16)
+    close(mixed, slow, torch.float16)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(INTERPRET, reason="this is the interpreter run itself")
+def test_kernels_under_triton_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"],
+        env=env, capture_output=True, text=True, timeout=280,
+    )
+    assert run.returncode == 0, f"interpreter run failed:\n{run.stdout[-8000:]}\n{run.stderr[-4000:]}"
+    assert " passed" in run.stdout and "failed" not in run.stdout, run.stdout[-2000:]
