@@ -171,7 +171,6 @@ class Scheduler:
                 if not self.running and not out.chunks and bm.num_free_blocks == bm.num_blocks:
                     # Cannot fit even alone in an empty pool (only if the engine let it outgrow max_tokens):
                     # end it rather than spin forever.
-                    self.waiting.pop(0)
                     self._end(seq, FinishReason.LENGTH)
                     out.ended.append(seq)
                     continue
