@@ -241,7 +241,11 @@ class Client:
         await self.close()
 
     async def start(self) -> None:
-        self._redis = aioredis.from_url(self.redis_url, **self._redis_options)
+        # A blocking pool: thousands of followers may poll at once; they queue for a connection instead of
+        # failing with "Too many connections" (the pub/sub reader holds one connection of its own).
+        options = {"max_connections": 64, "timeout": 30, **self._redis_options}
+        pool = aioredis.BlockingConnectionPool.from_url(self.redis_url, **options)
+        self._redis = aioredis.Redis(connection_pool=pool, auto_close_connection_pool=True)
         await self._redis.ping()  # fail here, with the URL in the message, not on the first request
         self._dispatcher = _Dispatcher(self._redis)
         await self._dispatcher.start()
@@ -375,7 +379,9 @@ class Client:
             if remaining <= 0:
                 raise RequestTimeout(request_id, timeout, seen)
             try:
-                raw = await asyncio.wait_for(queue.get(), min(remaining, self.poll_interval))
+                # get_nowait first: wait_for wraps the get in a new task, too dear to pay per token
+                raw = queue.get_nowait() if not queue.empty() else await asyncio.wait_for(
+                    queue.get(), min(remaining, self.poll_interval))
             except TimeoutError:
                 # Quiet channel: the terminal event may have been lost (pub/sub is at-most-once). The
                 # result key says whether it exists; the stream then replays what we missed, in order.
