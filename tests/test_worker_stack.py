@@ -8,7 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shutil
 import signal
+import socket
+import subprocess
 import time
 import urllib.request
 from collections.abc import AsyncIterator
@@ -303,4 +306,72 @@ async def test_sigkill_mid_stream_then_a_fresh_worker_finishes_everything(space,
         assert o.terminal.text == expected_text(rid, 150)
         assert {e.attempt for e in o.events} == {1, 2}
     committed, end = await committed_offsets(space.bootstrap, space.group, names.jobs_topic)
+    assert committed == end == len(ids)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_redis(port: int, data_dir) -> subprocess.Popen[bytes]:  # type: ignore[no-untyped-def]
+    # appendfsync always: what the worker stored before the outage survives the restart (as in production)
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
+                             "--save", "", "--appendonly", "yes", "--appendfsync", "always"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return proc
+        time.sleep(0.05)
+    raise RuntimeError("redis-server did not start")
+
+
+async def test_redis_outage_holds_commits_and_loses_nothing(request, tmp_path):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    space = await make_space(request)
+    port = _free_port()
+    space.redis_url = f"redis://127.0.0.1:{port}/0"
+    redis_proc = _start_redis(port, tmp_path)
+    r = aioredis.Redis.from_url(space.redis_url)
+    ids = [f"o{i}" for i in range(16)]
+    try:
+        async with running_worker(space, engine=FakeEngine(step_delay_s=0.01)) as worker:
+            await produce(space.bootstrap, space.names.jobs_topic, [job(i, max_tokens=120) for i in ids])
+            while not all([await r.exists(space.names.stream(i)) for i in ids]):
+                await asyncio.sleep(0.05)
+            redis_proc.kill()
+            redis_proc.wait()
+            await asyncio.sleep(3)
+            committed, _ = await committed_offsets(space.bootstrap, space.group, space.names.jobs_topic)
+            assert committed == 0  # nothing stored, nothing committed
+            redis_proc = _start_redis(port, tmp_path)
+            await r.aclose()  # the test's own connections died with the server
+            r = aioredis.Redis.from_url(space.redis_url)
+            results = await wait_results(r, space.names, ids, timeout=60)
+            assert worker.metrics.redis_retries.labels("publish")._value.get() > 0  # noqa: SLF001
+    finally:
+        await r.aclose()
+        redis_proc.kill()
+        redis_proc.wait()
+    for rid, o in results.items():
+        # A pipeline cut mid-reply is sent again: subscribers drop the duplicate seqs, as the contract says.
+        seen: dict[int, Chunk | Done | Error] = {}
+        for e in o.events:
+            assert e.attempt == 1
+            if e.seq in seen:
+                assert seen[e.seq] == e  # a duplicate is the same event, never a different one
+            seen.setdefault(e.seq, e)
+        assert sorted(seen) == list(range(len(seen)))
+        assert isinstance(o.terminal, Done) and o.terminal.text == expected_text(rid, 120)
+        assert "".join(e.text for e in seen.values() if isinstance(e, Chunk)) == o.terminal.text
+    for _ in range(50):
+        committed, end = await committed_offsets(space.bootstrap, space.group, space.names.jobs_topic)
+        if committed == end:
+            break
+        await asyncio.sleep(0.1)
     assert committed == end == len(ids)
