@@ -1,0 +1,53 @@
+"""The README's demo, after the worker is up: produce a few jobs and print their tokens as they arrive.
+
+    python -m worker.demo [--bootstrap-servers ...] [--redis-url ...]
+
+Uses client.Client (subscribe before produce, so no token is missed); the jobs run concurrently and each
+line of output is tagged with its request, so the interleaving shows the continuous batching.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+
+from client.client import Client
+from schemas import Chunk
+
+PROMPTS = [
+    ("story", {"prompt": "The stoker keeps the fire", "max_tokens": 24, "temperature": 0.8, "seed": 1}),
+    ("greedy", {"prompt": "A message queue works", "max_tokens": 24, "temperature": 0.0}),
+    ("chat", {"messages": [{"role": "user", "content": "What does a stoker do?"}], "max_tokens": 24}),
+]
+
+
+async def follow(client: Client, name: str, params: dict) -> None:
+    started = time.monotonic()
+    async for event in client.stream(**params):
+        if isinstance(event, Chunk):
+            print(f"[{name:>6} +{(time.monotonic() - started) * 1000:6.0f} ms] {event.text!r}", flush=True)
+        else:
+            print(f"[{name:>6}] done: finish_reason={event.finish_reason} tokens={event.usage.completion_tokens} "
+                  f"ttft={event.timings.ttft_ms:.0f} ms total={event.timings.total_ms:.0f} ms "
+                  f"worker={event.worker}\n         text: {event.text!r}", flush=True)
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bootstrap-servers", default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092"))
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    parser.add_argument("--topic", default=os.environ.get("STOKER_JOB_TOPIC", "stoker.jobs"))
+    parser.add_argument("--prefix", default=os.environ.get("STOKER_PREFIX", "stoker"))
+    parser.add_argument("--timeout", type=float, default=120.0)
+    args = parser.parse_args()
+    async with Client(args.bootstrap_servers, args.redis_url, topic=args.topic, prefix=args.prefix,
+                      timeout=args.timeout) as client:
+        await asyncio.gather(*(follow(client, name, params) for name, params in PROMPTS))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
