@@ -245,7 +245,7 @@ class Client:
         # failing with "Too many connections" (the pub/sub reader holds one connection of its own).
         options = {"max_connections": 64, "timeout": 30, **self._redis_options}
         pool = aioredis.BlockingConnectionPool.from_url(self.redis_url, **options)
-        self._redis = aioredis.Redis(connection_pool=pool, auto_close_connection_pool=True)
+        self._redis = aioredis.Redis.from_pool(pool)  # owns the pool: aclose() closes it too
         await self._redis.ping()  # fail here, with the URL in the message, not on the first request
         self._dispatcher = _Dispatcher(self._redis)
         await self._dispatcher.start()

@@ -63,11 +63,14 @@ class Live:
     def client(self, **kw: object) -> Client:
         return Client(self.bootstrap, self.redis_url, prefix=self.prefix, topic=self.topic, **kw)  # type: ignore[arg-type]
 
-    def start(self, serve_gateway: bool = True) -> None:
+    def start(self, serve_gateway: bool = True, model: Path | None = None) -> None:
+        """Worker on the stand-in engine, or on the real engine (CPU) with `model`."""
         asyncio.run(_create_topics(self.bootstrap, [self.topic, self.topic + ".dlq"]))
+        engine = ({"STOKER_MODEL": str(model), "STOKER_DEVICE": "cpu"} if model is not None else
+                  {"STOKER_FAKE_ENGINE": "1", "STOKER_FAKE_STEP_DELAY_S": str(STEP_DELAY_S)})
         env = dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=self.bootstrap, REDIS_URL=self.redis_url,
                    STOKER_JOB_TOPIC=self.topic, STOKER_PREFIX=self.prefix, STOKER_GROUP_ID=f"g-{self.prefix}",
-                   STOKER_FAKE_ENGINE="1", STOKER_FAKE_STEP_DELAY_S=str(STEP_DELAY_S), STOKER_METRICS_PORT="-1")
+                   STOKER_METRICS_PORT="-1", **engine)
         with self.log.open("wb") as out:
             self.worker = subprocess.Popen([sys.executable, "-m", "worker.main"], cwd=ROOT, env=env,
                                            stdout=out, stderr=subprocess.STDOUT)
@@ -88,7 +91,7 @@ class Live:
 
     async def _wait_for_heartbeat(self) -> None:
         async with self.client() as c:
-            for _ in range(300):
+            for _ in range(600):  # the real engine imports torch and loads the model first
                 if await c.workers():
                     return
                 assert self.worker is not None
@@ -243,3 +246,43 @@ async def test_client_disconnect_cancels_the_job_in_the_worker(live: Live) -> No
             await asyncio.sleep(0.1)
     assert isinstance(done, Done) and done.finish_reason == "cancelled"
     assert done.usage.completion_tokens < 2000
+
+
+@pytest.fixture(scope="module")
+def real_live(kafka_bootstrap: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    """A worker on the real engine with the small random model (engine.make_model), on CPU."""
+    model = tmp_path_factory.mktemp("model") / "tiny"
+    subprocess.run([sys.executable, "-m", "engine.make_model", str(model)], cwd=ROOT, check=True,
+                   capture_output=True, timeout=120)
+    stack = Live(kafka_bootstrap, redis_url)
+    try:
+        stack.start(model=model)
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.mark.slow
+async def test_real_small_engine_completes_and_streams_chat(real_live: Live) -> None:
+    async with openai.AsyncOpenAI(base_url=real_live.base_url, api_key="unused", max_retries=0, timeout=60) as oai:
+        (model,) = [m.id for m in (await oai.models.list()).data]
+        r = await oai.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert r.usage is not None and r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
+        again = await oai.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                             extra_body={"ignore_eos": True})
+        assert again.choices[0].text == r.choices[0].text  # greedy on the real engine: deterministic
+
+        raw = await oai.chat.completions.with_raw_response.create(
+            model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=10, temperature=0,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        pieces, usage = [], None
+        async for chunk in raw.parse():
+            if chunk.usage is not None:
+                usage = chunk.usage
+            elif chunk.choices:
+                pieces.append(chunk.choices[0].delta.content or "")
+    assert usage is not None and usage.completion_tokens == 10
+    async with real_live.client() as c:
+        done = await c.result(raw.headers["x-request-id"])
+    assert isinstance(done, Done) and "".join(pieces) == done.text and done.model == model
