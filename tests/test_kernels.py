@@ -14,6 +14,7 @@ import math
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ if INTERPRET:
         # rejects (triton-lang/triton#9171, fixed upstream by #9172 after 3.6). Apply that one-line fix.
         _original_patch = _interpreter._patch_lang_tensor
 
-        def _patch_lang_tensor(tensor, scope):  # type: ignore[no-untyped-def]
+        def _patch_lang_tensor(tensor: Any, scope: Any) -> None:
             _original_patch(tensor, scope)
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
@@ -63,13 +64,11 @@ else:
              for name, dt in [("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)]]
 
 
-def tol(dtype: torch.dtype) -> dict[str, float]:
-    return {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
-            torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}[dtype]
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # atol = rtol, per dtype
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    torch.testing.assert_close(actual.float(), expected.float(), **tol(dtype))
+    torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
 # ---------------------------------------------------------------------------------------------- rms_norm
@@ -121,8 +120,9 @@ def test_rotary_and_cache(device: str, dtype: torch.dtype, hq: int, hkv: int, he
     k_cache = torch.randn(num_blocks, block_size, hkv, head_dim, device=device).to(dtype)
     v_cache = torch.randn_like(k_cache)
 
-    def fused_views(t: torch.Tensor) -> list[torch.Tensor]:
-        return [p.view(num_tokens, -1, head_dim) for p in t.split([hq * head_dim, hkv * head_dim, hkv * head_dim], -1)]
+    def fused_views(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = t.split([hq * head_dim, hkv * head_dim, hkv * head_dim], -1)
+        return q.view(num_tokens, -1, head_dim), k.view(num_tokens, -1, head_dim), v.view(num_tokens, -1, head_dim)
 
     ref_qkv, ref_k_cache, ref_v_cache = qkv.clone(), k_cache.clone(), v_cache.clone()
     rotary_and_cache_triton(*fused_views(qkv), positions, cos_sin, k_cache, v_cache, slots)

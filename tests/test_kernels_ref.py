@@ -21,9 +21,11 @@ from engine.kernels import (
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def tol(dtype: torch.dtype) -> dict[str, float]:
-    return {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
-            torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}[dtype]
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # atol = rtol, per dtype
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(actual.double(), expected.double(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
 # ---------------------------------------------------------------------------------------------- rms_norm
@@ -127,8 +129,8 @@ def test_rotary_and_cache_on_fused_qkv_views(dtype: torch.dtype) -> None:
     rotary_and_cache_ref(q, k, v, positions, table, k_cache, v_cache, slots)
 
     cos, sin = table[positions, None, :head_dim // 2], table[positions, None, head_dim // 2:]
-    torch.testing.assert_close(q, hf_rotate(q0.float(), cos, sin).to(dtype), **tol(dtype))
-    torch.testing.assert_close(k, hf_rotate(k0.float(), cos, sin).to(dtype), **tol(dtype))
+    close(q, hf_rotate(q0.float(), cos, sin).to(dtype), dtype)
+    close(k, hf_rotate(k0.float(), cos, sin).to(dtype), dtype)
     torch.testing.assert_close(v, v0, rtol=0, atol=0)
     flat_k, flat_v = k_cache.view(-1, hkv, head_dim), v_cache.view(-1, hkv, head_dim)
     written = slots >= 0
@@ -200,7 +202,7 @@ def test_paged_attention_matches_dense_per_sequence(dtype: torch.dtype, block_si
     for b, (start, end) in enumerate(zip(query_start_loc[:-1].tolist(), query_start_loc[1:].tolist(),
                                          strict=True)):
         expected = naive_causal_attention(queries[b], keys[b], values[b], scale)
-        torch.testing.assert_close(out[start:end].double(), expected, **tol(dtype))
+        close(out[start:end].double(), expected, dtype)
     # The dispatching name is the reference on CPU.
     torch.testing.assert_close(out, paged_attention(torch.cat(queries), k_cache, v_cache, block_tables,
                                                     query_start_loc, context_lens, scale), rtol=0, atol=0)
@@ -218,7 +220,7 @@ def test_paged_decode_attention_matches_dense(dtype: torch.dtype) -> None:
                                      0.125)
     for b in range(len(lens)):
         expected = naive_causal_attention(q[b:b + 1], keys[b], values[b], 0.125)
-        torch.testing.assert_close(out[b:b + 1].double(), expected, **tol(dtype))
+        close(out[b:b + 1].double(), expected, dtype)
 
 
 def test_attention_rejects_bad_shapes() -> None:
@@ -240,6 +242,6 @@ def test_silu_and_mul_matches_formula(dtype: torch.dtype) -> None:
     expected = gate / (1 + torch.exp(-gate)) * up
     out = silu_and_mul_ref(x)
     assert out.shape == (7, 45) and out.dtype == dtype
-    torch.testing.assert_close(out.double(), expected, **tol(dtype))
+    close(out.double(), expected, dtype)
     with pytest.raises(ValueError, match=r"\[T, 2\*I\]"):
         silu_and_mul_ref(torch.randn(3, 5))
