@@ -1,0 +1,125 @@
+"""Incremental detokenization through a real byte-level BPE tokenizer (make_model's): UTF-8 characters split
+across tokens, stop strings held back and cut, and the same through the engine (stop strings, stop ids,
+eos, ignore_eos, min_tokens)."""
+
+from __future__ import annotations
+
+import pytest
+from engine_models import build_hf_model, prompts
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.engine import LLMEngine
+from engine.make_model import write_tokenizer
+from engine.sequence import SamplingParams
+from engine.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Tokenizer:
+    path = tmp_path_factory.mktemp("tok")
+    write_tokenizer(str(path), 384)
+    return Tokenizer(str(path))
+
+
+def stream(tok: Tokenizer, text: str, **kw) -> tuple[list[str], IncrementalDetokenizer]:
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, tok.encode("Prompt:"), **kw)
+    deltas = [detok.add([t]) for t in ids]
+    if not detok.stopped:
+        deltas.append(detok.flush())
+    return deltas, detok
+
+
+TEXT = "Fire 🔥 and 東京は日本の首都です rocket 🚀👍🏽 done."
+
+
+def test_multibyte_characters_split_across_tokens(tokenizer):
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    assert any("\ufffd" in tokenizer.decode([t]) for t in ids), (
+        "no character spans tokens: the test tests nothing"
+    )
+    deltas, _ = stream(tokenizer, TEXT)
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == TEXT
+
+
+@pytest.mark.parametrize(
+    ("stop", "include", "expected"),
+    [
+        (("首都",), False, "Fire 🔥 and 東京は日本の"),
+        (("首都",), True, "Fire 🔥 and 東京は日本の首都"),
+        (("rocket", "🔥 a"), False, "Fire "),  # the earliest match wins, even when spanning tokens
+        (("nowhere", "done!"), False, TEXT),  # "done" is a held-back partial match, flushed at the end
+    ],
+)
+def test_stop_strings(tokenizer, stop, include, expected):
+    deltas, detok = stream(tokenizer, TEXT, stop=stop, include_stop_str_in_output=include)
+    assert "".join(deltas) == expected == detok.text
+    assert detok.stopped == (expected != TEXT)
+    emitted = ""
+    for d in deltas:  # nothing is ever taken back: each prefix is final
+        emitted += d
+        assert expected.startswith(emitted)
+
+
+def test_partial_stop_string_is_held_back(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, [], stop=("STOP",))
+    sent = "".join(detok.add([t]) for t in tokenizer.encode("go ST", add_special_tokens=False))
+    assert sent == "go "  # "ST" may still become "STOP"
+    assert detok.flush() == "ST"
+
+
+def test_min_tokens_ignores_stop_strings_before_it(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, [], stop=("ab",))
+    ids = tokenizer.encode("ab cd ab", add_special_tokens=False)
+    out = "".join(detok.add([t], check_stop=i >= 2) for i, t in enumerate(ids))
+    assert detok.stopped and out == "ab cd "
+
+
+@pytest.fixture(scope="module")
+def engine_path(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("llama"))
+    build_hf_model("llama", path, seed=4)
+    return path
+
+
+def generate(path: str, ids: list[int], eos: set[int] | None = None, **params):
+    engine = LLMEngine(EngineConfig(path, device="cpu", num_kv_blocks=32))
+    if eos is not None:
+        engine.eos_token_ids = frozenset(eos)
+    engine.add_request("r", prompt_token_ids=ids, params=SamplingParams(temperature=0, **params))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert outs[-1].finished and all(not o.finished for o in outs[:-1])
+    return [t for o in outs for t in o.new_token_ids], "".join(o.text_delta for o in outs), outs[-1]
+
+
+def test_engine_stop_string_stop_id_eos_and_min_tokens(engine_path):
+    ids = prompts(21, [6])[0]
+    full_ids, full_text, last = generate(engine_path, ids, max_tokens=24, ignore_eos=True)
+    assert last.finish_reason == "length" and len(full_ids) == 24
+    stop = full_text[len(full_text) // 2 : len(full_text) // 2 + 2]
+    cut = full_text.index(stop)
+    _, text, last = generate(engine_path, ids, max_tokens=24, ignore_eos=True, stop=(stop,))
+    assert (text, last.finish_reason) == (full_text[:cut], "stop")
+    _, text, _ = generate(
+        engine_path, ids, max_tokens=24, ignore_eos=True, stop=(stop,), include_stop_str_in_output=True
+    )
+    assert text == full_text[: cut + len(stop)]
+
+    stop_id = full_ids[5]
+    first = full_ids.index(stop_id)
+    out_ids, _, last = generate(engine_path, ids, max_tokens=24, stop_token_ids=(stop_id,))
+    assert out_ids == full_ids[: first + 1] and last.finish_reason == "stop"  # the stop id is reported
+
+    out_ids, _, last = generate(engine_path, ids, eos={stop_id}, max_tokens=24)
+    assert out_ids == full_ids[: first + 1] and last.finish_reason == "stop"
+    out_ids, _, last = generate(engine_path, ids, eos={stop_id}, max_tokens=24, ignore_eos=True)
+    assert out_ids == full_ids and last.finish_reason == "length"
+
+    min_tokens = first + 3
+    out_ids, _, last = generate(engine_path, ids, eos={stop_id}, max_tokens=24, min_tokens=min_tokens)
+    assert stop_id not in out_ids[:min_tokens] and len(out_ids) > min_tokens
+    assert last.completion_tokens == len(out_ids)
