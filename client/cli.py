@@ -163,9 +163,10 @@ async def _workers(args: argparse.Namespace) -> int:
     if not workers:
         print(f"no live workers under prefix {args.prefix!r}", file=sys.stderr)
         return 0
-    print(f"{'worker':<36} {'model':<30} {'capacity':<12} version")
+    print(f"{'worker':<36} {'model':<30} {'running':>8} {'capacity':>9}  version")
     for w in workers:
-        print(f"{w.worker_id:<36} {w.model or '-':<30} {str(w.capacity):<12} {w.version or '-'}")
+        running = w.info.get("running", "-")
+        print(f"{w.worker_id:<36} {w.model or '-':<30} {running!s:>8} {w.capacity!s:>9}  {w.version or '-'}")
     return 0
 
 
