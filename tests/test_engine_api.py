@@ -1,0 +1,156 @@
+"""LLMEngine's API as the worker uses it: request validation, abort, deadlines, stats, thread-safe adds, chat
+messages, and a failure in one request's sampling that fails that request alone."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from engine_models import build_hf_model, prompts
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.outputs import EngineRequestError, RequestOutput
+from engine.sequence import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory) -> str:
+    p = str(tmp_path_factory.mktemp("llama"))
+    build_hf_model("llama", p, seed=5)
+    return p
+
+
+@pytest.fixture
+def engine(path) -> LLMEngine:
+    return LLMEngine(EngineConfig(path, device="cpu", num_kv_blocks=16, max_model_len=128))
+
+
+def drain(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
+    outs: dict[str, list[RequestOutput]] = {}
+    for _ in range(500):
+        if not engine.has_unfinished():
+            return outs
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    raise AssertionError("engine did not finish")
+
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "code", "match"),
+    [
+        ({}, "invalid_job", "exactly one of prompt, messages, prompt_token_ids"),
+        ({"prompt": "hi", "prompt_token_ids": [3]}, "invalid_job", "got prompt, prompt_token_ids"),
+        ({"prompt": ""}, "invalid_job", "prompt is empty"),
+        ({"prompt_token_ids": []}, "invalid_job", "prompt is empty"),
+        ({"prompt_token_ids": [3, 384, -1]}, "invalid_job", r"\[384, -1\] are not token ids"),
+        ({"messages": [{"content": "x"}]}, "invalid_job", "list of"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "invalid_job", "unknown role robot"),
+        (
+            {"prompt_token_ids": [3] * 100, "params": SamplingParams(max_tokens=29)},
+            "context_length_exceeded",
+            r"prompt \(100 tokens\) \+ max_tokens \(29\) exceeds the model's context of 128",
+        ),
+    ],
+)
+def test_add_request_validation(engine, kwargs, code, match):
+    with pytest.raises(EngineRequestError, match=match) as info:
+        engine.add_request("r", **kwargs)
+    assert info.value.code == code
+    assert not engine.has_unfinished()
+
+
+def test_prompt_at_the_context_limit_runs_and_duplicates_are_refused(engine):
+    engine.add_request("r", prompt_token_ids=[3] * 124, params=GREEDY)
+    with pytest.raises(EngineRequestError, match="already queued or running"):
+        engine.add_request("r", prompt="hello", params=GREEDY)
+    outs = drain(engine)["r"]
+    assert outs[-1].finish_reason == "length" and outs[-1].completion_tokens == 4
+
+
+def test_text_and_chat_prompts(engine):
+    messages = [{"role": "user", "content": "Why is the sky blue?"}]
+    engine.add_request("chat", messages=messages, params=GREEDY)
+    engine.add_request("text", prompt=engine.tokenizer.apply_chat_template(messages), params=GREEDY)
+    outs = drain(engine)
+    chat_ids = engine.tokenizer.encode_chat(messages)
+    assert outs["chat"][-1].prompt_tokens == len(chat_ids)
+    # The rendered template already holds BOS; encoding it as a plain prompt adds another one.
+    assert outs["text"][-1].prompt_tokens == len(chat_ids) + 1
+
+
+def test_abort_and_deadline(engine):
+    ps = prompts(31, [9, 9, 9])
+    long = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    engine.add_request("a", prompt_token_ids=ps[0], params=long)
+    engine.add_request("b", prompt_token_ids=ps[1], params=long, deadline_ms=time.time() * 1000 + 60_000)
+    engine.add_request("late", prompt_token_ids=ps[2], params=long, deadline_ms=time.time() * 1000 - 1)
+    first = {o.request_id: o for o in engine.step()}
+    assert first["late"].finish_reason == "deadline" and first["late"].new_token_ids == []
+    assert first["a"].first_scheduled_ms is not None and first["a"].first_scheduled_ms <= time.time() * 1000
+    engine.step()
+    engine.abort("a")
+    engine.abort("unknown")  # no-op
+    out = {o.request_id: o for o in engine.step()}
+    assert out["a"].finished and out["a"].finish_reason == "cancelled" and out["a"].completion_tokens == 2
+    assert not out["b"].finished
+    assert engine.stats().num_running == 1
+    engine.abort("b")
+    drain(engine)
+    stats = engine.stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total == 16
+    assert stats.prompt_tokens_total == 27 and stats.generation_tokens_total == 2 + 3
+    assert stats.num_running == stats.num_waiting == 0
+
+
+def test_one_failing_request_does_not_fail_the_engine(engine, monkeypatch):
+    from engine import sampler
+
+    original = sampler.SamplingBatch.build
+
+    def build(rows, vocab_size, device):  # a request with seed 666 breaks sampling
+        if any(r.seed == 666 for r in rows):
+            raise RuntimeError("boom")
+        return original(rows, vocab_size, device)
+
+    monkeypatch.setattr(sampler.SamplingBatch, "build", staticmethod(build))
+    ps = prompts(32, [5, 7])
+    engine.add_request("ok", prompt_token_ids=ps[0], params=GREEDY)
+    engine.add_request("bad", prompt_token_ids=ps[1], params=SamplingParams(max_tokens=4, seed=666))
+    outs = drain(engine)
+    assert outs["bad"][-1].error_code == "internal" and "boom" in (outs["bad"][-1].error_message or "")
+    assert outs["bad"][-1].finished and outs["bad"][-1].finish_reason is None
+    assert outs["ok"][-1].finish_reason == "length" and outs["ok"][-1].completion_tokens == 4
+    assert engine.stats().kv_blocks_free == 16
+
+
+def test_concurrent_adds_while_stepping(engine):
+    ps = prompts(33, [4] * 24)
+    results: dict[str, list[RequestOutput]] = {}
+    errors: list[BaseException] = []
+
+    def producer(offset: int) -> None:
+        try:
+            for i in range(offset, 24, 3):
+                engine.add_request(f"r{i}", prompt_token_ids=ps[i], params=GREEDY)
+                time.sleep(0.001)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=producer, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads) or engine.has_unfinished():
+        for o in engine.step():
+            results.setdefault(o.request_id, []).append(o)
+    for t in threads:
+        t.join()
+    assert not errors
+    assert sorted(results) == sorted(f"r{i}" for i in range(24))
+    assert all(
+        outs[-1].completion_tokens == 4 and outs[-1].finish_reason == "length" for outs in results.values()
+    )
