@@ -23,6 +23,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -51,7 +52,7 @@ def _job(rid: str, max_tokens: int) -> bytes:
                                 "ignore_eos": True})
 
 
-def _latency_listener(redis_url: str, prefix: str, ids: list[str], conn) -> None:  # type: ignore[no-untyped-def]
+def _latency_listener(redis_url: str, prefix: str, ids: list[str], conn: Any) -> None:
     """Child process: subscribe to every channel, report arrival time of each request's first event."""
 
     async def run() -> dict[str, float]:

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 import redis.asyncio as aioredis
+from worker_harness import ROOT, check_sequence, job, make_space, produce, wait_results
 
 from engine.sequence import SamplingParams
 from schemas import Done
-from tests.worker_harness import ROOT, check_sequence, job, make_space, produce, wait_results
 from worker.config import WorkerConfig
 from worker.service import Worker
 
@@ -27,7 +27,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(out)
 
 
-def _engine(model: str):  # type: ignore[no-untyped-def]
+def _engine(model: str):  # noqa: ANN202 -- LLMEngine is imported lazily
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
 

@@ -20,10 +20,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
-
-from engine.sequence import SamplingParams
-from schemas import DLQ_HEADERS, Cancel, Chunk, Done, Error, encode_cancel
-from tests.worker_harness import (
+from worker_harness import (
     Space,
     check_sequence,
     committed_offsets,
@@ -34,6 +31,9 @@ from tests.worker_harness import (
     stop_process,
     wait_results,
 )
+
+from engine.sequence import SamplingParams
+from schemas import DLQ_HEADERS, Cancel, Chunk, Done, Error, encode_cancel
 from worker.config import WorkerConfig
 from worker.fake_engine import FAIL_MARKER, FakeEngine
 from worker.service import Worker
@@ -162,7 +162,8 @@ async def test_priority_orders_jobs_the_worker_holds(space, r):
         await produce(space.bootstrap, space.names.jobs_topic, jobs)
         results = await wait_results(r, space.names, [j["request_id"] for j in jobs], timeout=30)
     # Produced together, so total_ms (record time -> done) orders them by when they ran.
-    by_end = sorted((rid for rid in results if rid != "blocker"), key=lambda rid: results[rid].terminal.timings.total_ms)
+    total_ms = {rid: o.terminal.timings.total_ms for rid, o in results.items() if isinstance(o.terminal, Done)}
+    by_end = sorted((rid for rid in total_ms if rid != "blocker"), key=total_ms.__getitem__)
     assert by_end == ["p-2", "p0", "p3", "p5", "p9"]
 
 
@@ -181,7 +182,8 @@ async def test_malformed_jobs_go_to_the_dlq_with_headers_and_an_error_event(spac
     codes = {rid: (o.terminal.code if isinstance(o.terminal, Error) else None) for rid, o in results.items()}
     assert codes == {"bad-1": "invalid_job", "bad-2": "invalid_job", "too-long": "context_length_exceeded",
                      "wrong-model": "unknown_model", "fails": "internal"}
-    assert "max_tokens" in results["bad-1"].terminal.message
+    bad1_error = results["bad-1"].terminal
+    assert isinstance(bad1_error, Error) and "max_tokens" in bad1_error.message
     consumer = AIOKafkaConsumer(names.dlq_topic, bootstrap_servers=space.bootstrap, auto_offset_reset="earliest")
     await consumer.start()
     try:
@@ -249,7 +251,7 @@ async def test_two_workers_split_the_partitions(space, r):
         assert w1._assigned and w2._assigned and not (w1._assigned & w2._assigned)
         await produce(space.bootstrap, space.names.jobs_topic, jobs)
         results = await wait_results(r, space.names, [j["request_id"] for j in jobs], timeout=60)
-    workers = {o.terminal.worker for o in results.values()}
+    workers = {o.terminal.worker for o in results.values() if isinstance(o.terminal, Done)}
     assert workers == {w1.cfg.worker_id, w2.cfg.worker_id}
     for o in results.values():
         check_sequence(o)
@@ -260,6 +262,7 @@ async def test_metrics_health_and_heartbeat(space, r):
     async with running_worker(space, metrics_port=0) as w:
         await produce(space.bootstrap, space.names.jobs_topic, [job("m1", max_tokens=4)])
         await wait_results(r, space.names, ["m1"], timeout=20)
+        assert w.health is not None
         port = w.health.port
 
         def get(path: str) -> tuple[int, str]:
@@ -317,7 +320,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_redis(port: int, data_dir) -> subprocess.Popen[bytes]:  # type: ignore[no-untyped-def]
+def _start_redis(port: int, data_dir: object) -> subprocess.Popen[bytes]:
     # appendfsync always: what the worker stored before the outage survives the restart (as in production)
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
                              "--save", "", "--appendonly", "yes", "--appendfsync", "always"],

@@ -143,7 +143,7 @@ async def wait_results(r: aioredis.Redis, names: Names, ids: Iterable[str], time
         await asyncio.sleep(0.1)
     out = {}
     for rid, value in zip(ids, values, strict=True):
-        entries = await r.xrange(names.stream(rid))
+        entries: Any = await r.xrange(names.stream(rid))
         events = [decode_event(fields[b"data"]) for _, fields in entries]
         out[rid] = Outcome(decode_event(value), events)  # type: ignore[arg-type]
     return out

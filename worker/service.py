@@ -134,6 +134,7 @@ class Worker:
         self._paused = False
         self._assigned: set[TopicPartition] = set()
         self._tasks: list[asyncio.Task[Any]] = []
+        self._side_tasks: set[asyncio.Task[Any]] = set()  # short ones (dead letters), awaited in stop()
         self._started_at = time.time()
         self.ready = False
         self.consumer: AIOKafkaConsumer | None = None
@@ -204,6 +205,8 @@ class Worker:
             poll.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await poll
+        if self._side_tasks:
+            await asyncio.wait(self._side_tasks, timeout=self.cfg.drain_timeout_s)
         deadline = time.monotonic() + self.cfg.drain_timeout_s
         while (self.active or not self._outbox.empty()) and time.monotonic() < deadline and self.fatal is None:
             await asyncio.sleep(0.05)
@@ -299,7 +302,9 @@ class Worker:
         req = Request(job.job, job.msgpack, attempt, job.record_ms, job.records, job.raw)
         self.active[rid] = req
         if attempt > self.cfg.max_attempts:
-            asyncio.create_task(self._poison(req))
+            task = asyncio.create_task(self._poison(req))  # a Kafka send: don't hold up the other jobs
+            self._side_tasks.add(task)
+            task.add_done_callback(self._side_tasks.discard)
             return
         if status == "cancelled" or rid in self._early_cancels:
             self._end_without_running(req, "cancelled")
