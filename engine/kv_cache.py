@@ -35,7 +35,7 @@ def num_kv_blocks(model: ModelConfig, config: EngineConfig) -> int:
     per_block = kv_bytes_per_block(model, config.block_size, config.torch_dtype)
     budget = config.kv_cache_memory_bytes
     if budget is None and config.device != "cpu":
-        free, total = torch.cuda.mem_get_info(torch.device(config.device))
+        free, total = torch.cuda.mem_get_info(torch.device(str(config.device)))
         used = total - free  # weights already loaded, plus anything else on the GPU
         budget = int(total * config.gpu_memory_utilization) - used - activation_reserve_bytes(model, config)
     elif budget is None:
@@ -50,7 +50,7 @@ def num_kv_blocks(model: ModelConfig, config: EngineConfig) -> int:
 
 
 def allocate_kv_cache(
-    model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: str
+    model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
     # Zeroed: padding slots of block tables may be read (and masked) by the kernels; no NaNs there.

@@ -60,9 +60,7 @@ class ModelRunner:
             load_weights(self.model, config.model_path)
         self.model.eval()
         self.num_blocks = num_kv_blocks(model_config, config)
-        self.kv_caches = allocate_kv_cache(
-            model_config, self.num_blocks, self.block_size, self.dtype, config.device
-        )  # type: ignore[arg-type]
+        self.kv_caches = allocate_kv_cache(model_config, self.num_blocks, self.block_size, self.dtype, self.device)
         self.sampler = Sampler()
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs:
@@ -138,14 +136,14 @@ class ModelRunner:
 def _to_host(out: SamplerOutput) -> SamplerOutput:
     """The step's one host sync: non_blocking copies into pinned memory, then wait on a blocking-sync event
     so the CPU sleeps instead of spinning while the GPU finishes (spinning would burn a core per worker)."""
-    def host(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None:
-            return None
-        h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        return h.copy_(t, non_blocking=True)
+    def host(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
-    res = SamplerOutput(host(out.token_ids), host(out.logprobs), host(out.top_ids), host(out.top_logprobs))
+    def maybe(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else host(t)
+
+    res = SamplerOutput(host(out.token_ids), maybe(out.logprobs), maybe(out.top_ids), maybe(out.top_logprobs))
     done = torch.cuda.Event(blocking=True)
     done.record()
     done.synchronize()
-    return res  # type: ignore[arg-type]
+    return res
