@@ -1,0 +1,185 @@
+"""The local stack: real Kafka and Redis round trips, the launcher's idempotence, and what `down` may stop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from conftest import Endpoints, unique_name
+
+from client import stack
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------------------------
+# Without any server.
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [
+    ({"kafka_port": 0}, "kafka_port"),
+    ({"redis_port": 70000}, "redis_port"),
+    ({"redis_port": 9092}, "ports must differ"),
+    ({"job_partitions": 0}, "job_partitions"),
+    ({"job_topic": "bad topic!"}, "bad topic!"),
+    ({"dlq_topic": "stoker.jobs"}, "must differ"),
+])
+def test_config_rejects_bad_values_by_name(kwargs: dict[str, object], named: str, tmp_path: Path) -> None:
+    with pytest.raises(stack.StackError, match=named):
+        stack.StackConfig(stack_dir=tmp_path, **kwargs)  # type: ignore[arg-type]
+
+
+def test_config_from_env_reads_ports_dirs_and_topics(tmp_path: Path) -> None:
+    env = {"STOKER_CACHE": str(tmp_path), "STOKER_KAFKA_PORT": "19092", "STOKER_REDIS_PORT": "16379",
+           "STOKER_JOB_TOPIC": "a.jobs", "STOKER_DLQ_PARTITIONS": "2"}
+    cfg = stack.StackConfig.from_env(env)
+    assert (cfg.kafka_bootstrap, cfg.redis_url) == ("127.0.0.1:19092", "redis://127.0.0.1:16379/0")
+    assert cfg.stack_dir == tmp_path / "stack" and cfg.kafka_home == tmp_path / f"kafka-{cfg.kafka_version}"
+    assert cfg.topics() == {"a.jobs": 4, "stoker.jobs.dlq": 2}
+    with pytest.raises(stack.StackError, match="STOKER_REDIS_PORT"):
+        stack.StackConfig.from_env({"STOKER_REDIS_PORT": "six"})
+
+
+def test_down_never_stops_a_process_it_did_not_start(tmp_path: Path) -> None:
+    """Pid files that point at someone else's process (a reused pid) are ignored, not obeyed."""
+    cfg = stack.StackConfig(stack_dir=tmp_path, kafka_port=29092, controller_port=29093, redis_port=26379)
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for pid_file in (cfg.kafka_dir / "kafka.pid", cfg.redis_dir / "redis.pid"):
+            pid_file.parent.mkdir(parents=True)
+            pid_file.write_text(f"{bystander.pid}\n")
+        st = stack.status(cfg)
+        assert st.kafka.pid is None and st.redis.pid is None and not st.up
+        assert stack.down(cfg) == []
+        assert bystander.poll() is None  # still running
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+# ------------------------------------------------------------------------------------------------
+# Against the real broker and server.
+
+
+@pytest.mark.stack
+async def test_job_record_round_trips_with_key_value_and_headers(
+        kafka_bootstrap: str, new_topic: Callable[..., Awaitable[str]]) -> None:
+    topic = await new_topic(partitions=3)
+    headers = [("content-type", b"application/json"), ("traceparent", b"00-abc-01")]
+    producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all", enable_idempotence=True)
+    await producer.start()
+    try:
+        sent = await producer.send_and_wait(topic, b'{"type":"job","request_id":"r-1","prompt":"hi"}',
+                                            key=b"r-1", headers=headers)
+    finally:
+        await producer.stop()
+    # A consumer group, as the worker uses: exercises the group coordinator and __consumer_offsets.
+    group = unique_name("group")
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=kafka_bootstrap, group_id=group,
+                                auto_offset_reset="earliest", enable_auto_commit=False)
+    await consumer.start()
+    try:
+        record = await asyncio.wait_for(consumer.getone(), timeout=30)
+        tp = TopicPartition(topic, record.partition)
+        await consumer.commit({tp: record.offset + 1})
+        assert await consumer.committed(tp) == record.offset + 1
+    finally:
+        await consumer.stop()
+    assert (record.key, record.value) == (b"r-1", b'{"type":"job","request_id":"r-1","prompt":"hi"}')
+    assert list(record.headers) == headers
+    assert (record.partition, record.offset) == (sent.partition, sent.offset)
+
+
+@pytest.mark.stack
+async def test_new_topic_has_the_partitions_asked_for(kafka_bootstrap: str,
+                                                      new_topic: Callable[..., Awaitable[str]]) -> None:
+    topic = await new_topic(partitions=5)
+    producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap)
+    await producer.start()
+    try:
+        assert await producer.partitions_for(topic) == set(range(5))
+    finally:
+        await producer.stop()
+    assert stack.kafka_topics(kafka_bootstrap, timeout=5) is not None
+    assert (stack.kafka_topics(kafka_bootstrap, timeout=5) or {})[topic] == 5
+
+
+@pytest.mark.stack
+async def test_redis_pubsub_and_stream_round_trip(redis_url: str) -> None:
+    r = aioredis.Redis.from_url(redis_url)
+    channel, stream = unique_name("events"), unique_name("stream")
+    try:
+        pubsub = r.pubsub()
+        await pubsub.subscribe(channel)
+        subscribed = await pubsub.get_message(timeout=5)
+        assert subscribed is not None and subscribed["type"] == "subscribe"
+        assert await r.publish(channel, b'{"type":"chunk","seq":0}') == 1  # one subscriber: us
+        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5)
+        assert message is not None and message["data"] == b'{"type":"chunk","seq":0}'
+        await pubsub.aclose()
+
+        first = await r.xadd(stream, {"data": b"e0"}, maxlen=100)
+        second = await r.xadd(stream, {"data": b"e1"}, maxlen=100)
+        await r.expire(stream, 60)
+        entries = await r.xrange(stream, "0-0", "+")
+        assert entries == [(first, {b"data": b"e0"}), (second, {b"data": b"e1"})]
+        assert 0 < await r.ttl(stream) <= 60
+    finally:
+        await r.delete(stream)
+        await r.aclose()
+
+
+@pytest.mark.stack
+def test_status_reports_up_and_up_again_changes_nothing(stack_services: Endpoints) -> None:
+    if stack_services.source != "stack":
+        pytest.skip(f"Kafka/Redis came from {stack_services.source}, not client.stack")
+    cfg = stack.StackConfig.from_env()
+    before = stack.status(cfg)
+    assert before.up and before.kafka.pid and before.redis.pid
+    assert before.topics[cfg.job_topic] >= 1 and cfg.dlq_topic in before.topics
+    again = stack.up(cfg)
+    assert again.started == [] and again.elapsed_s < 5
+    assert (again.status.kafka.pid, again.status.redis.pid) == (before.kafka.pid, before.redis.pid)
+    assert again.env() == {"KAFKA_BOOTSTRAP_SERVERS": stack_services.kafka_bootstrap,
+                           "REDIS_URL": stack_services.redis_url}
+
+
+@pytest.mark.stack
+@pytest.mark.slow
+def test_cli_lifecycle_on_other_ports(stack_services: Endpoints, tmp_path: Path) -> None:
+    """A second stack, through ops/stack: up prints the env lines, status exits 0, down stops both."""
+    if stack_services.source != "stack":
+        pytest.skip("needs the local launcher (Java, Maven cache), not containers or given servers")
+    env = {**os.environ, "STOKER_STACK_DIR": str(tmp_path), "STOKER_KAFKA_PORT": "29192",
+           "STOKER_KAFKA_CONTROLLER_PORT": "29193", "STOKER_REDIS_PORT": "26479", "STOKER_JOB_PARTITIONS": "2"}
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(ROOT / "ops" / "stack"), *args], env=env, capture_output=True, text=True,
+                              timeout=180)
+
+    try:
+        started = run("up")
+        assert started.returncode == 0, started.stderr
+        assert started.stdout.splitlines() == ["KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:29192",
+                                               "REDIS_URL=redis://127.0.0.1:26479/0"]
+        assert "stoker.jobs (2 partitions)" in started.stderr
+        cfg = stack.StackConfig.from_env(env)
+        pids = stack.status(cfg).kafka.pid, stack.status(cfg).redis.pid
+        assert all(pids) and run("status").returncode == 0
+    finally:
+        stopped = run("down", "--wipe")
+    assert stopped.returncode == 0 and "stopped kafka, redis" in stopped.stderr
+    deadline = time.monotonic() + 5
+    while any(Path(f"/proc/{pid}").exists() and stack._alive(pid) for pid in pids if pid):
+        assert time.monotonic() < deadline, f"{pids} still running after down"
+        time.sleep(0.1)
+    status = run("status")
+    assert status.returncode == 3 and status.stdout == "" and "down" in status.stderr
