@@ -58,8 +58,13 @@ class DecodeGraphs:
         self.context_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self._meta = {
-            b: AttentionMetadata(self.slot_mapping[:b], self.block_tables[:b], self.query_start_loc[: b + 1],
-                                 self.context_lens[:b], decode_only=True)
+            b: AttentionMetadata(
+                self.slot_mapping[:b],
+                self.block_tables[:b],
+                self.query_start_loc[: b + 1],
+                self.context_lens[:b],
+                decode_only=True,
+            )
             for b in self.sizes
         }
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -97,8 +102,11 @@ class DecodeGraphs:
 
     def fits(self, inp: ModelInput) -> bool:
         n = inp.input_ids.shape[0]
-        return (inp.meta.decode_only and 1 <= n <= self.max_batch
-                and inp.meta.block_tables.shape[1] <= self.block_tables.shape[1])
+        return (
+            inp.meta.decode_only
+            and 1 <= n <= self.max_batch
+            and inp.meta.block_tables.shape[1] <= self.block_tables.shape[1]
+        )
 
     def run(self, inp: ModelInput) -> torch.Tensor:
         """Copy the step's tensors (already on the device) into the static buffers, replay, and return

@@ -30,8 +30,15 @@ import torch
 from engine.loader import safetensors_files
 
 _DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
     "BOOL": torch.bool,
 }
 
@@ -72,8 +79,10 @@ def read_header(path: str) -> list[TensorEntry]:
         for s in shape:
             numel *= s
         if end - begin != numel * dtype.itemsize or base + end > size:
-            raise ValueError(f"{path}: tensor {name} has a byte range [{begin}, {end}) that does not match "
-                             f"its shape {shape} and dtype {info['dtype']}, or runs past the file")
+            raise ValueError(
+                f"{path}: tensor {name} has a byte range [{begin}, {end}) that does not match "
+                f"its shape {shape} and dtype {info['dtype']}, or runs past the file"
+            )
         entries.append(TensorEntry(name, dtype, shape, base + begin, base + end))
     return sorted(entries, key=lambda e: e.begin)
 
@@ -126,8 +135,10 @@ def load_weights_fast(
     t0 = time.perf_counter()
     params = dict(model.named_parameters())
     files = safetensors_files(path)
-    plan = [(f, [e for e in read_header(f) if model.weight_destination(e.name) is not None])  # type: ignore[operator]
-            for f in files]
+    plan = [
+        (f, [e for e in read_header(f) if model.weight_destination(e.name) is not None])  # type: ignore[operator]
+        for f in files
+    ]
     total = sum(e.end - e.begin for _, es in plan for e in es)
     staging = _Staging(max(2, threads * 2), chunk_bytes, pinned=cuda)
     copy_stream = torch.cuda.Stream(device) if cuda else None
@@ -163,8 +174,10 @@ def load_weights_fast(
                 for group in _groups(entries, group_bytes):
                     begin, end = group[0].begin, group[-1].end
                     raw = torch.empty(end - begin, dtype=torch.uint8, device=device)
-                    futures = [pool.submit(fetch, fd, raw, begin, off, min(chunk_bytes, end - off))
-                               for off in range(begin, end, chunk_bytes)]
+                    futures = [
+                        pool.submit(fetch, fd, raw, begin, off, min(chunk_bytes, end - off))
+                        for off in range(begin, end, chunk_bytes)
+                    ]
                     for fut in futures:
                         fut.result()  # re-raises a reader's error here
                     if copy_stream is not None:
@@ -182,21 +195,31 @@ def load_weights_fast(
     missing = sorted(model.expected_shards() - loaded)  # type: ignore[operator]
     if missing:
         names = [f"{p}[{s}]" if s else p for p, s in missing]
-        raise ValueError(f"model folder {path!r} lacks weights for: {', '.join(names[:8])}"
-                         + (f" ... ({len(names)} in all)" if len(names) > 8 else ""))
+        raise ValueError(
+            f"model folder {path!r} lacks weights for: {', '.join(names[:8])}"
+            + (f" ... ({len(names)} in all)" if len(names) > 8 else "")
+        )
     seconds = time.perf_counter() - t0
     return {"load_s": seconds, "bytes": total, "gb_per_s": total / seconds / 1e9, "files": len(files)}
 
 
-def _place(params: dict[str, torch.nn.Parameter], model: torch.nn.Module, file: str, e: TensorEntry,
-           raw: torch.Tensor, loaded: set[tuple[str, str]]) -> None:
+def _place(
+    params: dict[str, torch.nn.Parameter],
+    model: torch.nn.Module,
+    file: str,
+    e: TensorEntry,
+    raw: torch.Tensor,
+    loaded: set[tuple[str, str]],
+) -> None:
     param_name, shard, rows = model.weight_destination(e.name)  # type: ignore[operator]
     target = params[param_name].data
     if rows is not None:
         target = target[rows]
     if e.shape != tuple(target.shape):
-        raise ValueError(f"weight {e.name} in {os.path.basename(file)} has shape {e.shape}, "
-                         f"expected {tuple(target.shape)} from config.json")
+        raise ValueError(
+            f"weight {e.name} in {os.path.basename(file)} has shape {e.shape}, "
+            f"expected {tuple(target.shape)} from config.json"
+        )
     # Offsets inside safetensors data are not promised to be aligned to the dtype: realign on the device.
     if raw.data_ptr() % e.dtype.itemsize:
         raw = raw.clone()
@@ -211,5 +234,12 @@ def _progress_bar(total: int, enabled: bool) -> Any:
         from tqdm import tqdm
     except ImportError:  # tqdm is optional: loading works the same without a bar
         return None
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading weights",
-                mininterval=0.25, leave=False)
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="loading weights",
+        mininterval=0.25,
+        leave=False,
+    )

@@ -94,9 +94,9 @@ class SamplingBatch:
         want_counts = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in ps)
         want_prompt = any(p.repetition_penalty != 1 for p in ps)
         bans = [list(r.stop_ids) if len(r.output_token_ids) < r.params.min_tokens else [] for r in rows]
-        for r in rows:
+        for r in rows if want_counts or want_prompt else ():  # O(context) per row: only when it matters
             bad = [t for t in r.prompt_token_ids + r.output_token_ids if not 0 <= t < vocab_size]
-            if bad and (want_counts or want_prompt):
+            if bad:
                 raise ValueError(f"token ids {bad[:4]} outside the vocabulary (size {vocab_size})")
         return cls(
             temperature=tensor([p.temperature for p in ps], torch.float32),

@@ -25,15 +25,25 @@ gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
 VOCAB = 384
 
 
-def _hf_llama(out_dir: str, max_shard_size: str | None = None):
+def _hf_llama(out_dir: str, max_shard_size: str | None = None, init_std: float = 0.08):
     """A small Llama (head_dim 64, GQA 4:1) with random weights scaled so logits are peaked; saved with
     save_pretrained (float32 safetensors) plus make_model's tokenizer. Returns the transformers model."""
     import transformers
 
     cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.08,
-        bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, rope_theta=10000.0,
+        vocab_size=VOCAB,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        initializer_range=init_std,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
@@ -52,6 +62,14 @@ def _hf_llama(out_dir: str, max_shard_size: str | None = None):
 def llama(tmp_path_factory: pytest.TempPathFactory):
     path = str(tmp_path_factory.mktemp("gpu_llama"))
     return path, _hf_llama(path, max_shard_size="2MB")  # several shards: the loaders walk the index
+
+
+@pytest.fixture(scope="module")
+def llama_smooth(tmp_path_factory: pytest.TempPathFactory):
+    """Initialised at std 0.015: logits of std ~0.35, where bf16 rounding through the layers stays near 1%
+    (at std 0.08 transformers' own bf16 run is 5% off its float32 run: no bf16 engine could pass 1e-2)."""
+    path = str(tmp_path_factory.mktemp("gpu_llama_smooth"))
+    return path, _hf_llama(path, init_std=0.015)
 
 
 # ---- CPU: bucket arithmetic and the fast loader -----------------------------------------------------------
@@ -73,11 +91,14 @@ def _fresh_model(path: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
         return MODEL_REGISTRY[mc.architecture](mc, dtype, 64)
 
 
-@pytest.mark.parametrize("device,dtype", [
-    pytest.param("cpu", torch.float32, id="cpu-f32"),
-    pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=gpu),
-    pytest.param("cuda", torch.float32, id="cuda-f32", marks=gpu),
-])
+@pytest.mark.parametrize(
+    "device,dtype",
+    [
+        pytest.param("cpu", torch.float32, id="cpu-f32"),
+        pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=gpu),
+        pytest.param("cuda", torch.float32, id="cuda-f32", marks=gpu),
+    ],
+)
 def test_fast_load_matches_reference_loader(llama, device: str, dtype: torch.dtype) -> None:
     path, _ = llama
     ref, fast = _fresh_model(path, device, dtype), _fresh_model(path, device, dtype)
@@ -85,8 +106,9 @@ def test_fast_load_matches_reference_loader(llama, device: str, dtype: torch.dty
         p.data.fill_(float("nan"))  # anything left unwritten fails the comparison
     load_weights(ref, path)
     # Tiny chunks and groups: tensors split over many chunks, groups of several tensors, many threads.
-    stats = load_weights_fast(fast, path, device, threads=4, chunk_bytes=4096 + 8, group_bytes=300_000,
-                              progress=False)
+    stats = load_weights_fast(
+        fast, path, device, threads=4, chunk_bytes=4096 + 8, group_bytes=300_000, progress=False
+    )
     assert stats["files"] > 1 and stats["bytes"] > 0
     for (name, a), (_, b) in zip(ref.named_parameters(), fast.named_parameters(), strict=True):
         assert torch.equal(a, b), name
@@ -103,7 +125,9 @@ def test_fast_load_rejects_bad_files(tmp_path, llama) -> None:
     bad.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
     with pytest.raises(ValueError, match="tensor w has a byte range"):
         read_header(str(bad))
-    entries = read_header(os.path.join(path, sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))[0]))
+    entries = read_header(
+        os.path.join(path, sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))[0])
+    )
     assert entries == sorted(entries, key=lambda e: e.begin) and all(e.end > e.begin for e in entries)
 
 
@@ -111,27 +135,59 @@ def test_fast_load_rejects_bad_files(tmp_path, llama) -> None:
 def _engine(path: str, dtype: str, **kw):
     from engine.engine import LLMEngine
 
-    return LLMEngine(EngineConfig(model_path=path, device="cuda", dtype=dtype, max_model_len=256,
-                                  num_kv_blocks=128, max_num_seqs=8, **kw))
+    return LLMEngine(
+        EngineConfig(
+            model_path=path,
+            device="cuda",
+            dtype=dtype,
+            max_model_len=256,
+            num_kv_blocks=128,
+            max_num_seqs=8,
+            **kw,
+        )
+    )
 
 
-def _input(runner, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-           qsl: list[int], ctx: list[int], samples: list[int], decode_only: bool):
+def _input(
+    runner,
+    ids: list[int],
+    positions: list[int],
+    slots: list[int],
+    tables: list[list[int]],
+    qsl: list[int],
+    ctx: list[int],
+    samples: list[int],
+    decode_only: bool,
+):
     from engine.model_runner import AttentionMetadata, ModelInput
 
     width = max(len(t) for t in tables)
     tables = [t + [0] * (width - len(t)) for t in tables]
-    meta = AttentionMetadata(runner._tensor(slots, torch.int64), runner._tensor(tables, torch.int32),
-                             runner._tensor(qsl, torch.int32), runner._tensor(ctx, torch.int32), decode_only)
-    return ModelInput(runner._tensor(ids, torch.int64), runner._tensor(positions, torch.int64), meta,
-                      runner._tensor(samples, torch.int64))
+    meta = AttentionMetadata(
+        runner._tensor(slots, torch.int64),
+        runner._tensor(tables, torch.int32),
+        runner._tensor(qsl, torch.int32),
+        runner._tensor(ctx, torch.int32),
+        decode_only,
+    )
+    return ModelInput(
+        runner._tensor(ids, torch.int64),
+        runner._tensor(positions, torch.int64),
+        meta,
+        runner._tensor(samples, torch.int64),
+    )
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_bf16_logits_match_transformers_prefill_and_graph_decode(llama) -> None:
-    path, hf = llama
+def test_bf16_logits_match_transformers_prefill_and_graph_decode(llama_smooth) -> None:
+    """Our bf16 logits against transformers' float32 logits on the same weights: within 1e-2, and no
+    further off than transformers' own bf16 run (times 1.25)."""
+    import copy
+
+    path, hf = llama_smooth
     hf = hf.to("cuda")
+    hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
     engine = _engine(path, "bfloat16")
     runner = engine.runner
     assert runner.graphs is not None and runner.graphs.sizes == [1, 2, 4, 8]
@@ -140,6 +196,7 @@ def test_bf16_logits_match_transformers_prefill_and_graph_decode(llama) -> None:
     seqs = [torch.randint(2, VOCAB, (n + extra,), generator=gen).tolist() for n in lens]
     with torch.no_grad():
         ref = [hf(torch.tensor([s], device="cuda")).logits[0].float() for s in seqs]
+        peer = [hf_bf16(torch.tensor([s], device="cuda")).logits[0].float() for s in seqs]
     bs = runner.block_size
     tables = [list(range(8 * i, 8 * i + 8)) for i in range(len(seqs))]  # 128 tokens of blocks each
 
@@ -147,7 +204,7 @@ def test_bf16_logits_match_transformers_prefill_and_graph_decode(llama) -> None:
         return tables[i][p // bs] * bs + p % bs
 
     # Prefill all three prompts in one mixed batch, logits of every prompt position.
-    ids, pos, slots, qsl, samples = [], [], [], [0], []
+    ids, pos, slots, qsl = [], [], [], [0]
     for i, n in enumerate(lens):
         ids += seqs[i][:n]
         pos += list(range(n))
@@ -157,17 +214,29 @@ def test_bf16_logits_match_transformers_prefill_and_graph_decode(llama) -> None:
     ours = runner.forward(inp)
     theirs = torch.cat([ref[i][:n] for i, n in enumerate(lens)])
     err = ((ours - theirs).norm() / theirs.norm()).item()
-    assert err <= 1e-2, f"prefill logits rel error {err:.2e}"
+    hf_err = max((((p - r).norm() / r.norm()).item() for p, r in zip(peer, ref, strict=True)))
+    assert err <= 1e-2 and err <= 1.25 * hf_err, (
+        f"prefill logits rel error {err:.2e} (transformers bf16 {hf_err:.2e})"
+    )
     # Decode the next tokens (teacher-forced) through the captured graphs.
     before = runner.graphs.replays
     for step in range(extra):
         p = [n + step for n in lens]
-        inp = _input(runner, [seqs[i][p[i]] for i in range(3)], p, [slot(i, p[i]) for i in range(3)], tables,
-                     [0, 1, 2, 3], [x + 1 for x in p], [0, 1, 2], True)
+        inp = _input(
+            runner,
+            [seqs[i][p[i]] for i in range(3)],
+            p,
+            [slot(i, p[i]) for i in range(3)],
+            tables,
+            [0, 1, 2, 3],
+            [x + 1 for x in p],
+            [0, 1, 2],
+            True,
+        )
         ours = runner.forward(inp)
         theirs = torch.stack([ref[i][p[i]] for i in range(3)])
         err = ((ours - theirs).norm() / theirs.norm()).item()
-        assert err <= 1e-2, f"decode step {step}: logits rel error {err:.2e}"
+        assert err <= 1e-2 and err <= 1.25 * hf_err, f"decode step {step}: logits rel error {err:.2e}"
     assert runner.graphs.replays == before + extra
 
 
@@ -183,8 +252,9 @@ def test_fp32_greedy_tokens_match_transformers(llama, cuda_graphs: bool) -> None
     gen = torch.Generator().manual_seed(2)
     prompts = {f"r{n}": torch.randint(2, VOCAB, (n,), generator=gen).tolist() for n in (5, 17, 33, 64, 1)}
     for rid, ids in prompts.items():
-        engine.add_request(rid, prompt_token_ids=ids,
-                           params=SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+        engine.add_request(
+            rid, prompt_token_ids=ids, params=SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        )
     got: dict[str, list[int]] = {rid: [] for rid in prompts}
     while engine.has_unfinished():
         for out in engine.step():
@@ -193,7 +263,7 @@ def test_fp32_greedy_tokens_match_transformers(llama, cuda_graphs: bool) -> None
     for rid, ids in prompts.items():
         with torch.no_grad():
             want = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=24, do_sample=False)
-        assert got[rid] == want[0, len(ids):].tolist(), rid
+        assert got[rid] == want[0, len(ids) :].tolist(), rid
     if cuda_graphs:
         assert engine.runner.graphs is not None and engine.runner.graphs.replays >= 20
         assert engine.runner.startup["graph_capture_s"] > 0 and engine.runner.startup["load_s"] > 0

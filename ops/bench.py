@@ -1,0 +1,496 @@
+"""GPU bench of the engine at the Llama-3-8B shape, with floors measured in the same run and a transformers peer.
+
+    PYTHONPATH=. python ops/bench.py [--shape 8b|tiny] [--w2-requests 1024] [--hf-w2-requests 256]
+
+Writes random bf16 weights once (safetensors, 4 shards) under --model-dir, then:
+  floors  read bandwidth (device copy, bytes read + written / time) and bf16 matmul rate (8192^3);
+  W3      engine start to ready: first (cold: page cache dropped when the kernel allows) and second (warm);
+          weights-on-GPU time and graph-capture time from the engine's startup report;
+  W1      1 request, 512 prompt tokens, 256 new (greedy, ignore_eos): TPOT and tok/s;
+  W2      N requests x 512 random prompt tokens x 256 new, all added at once: output tok/s and total time,
+          process CPU seconds / wall, GPU idle share between decode steps (CUDA events);
+  peer    transformers generate on the same folder: W1, and W2 at batch --hf-w2-requests.
+Prints one table (figure | floor | peer | target) and writes $OUT/bench.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=128256,
+    ),
+    "tiny": dict(
+        hidden_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=1024,
+        vocab_size=32000,
+    ),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---- floors ----------------------------------------------------------------------------------------------
+def measure_floors() -> dict[str, float]:
+    def timed(fn, warm: int, reps: int) -> float:
+        for _ in range(warm):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / reps
+
+    n = 2 * 2**30 // 2  # 2 GiB of bf16, far past the 60 MB L2
+    x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    bw = 2 * x.numel() * 2 / timed(lambda: y.copy_(x), 3, 20)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    rate = 2 * 8192**3 / timed(lambda: a @ b, 3, 10)
+    return {"bandwidth_Bps": bw, "matmul_flops": rate}
+
+
+# ---- the model folder ------------------------------------------------------------------------------------
+def write_model(path: str, shape: dict[str, Any]) -> float:
+    """Random bf16 weights (std 0.02, norms 1) as 4 safetensors shards + index, config and a tokenizer."""
+    from safetensors.torch import save_file
+
+    from engine.make_model import write_tokenizer
+
+    if os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
+        return 0.0
+    t0 = time.perf_counter()
+    os.makedirs(path, exist_ok=True)
+    write_tokenizer(path, 384)  # prompts are token ids; the detokenizer maps unknown ids to nothing
+    h, layers, inter, vocab = (
+        shape[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")
+    )
+    hq, hkv, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    config = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_act="silu",
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        torch_dtype="bfloat16",
+        **shape,
+    )
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*s: int) -> torch.Tensor:
+        return (
+            (torch.randn(*s, device="cuda", generator=gen, dtype=torch.float32) * 0.02)
+            .to(torch.bfloat16)
+            .cpu()
+        )
+
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(4)]
+    shards[0]["model.embed_tokens.weight"] = rand(vocab, h)
+    for i in range(layers):
+        p, s = f"model.layers.{i}.", shards[i * 4 // layers]
+        s[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        s[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        s[p + "self_attn.q_proj.weight"] = rand(hq * d, h)
+        s[p + "self_attn.k_proj.weight"] = rand(hkv * d, h)
+        s[p + "self_attn.v_proj.weight"] = rand(hkv * d, h)
+        s[p + "self_attn.o_proj.weight"] = rand(h, hq * d)
+        s[p + "mlp.gate_proj.weight"] = rand(inter, h)
+        s[p + "mlp.up_proj.weight"] = rand(inter, h)
+        s[p + "mlp.down_proj.weight"] = rand(h, inter)
+    shards[3]["model.norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    shards[3]["lm_head.weight"] = rand(vocab, h)
+    names = [f"model-{i + 1:05d}-of-00004.safetensors" for i in range(4)]
+    threads = [
+        threading.Thread(target=save_file, args=(s, os.path.join(path, n), {"format": "pt"}))
+        for s, n in zip(shards, names, strict=True)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    index = {"metadata": {}, "weight_map": {k: n for s, n in zip(shards, names, strict=True) for k in s}}
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+    os.sync()
+    return time.perf_counter() - t0
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+# ---- our engine ------------------------------------------------------------------------------------------
+def start_engine(path: str, max_num_seqs: int):
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+
+    t0 = time.perf_counter()
+    eng = LLMEngine(
+        EngineConfig(
+            model_path=path,
+            device="cuda",
+            dtype="bfloat16",
+            max_model_len=1024,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=8192,
+            enable_prefix_caching=False,
+            gpu_memory_utilization=0.9,
+        )
+    )
+    torch.cuda.synchronize()
+    return eng, time.perf_counter() - t0
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (n, length), generator=gen).tolist()
+
+
+class StepProbe:
+    """CUDA events around each decode step's GPU work (forward launch .. sampler's last kernel): the gap from
+    one decode step's end to the next one's start is time the GPU had nothing queued."""
+
+    def __init__(self, eng):
+        self.runner, self.pairs = eng.runner, []
+        self._orig_forward, self._orig_sampler = self.runner.forward, self.runner.sampler
+        self._decode = False
+
+        def forward(inp):
+            self._decode = bool(inp.meta.decode_only)
+            if self._decode:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                self.pairs.append([ev, None])
+            return self._orig_forward(inp)
+
+        def sampler(logits, batch):
+            out = self._orig_sampler(logits, batch)
+            if self._decode:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                self.pairs[-1][1] = ev
+            return out
+
+        self.runner.forward, self.runner.sampler = forward, sampler
+
+    def close(self) -> dict[str, float]:
+        self.runner.forward, self.runner.sampler = self._orig_forward, self._orig_sampler
+        torch.cuda.synchronize()
+        p = [x for x in self.pairs if x[1] is not None]
+        busy = sum(s.elapsed_time(e) for s, e in p)
+        span = p[0][0].elapsed_time(p[-1][1]) if p else 0.0
+        # Only gaps between consecutive decode steps: the span may also hold eager prefill steps.
+        gaps = [p[i][1].elapsed_time(p[i + 1][0]) for i in range(len(p) - 1)]
+        gaps = [g for g in gaps if g < 50]  # a gap over 50 ms holds a prefill step between two decodes
+        return {
+            "decode_steps": len(p),
+            "decode_busy_ms": busy,
+            "span_ms": span,
+            "idle_ms": sum(gaps),
+            "idle_share": sum(gaps) / (busy + sum(gaps)) if p else 0.0,
+            "mean_gap_ms": sum(gaps) / max(1, len(gaps)),
+        }
+
+
+def run_requests(eng, prompts: list[list[int]], max_tokens: int, tag: str) -> dict[str, Any]:
+    from engine.sequence import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"{tag}{i}", prompt_token_ids=p, params=params)
+    stamps: list[float] = []
+    produced = 0
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.error_code:
+                raise RuntimeError(f"{out.request_id}: {out.error_code} {out.error_message}")
+            produced += len(out.new_token_ids)
+        stamps.append(time.perf_counter())
+    wall = time.perf_counter() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    return {
+        "wall_s": wall,
+        "tokens": produced,
+        "tok_s": produced / wall,
+        "cpu_s": cpu,
+        "cpu_cores": cpu / wall,
+        "stamps": stamps,
+        "t0": t0,
+    }
+
+
+# ---- transformers peer -----------------------------------------------------------------------------------
+def hf_peer(path: str, vocab: int, w2_requests: int, prompt: int, new: int) -> dict[str, Any]:
+    import transformers
+
+    res: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda")
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 1
+    torch.cuda.synchronize()
+    res["load_s"] = time.perf_counter() - t0
+
+    def gen(ids: torch.Tensor, n: int) -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False
+            )
+        torch.cuda.synchronize()
+        assert out.shape[1] == ids.shape[1] + n, out.shape
+        return time.perf_counter() - t
+
+    one = torch.tensor(random_prompts(1, prompt, vocab, 7), device="cuda")
+    gen(one, 8)  # warm-up
+    t1, tn = gen(one, 1), gen(one, new)
+    res["w1_tpot_ms"] = (tn - t1) / (new - 1) * 1e3
+    res["w1_tok_s"] = new / tn
+    try:
+        batch = torch.tensor(random_prompts(w2_requests, prompt, vocab, 8), device="cuda")
+        t = gen(batch, new)
+        res["w2_batch"], res["w2_wall_s"], res["w2_tok_s"] = w2_requests, t, w2_requests * new / t
+    except torch.OutOfMemoryError as e:
+        res["w2_error"] = f"OOM: {e}"[:200]
+    return res
+
+
+# ---- main ------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    ap.add_argument("--model-dir", default=None, help="default /tmp/stoker-bench-<shape>")
+    ap.add_argument("--w2-requests", type=int, default=1024)
+    ap.add_argument("--hf-w2-requests", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=1024)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("ops/bench.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    shape = SHAPES[args.shape]
+    path = args.model_dir or f"/tmp/stoker-bench-{args.shape}"
+    r: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name(),
+        "shape": args.shape,
+        "argv": sys.argv[1:],
+        "torch": torch.__version__,
+    }
+    log("floors")
+    r["floors"] = measure_floors()
+    torch.cuda.empty_cache()
+    bw, rate = r["floors"]["bandwidth_Bps"], r["floors"]["matmul_flops"]
+    log(f"bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s; writing weights")
+    r["write_s"] = write_model(path, shape)
+    r["page_cache_dropped"] = drop_page_cache()
+    log(
+        f"weights written in {r['write_s']:.1f} s; cold start (page cache dropped: {r['page_cache_dropped']})"
+    )
+    eng, r["cold_ready_s"] = start_engine(path, args.max_num_seqs)
+    r["cold_startup"] = {k: v for k, v in eng.runner.startup.items()}
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    log("warm start")
+    eng, r["warm_ready_s"] = start_engine(path, args.max_num_seqs)
+    r["warm_startup"] = dict(eng.runner.startup)
+    log(f"startup: {r['warm_startup']}")
+    mc = eng.model_config
+    weight_bytes = sum(p.numel() * p.element_size() for p in eng.runner.model.parameters())
+    weight_bytes -= mc.vocab_size * mc.hidden_size * 2  # the embedding is gathered, not streamed
+    params_active = weight_bytes // 2
+    kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2
+    vocab = mc.vocab_size
+
+    # W1
+    run_requests(eng, random_prompts(1, args.prompt, vocab, 1), 16, "warm")  # compile prefill shapes
+    probe = StepProbe(eng)
+    w1 = run_requests(eng, random_prompts(1, args.prompt, vocab, 2), args.new, "w1")
+    r["w1_gpu"] = probe.close()
+    st = w1.pop("stamps")
+    r["w1"] = {
+        "tpot_ms": (st[-1] - st[0]) / (len(st) - 1) * 1e3,
+        "ttft_ms": (st[0] - w1.pop("t0")) * 1e3,
+        "tok_s": w1["tok_s"],
+        "wall_s": w1["wall_s"],
+    }
+    avg_ctx = args.prompt + args.new / 2
+    r["w1"]["floor_ms"] = (weight_bytes + avg_ctx * kv_per_token) / bw * 1e3
+    log(f"W1 {r['w1']}")
+
+    # W2
+    probe = StepProbe(eng)
+    w2 = run_requests(eng, random_prompts(args.w2_requests, args.prompt, vocab, 3), args.new, "w2")
+    r["w2_gpu"] = probe.close()
+    w2.pop("stamps"), w2.pop("t0")
+    r["w2"] = w2
+    n, p_len, new = args.w2_requests, args.prompt, args.new
+    attn = lambda ctx_sq: 2 * ctx_sq * mc.num_heads * mc.head_dim * mc.num_layers  # noqa: E731 (QK^T + PV)
+    prefill_flops = n * (2 * params_active * p_len + attn(p_len * p_len))
+    decode_s = 0.0
+    for step in range(new - 1):  # the first new token comes from the prefill
+        ctx = p_len + step + 1
+        flops = n * (2 * params_active + 2 * attn(ctx))
+        decode_s += max(flops / rate, (weight_bytes + n * ctx * kv_per_token) / bw)
+    r["w2"]["floor_s"] = prefill_flops / rate + decode_s
+    r["w2"]["floor_note"] = f"all {n} sequences in every decode step (ideal batching)"
+    log(f"W2 {r['w2']} gpu {r['w2_gpu']}")
+    r["graph_replays"] = eng.runner.graphs.replays if eng.runner.graphs else 0
+    del eng, probe
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    if not args.skip_hf:
+        log("transformers peer")
+        try:
+            r["hf"] = hf_peer(path, vocab, min(args.hf_w2_requests, args.w2_requests), args.prompt, args.new)
+        except Exception as e:  # report, don't lose the rest of the run
+            r["hf"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        gc.collect()
+        torch.cuda.empty_cache()
+        log(f"HF {r['hf']}")
+    print_table(r, args)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench.json"), "w") as f:
+            json.dump(r, f, indent=2, default=str)
+    return 0
+
+
+def print_table(r: dict[str, Any], args: argparse.Namespace) -> None:
+    hf, w1, w2, g = r.get("hf", {}), r["w1"], r["w2"], r["w2_gpu"]
+    ws = r["warm_startup"]
+    hf_w2 = hf.get("w2_tok_s")
+    rows = [
+        ("floor: read bandwidth", f"{r['floors']['bandwidth_Bps'] / 1e12:.2f} TB/s", "", "", ""),
+        ("floor: bf16 matmul 8192^3", f"{r['floors']['matmul_flops'] / 1e12:.0f} TFLOP/s", "", "", ""),
+        (
+            "W1 TPOT (bs 1, 512+256)",
+            f"{w1['tpot_ms']:.2f} ms",
+            f"{w1['floor_ms']:.2f} ms",
+            f"{hf.get('w1_tpot_ms', float('nan')):.2f} ms",
+            f"<= 1.10x floor: {w1['tpot_ms'] / w1['floor_ms']:.2f}x",
+        ),
+        (
+            "W1 tok/s",
+            f"{w1['tok_s']:.1f}",
+            f"{1e3 / w1['floor_ms']:.1f}",
+            f"{hf.get('w1_tok_s', float('nan')):.1f}",
+            f"TTFT {w1['ttft_ms']:.0f} ms",
+        ),
+        (
+            "W1 GPU idle between decode steps",
+            f"{100 * r['w1_gpu']['idle_share']:.1f} %",
+            "",
+            "",
+            f"GPU busy {r['w1_gpu']['decode_busy_ms'] / max(1, r['w1_gpu']['decode_steps']):.2f} ms/step, "
+            f"mean gap {r['w1_gpu']['mean_gap_ms']:.2f} ms",
+        ),
+        (
+            f"W2 total ({args.w2_requests} x {args.prompt}+{args.new})",
+            f"{w2['wall_s']:.2f} s",
+            f"{w2['floor_s']:.2f} s",
+            "",
+            f"<= 1.4x floor: {w2['wall_s'] / w2['floor_s']:.2f}x",
+        ),
+        (
+            "W2 output tok/s",
+            f"{w2['tok_s']:.0f}",
+            f"{w2['tokens'] / w2['floor_s']:.0f}",
+            f"{hf_w2:.0f} (bs {hf.get('w2_batch')})"
+            if hf_w2
+            else str(hf.get("w2_error", hf.get("error", "-"))),
+            f">= 6x HF: {w2['tok_s'] / hf_w2:.1f}x" if hf_w2 else "",
+        ),
+        ("W2 CPU (process cores)", f"{w2['cpu_cores']:.2f}", "", "", "<= 0.3"),
+        (
+            "W2 GPU idle between decode steps",
+            f"{100 * g['idle_share']:.1f} %",
+            "",
+            "",
+            f"< 5% ({g['decode_steps']} decode steps, mean gap {g['mean_gap_ms']:.2f} ms)",
+        ),
+        (
+            "W3 weights on GPU (warm)",
+            f"{ws.get('load_s', 0):.2f} s",
+            "",
+            f"HF load {hf.get('load_s', float('nan')):.1f} s",
+            f"< 2 s ({ws.get('gb_per_s', 0):.1f} GB/s)",
+        ),
+        (
+            "W3 graph capture",
+            f"{ws.get('graph_capture_s', 0):.2f} s",
+            "",
+            "",
+            f"{len(ws.get('graph_buckets', []))} buckets",
+        ),
+        ("W3 ready (warm)", f"{r['warm_ready_s']:.2f} s", "", "", "< 6 s"),
+        (
+            "W3 ready (cold, first start)",
+            f"{r['cold_ready_s']:.2f} s",
+            "",
+            "",
+            f"weights {r['cold_startup'].get('load_s', 0):.2f} s; page cache dropped: {r['page_cache_dropped']}",
+        ),
+    ]
+    widths = [
+        max(len(str(row[i])) for row in rows + [("figure", "ours", "floor", "transformers", "target")])
+        for i in range(5)
+    ]
+    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"  # noqa: E731
+    print(line(("figure", "ours", "floor", "transformers", "target / note")))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in rows:
+        print(line(row))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
