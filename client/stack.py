@@ -487,12 +487,19 @@ POM = """<project xmlns="http://maven.apache.org/POM/4.0.0">
 </project>
 """
 
+# INFO to a file that rolls at 20 MB (3 kept): a dev broker lives for weeks and test runs log every topic.
 LOG4J2 = """status = warn
-appender.file.type = File
+appender.file.type = RollingFile
 appender.file.name = file
 appender.file.fileName = {log}
+appender.file.filePattern = {log}.%i
 appender.file.layout.type = PatternLayout
 appender.file.layout.pattern = [%d] %p %m (%c)%n
+appender.file.policies.type = Policies
+appender.file.policies.size.type = SizeBasedTriggeringPolicy
+appender.file.policies.size.size = 20MB
+appender.file.strategy.type = DefaultRolloverStrategy
+appender.file.strategy.max = 3
 rootLogger.level = INFO
 rootLogger.appenderRef.file.ref = file
 """
@@ -581,7 +588,9 @@ def _start_kafka(cfg: StackConfig, lib: Path, java: str) -> int:
     props.write_text(_server_properties(cfg))
     log4j.write_text(LOG4J2.format(log=cfg.kafka_log))
     classpath = ["-cp", f"{lib}/*"]
+    # No log4j shutdown hook: Kafka logs its own shutdown, and the hook only warns when the JVM exits.
     jvm = [java, f"-Xmx{cfg.kafka_heap_mb}m", "-Xms128m", f"-Dlog4j2.configurationFile={log4j}",
+           "-Dlog4j2.shutdownHookEnabled=false",
            "-Djava.awt.headless=true"]
     if not (kdir / "data" / "meta.properties").exists():
         # Cluster id: 16 random bytes, URL-safe base64 without padding (what `random-uuid` prints).
