@@ -1,15 +1,21 @@
 """Transport benchmark: how many chunk events per second one worker core pushes into Redis, and the latency
 the worker adds from produce to first event, with the stand-in engine (no model: transport only).
 
-    KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:9092 REDIS_URL=redis://127.0.0.1:6379/0 python ops/bench_transport.py
+    set -a; eval "$(ops/stack up 2>/dev/null)"; set +a; python ops/bench_transport.py
 
+Three processes, so none starves another and each one's CPU is its own: the worker is the real
+`stoker-worker --fake-engine` (its CPU read from /proc/<pid>/stat: loop, engine thread, Kafka and Redis
+clients together), the producer is this process, the subscriber a child process.
 1. Throughput: N concurrent requests of T tokens each (one chunk event per request per step); events/s
-   = N*T / wall time from the first chunk to the last done, and the worker's CPU seconds over that time
-   (process CPU time: the asyncio loop, the engine thread, Kafka and Redis clients together).
-2. Latency: jobs produced at half the measured rate (one token each), from the produce call to the
-   first event arriving on the request's pub/sub channel; p50/p99.
-The worker runs in this process (its CPU is measured with time.process_time around the measured window;
-the subscriber for the latency phase runs in a child process so it doesn't count).
+   = events / wall time from the first event published to the last result stored, and events per worker
+   CPU-second over the same window.
+2. Latency: a fresh worker whose engine steps are paced so that B background requests stream chunk events
+   at half the measured rate; probe jobs (one token each, P per second) measure produce -> first event on
+   the request's pub/sub channel. The subscriber subscribes to the probe channels only (a pattern over all
+   channels would also deliver the background stream, and the subscriber itself would fall behind).
+   A probe without an event is looked up in Redis afterwards: a result key means it ran and the event was
+   missed by the subscriber; no result means the worker lost it (a bug). The worker's own stage histogram
+   (stoker_job_stage_seconds, probes only) says where the time went.
 """
 
 from __future__ import annotations
@@ -18,33 +24,28 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
+import re
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 import msgspec  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
 from aiokafka import AIOKafkaProducer  # noqa: E402
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic  # noqa: E402
 
-from worker.config import WorkerConfig  # noqa: E402
-from worker.fake_engine import FakeEngine  # noqa: E402
-from worker.service import Worker  # noqa: E402
-
-
-async def _topics(bootstrap: str, names: dict[str, int]) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(n, p, 1) for n, p in names.items()])
-    finally:
-        await admin.close()
-    await asyncio.sleep(1.0)
+STAGES = ("polled", "claimed", "engine_added", "first_output", "published")
 
 
 def _job(rid: str, max_tokens: int) -> bytes:
@@ -52,22 +53,140 @@ def _job(rid: str, max_tokens: int) -> bytes:
                                 "ignore_eos": True})
 
 
-def _latency_listener(redis_url: str, prefix: str, ids: list[str], conn: Any) -> None:
-    """Child process: subscribe to every channel, report arrival time of each request's first event."""
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cpu_s(pid: int) -> float:
+    """utime + stime of the whole process (every thread), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class WorkerProc:
+    """A `stoker-worker --fake-engine` child with its own topic, prefix, group and metrics port."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    prefix: str
+    topic: str
+    log: Path
+
+    @classmethod
+    async def start(cls, bootstrap: str, redis_url: str, max_num_seqs: int, step_delay_s: float,
+                    stream_maxlen: int) -> WorkerProc:
+        tag = uuid.uuid4().hex[:8]
+        topic, prefix, port = f"bench.{tag}", f"bench{tag}", _free_port()
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+        await admin.start()
+        try:
+            await admin.create_topics([NewTopic(topic, 4, 1), NewTopic(topic + ".dlq", 1, 1)])
+        finally:
+            await admin.close()
+        log = Path(tempfile.gettempdir()) / f"stoker-bench-worker-{tag}.log"
+        argv = [sys.executable, "-m", "worker.main", "--fake-engine", "--bootstrap-servers", bootstrap,
+                "--redis-url", redis_url, "--job-topic", topic, "--prefix", prefix, "--group-id", f"bench-{tag}",
+                "--metrics-host", "127.0.0.1", "--metrics-port", str(port), "--max-num-seqs", str(max_num_seqs),
+                "--max-waiting", str(max_num_seqs), "--max-model-len", "2000000", "--max-poll-records", "500",
+                "--stream-maxlen", str(stream_maxlen), "--fake-step-delay-s", repr(step_delay_s),
+                "--log-level", "WARNING"]
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        worker = cls(proc, port, prefix, topic, log)
+        deadline = time.monotonic() + 60
+        while not worker.get("/readyz").startswith("ready"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                worker.stop()
+                raise RuntimeError(f"the worker did not get ready; its log:\n{log.read_text()[-3000:]}")
+            await asyncio.sleep(0.1)
+        return worker
+
+    def get(self, path: str) -> str:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as resp:
+                return str(resp.read().decode())
+        except OSError:
+            return ""
+
+    def metrics(self) -> dict[str, float]:
+        """Samples of the /metrics page, keyed by the sample's full name with labels."""
+        out = {}
+        for line in self.get("/metrics").splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def cpu_s(self) -> float:
+        return _cpu_s(self.proc.pid)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def stage_table(before: dict[str, float], after: dict[str, float]) -> list[tuple[str, float, float, float]]:
+    """(stage, mean ms, p50 ms, p99 ms) from the difference of two scrapes of the stage histogram; the
+    percentiles are the upper bound of the bucket they fall in."""
+    rows = []
+    for stage in STAGES:
+        prefix = f'stoker_job_stage_seconds_bucket{{le="'
+        buckets = []
+        for name, value in after.items():
+            m = re.fullmatch(re.escape(prefix) + r'([^"]+)",stage="' + stage + r'"\}', name)
+            if m:
+                buckets.append((float(m.group(1)), value - before.get(name, 0.0)))
+        buckets.sort()
+        count_key, sum_key = (f'stoker_job_stage_seconds_{k}{{stage="{stage}"}}' for k in ("count", "sum"))
+        count = after.get(count_key, 0.0) - before.get(count_key, 0.0)
+        if count <= 0:
+            continue
+        mean = (after[sum_key] - before.get(sum_key, 0.0)) / count * 1000
+
+        def pct(q: float, buckets: list[tuple[float, float]] = buckets, count: float = count) -> float:
+            return next((le * 1000 for le, n in buckets if n >= q * count), float("inf"))
+
+        rows.append((stage, mean, pct(0.5), pct(0.99)))
+    return rows
+
+
+def _listener(redis_url: str, prefix: str, ids: list[str], conn: Any, settle_s: float) -> None:
+    """Child process: subscribe to each probe's channel, report when each probe's first event arrived."""
 
     async def run() -> dict[str, float]:
         r = aioredis.Redis.from_url(redis_url)
         pubsub = r.pubsub()
-        await pubsub.psubscribe(f"{prefix}:events:*")
+        for start in range(0, len(ids), 200):
+            await pubsub.subscribe(*(f"{prefix}:events:{rid}" for rid in ids[start:start + 200]))
+        # Drain the subscribe confirmations so "ready" means every channel is live.
+        confirmed = 0
+        while confirmed < len(ids):
+            msg = await pubsub.get_message(timeout=5.0)
+            if msg is None:
+                raise RuntimeError(f"only {confirmed} of {len(ids)} subscriptions confirmed")
+            confirmed += msg["type"] == "subscribe"
         conn.send("ready")
         first: dict[str, float] = {}
-        deadline = time.time() + 120
-        while len(first) < len(ids) and time.time() < deadline:
-            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+        wanted = set(ids)
+        deadline: float | None = None
+        while len(first) < len(ids) and (deadline is None or time.time() < deadline):
+            if deadline is None and conn.poll():  # the producer finished: wait settle_s more at most
+                conn.recv()
+                deadline = time.time() + settle_s
+            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
             if msg is None:
                 continue
             rid = msg["channel"].decode().rsplit(":", 1)[1]
-            first.setdefault(rid, time.time())
+            if rid in wanted:
+                first.setdefault(rid, time.time())
         await pubsub.aclose()
         await r.aclose()
         return first
@@ -75,88 +194,115 @@ def _latency_listener(redis_url: str, prefix: str, ids: list[str], conn: Any) ->
     conn.send(asyncio.run(run()))
 
 
-async def bench(bootstrap: str, redis_url: str, requests: int, tokens: int, latency_jobs: int,
-                bg_requests: int) -> None:
-    tag = uuid.uuid4().hex[:8]
-    topic, prefix = f"bench.{tag}", f"bench{tag}"
-    await _topics(bootstrap, {topic: 4, topic + ".dlq": 1})
-    cfg = WorkerConfig(fake_engine=True, bootstrap_servers=bootstrap, redis_url=redis_url, job_topic=topic,
-                       prefix=prefix, group_id=f"bench-{tag}", metrics_port=-1, max_num_seqs=requests,
-                       max_waiting=requests, max_poll_records=500, stream_maxlen=tokens + 10)
-    engine = FakeEngine(max_num_seqs=requests, max_model_len=2_000_000)
-    worker = Worker(cfg, engine)
-    task = asyncio.create_task(worker.run())
-    while not worker.ready:
-        await asyncio.sleep(0.05)
+async def throughput(bootstrap: str, redis_url: str, requests: int, tokens: int) -> dict[str, float]:
+    worker = await WorkerProc.start(bootstrap, redis_url, requests, 0.0, tokens + 10)
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=2)
     await producer.start()
     r = aioredis.Redis.from_url(redis_url)
     try:
-        # -- 1. throughput ---------------------------------------------------------------------------------
         ids = [f"t{i}" for i in range(requests)]
         for rid in ids:
-            await producer.send(topic, _job(rid, tokens), key=rid.encode())
+            await producer.send(topic=worker.topic, value=_job(rid, tokens), key=rid.encode())
         await producer.flush()
-        events_before = worker.metrics.events._value.get()  # noqa: SLF001 -- our own counter
-        while worker.metrics.events._value.get() == events_before:  # noqa: SLF001
-            await asyncio.sleep(0.001)
-        cpu0, wall0, ev0 = time.process_time(), time.perf_counter(), worker.metrics.events._value.get()  # noqa: SLF001
-        while await r.exists(*(f"{prefix}:result:{rid}" for rid in ids)) < requests:
+        while worker.metrics().get("stoker_events_published_total", 0.0) == 0:
+            await asyncio.sleep(0.005)
+        cpu0, wall0 = worker.cpu_s(), time.perf_counter()
+        ev0 = worker.metrics()["stoker_events_published_total"]
+        results = [f"{worker.prefix}:result:{rid}" for rid in ids]
+        while await r.exists(*results) < requests:
             await asyncio.sleep(0.01)
-        cpu1, wall1, ev1 = time.process_time(), time.perf_counter(), worker.metrics.events._value.get()  # noqa: SLF001
-        events = ev1 - ev0
-        rate = events / (wall1 - wall0)
-        cpu_share = (cpu1 - cpu0) / (wall1 - wall0)
-        per_core = events / (cpu1 - cpu0)
-        # -- 2. latency at half the rate: background requests stream chunk events at ~rate/2 (the stand-in
-        # engine's steps are paced for it), while sparse probe jobs (one token) measure produce -> first event.
-        # Small steps (bg_requests events each, paced) keep the engine's own wait short, so what is measured
-        # is mostly transport: Kafka -> claim -> engine thread -> Redis pipeline -> pub/sub.
-        background = [f"b{i}" for i in range(bg_requests)]
-        engine.step_delay_s = 2 * bg_requests / rate
-        for rid in background:
-            await producer.send(topic, _job(rid, 1_000_000), key=rid.encode())
-        await producer.flush()
-        await asyncio.sleep(2.0)  # let the background batch reach steady state
-        lat_ids = [f"l{i}" for i in range(latency_jobs)]
-        parent, child = mp.Pipe()
-        listener = mp.get_context("spawn").Process(target=_latency_listener, args=(redis_url, prefix, lat_ids, child))
-        listener.start()
-        assert parent.recv() == "ready"
-        sent: dict[str, float] = {}
-        cpu2, wall2, ev2 = time.process_time(), time.perf_counter(), worker.metrics.events._value.get()  # noqa: SLF001
-        for rid in lat_ids:
-            await asyncio.sleep(1 / PROBES_PER_S)
-            sent[rid] = time.time()
-            await producer.send(topic, _job(rid, 1), key=rid.encode())
-        await producer.flush()
-        first = await asyncio.to_thread(parent.recv)
-        cpu3, wall3, ev3 = time.process_time(), time.perf_counter(), worker.metrics.events._value.get()  # noqa: SLF001
-        for rid in background:  # end the background load
-            await r.publish(f"{prefix}:cancel", msgspec.json.encode({"type": "cancel", "request_id": rid}))
-        listener.join(10)
-        lat = sorted((first[rid] - sent[rid]) * 1000 for rid in lat_ids if rid in first)
-        p50, p99 = statistics.median(lat), lat[min(len(lat) - 1, int(len(lat) * 0.99))]
-        print(f"\nStoker transport benchmark (fake engine), {os.cpu_count()} CPUs, worker in-process")
-        print(f"{'phase':<34}{'value':>14}")
-        print(f"{'throughput: requests x tokens':<34}{f'{requests} x {tokens}':>14}")
-        print(f"{'chunk+done events/s (wall)':<34}{rate:>14,.0f}")
-        print(f"{'worker CPU (cores busy)':<34}{cpu_share:>14.2f}")
-        print(f"{'events per worker CPU-second':<34}{per_core:>14,.0f}")
-        print(f"{'latency phase: background events/s':<34}{(ev3 - ev2) / (wall3 - wall2):>14,.0f}")
-        print(f"{'engine step period ms (paced)':<34}{engine.step_delay_s * 1000:>14.2f}")
-        print(f"{'probe jobs measured':<34}{len(lat):>14}")
-        print(f"{'produce -> first event p50 ms':<34}{p50:>14.2f}")
-        print(f"{'produce -> first event p99 ms':<34}{p99:>14.2f}")
-        print(f"{'worker CPU during latency phase':<34}{(cpu3 - cpu2) / (wall3 - wall2):>14.2f}")
+        cpu1, wall1 = worker.cpu_s(), time.perf_counter()
+        events = worker.metrics()["stoker_events_published_total"] - ev0
+        return {"rate": events / (wall1 - wall0), "cpu_share": (cpu1 - cpu0) / (wall1 - wall0),
+                "per_cpu_s": events / max(1e-9, cpu1 - cpu0)}
     finally:
         await producer.stop()
         await r.aclose()
-        worker.request_stop()
-        await task
+        worker.stop()
 
 
-PROBES_PER_S = 100
+async def latency(bootstrap: str, redis_url: str, rate: float, bg_requests: int, probes: int,
+                  probes_per_s: float) -> dict[str, Any]:
+    # Each engine step makes one chunk event per background request: pace steps for rate/2 events/s.
+    step_delay_s = 2 * bg_requests / rate
+    worker = await WorkerProc.start(bootstrap, redis_url, bg_requests + probes, step_delay_s, 1000)
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=0)
+    await producer.start()
+    r = aioredis.Redis.from_url(redis_url)
+    listener = None
+    try:
+        background = [f"b{i}" for i in range(bg_requests)]
+        for rid in background:
+            await producer.send(worker.topic, _job(rid, 1_000_000), key=rid.encode())
+        await producer.flush()
+        await asyncio.sleep(2.0)  # let the background batch reach steady state
+        lat_ids = [f"l{i}" for i in range(probes)]
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        listener = ctx.Process(target=_listener, args=(redis_url, worker.prefix, lat_ids, child, 10.0))
+        listener.start()
+        if await asyncio.to_thread(parent.recv) != "ready":
+            raise RuntimeError("the subscriber did not start")
+        before, cpu0, wall0 = worker.metrics(), worker.cpu_s(), time.perf_counter()
+        sent: dict[str, float] = {}
+        began = time.monotonic()
+        for i, rid in enumerate(lat_ids):  # evenly spaced from the start, so drift does not accumulate
+            await asyncio.sleep(max(0.0, began + i / probes_per_s - time.monotonic()))
+            sent[rid] = time.time()
+            await producer.send(worker.topic, _job(rid, 1), key=rid.encode())
+        await producer.flush()
+        parent.send("produced")
+        first: dict[str, float] = await asyncio.to_thread(parent.recv)
+        after, cpu1, wall1 = worker.metrics(), worker.cpu_s(), time.perf_counter()
+        bg_events = after.get("stoker_events_published_total", 0) - before.get("stoker_events_published_total", 0)
+        missing = [rid for rid in lat_ids if rid not in first]
+        missing_with_result = 0
+        if missing:
+            missing_with_result = await r.exists(*(f"{worker.prefix}:result:{rid}" for rid in missing))
+        lat = sorted((first[rid] - sent[rid]) * 1000 for rid in lat_ids if rid in first)
+        for rid in background:  # end the background load
+            await r.publish(f"{worker.prefix}:cancel", msgspec.json.encode({"type": "cancel", "request_id": rid}))
+        return {"step_ms": step_delay_s * 1000, "bg_rate": bg_events / (wall1 - wall0),
+                "cpu_share": (cpu1 - cpu0) / (wall1 - wall0), "measured": len(lat),
+                "missing": len(missing), "missing_with_result": missing_with_result,
+                "p50": statistics.median(lat) if lat else float("nan"),
+                "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else float("nan"),
+                "max": lat[-1] if lat else float("nan"), "stages": stage_table(before, after)}
+    finally:
+        if listener is not None:
+            listener.join(15)
+        await producer.stop()
+        await r.aclose()
+        worker.stop()
+
+
+async def bench(args: argparse.Namespace) -> None:
+    tp = await throughput(args.bootstrap_servers, args.redis_url, args.requests, args.tokens)
+    lt = await latency(args.bootstrap_servers, args.redis_url, tp["rate"], args.bg_requests, args.latency_jobs,
+                       args.probes_per_s)
+    rows: list[tuple[str, str]] = [
+        ("throughput: requests x tokens", f"{args.requests} x {args.tokens}"),
+        ("chunk+done events/s (wall)", f"{tp['rate']:,.0f}"),
+        ("worker CPU (cores busy)", f"{tp['cpu_share']:.2f}"),
+        ("events per worker CPU-second", f"{tp['per_cpu_s']:,.0f}"),
+        ("latency phase: background events/s", f"{lt['bg_rate']:,.0f}"),
+        ("engine step period ms (paced)", f"{lt['step_ms']:.2f}"),
+        ("probe jobs measured / sent", f"{lt['measured']} / {args.latency_jobs}"),
+        ("  not seen, but has a result", f"{lt['missing_with_result']}"),
+        ("  not seen, no result (lost)", f"{lt['missing'] - lt['missing_with_result']}"),
+        ("produce -> first event p50 ms", f"{lt['p50']:.2f}"),
+        ("produce -> first event p99 ms", f"{lt['p99']:.2f}"),
+        ("produce -> first event max ms", f"{lt['max']:.2f}"),
+        ("worker CPU during latency phase", f"{lt['cpu_share']:.2f}"),
+    ]
+    print(f"\nStoker transport benchmark (fake engine), {os.cpu_count()} CPUs, worker in its own process")
+    print(f"{'phase':<36}{'value':>16}")
+    for name, value in rows:
+        print(f"{name:<36}{value:>16}")
+    print("\nworker stages, Kafka record time -> stage (probes; p50/p99 are histogram bucket bounds)")
+    print(f"{'stage':<16}{'mean ms':>10}{'p50 ms <=':>12}{'p99 ms <=':>12}")
+    for stage, mean, p50, p99 in lt["stages"]:
+        print(f"{stage:<16}{mean:>10.2f}{p50:>12.1f}{p99:>12.1f}")
 
 
 def main() -> None:
@@ -165,11 +311,16 @@ def main() -> None:
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     parser.add_argument("--requests", type=int, default=512, help="concurrent requests (events per step)")
     parser.add_argument("--tokens", type=int, default=200, help="tokens per request")
-    parser.add_argument("--latency-jobs", type=int, default=500, help=f"probe jobs, {PROBES_PER_S}/s")
+    parser.add_argument("--latency-jobs", type=int, default=500, help="probe jobs")
+    parser.add_argument("--probes-per-s", type=float, default=100.0, help="probe jobs per second")
     parser.add_argument("--bg-requests", type=int, default=32, help="streaming requests in the latency phase")
     args = parser.parse_args()
-    asyncio.run(bench(args.bootstrap_servers, args.redis_url, args.requests, args.tokens, args.latency_jobs,
-                      args.bg_requests))
+    for name in ("requests", "tokens", "latency_jobs", "bg_requests"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.probes_per_s <= 0:
+        parser.error("--probes-per-s must be > 0")
+    asyncio.run(bench(args))
 
 
 if __name__ == "__main__":

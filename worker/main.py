@@ -38,6 +38,7 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
     ("--ssl-cafile", "KAFKA_SSL_CAFILE", str, None, "CA bundle for Kafka TLS"),
     ("--ssl-certfile", "KAFKA_SSL_CERTFILE", str, None, "client certificate for Kafka TLS"),
     ("--ssl-keyfile", "KAFKA_SSL_KEYFILE", str, None, "client key for Kafka TLS"),
+    ("--max-poll-records", "STOKER_MAX_POLL_RECORDS", int, 64, "job records taken from Kafka per poll at most"),
     ("--redis-url", "REDIS_URL", str, "redis://127.0.0.1:6379/0", "Redis URL (rediss:// for TLS)"),
     ("--redis-password", "REDIS_PASSWORD", str, None, "Redis password (prefer the env var)"),
     ("--redis-ca-certs", "REDIS_CA_CERTS", str, None, "CA bundle for Redis TLS"),

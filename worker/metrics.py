@@ -15,6 +15,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 log = logging.getLogger("stoker.worker.metrics")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Transport stages are sub-millisecond to tens of ms when healthy: fine buckets there, coarse beyond.
+_STAGE_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 
 
@@ -37,6 +39,12 @@ class WorkerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("stoker_queue_time_seconds", "Kafka record time to first engine step",
                                buckets=_LATENCY_BUCKETS, registry=r)
+        # Where a job's first-event latency goes: seconds from the Kafka record's timestamp to each stage
+        # (polled: getmany returned it; claimed: the claim script answered; engine_added: add_request
+        # returned; first_output: the engine step that made its first output ended; published: the
+        # pipeline carrying that first event returned). Differences of adjacent stages locate a delay.
+        self.stage = Histogram("stoker_job_stage_seconds", "Kafka record time to each stage of a job's start",
+                               ["stage"], buckets=_STAGE_BUCKETS, registry=r)
         self.finished = Counter("stoker_requests_finished", "requests ended, by finish reason or error code",
                                 ["reason"], registry=r)
         self.dlq = Counter("stoker_dead_letters", "records sent to the dead-letter topic", ["code"], registry=r)

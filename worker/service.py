@@ -103,6 +103,7 @@ class Batch:
     events: list[OutEvent] = field(default_factory=list)
     finished_records: list[Record] = field(default_factory=list)
     steps: int = 0
+    first_event_record_ms: list[float] = field(default_factory=list)  # for the `published` stage metric
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -123,6 +124,8 @@ class Worker:
         self.model_name = config.served_model_name or engine.model_name
         self.names = config.names
         self.metrics = WorkerMetrics()
+        self._stage = {name: self.metrics.stage.labels(name)
+                       for name in ("polled", "claimed", "engine_added", "first_output", "published")}
         self.tracker = OffsetTracker()
         self.active: dict[str, Request] = {}
         self.parked: dict[str, Parked] = {}
@@ -254,10 +257,13 @@ class Worker:
                 self.ready = True
             records = [rec for tp_records in batches.values() for rec in tp_records]
             if records:
-                await self._intake(records)
+                await self._intake(records, now_ms())
             self._apply_backpressure()
 
-    async def _intake(self, records: list[ConsumerRecord[Any, Any]]) -> None:
+    def _observe(self, stage: str, record_ms: float, at_ms: float) -> None:
+        self._stage[stage].observe(max(0.0, at_ms - record_ms) / 1000)
+
+    async def _intake(self, records: list[ConsumerRecord[Any, Any]], polled_ms: float) -> None:
         claims: dict[str, Parked] = {}  # request_id -> what to claim, in read order
         for rec in records:
             tp = TopicPartition(rec.topic, rec.partition)
@@ -265,7 +271,8 @@ class Worker:
                 continue  # revoked while the batch was in hand: the new owner reads it
             self.tracker.track(tp, rec.offset)
             record: Record = (tp, rec.offset)
-            record_ms = float(rec.timestamp) if rec.timestamp and rec.timestamp > 0 else now_ms()
+            record_ms = float(rec.timestamp) if rec.timestamp and rec.timestamp > 0 else polled_ms
+            self._observe("polled", record_ms, polled_ms)
             ctype = content_type_of(rec.headers)
             try:
                 job = decode_job(rec.value, ctype, max_bytes=self.cfg.max_message_bytes)
@@ -287,7 +294,9 @@ class Worker:
         if claims:
             assert self.rio is not None
             outcomes = await self.rio.admit(list(claims))
+            claimed_ms = now_ms()
             for (rid, parked), (status, attempt) in zip(claims.items(), outcomes, strict=True):
+                self._observe("claimed", parked.record_ms, claimed_ms)
                 self._admitted(rid, parked, status, attempt)
 
     def _admitted(self, rid: str, job: Parked, status: str, attempt: int) -> None:
@@ -318,6 +327,7 @@ class Worker:
             return
         try:
             self._submit(req)
+            self._observe("engine_added", req.record_ms, now_ms())
         except EngineRequestError as exc:
             # A valid message the model can't serve (e.g. too long): an error event, no DLQ, committed.
             self._fail(req, exc.code, exc.message)
@@ -444,6 +454,8 @@ class Worker:
                 if req.first_token_ms is None:
                     req.first_token_ms = step_ms
                     m.ttft.observe(max(0.0, step_ms - req.record_ms) / 1000)
+                    self._observe("first_output", req.record_ms, step_ms)
+                    batch.first_event_record_ms.append(req.record_ms)
                 elif req.last_chunk_ms is not None:
                     m.itl.observe(max(0.0, step_ms - req.last_chunk_ms) / 1000)
                 req.last_chunk_ms = step_ms
@@ -492,7 +504,11 @@ class Worker:
                 batch.events += more.events
                 batch.finished_records += more.finished_records
                 batch.steps += more.steps
+                batch.first_event_record_ms += more.first_event_record_ms
             await self.rio.publish(batch.events)
+            published_ms = now_ms()
+            for record_ms in batch.first_event_record_ms:
+                self._observe("published", record_ms, published_ms)
             self.metrics.events.inc(len(batch.events))
             self._finish_records(batch.finished_records)
             for _ in range(batch.steps):
