@@ -138,7 +138,7 @@ def stage_table(before: dict[str, float], after: dict[str, float]) -> list[tuple
     percentiles are the upper bound of the bucket they fall in."""
     rows = []
     for stage in STAGES:
-        prefix = f'stoker_job_stage_seconds_bucket{{le="'
+        prefix = 'stoker_job_stage_seconds_bucket{le="'
         buckets = []
         for name, value in after.items():
             m = re.fullmatch(re.escape(prefix) + r'([^"]+)",stage="' + stage + r'"\}', name)
@@ -277,7 +277,10 @@ async def latency(bootstrap: str, redis_url: str, rate: float, bg_requests: int,
 
 
 async def bench(args: argparse.Namespace) -> None:
-    tp = await throughput(args.bootstrap_servers, args.redis_url, args.requests, args.tokens)
+    if args.rate is None:
+        tp = await throughput(args.bootstrap_servers, args.redis_url, args.requests, args.tokens)
+    else:  # latency only, at half the rate given
+        tp = {"rate": args.rate, "cpu_share": float("nan"), "per_cpu_s": float("nan")}
     lt = await latency(args.bootstrap_servers, args.redis_url, tp["rate"], args.bg_requests, args.latency_jobs,
                        args.probes_per_s)
     rows: list[tuple[str, str]] = [
@@ -314,10 +317,14 @@ def main() -> None:
     parser.add_argument("--latency-jobs", type=int, default=500, help="probe jobs")
     parser.add_argument("--probes-per-s", type=float, default=100.0, help="probe jobs per second")
     parser.add_argument("--bg-requests", type=int, default=32, help="streaming requests in the latency phase")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="skip the throughput phase; run the latency phase at half this events/s")
     args = parser.parse_args()
     for name in ("requests", "tokens", "latency_jobs", "bg_requests"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.rate is not None and args.rate <= 0:
+        parser.error("--rate must be > 0 events/s")
     if args.probes_per_s <= 0:
         parser.error("--probes-per-s must be > 0")
     asyncio.run(bench(args))

@@ -181,12 +181,13 @@ def test_config_from_env_and_flags():
     env = {"STOKER_FAKE_ENGINE": "1", "KAFKA_BOOTSTRAP_SERVERS": "k:1", "REDIS_URL": "redis://r:2/0",
            "STOKER_JOB_TOPIC": "jobs.x", "STOKER_PREFIX": "px", "STOKER_METRICS_PORT": "9500",
            "STOKER_MAX_NUM_SEQS": "8", "KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT", "KAFKA_SASL_MECHANISM": "PLAIN",
-           "KAFKA_SASL_USERNAME": "u", "KAFKA_SASL_PASSWORD": "p"}
+           "KAFKA_SASL_USERNAME": "u", "KAFKA_SASL_PASSWORD": "p", "STOKER_MAX_POLL_RECORDS": "500",
+           "STOKER_SWITCH_INTERVAL_S": "0.001"}
     cfg = parse_config(["--max-num-seqs", "4", "--group-id", "g"], env)
     assert cfg.fake_engine and cfg.bootstrap_servers == "k:1" and cfg.redis_url == "redis://r:2/0"
     assert cfg.names.jobs_topic == "jobs.x" and cfg.names.dlq_topic == "jobs.x.dlq" and cfg.prefix == "px"
     assert cfg.max_num_seqs == 4 and cfg.group_id == "g" and cfg.metrics_port == 9500  # flag beats env
-    assert cfg.max_waiting == 4
+    assert cfg.max_waiting == 4 and cfg.max_poll_records == 500 and cfg.switch_interval_s == 0.001
     assert cfg.kafka_security() == {"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": "PLAIN",
                                     "sasl_plain_username": "u", "sasl_plain_password": "p"}
 
@@ -198,6 +199,7 @@ def test_config_from_env_and_flags():
     ({"fake_engine": True, "claim_ttl_s": 0.1}, "claim_ttl_s"),
     ({"fake_engine": True, "security_protocol": "SASL_SSL"}, "sasl_mechanism"),
     ({"fake_engine": True, "job_topic": "bad topic"}, "jobs_topic"),
+    ({"fake_engine": True, "switch_interval_s": 0}, "switch_interval_s"),
 ])
 def test_config_rejects_bad_values_with_a_reason(kwargs, needle):
     with pytest.raises(ValueError, match=needle):

@@ -59,6 +59,7 @@ class WorkerConfig:
     worker_id: str = field(default_factory=default_worker_id)
     metrics_host: str = "0.0.0.0"
     metrics_port: int = 9400  # 0 = pick a free port, -1 = off
+    switch_interval_s: float = 0.0005  # sys.setswitchinterval, set by worker.main (see there why)
     log_prompts: bool = False
     log_level: str = "INFO"
     log_format: str = "kv"  # kv | json
@@ -91,6 +92,8 @@ class WorkerConfig:
             problems.append(f"claim_ttl_s must be >= 1 s (renewed every third of it), got {self.claim_ttl_s}")
         if self.drain_timeout_s < 0:
             problems.append(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if not 0 < self.switch_interval_s <= 0.1:
+            problems.append(f"switch_interval_s must be in (0, 0.1] seconds, got {self.switch_interval_s}")
         if not -1 <= self.metrics_port <= 65535:
             problems.append(f"metrics_port must be -1 (off), 0 (any) or a port, got {self.metrics_port}")
         if self.log_format not in ("kv", "json"):
