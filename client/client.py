@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
@@ -24,7 +25,9 @@ from typing import Any, cast
 
 import msgspec
 import redis.asyncio as aioredis
+import redis.exceptions
 from aiokafka import AIOKafkaProducer
+from redis.asyncio.client import PubSub
 
 import schemas
 from schemas import Cancel, Chunk, ContractError, Done, ErrorCode, Job, Names
@@ -34,6 +37,9 @@ Event = Chunk | Done | ErrorEvent
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 CANCEL_TTL_S = 3600  # as long as the result key lives: a cancel must outlast a job waiting in Kafka
+RECONNECT_BACKOFF_S = (0.05, 2.0)  # pub/sub reconnects: at once, then 50 ms doubling up to 2 s
+_CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+log = logging.getLogger("stoker.client")
 
 
 class ClientError(Exception):
@@ -49,12 +55,13 @@ class RequestFailed(ClientError):
 
 
 class RequestTimeout(ClientError, TimeoutError):
-    """No terminal event within the timeout. The job may still run: cancel it if you no longer want it."""
+    """No terminal event within the timeout. The job may still run: cancel it if you no longer want it.
+    `reason` replaces the usual hint when the time ran out before the job was even sent."""
 
-    def __init__(self, request_id: str, timeout_s: float, events_seen: int):
+    def __init__(self, request_id: str, timeout_s: float, events_seen: int, reason: str | None = None):
         super().__init__(
             f"request {request_id}: no terminal event within {timeout_s:g} s ({events_seen} events seen); "
-            "is a worker running on this topic and prefix? (`stoker workers` lists live ones)"
+            + (reason or "is a worker running on this topic and prefix? (`stoker workers` lists live ones)")
         )
         self.request_id, self.timeout_s, self.events_seen = request_id, timeout_s, events_seen
 
@@ -123,17 +130,28 @@ class _Dispatcher:
     """One pub/sub connection shared by every request the client follows: a reader task routes each
     message to the queue of its channel, and `subscribe` returns only once Redis has confirmed, so a job
     produced afterwards cannot publish before we listen. One connection for N requests keeps a load test
-    of thousands of concurrent requests from opening thousands of sockets."""
+    of thousands of concurrent requests from opening thousands of sockets.
 
-    def __init__(self, redis: aioredis.Redis):
-        self._pubsub = redis.pubsub()
+    The connection is replaceable: when it drops (Redis restart, CLIENT KILL, a network blip) the reader
+    opens a new one with backoff and subscribes every channel still followed. What was published in
+    between is lost on pub/sub; followers notice the seq gap at their next event and fill it from the
+    stream (or find the terminal event under the result key), so only latency is lost. Requests started
+    during the outage wait (within their timeout) for the new connection's confirmation."""
+
+    def __init__(self, redis: aioredis.Redis, *, backoff_s: tuple[float, float] = RECONNECT_BACKOFF_S):
+        self._redis = redis
+        self._pubsub: PubSub | None = None  # None while disconnected: the reader is reconnecting
         self._queues: dict[bytes, asyncio.Queue[bytes]] = {}
         self._confirm: dict[bytes, asyncio.Future[None]] = {}
         self._reader: asyncio.Task[None] | None = None
-        self._failure: BaseException | None = None
+        self._wanted = asyncio.Event()  # set after a subscribe: wakes a reader that idles with none
+        self._stale = False  # a caller's SUBSCRIBE failed on the connection: the reader replaces it
+        self._backoff_s = backoff_s
+        self.last_error: BaseException | None = None
+        self.reconnects = 0
 
     async def start(self) -> None:
-        await self._pubsub.connect()
+        self._pubsub = await self._connect()  # the first connection fails loudly; later ones are retried
         self._reader = asyncio.create_task(self._read(), name="stoker-client-pubsub")
 
     async def close(self) -> None:
@@ -141,19 +159,49 @@ class _Dispatcher:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
-        await self._pubsub.aclose()
+            self._reader = None
+        if self._pubsub is not None:
+            await self._pubsub.aclose()
+            self._pubsub = None
+
+    async def _connect(self) -> PubSub:
+        """A new connection subscribed to every followed channel, including those added meanwhile."""
+        pubsub = self._redis.pubsub()
+        try:
+            await pubsub.connect()
+            subscribed: set[bytes] = set()
+            # No await between the last check and the return: a subscribe() after it sees this connection
+            # (the caller stores it at once) and sends its own SUBSCRIBE.
+            while True:
+                missing, gone = self._queues.keys() - subscribed, subscribed - self._queues.keys()
+                if not missing and not gone:
+                    break
+                if missing:
+                    await pubsub.subscribe(*missing)
+                    subscribed |= missing
+                if gone:  # unsubscribed while we reconnected: do not keep listening for it
+                    await pubsub.unsubscribe(*gone)
+                    subscribed -= gone
+        except BaseException:
+            await pubsub.aclose()
+            raise
+        return pubsub
 
     async def subscribe(self, channel: str, timeout_s: float) -> asyncio.Queue[bytes]:
+        """The channel's queue, once Redis has confirmed the subscription (TimeoutError after timeout_s)."""
         key = channel.encode()
         if key in self._queues:
             raise ClientError(f"already following channel {channel}: request ids must be fresh")
-        if self._failure is not None:
-            raise ClientError(f"the Redis pub/sub connection failed: {self._failure!r}")
         queue: asyncio.Queue[bytes] = asyncio.Queue()
         self._queues[key] = queue
         confirmed = self._confirm[key] = asyncio.get_running_loop().create_future()
         try:
-            await self._pubsub.subscribe(channel)
+            if self._pubsub is not None:  # else the reader's reconnect subscribes it with the others
+                try:
+                    await self._pubsub.subscribe(channel)
+                    self._wanted.set()
+                except _CONNECTION_ERRORS as exc:  # the reader replaces the connection, channel included
+                    self.last_error, self._stale = exc, True
             await asyncio.wait_for(confirmed, timeout_s)
         except BaseException:
             self._queues.pop(key, None)
@@ -163,15 +211,26 @@ class _Dispatcher:
         return queue
 
     async def unsubscribe(self, channel: str) -> None:
-        if self._queues.pop(channel.encode(), None) is not None and self._failure is None:
-            with contextlib.suppress(Exception):  # the connection may be gone; nothing left to free then
+        if self._queues.pop(channel.encode(), None) is not None and self._pubsub is not None:
+            with contextlib.suppress(Exception):  # the connection may be gone; a new one will not have it
                 await self._pubsub.unsubscribe(channel)
 
     async def _read(self) -> None:
-        try:
-            while True:
+        failures = 0
+        while True:
+            try:
+                if self._pubsub is None:
+                    self._pubsub = await self._connect()
+                    self.reconnects += 1
+                    log.warning("Redis pub/sub reconnected; following %d channels again", len(self._queues))
+                    failures = 0
+                if self._stale:
+                    self._stale = False
+                    raise ClientError(f"a SUBSCRIBE failed: {self.last_error!r}")
                 if not self._pubsub.subscribed:  # get_message needs a subscription to read anything
-                    await asyncio.sleep(0.005)
+                    self._wanted.clear()
+                    with contextlib.suppress(TimeoutError):  # re-checks the stale flag now and then
+                        await asyncio.wait_for(self._wanted.wait(), 1.0)
                     continue
                 msg = await self._pubsub.get_message(timeout=1.0)
                 if msg is None:
@@ -183,13 +242,18 @@ class _Dispatcher:
                         confirmed.set_result(None)
                 elif msg["type"] == "message" and (queue := self._queues.get(channel)) is not None:
                     queue.put_nowait(msg["data"])
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # wake every follower: each falls back to polling the stream/result key
-            self._failure = exc
-            for confirmed in self._confirm.values():
-                if not confirmed.done():
-                    confirmed.set_exception(ClientError(f"Redis pub/sub connection failed: {exc!r}"))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # connection lost (or broken): drop it, retry with capped exponential backoff
+                self.last_error = exc
+                if self._pubsub is not None:
+                    log.warning("Redis pub/sub connection lost (%r); reconnecting", exc)
+                    with contextlib.suppress(Exception):
+                        await self._pubsub.aclose()
+                    self._pubsub = None
+                first, cap = self._backoff_s
+                await asyncio.sleep(0.0 if failures == 0 else min(cap, first * 2 ** (failures - 1)))
+                failures += 1
 
 
 @dataclass(slots=True)
@@ -246,22 +310,33 @@ class Client:
         options = {"max_connections": 64, "timeout": 30, **self._redis_options}
         pool = aioredis.BlockingConnectionPool.from_url(self.redis_url, **options)
         self._redis = aioredis.Redis.from_pool(pool)  # owns the pool: aclose() closes it too
-        await self._redis.ping()  # fail here, with the URL in the message, not on the first request
-        self._dispatcher = _Dispatcher(self._redis)
-        await self._dispatcher.start()
+        try:
+            await self._redis.ping()  # fail here, with the URL in the message, not on the first request
+            self._dispatcher = _Dispatcher(self._redis)
+            await self._dispatcher.start()
+        except BaseException:  # `async with` runs no __aexit__ when __aenter__ fails: free what we opened
+            await self.close()
+            raise
 
     async def close(self) -> None:
-        if self._cleanups:  # let pending cancels reach Redis before the connection goes
-            await asyncio.wait(list(self._cleanups), timeout=5.0)
-        if self._producer is not None:
-            await self._producer.stop()
-            self._producer = None
-        if self._dispatcher is not None:
-            await self._dispatcher.close()
-            self._dispatcher = None
-        if self._redis is not None:
-            await self._redis.aclose()
-            self._redis = None
+        """Idempotent; each resource is released even if releasing an earlier one failed."""
+        try:
+            if self._cleanups:  # let pending cancels reach Redis before the connection goes
+                await asyncio.wait(list(self._cleanups), timeout=5.0)
+        finally:
+            producer, self._producer = self._producer, None
+            dispatcher, self._dispatcher = self._dispatcher, None
+            client, self._redis = self._redis, None
+            try:
+                if producer is not None:
+                    await producer.stop()
+            finally:
+                try:
+                    if dispatcher is not None:
+                        await dispatcher.close()
+                finally:
+                    if client is not None:
+                        await client.aclose()
 
     @property
     def redis(self) -> aioredis.Redis:
@@ -340,11 +415,21 @@ class Client:
         deadline = time.monotonic() + timeout
         if self._dispatcher is None:
             raise ClientError("the client is not started: use `async with Client(...)` or `await start()`")
+        dispatcher = self._dispatcher
         channel = self.names.events_channel(job.request_id)
-        queue = await self._dispatcher.subscribe(channel, timeout)  # before producing: no lost first tokens
+        try:  # before producing: no lost first tokens
+            queue = await dispatcher.subscribe(channel, timeout)
+        except TimeoutError:
+            raise RequestTimeout(job.request_id, timeout, 0, reason="Redis never confirmed the subscription to "
+                                 f"its events (last pub/sub error: {dispatcher.last_error!r}); the job was not "
+                                 "sent") from None
         finished = False
         try:
-            await self.submit(job)
+            try:  # bounded too: a missing topic makes aiokafka wait 40 s for metadata
+                await asyncio.wait_for(self.submit(job), max(1e-3, deadline - time.monotonic()))
+            except TimeoutError:
+                raise RequestTimeout(job.request_id, timeout, 0, reason=f"Kafka did not take the job in time; "
+                                     f"does topic {self.topic!r} exist at {self.bootstrap_servers}?") from None
             async for event in self._follow(job.request_id, queue, deadline, timeout):
                 if isinstance(event, ErrorEvent):
                     finished = True
@@ -354,7 +439,7 @@ class Client:
         finally:
             # Cleanup runs as its own task: when we are here because our task was cancelled (a gateway
             # client hung up; anyio cancels every later await too), the cancel must still go out.
-            cleanup = [self._dispatcher.unsubscribe(channel)]
+            cleanup = [dispatcher.unsubscribe(channel)]
             if cancel_on_exit and not finished:
                 cleanup.append(self.cancel(job.request_id))
             task = asyncio.ensure_future(asyncio.gather(*cleanup, return_exceptions=True))
@@ -385,16 +470,19 @@ class Client:
             except TimeoutError:
                 # Quiet channel: the terminal event may have been lost (pub/sub is at-most-once). The
                 # result key says whether it exists; the stream then replays what we missed, in order.
-                if await self.redis.exists(self.names.result(request_id)):
-                    async for event in self._replay(request_id, sequencer):
-                        seen += 1
-                        yield event
-                        if isinstance(event, Done | ErrorEvent):
+                try:
+                    if await self.redis.exists(self.names.result(request_id)):
+                        async for event in self._replay(request_id, sequencer):
+                            seen += 1
+                            yield event
+                            if isinstance(event, Done | ErrorEvent):
+                                return
+                        terminal = await self.result(request_id)  # stream capped/expired: the key is final
+                        if terminal is not None:
+                            yield terminal
                             return
-                    terminal = await self.result(request_id)  # stream capped/expired: the key is final
-                    if terminal is not None:
-                        yield terminal
-                        return
+                except _CONNECTION_ERRORS as exc:  # Redis is restarting: look again next interval
+                    log.debug("request %s: result check failed (%r); retrying", request_id, exc)
                 continue
             event = decode_event(raw)
             verdict = sequencer.offer(event)
@@ -513,7 +601,11 @@ class SyncClient:
         self._client = Client(*args, **kwargs)
 
     def __enter__(self) -> SyncClient:
-        self._runner.run(self._client.start())
+        try:
+            self._runner.run(self._client.start())
+        except BaseException:  # no __exit__ follows a failed __enter__: close the loop here
+            self._runner.close()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:

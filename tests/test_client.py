@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -104,7 +104,9 @@ def test_client_imports_without_torch() -> None:
 
 
 # ---- against the stack -------------------------------------------------------------------------------------
-Script = Callable[[Job], list[tuple[str, schemas.Event]]]  # (where: "pub" | "stream" | "both" | "result", event)
+Hook = Callable[[aioredis.Redis], Awaitable[object]]  # a step that acts on Redis itself (awaited in order)
+# (where: "pub" | "stream" | "both" | "result", event) or ("hook", Hook)
+Script = Callable[[Job], list[tuple[str, schemas.Event]] | list[tuple[str, schemas.Event | Hook]]]
 
 
 @dataclass
@@ -138,6 +140,9 @@ class Responder:
                     self.names.events_channel(rid).encode()]
                 packed = schemas.is_msgpack(content_type)
                 for where, event in self.script(job):
+                    if not isinstance(event, Chunk | Done | ErrorEvent):  # a hook
+                        await event(r)
+                        continue
                     data = schemas.encode_event(event, msgpack=packed)
                     if where in ("stream", "both", "result"):
                         await r.xadd(self.names.stream(rid), {schemas.STREAM_FIELD: data})
@@ -321,7 +326,8 @@ async def test_tail_replays_a_finished_request_and_follows_a_live_one(kafka_boot
         names, rid = c.names, "tail-live-1"
         follower = asyncio.create_task(_collect(c.tail(rid, timeout=10)))
         await asyncio.sleep(0.3)
-        for e in [chunk(rid, 0), chunk(rid, 1), done(rid, 2, "alpha beta ")]:
+        live_events: list[schemas.Event] = [chunk(rid, 0), chunk(rid, 1), done(rid, 2, "alpha beta ")]
+        for e in live_events:
             await c.redis.xadd(names.stream(rid), {"data": schemas.encode_event(e)})
             await asyncio.sleep(0.05)
         events = await follower
@@ -377,3 +383,78 @@ def test_sync_client(kafka_bootstrap: str, redis_url: str) -> None:
     finally:
         stop.set()
         thread.join(30)
+
+
+@pytest.mark.stack
+async def test_pubsub_connection_killed_mid_run_reconnects_and_requests_complete(kafka_bootstrap: str,
+                                                                                 redis_url: str) -> None:
+    """The client's pub/sub connection is killed while a request runs; the events published before it is
+    back are lost on pub/sub. The running request must resume on the new connection (its gap filled from
+    the stream), and requests started after the kill must work. poll_interval is longer than the test's
+    timeout, so the result-key poll cannot be what finishes them: only the reconnect can."""
+    name = f"stoker-test-{uuid.uuid4().hex[:8]}"  # to find our pub/sub connection among other sessions'
+    gate = asyncio.Event()
+    kills = 0
+
+    async def kill_then_publish_into_the_gap(r: aioredis.Redis, rid: str, lost: list[Chunk]) -> None:
+        nonlocal kills
+        ids = [c["id"] for c in await r.client_list(_type="pubsub") if c["name"] == name]
+        assert len(ids) == 1, ids
+        # One transaction: Redis runs the kill and these writes before it reads anything from the client's
+        # new connection, so both chunks certainly reach nobody on pub/sub and only the stream has them.
+        async with r.pipeline(transaction=True) as pipe:
+            pipe.client_kill_filter(_id=ids[0], _type="pubsub")
+            for c in lost:
+                data = schemas.encode_event(c)
+                pipe.xadd(Names(redis_prefix=prefix).stream(rid), {schemas.STREAM_FIELD: data})
+                pipe.publish(Names(redis_prefix=prefix).events_channel(rid), data)
+            replies = await pipe.execute()
+        assert replies[0] == 1 and replies[2::2] == [0] * len(lost)  # killed; nobody heard the chunks
+        kills += 1
+
+    async def until_resubscribed(r: aioredis.Redis, rid: str) -> None:
+        channel = Names(redis_prefix=prefix).events_channel(rid)
+        for _ in range(200):
+            if dict(await r.pubsub_numsub(channel))[channel.encode()] == 1:
+                return
+            await asyncio.sleep(0.025)
+        raise AssertionError(f"the client did not subscribe to {channel} again within 5 s")
+
+    def play(job: Job) -> list[tuple[str, schemas.Event | Hook]]:
+        rid = job.request_id
+        c = [chunk(rid, i) for i in range(5)]
+        text = "".join(x.text for x in c)
+        steps: list[tuple[str, schemas.Event | Hook]] = [("both", c[0]), ("both", c[1])]
+        if kills == 0:  # the first request: the outage happens while it runs
+            steps += [("hook", lambda r: gate.wait()), ("hook", lambda r: kill_then_publish_into_the_gap(r, rid, c[2:4])),
+                      ("hook", lambda r: until_resubscribed(r, rid))]
+        else:
+            steps += [("both", c[2]), ("both", c[3])]
+        return steps + [("both", c[4]), ("result", done(rid, 5, text)), ("pub", done(rid, 5, text))]
+
+    topic = await make_topic(kafka_bootstrap)
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    responder = Responder(kafka_bootstrap, redis_url, topic, Names(redis_prefix=prefix), play)
+    ready = asyncio.Event()
+    task = asyncio.create_task(responder.run(ready))
+    await asyncio.wait_for(ready.wait(), 30)
+    expected = "".join(WORDS)
+    try:
+        async with Client(kafka_bootstrap, redis_url, prefix=prefix, topic=topic, poll_interval=60.0,
+                          redis_options={"client_name": name}) as c:
+            running = c.stream("hi", timeout=15)
+            first = [await anext(running), await anext(running)]
+            assert [e.seq for e in first] == [0, 1]
+            gate.set()  # the responder kills our pub/sub connection now
+            # started during or right after the outage: waits for the new connection, then runs
+            later = asyncio.create_task(c.generate("again", timeout=15))
+            rest = [e async for e in running]
+            assert [e.seq for e in first + rest] == [0, 1, 2, 3, 4, 5] and kills == 1
+            assert "".join(e.text for e in (first + rest)[:-1]) == rest[-1].text == expected
+            assert (await later).text == expected
+            assert (await c.generate("once more", timeout=15)).text == expected  # after the reconnect
+            assert c._dispatcher is not None and c._dispatcher.reconnects == 1
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
