@@ -2,7 +2,9 @@
 
 Each call becomes one job, produced to Kafka and answered from the request's events in Redis, so the
 gateway holds no model and scales apart from the workers. `/v1/models` lists what live workers serve
-(their heartbeat keys). A client that disconnects mid-stream cancels its job (Client.run's cancel_on_exit).
+(their heartbeat keys). A client that hangs up cancels its job (Client.run's cancel_on_exit does the
+cancel): before the first event, in both the streaming and the plain path, a task reading the ASGI
+`receive` channel notices it; once a stream has started, Starlette's own disconnect listener does.
 The job carries deadline_ms = now + the gateway's timeout, so a worker stops spending GPU time on an answer
 nobody waits for any more.
 
@@ -14,17 +16,20 @@ logit_bias, non-text content parts. finish_reason passes the contract's `cancell
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 import schemas
 from client.client import (
@@ -56,6 +61,66 @@ class APIError(Exception):
                 422: "invalid_request_error", 503: "service_unavailable", 504: "timeout"}.get(self.status, "server_error")
         body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status)
+
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The HTTP client hung up before its answer was ready."""
+
+
+class _Hangup:
+    """Notices the HTTP client going away while the gateway waits for a job's events.
+
+    Once the body is read, an ASGI server's `receive()` has nothing more to say until the client
+    disconnects (`http.disconnect`), so one task waiting on it is an event-driven hang-up signal: no
+    polling of `request.is_disconnected()`. `race` runs a wait against it and cancels the wait when the
+    client leaves first; cancelling Client.run's generator is what sends the job's cancel."""
+
+    def __init__(self, receive: Receive):
+        self._task = asyncio.create_task(self._watch(receive), name="stoker-gateway-hangup")
+
+    @staticmethod
+    async def _watch(receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass  # a body part after the body was read: not ours to use
+
+    async def race(self, work: Awaitable[T]) -> T:
+        job = asyncio.ensure_future(work)
+        try:
+            await asyncio.wait((job, self._task), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # we were cancelled (server shutdown): the wait goes with us
+            job.cancel()
+            raise
+        if job.done():
+            return job.result()
+        job.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):  # its outcome no longer matters
+            await job
+        raise ClientGone
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._task
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that always closes the job's event iterator when it ends. On a hang-up Starlette
+    cancels the body but never closes it: a generator left suspended at a `yield` would cancel its job
+    only when the garbage collector finalised it."""
+
+    def __init__(self, body: AsyncIterator[bytes], events: AsyncIterator[Chunk | Done], headers: dict[str, str]):
+        super().__init__(body, media_type="text/event-stream", headers=headers)
+        self._body, self._events = body, events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._body.aclose()  # type: ignore[attr-defined]
+            await self._events.aclose()  # type: ignore[attr-defined]
 
 
 def _typed(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], what: str) -> Any:
@@ -240,15 +305,21 @@ class Gateway:
             make = _ChatShape if chat else _CompletionShape
             shape = make(f"{'chatcmpl' if chat else 'cmpl'}-{job.request_id}", model)
             headers = {"x-request-id": job.request_id}
-            if stream:
-                events = self.client.run(job, timeout=self.timeout)
-                first = await self._first(events)  # errors before the first event still get a status code
-                return StreamingResponse(self._sse(shape, first, events, include_usage),
-                                         media_type="text/event-stream", headers=headers)
-            done = await self._collect(job)
-            return JSONResponse(shape.whole(done), headers=headers)
+            hangup = _Hangup(request.receive)
+            try:
+                if stream:
+                    events = self.client.run(job, timeout=self.timeout)
+                    # errors before the first event still get a status code
+                    first = await hangup.race(self._first(events))
+                    return _EventStream(self._sse(shape, first, events, include_usage), events, headers)
+                done = await hangup.race(self._collect(job))
+                return JSONResponse(shape.whole(done), headers=headers)
+            finally:
+                await hangup.close()  # before Starlette's listener takes over `receive` for the stream
         except APIError as exc:
             return exc.response()
+        except ClientGone:  # nobody reads this; 499 is the usual log mark for "client closed request"
+            return Response(status_code=499)
 
     async def _collect(self, job: schemas.Job) -> Done:
         try:
@@ -292,7 +363,7 @@ class Gateway:
             code = exc.code if isinstance(exc, RequestFailed) else "timeout"
             yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": code}})
         finally:
-            # A disconnect cancels this generator; closing `events` runs Client.run's finally: the cancel.
+            # Closing `events` runs Client.run's finally: the cancel, unless the job had finished.
             await events.aclose()  # type: ignore[attr-defined]
 
 

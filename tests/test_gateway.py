@@ -5,6 +5,7 @@ with its own topic and Redis prefix."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -63,9 +64,23 @@ class Live:
     def client(self, **kw: object) -> Client:
         return Client(self.bootstrap, self.redis_url, prefix=self.prefix, topic=self.topic, **kw)  # type: ignore[arg-type]
 
-    def start(self, serve_gateway: bool = True, model: Path | None = None) -> None:
-        """Worker on the stand-in engine, or on the real engine (CPU) with `model`."""
+    def start(self, serve_gateway: bool = True, model: Path | None = None, worker: bool = True) -> None:
+        """Worker on the stand-in engine, or on the real engine (CPU) with `model`. worker=False: none yet
+        (spawn_worker later), only a placeholder heartbeat for model "fake", so the gateway takes jobs."""
         asyncio.run(_create_topics(self.bootstrap, [self.topic, self.topic + ".dlq"]))
+        if worker:
+            self.spawn_worker(model)
+            asyncio.run(self._wait_for_heartbeat())
+        else:
+            asyncio.run(self._placeholder_heartbeat())
+        if serve_gateway:
+            self._serve()
+
+    async def _placeholder_heartbeat(self) -> None:
+        async with self.client() as c:
+            await c.redis.set(f"{self.prefix}:worker:placeholder", b'{"model": "fake", "capacity": 1}', ex=120)
+
+    def spawn_worker(self, model: Path | None = None) -> None:
         engine = ({"STOKER_MODEL": str(model), "STOKER_DEVICE": "cpu"} if model is not None else
                   {"STOKER_FAKE_ENGINE": "1", "STOKER_FAKE_STEP_DELAY_S": str(STEP_DELAY_S)})
         env = dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=self.bootstrap, REDIS_URL=self.redis_url,
@@ -74,9 +89,6 @@ class Live:
         with self.log.open("wb") as out:
             self.worker = subprocess.Popen([sys.executable, "-m", "worker.main"], cwd=ROOT, env=env,
                                            stdout=out, stderr=subprocess.STDOUT)
-        asyncio.run(self._wait_for_heartbeat())
-        if serve_gateway:
-            self._serve()
 
     def _serve(self) -> None:
         app = create_app(lambda: self.client(), timeout=30.0)
@@ -246,6 +258,73 @@ async def test_client_disconnect_cancels_the_job_in_the_worker(live: Live) -> No
             await asyncio.sleep(0.1)
     assert isinstance(done, Done) and done.finish_reason == "cancelled"
     assert done.usage.completion_tokens < 2000
+
+
+async def _hang_up(live: Live, path: str, body: dict[str, object], jobs_before: int) -> str:
+    """Sends a request on a raw socket, waits until its job is in Kafka (no event can come: no worker
+    runs yet), then closes the socket before any byte of the answer. Returns the job's request id."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    data = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
+    writer.write(f"POST /v1{path} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    await writer.drain()
+    consumer = AIOKafkaConsumer(bootstrap_servers=live.bootstrap)
+    await consumer.start()
+    try:
+        partitions = [TopicPartition(live.topic, p) for p in (0, 1)]
+        for _ in range(200):
+            if sum((await consumer.end_offsets(partitions)).values()) > jobs_before:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the gateway did not produce the job within 10 s")
+    finally:
+        await consumer.stop()
+    async with live.client() as c:  # subscribed before producing: the one live events channel is this job's
+        channels = await c.redis.pubsub_channels(f"{live.prefix}:events:*")
+    assert len(channels) == 1 and not reader.at_eof()  # nothing answered yet
+    writer.close()
+    await writer.wait_closed()
+    return channels[0].decode().rsplit(":", 1)[1]
+
+
+async def test_hangup_before_the_first_event_cancels_the_job(kafka_bootstrap: str, redis_url: str) -> None:
+    """Both paths (plain and streaming) wait for the first event before answering anything; a client that
+    hangs up then must still cancel its job. No worker runs while the two clients hang up, so no event can
+    arrive first; the worker started afterwards must end both jobs `cancelled`, without running them."""
+    idle = Live(kafka_bootstrap, redis_url)
+    await asyncio.to_thread(idle.start, worker=False)
+    try:
+        request_ids = []
+        for n, (path, body) in enumerate([
+            ("/completions", {"model": "fake", "prompt": "hi", "max_tokens": 50}),
+            ("/chat/completions", {"model": "fake", "messages": [{"role": "user", "content": "hi"}],
+                                   "max_tokens": 50, "stream": True}),
+        ]):
+            rid = await _hang_up(idle, path, body, jobs_before=n)
+            request_ids.append(rid)
+            async with idle.client() as c:
+                for _ in range(50):  # the gateway's timeout is 30 s: only noticing the hang-up cancels in 5 s
+                    if await c.redis.exists(c.names.cancelled(rid)):
+                        break
+                    await asyncio.sleep(0.1)
+                else:
+                    raise AssertionError(f"hang-up on {path} did not cancel {rid} within 5 s")
+        idle.spawn_worker()
+        async with idle.client() as c:
+            results = {}
+            for _ in range(300):
+                results = {rid: await c.result(rid) for rid in request_ids}
+                if all(results.values()):
+                    break
+                await asyncio.sleep(0.1)
+        for rid, result in results.items():
+            assert isinstance(result, Done), (rid, result, idle.log.read_text()[-2000:])
+            assert result.finish_reason == "cancelled" and result.usage.completion_tokens == 0
+    finally:
+        await asyncio.to_thread(idle.stop)
 
 
 @pytest.fixture(scope="module")
