@@ -98,7 +98,9 @@ class BlockManager:
         blocks: list[int] = []
         hashes: list[BlockHash] = []
         parent: BlockHash | None = None
-        for index in range((seq.num_tokens - 1) // self.block_size):
+        # Only blocks whose tokens are all known (a pending sampled token has no value to hash yet).
+        num_blocks = min(seq.num_tokens - 1, seq.num_known_tokens) // self.block_size
+        for index in range(num_blocks):
             token_ids = self._block_tokens(seq, index)
             block_hash = hash_block(parent, token_ids)
             block_id = self._hash_to_block.get(block_hash)
@@ -118,6 +120,11 @@ class BlockManager:
         returns False, changing nothing, when the pool cannot supply the fresh blocks."""
         if prefix is not None and seq.block_table:
             raise ValueError(f"{seq.request_id}: a prefix match applies only to a sequence holding no blocks")
+        if (
+            prefix is None
+            and seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size
+        ):
+            return True  # the common decode: the last block still has room
         prefix = prefix or NO_MATCH
         start = prefix.num_tokens if prefix.blocks else seq.num_computed_tokens
         num_fresh = self.blocks_needed(start + num_new_tokens) - len(seq.block_table) - len(prefix.blocks)
@@ -157,7 +164,11 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         hashes = self._seq_hashes.setdefault(seq, [])
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        # A block is hashed once its tokens are computed AND known: with overlapped steps the newest sampled
+        # token is computed by the next step before its value reaches the host.
+        num_full = min(
+            min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size, len(seq.block_table)
+        )
         for index in range(len(hashes), num_full):
             parent = hashes[-1] if hashes else None
             token_ids = self._block_tokens(seq, index)

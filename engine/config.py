@@ -24,6 +24,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int | None = None  # seeds the draw of per-request seeds for unseeded requests
     cuda_graphs: bool = True  # on CUDA: capture decode steps per batch bucket at startup (cuda_graphs.py)
+    # Overlapped steps (engine.step): schedule and launch step N+1 before reading step N's tokens.
+    # None = on for CUDA, off on the CPU (where a step's outputs then come back from the same step() call).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         problems = []

@@ -9,14 +9,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import ModelConfig
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, PendingSample
 from engine.outputs import EngineRequestError, EngineStats, RequestOutput, TokenLogprob, TopLogprob
 from engine.sampler import SamplerOutput, SamplingRequest
-from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from engine.sequence import FinishReason, SamplingParams, Sequence
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from engine.sequence import PENDING_TOKEN, FinishReason, SamplingParams, Sequence
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -28,13 +30,19 @@ class _Request:
     seed: int  # the request's seed, or one drawn at add time: seeded and unseeded draw the same way
     stop_ids: frozenset[int]  # eos (unless ignore_eos) and stop_token_ids
     detokenizer: IncrementalDetokenizer
+    row: SamplingRequest  # refers to the sequence's own token lists, so it is built once per request
     first_scheduled_ms: float | None = None
 
-    def sampling_row(self) -> SamplingRequest:
-        seq = self.seq
-        return SamplingRequest(
-            seq.params, self.seed, seq.prompt_token_ids, seq.output_token_ids, tuple(self.stop_ids)
-        )
+
+@dataclass(slots=True)
+class _Launched:
+    """A step whose GPU work is queued: its sampled chunks (row i of the sample = sampling[i]) and the
+    sample parts, each (first row, PendingSample or the exception that failed that row)."""
+
+    sampling: list[ScheduledChunk]
+    rows: dict[Sequence, int]  # sequence -> its row in token_ids
+    token_ids: Any  # [N] int64 device tensor: the next step's pending input ids
+    parts: list[tuple[int, PendingSample | Exception]]
 
 
 class LLMEngine:
@@ -78,6 +86,15 @@ class LLMEngine:
         self._pending_ids: set[str] = set()  # added, not yet applied: catches duplicates across threads
         self._requests: dict[str, _Request] = {}  # applied and unfinished; touched only by step()
         self._rng = random.Random(config.seed)
+        # Overlapped steps (see step()): on unless the config turns them off; CPU default off, so a step's
+        # outputs come back from the same step() call there (the tests read it that way).
+        self.async_scheduling: bool = (
+            config.async_scheduling
+            if config.async_scheduling is not None
+            else self.runner.device.type == "cuda"
+        )
+        self._inflight: _Launched | None = None
+        self._num_history = 0  # live requests whose penalties read the output token values
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
 
@@ -115,7 +132,8 @@ class LLMEngine:
                 )
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             self._pending_ids.add(request_id)
-            self._inbox.append(("add", _Request(seq, seed, stop_ids, detok)))
+            row = SamplingRequest(params, seed, seq.prompt_token_ids, seq.output_token_ids, tuple(stop_ids))
+            self._inbox.append(("add", _Request(seq, seed, stop_ids, detok, row)))
 
     def _prompt_ids(
         self,
@@ -184,7 +202,7 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return bool(self._pending_ids) or self.scheduler.has_unfinished()
+            return bool(self._pending_ids) or self.scheduler.has_unfinished() or self._inflight is not None
 
     def stats(self) -> EngineStats:
         queried, hits = self.scheduler.prefix_cache_stats
@@ -201,24 +219,28 @@ class LLMEngine:
 
     # ---- the loop ----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        # One step: apply the inbox (adds, aborts) -> schedule -> forward every chunk and sample where a chunk
-        # reaches its sequence's end -> scheduler.postprocess -> append tokens, detokenize, stop -> report.
+        """Apply the inbox (adds, aborts) -> schedule -> launch forward + sampling -> report.
+
+        Overlapped (async_scheduling): step N's results are read only after step N+1 was scheduled, prepared
+        and launched; N+1 decodes the tokens N sampled straight from N's device tensor (a sampled token sits
+        in output_token_ids as PENDING_TOKEN until then). So while the GPU runs N+1 the host appends N's
+        tokens, detokenizes, checks stops and builds the outputs; a sequence that turns out to have finished
+        in N has its N+1 token discarded. Outputs of a step come back from the next step() call. Requests
+        with penalties need the token values on the host, so while one runs the engine steps synchronously."""
         self._apply_inbox()
-        now_ms = time.time() * 1000
+        outputs: list[RequestOutput] = []
+        if self._inflight is not None and self._num_history:
+            outputs += self._finish_step(self._inflight)
+            self._inflight = None
         out = self.scheduler.schedule()
-        outputs = [self._ended_output(seq.request_id) for seq in out.ended]
-        if not out.chunks:
-            return outputs
-        for chunk in out.chunks:
-            req = self._requests[chunk.seq.request_id]
-            if req.first_scheduled_ms is None:
-                req.first_scheduled_ms = now_ms
-        sampling = [c for c in out.chunks if c.samples]
-        logits = self.runner.forward(self.runner.prepare(out))
-        results = self._sample(logits, sampling)
-        self.scheduler.postprocess(out)
-        for chunk, result in zip(sampling, results, strict=True):
-            outputs.append(self._process(chunk, result))
+        outputs += [self._ended_output(seq.request_id) for seq in out.ended]
+        launched = self._launch(out) if out.chunks else None
+        if self._inflight is not None:
+            outputs += self._finish_step(self._inflight)
+        self._inflight = launched
+        if launched is not None and not self.async_scheduling:
+            outputs += self._finish_step(launched)
+            self._inflight = None
         return outputs
 
     def _apply_inbox(self) -> None:
@@ -230,77 +252,138 @@ class LLMEngine:
                 self._requests[item.seq.request_id] = item
                 self.scheduler.add(item.seq)
                 self._prompt_tokens_total += item.seq.num_prompt_tokens
+                self._num_history += _needs_history(item.seq.params)
             else:
                 self.scheduler.abort(item)
 
+    def _launch(self, out: SchedulerOutput) -> _Launched:
+        now_ms = time.time() * 1000
+        requests = self._requests
+        sampling: list[ScheduledChunk] = []
+        for chunk in out.chunks:
+            req = requests[chunk.seq.request_id]
+            if req.first_scheduled_ms is None:
+                req.first_scheduled_ms = now_ms
+            if chunk.samples:
+                sampling.append(chunk)
+        prev = self._inflight
+        inp = self.runner.prepare(out, *((prev.token_ids, prev.rows) if prev is not None else ()))
+        logits = self.runner.forward(inp)
+        token_ids, parts = self._sample(logits, [requests[c.seq.request_id].row for c in sampling])
+        self.scheduler.postprocess(out)
+        for chunk in sampling:
+            chunk.seq.output_token_ids.append(PENDING_TOKEN)
+            chunk.seq.num_pending += 1
+        return _Launched(sampling, {c.seq: i for i, c in enumerate(sampling)}, token_ids, parts)
+
     def _sample(
-        self, logits: Any, chunks: list[ScheduledChunk]
-    ) -> list[tuple[int, TokenLogprob | None] | Exception]:
-        """Sample all rows at once; if that fails, row by row, so one bad request fails alone."""
-        rows = [self._requests[c.seq.request_id].sampling_row() for c in chunks]
+        self, logits: Any, rows: list[SamplingRequest]
+    ) -> tuple[Any, list[tuple[int, PendingSample | Exception]]]:
+        """Sample all rows at once; if that fails, row by row, so one bad request fails alone (its row's
+        device token is 0, read by nobody: the request ends when its result is processed)."""
         try:
-            return self._unpack(self.runner.sample(logits, rows), rows)
+            pending = self.runner.sample_async(logits, rows)
+            return pending.device_token_ids, [(0, pending)]
         except Exception:
             log.exception("batched sampling failed; retrying row by row")
-        results: list[tuple[int, TokenLogprob | None] | Exception] = []
+        parts: list[tuple[int, PendingSample | Exception]] = []
+        tokens = []
         for i, row in enumerate(rows):
             try:
-                results.extend(self._unpack(self.runner.sample(logits[i : i + 1], [row]), [row]))
+                pending = self.runner.sample_async(logits[i : i + 1], [row])
+                parts.append((i, pending))
+                tokens.append(pending.device_token_ids)
             except Exception as e:
-                results.append(e)
-        return results
+                parts.append((i, e))
+                tokens.append(torch.zeros(1, dtype=torch.int64, device=logits.device))
+        return torch.cat(tokens), parts
+
+    def _finish_step(self, launched: _Launched) -> list[RequestOutput]:
+        """Wait for a launched step's sampled tokens (a blocking sync) and process them."""
+        results: list[tuple[int, TokenLogprob | None] | Exception] = []
+        parts, sampling = launched.parts, launched.sampling
+        for k, (first, part) in enumerate(parts):
+            end = parts[k + 1][0] if k + 1 < len(parts) else len(sampling)
+            try:
+                if isinstance(part, Exception):
+                    raise part
+                results.extend(self._unpack(part.wait(), sampling[first:end]))
+            except Exception as e:  # the rows this part covers fail alone
+                results.extend([e] * (end - first))
+        outputs: list[RequestOutput] = []
+        requests = self._requests
+        for chunk, result in zip(launched.sampling, results, strict=True):
+            req = requests.get(chunk.seq.request_id)
+            if req is None or req.seq is not chunk.seq:
+                continue  # ended meanwhile (aborted, past its deadline): its token is discarded
+            outputs.append(self._process(req, result))
+        return outputs
 
     @staticmethod
     def _unpack(
-        out: SamplerOutput, rows: list[SamplingRequest]
+        out: SamplerOutput, chunks: list[ScheduledChunk]
     ) -> list[tuple[int, TokenLogprob | None] | Exception]:
         token_ids = out.token_ids.tolist()
         if out.logprobs is None or out.top_ids is None or out.top_logprobs is None:
             return [(t, None) for t in token_ids]
         lps, top_ids, top_lps = out.logprobs.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
         results: list[tuple[int, TokenLogprob | None] | Exception] = []
-        for i, (row, token) in enumerate(zip(rows, token_ids, strict=True)):
-            n = row.params.logprobs
+        for i, (chunk, token) in enumerate(zip(chunks, token_ids, strict=True)):
+            n = chunk.seq.params.logprobs
             top = [TopLogprob(t, lp) for t, lp in zip(top_ids[i][:n], top_lps[i][:n], strict=True)]
             results.append((token, TokenLogprob(token, lps[i], top) if n else None))
         return results
 
-    def _process(
-        self, chunk: ScheduledChunk, result: tuple[int, TokenLogprob | None] | Exception
-    ) -> RequestOutput:
-        req = self._requests[chunk.seq.request_id]
+    def _process(self, req: _Request, result: tuple[int, TokenLogprob | None] | Exception) -> RequestOutput:
         try:
             if isinstance(result, Exception):
                 raise result
             return self._append(req, *result)
         except Exception as e:
             log.exception("request %s failed in sampling/post-processing", req.seq.request_id)
-            self.scheduler.finish(req.seq, FinishReason.STOP)
-            del self._requests[req.seq.request_id]
+            self._retire(req, FinishReason.STOP)
             return self._output(
                 req, [], "", None, finished=True, reason=None, error=("internal", f"{type(e).__name__}: {e}")
             )
 
     def _append(self, req: _Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         seq, params = req.seq, req.seq.params
-        seq.output_token_ids.append(token)
+        # The oldest pending placeholder is this token's (a newer one may belong to the step in flight).
+        num_outputs = seq.num_output_tokens - seq.num_pending + 1
+        seq.output_token_ids[num_outputs - 1] = token
+        seq.num_pending -= 1
         self._generation_tokens_total += 1
-        past_min = seq.num_output_tokens >= params.min_tokens
+        past_min = num_outputs >= params.min_tokens
         text = req.detokenizer.add([token], check_stop=past_min)
         reason: FinishReason | None = None
         if req.detokenizer.stopped or (token in req.stop_ids and past_min):
             reason = FinishReason.STOP
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif num_outputs >= params.max_tokens or seq.num_prompt_tokens + num_outputs >= self.max_model_len:
             reason = FinishReason.LENGTH
         if reason is not None:
             text += req.detokenizer.flush()
-            self.scheduler.finish(seq, reason)
-            del self._requests[seq.request_id]
+            self._retire(req, reason)
+        elif self.config.enable_prefix_caching:  # blocks holding this token may now be hashed
+            self.scheduler.tokens_known(seq)
         return self._output(req, [token], text, [logprob] if logprob else None, reason is not None, reason)
+
+    def _retire(self, req: _Request, reason: FinishReason) -> None:
+        """End a request the engine decided to stop: drop a token sampled past the end, free its blocks."""
+        seq = req.seq
+        _drop_pending(seq)
+        self.scheduler.finish(seq, reason)
+        self._forget(req)
+
+    def _forget(self, req: _Request) -> None:
+        del self._requests[req.seq.request_id]
+        self.runner.release(req.seq)
+        self._num_history -= _needs_history(req.seq.params)
 
     def _ended_output(self, request_id: str) -> RequestOutput:
         """A request the scheduler ended without running it this step (cancelled or past its deadline)."""
-        req = self._requests.pop(request_id)
+        req = self._requests[request_id]
+        _drop_pending(req.seq)
+        self._forget(req)
         return self._output(req, [], req.detokenizer.flush(), None, True, req.seq.finish_reason)
 
     @staticmethod
@@ -322,9 +405,20 @@ class LLMEngine:
             finished=finished,
             finish_reason=reason.value if reason is not None else None,
             prompt_tokens=seq.num_prompt_tokens,
-            completion_tokens=seq.num_output_tokens,
+            completion_tokens=seq.num_output_tokens - seq.num_pending,
             cached_tokens=seq.num_cached_tokens,
             first_scheduled_ms=req.first_scheduled_ms,
             error_code=error[0] if error else None,
             error_message=error[1] if error else None,
         )
+
+
+def _needs_history(params: SamplingParams) -> bool:
+    """Penalties read the output token values, which overlapped steps do not have on the host in time."""
+    return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1)
+
+
+def _drop_pending(seq: Sequence) -> None:
+    if seq.num_pending:
+        del seq.output_token_ids[-seq.num_pending :]
+        seq.num_pending = 0

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.config import EngineConfig
@@ -20,6 +21,7 @@ from engine.loader import ModelConfig, load_weights
 from engine.models import MODEL_REGISTRY
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRequest
 from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +62,11 @@ class ModelRunner:
             load_weights(self.model, config.model_path)
         self.model.eval()
         self.num_blocks = num_kv_blocks(model_config, config)
-        self.kv_caches = allocate_kv_cache(model_config, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_caches = allocate_kv_cache(
+            model_config, self.num_blocks, self.block_size, self.dtype, self.device
+        )
         self.sampler = Sampler()
+        self._tables = _BlockTables(-(-max_model_len // self.block_size))
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs:
             from engine.cuda_graphs import DecodeGraphs
@@ -71,9 +76,13 @@ class ModelRunner:
             self.startup["graph_buckets"] = self.graphs.sizes
         self.startup["ready_s"] = time.perf_counter() - t0
         if self.device.type == "cuda":
-            log.info("model ready in %.2f s (weights %.2f s, %.1f GB/s; graph capture %.2f s)",
-                     self.startup["ready_s"], self.startup.get("load_s", 0.0),
-                     self.startup.get("gb_per_s", 0.0), self.startup.get("graph_capture_s", 0.0))
+            log.info(
+                "model ready in %.2f s (weights %.2f s, %.1f GB/s; graph capture %.2f s)",
+                self.startup["ready_s"],
+                self.startup.get("load_s", 0.0),
+                self.startup.get("gb_per_s", 0.0),
+                self.startup.get("graph_capture_s", 0.0),
+            )
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         host = torch.tensor(values, dtype=dtype)
@@ -81,42 +90,98 @@ class ModelRunner:
             host = host.pin_memory()
         return host.to(self.device, non_blocking=True)
 
-    def prepare(self, out: SchedulerOutput) -> ModelInput:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        context_lens: list[int] = []
-        sample_indices: list[int] = []
-        bs = self.block_size
-        for chunk in out.chunks:
-            seq, end = chunk.seq, chunk.start + chunk.num_tokens
-            if chunk.num_tokens == 1:
-                input_ids.append(seq.token_id_at(chunk.start))
+    def _upload(self, host: np.ndarray) -> torch.Tensor:
+        """One host array to the device: pinned + non_blocking on CUDA (the caching host allocator keeps the
+        pinned block alive until the copy ran, so overlapped steps never overwrite a buffer in flight)."""
+        t = torch.from_numpy(host)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def prepare(
+        self,
+        out: SchedulerOutput,
+        prev_tokens: torch.Tensor | None = None,
+        prev_rows: dict[Sequence, int] | None = None,
+    ) -> ModelInput:
+        """Flat batch tensors for `out`. A pending token (sampled by the previous, still running step) is read
+        on the device from prev_tokens[prev_rows[seq]]: no host round trip. Decodes are gathered with one
+        Python pass over the sequences and numpy for the rest; each dtype travels in one host-to-device copy."""
+        bs, chunks, tables = self.block_size, out.chunks, self._tables
+        num_decodes = len(chunks)
+        for i, c in enumerate(chunks):
+            if c.num_tokens != 1:
+                num_decodes = i
+                break
+        decodes, prefills = chunks[:num_decodes], chunks[num_decodes:]
+        num_seqs = len(chunks)
+        rows = np.fromiter((tables.row(c.seq) for c in chunks), np.int64, num_seqs)
+        starts = np.fromiter((c.start for c in chunks), np.int64, num_seqs)
+        lens = np.fromiter((c.num_tokens for c in chunks), np.int64, num_seqs)
+        num_tokens = int(lens.sum())
+        ends = starts + lens
+        # Token ids: host values, or -1 - (row in prev_tokens) for a pending one (resolved on the device).
+        ids = np.empty(num_tokens, np.int64)
+        gather = False
+        for i, c in enumerate(decodes):
+            seq = c.seq
+            if c.start >= seq.num_known_tokens:
+                if prev_rows is None or seq not in prev_rows:
+                    raise RuntimeError(
+                        f"{seq.request_id}: pending token at {c.start} without a step to read it from"
+                    )
+                ids[i] = -1 - prev_rows[seq]
+                gather = True
             else:
-                input_ids.extend(seq.all_token_ids[chunk.start : end])
-            positions.extend(range(chunk.start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(chunk.start, end))
-            query_start.append(query_start[-1] + chunk.num_tokens)
-            context_lens.append(end)
-            if chunk.samples:
-                sample_indices.append(query_start[-1] - 1)
-        width = max(len(c.seq.block_table) for c in out.chunks)
-        tables = [c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in out.chunks]
+                ids[i] = seq.token_id_at(c.start)
+        positions = np.empty(num_tokens, np.int64)
+        positions[:num_decodes] = starts[:num_decodes]
+        offset = num_decodes
+        for c in prefills:
+            seq, end = c.seq, c.start + c.num_tokens
+            if end > seq.num_known_tokens:
+                raise RuntimeError(f"{seq.request_id}: a prefill chunk over a pending token")
+            n = seq.num_prompt_tokens
+            if end <= n:
+                ids[offset : offset + c.num_tokens] = seq.prompt_token_ids[c.start : end]
+            else:
+                ids[offset : offset + c.num_tokens] = seq.all_token_ids[c.start : end]
+            positions[offset : offset + c.num_tokens] = np.arange(c.start, end)
+            offset += c.num_tokens
+        seq_of_token = np.repeat(rows, lens)
+        slots = tables.array[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        query_start = np.zeros(num_seqs + 1, np.int64)
+        np.cumsum(lens, out=query_start[1:])
+        samples = np.fromiter((c.samples for c in chunks), bool, num_seqs)
+        sample_indices = query_start[1:][samples] - 1
+        width = max(1, int(((ends + bs - 1) // bs).max()))
+        # int64: ids | positions | slots | sample indices; int32: query_start | context_lens | block tables.
+        i64 = self._upload(np.concatenate([ids, positions, slots, sample_indices]))
+        i32 = self._upload(
+            np.concatenate(
+                [query_start.astype(np.int32), ends.astype(np.int32), tables.array[rows, :width].reshape(-1)]
+            )
+        )
+        T, N, B = num_tokens, len(sample_indices), num_seqs
+        input_ids = i64[:T]
+        if gather:  # pending ids: one gather from the previous step's sampled ids, on the device
+            assert prev_tokens is not None
+            pending = input_ids < 0
+            input_ids = torch.where(
+                pending, prev_tokens[(-1 - input_ids).clamp(min=0, max=prev_tokens.shape[0] - 1)], input_ids
+            )
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._tensor(tables, torch.int32),  # type: ignore[arg-type]
-            query_start_loc=self._tensor(query_start, torch.int32),
-            context_lens=self._tensor(context_lens, torch.int32),
-            decode_only=all(c.num_tokens == 1 for c in out.chunks),
+            slot_mapping=i64[2 * T : 3 * T],
+            block_tables=i32[2 * B + 1 :].view(B, width),
+            query_start_loc=i32[: B + 1],
+            context_lens=i32[B + 1 : 2 * B + 1],
+            decode_only=num_decodes == num_seqs,
         )
-        return ModelInput(
-            self._tensor(input_ids, torch.int64),
-            self._tensor(positions, torch.int64),
-            meta,
-            self._tensor(sample_indices, torch.int64),
-        )
+        return ModelInput(input_ids, i64[T : 2 * T], meta, i64[3 * T : 3 * T + N])
+
+    def release(self, seq: Sequence) -> None:
+        """seq ended: its host block-table row can go to another sequence."""
+        self._tables.release(seq)
 
     @torch.inference_mode()
     def forward(self, inp: ModelInput) -> torch.Tensor:
@@ -127,15 +192,37 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inp.sample_indices])
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRequest]) -> SamplerOutput:
+    def sample_async(self, logits: torch.Tensor, rows: list[SamplingRequest]) -> PendingSample:
+        """Launch sampling; the result's token_ids stay on the device (the next step reads them) and host
+        copies arrive behind them. Nothing here waits for the GPU."""
         batch = SamplingBatch.build(rows, logits.shape[-1], self.device)
         out = self.sampler(logits, batch)
-        return _to_host(out) if self.device.type == "cuda" else out
+        if self.device.type != "cuda":
+            return PendingSample(out.token_ids, out, None)
+        return PendingSample(out.token_ids, *_to_host_async(out))
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRequest]) -> SamplerOutput:
+        return self.sample_async(logits, rows).wait()
 
 
-def _to_host(out: SamplerOutput) -> SamplerOutput:
-    """The step's one host sync: non_blocking copies into pinned memory, then wait on a blocking-sync event
-    so the CPU sleeps instead of spinning while the GPU finishes (spinning would burn a core per worker)."""
+@dataclass(slots=True)
+class PendingSample:
+    device_token_ids: torch.Tensor  # [N] int64 on the device: the next step's pending input ids
+    host: SamplerOutput  # host tensors, valid once wait() returned
+    done: torch.cuda.Event | None  # recorded after the device-to-host copies (None on the CPU)
+
+    def wait(self) -> SamplerOutput:
+        """The step's one host sync: a blocking-sync event, so the CPU sleeps instead of spinning while the GPU
+        finishes (spinning would burn a core per worker)."""
+        if self.done is not None:
+            self.done.synchronize()
+            self.done = None
+        return self.host
+
+
+def _to_host_async(out: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event]:
+    """non_blocking copies into pinned memory, then an event (blocking sync) recorded behind them."""
+
     def host(t: torch.Tensor) -> torch.Tensor:
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
@@ -145,5 +232,43 @@ def _to_host(out: SamplerOutput) -> SamplerOutput:
     res = SamplerOutput(host(out.token_ids), maybe(out.logprobs), maybe(out.top_ids), maybe(out.top_logprobs))
     done = torch.cuda.Event(blocking=True)
     done.record()
-    done.synchronize()
-    return res
+    return res, done
+
+
+class _BlockTables:
+    """Host mirror of the block tables, one row per live sequence, updated by appending what is new: a decode
+    step copies rows with numpy instead of rebuilding padded Python lists. A row is rewritten when its
+    sequence was preempted (its table was rebuilt) and handed back by release() when the sequence ends."""
+
+    def __init__(self, max_blocks: int):
+        self.array = np.zeros((64, max_blocks), np.int32)
+        self._free: list[int] = list(range(63, -1, -1))
+        self._rows: dict[Sequence, tuple[int, int, int]] = {}  # seq -> (row, entries written, preemptions)
+
+    def row(self, seq: Sequence) -> int:
+        table = seq.block_table
+        if len(table) > self.array.shape[1]:
+            raise ValueError(
+                f"{seq.request_id}: {len(table)} blocks exceed max_model_len ({self.array.shape[1]} blocks)"
+            )
+        entry = self._rows.get(seq)
+        if entry is None:
+            if not self._free:  # grow: double the rows
+                old = self.array.shape[0]
+                self.array = np.concatenate([self.array, np.zeros_like(self.array)])
+                self._free = list(range(2 * old - 1, old - 1, -1))
+            row, written = self._free.pop(), 0
+        else:
+            row, written, preemptions = entry
+            if preemptions != seq.num_preemptions:
+                written = 0
+            elif written == len(table):
+                return row
+        self.array[row, written : len(table)] = table[written:]
+        self._rows[seq] = (row, len(table), seq.num_preemptions)
+        return row
+
+    def release(self, seq: Sequence) -> None:
+        entry = self._rows.pop(seq, None)
+        if entry is not None:
+            self._free.append(entry[0])

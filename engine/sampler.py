@@ -50,17 +50,19 @@ class SamplingRequest:
 
 @dataclass(slots=True)
 class SamplingBatch:
-    """Per-row settings as device tensors, plus host-side flags that let the sampler skip unused stages."""
+    """Per-row settings as device tensors, plus host-side flags that let the sampler skip unused stages.
+    Tensors a batch's stages never read are None: an all-greedy batch has no temperature..positions, a batch
+    without penalties no presence/frequency/repetition (building them costs host time every step)."""
 
-    temperature: torch.Tensor  # [N] float32, 0 = greedy
-    top_k: torch.Tensor  # [N] int64, vocab_size when off
-    top_p: torch.Tensor  # [N] float32
-    min_p: torch.Tensor  # [N] float32
-    seeds: torch.Tensor  # [N] int64
-    positions: torch.Tensor  # [N] int64: index of the token being drawn among the outputs
-    presence: torch.Tensor  # [N] float32
-    frequency: torch.Tensor  # [N] float32
-    repetition: torch.Tensor  # [N] float32
+    temperature: torch.Tensor | None  # [N] float32, 0 = greedy
+    top_k: torch.Tensor | None  # [N] int64, vocab_size when off
+    top_p: torch.Tensor | None  # [N] float32
+    min_p: torch.Tensor | None  # [N] float32
+    seeds: torch.Tensor | None  # [N] int64
+    positions: torch.Tensor | None  # [N] int64: index of the token being drawn among the outputs
+    presence: torch.Tensor | None  # [N] float32
+    frequency: torch.Tensor | None  # [N] float32
+    repetition: torch.Tensor | None  # [N] float32
     output_counts: torch.Tensor | None  # [N, V] float32 counts of output tokens (when a penalty is on)
     prompt_mask: torch.Tensor | None  # [N, V] bool: token in the prompt (when repetition_penalty != 1)
     banned: torch.Tensor | None  # [N, V] bool: stop ids masked until min_tokens
@@ -73,12 +75,14 @@ class SamplingBatch:
     @classmethod
     def build(cls, rows: list[SamplingRequest], vocab_size: int, device: torch.device | str) -> SamplingBatch:
         ps = [r.params for r in rows]
+        cuda = torch.device(device).type == "cuda"
 
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            host = torch.tensor(values, dtype=dtype)
-            if torch.device(device).type == "cuda":  # pinned: the copy is truly async, no stream sync
+        def columns(values: list[tuple], dtype: torch.dtype) -> list[torch.Tensor]:
+            # One host tensor and one copy for several per-row settings; the columns are device views.
+            host = torch.tensor(values, dtype=dtype).T.contiguous()
+            if cuda:  # pinned: the copy is truly async, no stream sync
                 host = host.pin_memory()
-            return host.to(device, non_blocking=True)
+            return list(host.to(device, non_blocking=True).unbind(0))
 
         def id_mask(id_lists: list[list[int]], counts: bool) -> torch.Tensor:
             # Pad with an extra column V that is dropped after the scatter.
@@ -93,26 +97,44 @@ class SamplingBatch:
 
         want_counts = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in ps)
         want_prompt = any(p.repetition_penalty != 1 for p in ps)
+        all_greedy = all(p.temperature == 0 for p in ps)
         bans = [list(r.stop_ids) if len(r.output_token_ids) < r.params.min_tokens else [] for r in rows]
         for r in rows if want_counts or want_prompt else ():  # O(context) per row: only when it matters
             bad = [t for t in r.prompt_token_ids + r.output_token_ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"token ids {bad[:4]} outside the vocabulary (size {vocab_size})")
+        temperature = top_k = top_p = min_p = seeds = positions = None
+        if not all_greedy:
+            temperature, top_p, min_p = columns(
+                [(p.temperature, p.top_p, p.min_p) for p in ps], torch.float32
+            )
+            top_k, seeds, positions = columns(
+                [
+                    (p.top_k if 0 < p.top_k < vocab_size else vocab_size, r.seed, len(r.output_token_ids))
+                    for p, r in zip(ps, rows, strict=True)
+                ],
+                torch.int64,
+            )
+        presence = frequency = repetition = None
+        if want_counts:
+            presence, frequency, repetition = columns(
+                [(p.presence_penalty, p.frequency_penalty, p.repetition_penalty) for p in ps], torch.float32
+            )
         return cls(
-            temperature=tensor([p.temperature for p in ps], torch.float32),
-            top_k=tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in ps], torch.int64),
-            top_p=tensor([p.top_p for p in ps], torch.float32),
-            min_p=tensor([p.min_p for p in ps], torch.float32),
-            seeds=tensor([r.seed for r in rows], torch.int64),
-            positions=tensor([len(r.output_token_ids) for r in rows], torch.int64),
-            presence=tensor([p.presence_penalty for p in ps], torch.float32),
-            frequency=tensor([p.frequency_penalty for p in ps], torch.float32),
-            repetition=tensor([p.repetition_penalty for p in ps], torch.float32),
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seeds=seeds,
+            positions=positions,
+            presence=presence,
+            frequency=frequency,
+            repetition=repetition,
             output_counts=id_mask([r.output_token_ids for r in rows], counts=True) if want_counts else None,
             prompt_mask=id_mask([r.prompt_token_ids for r in rows], counts=False) if want_prompt else None,
             banned=id_mask(bans, counts=False) if any(bans) else None,
             num_logprobs=max(p.logprobs for p in ps),
-            all_greedy=all(p.greedy for p in ps),
+            all_greedy=all_greedy,
             any_top_k=any(0 < p.top_k < vocab_size and not p.greedy for p in ps),
             any_top_p=any(p.top_p < 1 and not p.greedy for p in ps),
             any_min_p=any(p.min_p > 0 and not p.greedy for p in ps),
@@ -132,6 +154,7 @@ def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     frequency (per output occurrence) and presence (once per distinct output token)."""
     if b.output_counts is None:
         return logits
+    assert b.repetition is not None and b.frequency is not None and b.presence is not None
     counts = b.output_counts
     seen = counts > 0
     if b.prompt_mask is not None:
@@ -143,6 +166,7 @@ def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 
 def _mask_top_k_top_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """Top-k, then top-p over the renormalised survivors (keeps at least the most likely token)."""
+    assert b.top_k is not None and b.top_p is not None
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
     remove = rank >= b.top_k[:, None]
@@ -162,6 +186,8 @@ class Sampler:
             logits = logits.masked_fill(b.banned, float("-inf"))
         token_ids = logits.argmax(dim=-1)
         if not b.all_greedy:
+            assert b.temperature is not None and b.min_p is not None
+            assert b.seeds is not None and b.positions is not None
             greedy = b.temperature == 0
             scaled = logits / torch.where(greedy, 1.0, b.temperature)[:, None]
             if b.any_top_k or b.any_top_p:

@@ -7,6 +7,12 @@ One engine step, as the engine drives it:
     result = model_runner.execute(out)  # forward every chunk, sample where chunk.samples
     scheduler.postprocess(out)          # num_computed_tokens += num_tokens; register full blocks
     for each sampled chunk: seq.output_token_ids.append(token); if it must stop: scheduler.finish(seq, r)
+
+Overlapped steps (the engine's async mode): after launching a step the engine appends PENDING_TOKEN
+(seq.num_pending += 1) for each sampled chunk and schedules the next step before the values are known; the
+next step decodes that pending token (its input id comes from the device). When the value arrives the engine
+writes it in place (num_pending -= 1) and calls tokens_known(seq) so full blocks get hashed. A sequence whose
+output already counts max_tokens (its last token in flight) is not scheduled again.
 """
 
 from __future__ import annotations
@@ -90,6 +96,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by (priority, arrival_index)
         self._unfinished: dict[str, Sequence] = {}
         self._abort_requested: set[str] = set()
+        self._num_deadlines = 0  # unfinished sequences with a deadline (none: schedule() skips the scan)
         self._next_arrival = 0
         self._prefix_queried_tokens = 0
         self._prefix_hit_tokens = 0
@@ -113,6 +120,7 @@ class Scheduler:
         self._next_arrival += 1
         seq.status = SequenceStatus.WAITING
         self._unfinished[seq.request_id] = seq
+        self._num_deadlines += seq.deadline_ms is not None
         insort(self.waiting, seq, key=_order)
 
     def abort(self, request_id: str) -> None:
@@ -126,11 +134,15 @@ class Scheduler:
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:  # admitting right after preempting would just thrash the pool
             self._admit_waiting(out, budget)
-        # Decodes first (the model runner relies on it); the sort is stable, so priority order is kept.
-        out.chunks.sort(key=lambda chunk: chunk.num_tokens != 1)
+        # Decodes first (the model runner relies on it), each group in priority order.
+        chunks = out.chunks
+        if any(c.num_tokens != 1 for c in chunks):
+            out.chunks = [c for c in chunks if c.num_tokens == 1] + [c for c in chunks if c.num_tokens != 1]
         return out
 
     def _end_aborted_and_expired(self, out: SchedulerOutput) -> None:
+        if not self._abort_requested and not self._num_deadlines:
+            return  # the common step: nothing to scan
         now = self.clock_ms()
         for seq in [*self.running, *self.waiting]:
             if seq.request_id in self._abort_requested:
@@ -145,6 +157,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                # Overlapped steps: its last token is still on the device and ends it (length) whatever its
+                # value; computing it would be wasted work. The engine finishes it when the value arrives.
+                index += 1
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new <= 0:
                 raise RuntimeError(
@@ -203,6 +220,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._unfinished[seq.request_id]
+        self._num_deadlines -= seq.deadline_ms is not None
         self._abort_requested.discard(seq.request_id)
 
     def postprocess(self, out: SchedulerOutput) -> None:
@@ -215,6 +233,11 @@ class Scheduler:
                     f"{seq.num_computed_tokens}, status {seq.status.value}); call it once per schedule()"
                 )
             seq.num_computed_tokens += chunk.num_tokens
+            self.block_manager.cache_full_blocks(seq)
+
+    def tokens_known(self, seq: Sequence) -> None:
+        """The engine filled in pending tokens of seq: register blocks that became hashable (prefix cache)."""
+        if seq.status is SequenceStatus.RUNNING:
             self.block_manager.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:

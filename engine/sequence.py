@@ -8,6 +8,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+PENDING_TOKEN = -1  # placeholder for a sampled token still on the device (see Sequence.num_pending)
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # not yet admitted, or preempted and waiting to be recomputed
@@ -96,6 +98,10 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # Overlapped steps: output tokens sampled on the device whose values the host does not have yet. They sit
+    # at the end of output_token_ids as PENDING_TOKEN, so lengths and positions are right while the value is
+    # unknown; the engine fills them in when the step's results reach the host.
+    num_pending: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -108,6 +114,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose values the host has (all but the pending tail)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_pending
 
     @property
     def all_token_ids(self) -> list[int]:

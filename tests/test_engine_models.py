@@ -1,6 +1,7 @@
 """Greedy output of our engine equals transformers' generate, token for token, for every supported
 architecture and under every batching situation: mixed lengths, chunked prefill, preemption, prefix-cache
-hits, and requests joining and leaving mid-batch."""
+hits, and requests joining and leaving mid-batch; each with synchronous steps and with overlapped steps
+(async_scheduling: step N+1 launched on step N's device-side tokens before N's values reach the host)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ def arch(request, tmp_path_factory) -> tuple[str, str, object]:
     path = str(tmp_path_factory.mktemp(request.param))
     model = build_hf_model(request.param, path)
     return request.param, path, model
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])
+def overlap(request) -> bool:
+    return request.param
 
 
 def reference(arch, ids: list[int], n: int = MAX_NEW) -> list[int]:
@@ -65,22 +71,24 @@ def tokens(outs: list[RequestOutput]) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]
 
 
-def engine_for(path: str, **kw) -> LLMEngine:
+def engine_for(path: str, overlap: bool, **kw) -> LLMEngine:
     kw.setdefault("num_kv_blocks", 64)  # a small pool: allocating the 256 MiB default dominates otherwise
-    return LLMEngine(EngineConfig(model_path=path, device="cpu", **kw))
+    engine = LLMEngine(EngineConfig(model_path=path, device="cpu", async_scheduling=overlap, **kw))
+    assert engine.async_scheduling is overlap
+    return engine
 
 
-def test_mixed_lengths_batch(arch):
+def test_mixed_lengths_batch(arch, overlap):
     ps = PROMPTS
-    out = run(engine_for(arch[1]), {0: [(f"r{i}", p, MAX_NEW) for i, p in enumerate(ps)]})
+    out = run(engine_for(arch[1], overlap), {0: [(f"r{i}", p, MAX_NEW) for i, p in enumerate(ps)]})
     for i, p in enumerate(ps):
         assert tokens(out[f"r{i}"]) == reference(arch, p), f"prompt {i} (len {len(p)})"
         assert out[f"r{i}"][-1].finish_reason == "length"
 
 
-def test_chunked_prefill(arch):
+def test_chunked_prefill(arch, overlap):
     ps = PROMPTS
-    engine = engine_for(arch[1], max_num_batched_tokens=7)  # every longer prompt is split over steps
+    engine = engine_for(arch[1], overlap, max_num_batched_tokens=7)  # every longer prompt is split over steps
     chunked = []
     engine.scheduler_schedule = engine.scheduler.schedule  # type: ignore[attr-defined]
 
@@ -96,10 +104,10 @@ def test_chunked_prefill(arch):
         assert tokens(out[f"r{i}"]) == reference(arch, p)
 
 
-def test_preemption(arch):
+def test_preemption(arch, overlap):
     ps = PROMPTS
     # 4-token blocks, 16 of them: 64 tokens for requests needing 11-36 each (116 in all): some get preempted.
-    engine = engine_for(arch[1], block_size=4, num_kv_blocks=16, max_model_len=64)
+    engine = engine_for(arch[1], overlap, block_size=4, num_kv_blocks=16, max_model_len=64)
     preempted: list[str] = []
     original = engine.scheduler.schedule
 
@@ -115,10 +123,10 @@ def test_preemption(arch):
         assert tokens(out[f"r{i}"]) == reference(arch, p)
 
 
-def test_prefix_cache_hits(arch):
+def test_prefix_cache_hits(arch, overlap):
     shared = prompts(3, [40])[0]
     tails = prompts(4, [5, 1])
-    engine = engine_for(arch[1], block_size=8)
+    engine = engine_for(arch[1], overlap, block_size=8)
     first = run(engine, {0: [("first", shared + tails[0], MAX_NEW)]})
     assert tokens(first["first"]) == reference(arch, shared + tails[0])
     out = run(engine, {0: [(f"r{i}", shared + t, MAX_NEW) for i, t in enumerate(tails)]})
@@ -129,7 +137,7 @@ def test_prefix_cache_hits(arch):
     assert hits > 0 and queries > hits
 
 
-def test_requests_join_and_leave_mid_batch(arch):
+def test_requests_join_and_leave_mid_batch(arch, overlap):
     ps = PROMPTS
     plan = {
         0: [("a", ps[0], 3), ("b", ps[1], MAX_NEW)],
@@ -137,7 +145,7 @@ def test_requests_join_and_leave_mid_batch(arch):
         4: [("d", ps[3], MAX_NEW)],
         7: [("e", ps[4], 2)],
     }
-    out = run(engine_for(arch[1], max_num_batched_tokens=16), plan)
+    out = run(engine_for(arch[1], overlap, max_num_batched_tokens=16), plan)
     for reqs in plan.values():
         for rid, p, n in reqs:
             assert tokens(out[rid]) == reference(arch, p, n), rid

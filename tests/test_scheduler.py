@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from engine.sequence import PENDING_TOKEN, FinishReason, SamplingParams, Sequence, SequenceStatus
 
 
 class Clock:
@@ -25,9 +25,15 @@ class Clock:
         return self.now_ms
 
 
-def prefix_keys(seq: Sequence, upto: int) -> list[int]:
+def prefix_keys(seq: Sequence, upto: int, pending: list[int] | None = None) -> list[int]:
+    """Keys of positions < upto; `pending` holds the true values of seq's PENDING_TOKEN tail (overlap mode:
+    the model computes with values the host does not know yet)."""
+    tokens = seq.all_token_ids
+    if seq.num_pending:
+        assert pending is not None and len(pending) == seq.num_pending
+        tokens[len(tokens) - seq.num_pending :] = pending
     keys, key = [], 0
-    for token in seq.all_token_ids[:upto]:
+    for token in tokens[:upto]:
         key = hash((key, token))
         keys.append(key)
     return keys
@@ -39,9 +45,14 @@ def fake_token(seq: Sequence) -> int:
 
 
 class Harness:
-    """The engine loop of engine/scheduler.py's docstring, checking invariants at every step."""
+    """The engine loop of engine/scheduler.py's docstring, checking invariants at every step.
+    overlap=True drives it as the engine's overlapped steps do: sampled tokens stay PENDING_TOKEN until the
+    next step has been scheduled and run, and are then filled in (or dropped when the sequence ended)."""
 
-    def __init__(self, config: SchedulerConfig, clock: Clock | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, clock: Clock | None = None, overlap: bool = False) -> None:
+        self.overlap = overlap
+        self.hidden: dict[Sequence, list[int]] = {}  # overlap: true values of each sequence's pending tokens
+        self.in_flight: list[Sequence] = []  # overlap: sequences sampled by the last step, values unread
         self.config = config
         self.clock = clock or Clock()
         self.scheduler = Scheduler(config, clock_ms=self.clock)
@@ -67,6 +78,10 @@ class Harness:
             for c, sampled in zip(out.chunks, samples, strict=True)
         ]
         self.scheduler.postprocess(out)
+        if self.overlap:
+            self.overlap_tail(out, samples)
+            self.check_blocks()
+            return out
         for chunk, sampled in zip(out.chunks, samples, strict=True):
             if chunk.num_tokens > 1 or chunk.start < chunk.seq.num_prompt_tokens - 1:
                 self.prefill_chunks[chunk.seq.request_id] += 1
@@ -80,6 +95,42 @@ class Harness:
         self.check_blocks()
         return out
 
+    def overlap_tail(self, out: SchedulerOutput, samples: list[bool]) -> None:
+        for seq in out.ended:  # the engine drops the token of an ended sequence still in flight
+            self.drop_pending(seq)
+        launched = []
+        for chunk, sampled in zip(out.chunks, samples, strict=True):
+            if chunk.num_tokens > 1 or chunk.start < chunk.seq.num_prompt_tokens - 1:
+                self.prefill_chunks[chunk.seq.request_id] += 1
+            if sampled:
+                seq = chunk.seq
+                self.hidden.setdefault(seq, []).append(fake_token(seq))
+                seq.output_token_ids.append(PENDING_TOKEN)
+                seq.num_pending += 1
+                launched.append(seq)
+        # The previous step's values arrive only now, after this step was scheduled and ran.
+        for seq in self.in_flight:
+            if seq.is_finished:
+                continue
+            index = seq.num_output_tokens - seq.num_pending
+            seq.output_token_ids[index] = self.hidden[seq].pop(0)
+            seq.num_pending -= 1
+            if index + 1 == seq.params.max_tokens:
+                self.drop_pending(seq)
+                self.scheduler.finish(seq, FinishReason.LENGTH)
+            elif index + 1 == self.stop_early.get(seq.request_id):
+                self.drop_pending(seq)
+                self.scheduler.finish(seq, FinishReason.STOP)
+            else:
+                self.scheduler.tokens_known(seq)
+        self.in_flight = launched
+
+    def drop_pending(self, seq: Sequence) -> None:
+        if seq.num_pending:
+            del seq.output_token_ids[-seq.num_pending :]
+            seq.num_pending = 0
+        self.hidden.pop(seq, None)
+
     def run_until_done(self, max_steps: int = 10_000) -> int:
         for step in range(max_steps):
             if not self.scheduler.has_unfinished():
@@ -91,7 +142,7 @@ class Harness:
         bs = self.config.block_size
         for chunk in out.chunks:
             seq, end = chunk.seq, chunk.start + chunk.num_tokens
-            keys = prefix_keys(seq, end)
+            keys = prefix_keys(seq, end, self.hidden.get(seq))
             for position in range(end):
                 slot = (seq.block_table[position // bs], position % bs)
                 if position < chunk.start:
@@ -113,6 +164,7 @@ class Harness:
             assert chunk.start == seq.num_computed_tokens
             assert chunk.start + chunk.num_tokens <= seq.num_tokens
             assert len(seq.block_table) * bs >= chunk.start + chunk.num_tokens
+            assert seq.num_output_tokens < seq.params.max_tokens, "scheduled past its last token"
         for seq in out.ended:
             assert seq.is_finished and seq.finish_reason in (FinishReason.CANCELLED, FinishReason.DEADLINE)
         for seq in out.preempted:
@@ -133,6 +185,7 @@ class Harness:
             assert block.ref_count == holders[block.block_id]
             if block.ref_count > 1:
                 assert block.block_hash is not None, "only cached full blocks may be shared"
+            assert PENDING_TOKEN not in block.token_ids, "a block hashed before its tokens were known"
         used = sum(block.ref_count > 0 for block in bm.blocks)
         assert used + sched.num_free_blocks == self.config.num_blocks
 
@@ -283,20 +336,28 @@ def test_running_sequence_preempts_itself_when_it_is_the_lowest() -> None:
     assert low.num_output_tokens == 3 and low.num_preemptions == 1
 
 
-def test_a_sequence_outgrowing_the_whole_pool_ends_instead_of_spinning() -> None:
-    # An engine that ignores max_tokens: the sequence eventually cannot fit even alone in an empty pool.
+def test_a_sequence_whose_last_token_is_in_flight_is_not_scheduled_again() -> None:
+    # Overlapped steps: the engine has not read the value of the max_tokens-th token yet, so the sequence is
+    # still running; computing that token would be wasted (and could outgrow the blocks add() allowed for).
     sched = Scheduler(SchedulerConfig(num_blocks=2, block_size=2))
-    seq = Sequence("runaway", [1, 2], SamplingParams(max_tokens=3))
+    seq, other = (
+        Sequence("last", [1, 2], SamplingParams(max_tokens=2)),
+        Sequence("o", [3], SamplingParams(max_tokens=2)),
+    )
     sched.add(seq)
-    for _ in range(10):
+    for _ in range(2):
         out = sched.schedule()
-        if out.ended:
-            break
         sched.postprocess(out)
-        if out.chunks and out.chunks[0].start + out.chunks[0].num_tokens == seq.num_tokens:
-            seq.output_token_ids.append(5)
-    assert out.ended == [seq] and seq.finish_reason is FinishReason.LENGTH
-    assert not sched.has_unfinished() and sched.num_free_blocks == 2
+        seq.output_token_ids.append(PENDING_TOKEN)
+        seq.num_pending += 1
+    assert seq.num_output_tokens == 2 and seq.status is SequenceStatus.RUNNING and len(seq.block_table) == 2
+    sched.add(other)
+    for _ in range(3):  # no chunk of `last`, no preemption of it, no spin; `other` waits for a free block
+        out = sched.schedule()
+        assert out.chunks == [] and out.preempted == [] and out.ended == []
+    sched.finish(seq, FinishReason.LENGTH)
+    out = sched.schedule()
+    assert [c.seq for c in out.chunks] == [other] and sched.num_free_blocks == 1
 
 
 def test_misuse_of_the_loop_is_a_clear_error() -> None:
@@ -416,8 +477,9 @@ def test_config_validation() -> None:
         SchedulerConfig(num_blocks=4, max_num_batched_tokens=0)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("seed", range(40))
-def test_randomized_simulation(seed: int) -> None:
+def test_randomized_simulation(seed: int, overlap: bool) -> None:
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 16])
     max_len = rng.randrange(4, 40)
@@ -429,7 +491,7 @@ def test_randomized_simulation(seed: int) -> None:
         enable_prefix_caching=rng.random() < 0.8,
     )
     clock = Clock()
-    h = Harness(config, clock)
+    h = Harness(config, clock, overlap=overlap)
     prefixes = [[rng.randrange(5) for _ in range(rng.randrange(1, max_len))] for _ in range(3)]
     num_requests = 60
     for _step in range(20_000):
@@ -453,6 +515,8 @@ def test_randomized_simulation(seed: int) -> None:
         h.step()
         if len(h.seqs) == num_requests and not h.scheduler.has_unfinished():
             break
+        if overlap and not h.scheduler.has_unfinished():
+            assert h.in_flight == [] or all(s.is_finished for s in h.in_flight)
     else:
         raise AssertionError(f"seed {seed}: requests left unfinished")
     for seq in h.seqs.values():
