@@ -260,6 +260,54 @@ def run_requests(eng, prompts: list[list[int]], max_tokens: int, tag: str) -> di
     }
 
 
+def _out_file(name: str) -> str:
+    return os.path.join(os.environ.get("OUT") or ".", name)
+
+
+def profile_w1(eng, vocab: int, prompt: int) -> None:
+    """torch.profiler over 32 batch-1 decode steps: the GPU kernel table (time per kernel), to see where a
+    step's time goes against the bandwidth floor. Written to $OUT/w1_profile.txt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.sequence import SamplingParams
+
+    eng.add_request(
+        "prof",
+        prompt_token_ids=random_prompts(1, prompt, vocab, 9)[0],
+        params=SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True),
+    )
+    for _ in range(40):  # prefill and warm decode steps
+        eng.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(32):
+            eng.step()
+        torch.cuda.synchronize()
+    while eng.has_unfinished():
+        eng.step()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90)
+    with open(_out_file("w1_profile.txt"), "w") as f:
+        f.write("32 decode steps at batch 1 (graphs on), per-kernel totals:\n" + table)
+    log("W1 profile:\n" + table)
+
+
+def cprofile_w2(eng, vocab: int, n: int, prompt: int) -> None:
+    """cProfile of the host side of a W2-like run (n requests, 48 new tokens): where the CPU goes per step.
+    Written to $OUT/w2_cprofile.txt (cProfile slows the Python it measures: shares matter, not totals)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    run_requests(eng, random_prompts(n, prompt, vocab, 11), 48, "cp")
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(35)
+    with open(_out_file("w2_cprofile.txt"), "w") as f:
+        f.write(buf.getvalue())
+
+
 # ---- transformers peer -----------------------------------------------------------------------------------
 def hf_peer(path: str, vocab: int, w2_requests: int, prompt: int, new: int) -> dict[str, Any]:
     import transformers
@@ -309,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="W1 kernel table and W2 host cProfile into $OUT")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("ops/bench.py needs a CUDA GPU", file=sys.stderr)
@@ -385,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     r["w2"]["floor_note"] = f"all {n} sequences in every decode step (ideal batching)"
     log(f"W2 {r['w2']} gpu {r['w2_gpu']}")
     r["graph_replays"] = eng.runner.graphs.replays if eng.runner.graphs else 0
+    if args.profile:
+        profile_w1(eng, vocab, args.prompt)
+        cprofile_w2(eng, vocab, args.w2_requests, args.prompt)
     del eng, probe
     gc.collect()
     torch.cuda.empty_cache()
