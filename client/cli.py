@@ -1,8 +1,10 @@
 """The `stoker` command: submit, tail, workers, load, stack.
 
 Connection settings come from flags or the same environment variables the worker reads
-(KAFKA_BOOTSTRAP_SERVERS, REDIS_URL, STOKER_PREFIX, STOKER_JOB_TOPIC). Exit codes: 0 done, 1 the request
-ended with an error event, 2 bad usage, 3 timeout, 4 Kafka or Redis unreachable, 130 interrupted (the job is cancelled first).
+(KAFKA_BOOTSTRAP_SERVERS, REDIS_URL, STOKER_PREFIX, STOKER_JOB_TOPIC). Exit codes: 0 done (whatever the
+finish_reason), 1 the request ended with an error event (or the client failed), 2 bad usage, 3 timeout (also
+a job Kafka would not take in time, e.g. a topic that does not exist), 4 Kafka or Redis unreachable or
+failing, 130 interrupted (the job is cancelled first). Every failure is one line on stderr, no traceback.
 """
 
 from __future__ import annotations
@@ -15,11 +17,18 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from aiokafka.errors import KafkaConnectionError
-from redis.exceptions import ConnectionError as RedisConnectionError
+from aiokafka.errors import KafkaError
+from redis.exceptions import RedisError
 
 import schemas
-from client.client import DEFAULT_BOOTSTRAP, DEFAULT_REDIS_URL, Client, RequestFailed, RequestTimeout
+from client.client import (
+    DEFAULT_BOOTSTRAP,
+    DEFAULT_REDIS_URL,
+    Client,
+    ClientError,
+    RequestFailed,
+    RequestTimeout,
+)
 from client.load import LoadConfig, plot_latency, run_load
 from schemas import Chunk, Done
 from schemas import Error as ErrorEvent
@@ -199,19 +208,26 @@ def main(argv: list[str] | None = None) -> int:
     except schemas.ContractError as exc:  # a bad flag value, caught before anything was sent
         print(f"stoker: invalid job: {exc}", file=sys.stderr)
         return 2
-    except (ValueError, OSError) as exc:
-        print(f"stoker: {exc}", file=sys.stderr)
-        return 2
-    except (RedisConnectionError, KafkaConnectionError) as exc:
-        print(f"stoker: cannot reach Kafka ({args.bootstrap}) or Redis ({args.redis_url}): {exc}; "
-              "is the stack up? (`stoker stack status`)", file=sys.stderr)
-        return EXIT_UNREACHABLE
     except RequestFailed as exc:
         print(f"\nstoker: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    except RequestTimeout as exc:
+    except RequestTimeout as exc:  # before OSError below: a TimeoutError is an OSError
         print(f"\nstoker: {exc}", file=sys.stderr)
         return EXIT_TIMEOUT
+    except ClientError as exc:
+        print(f"\nstoker: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except RedisError as exc:
+        print(f"stoker: Redis ({args.redis_url}) failed: {type(exc).__name__}: {exc}; is the stack up? "
+              "(`stoker stack status`)", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except KafkaError as exc:  # KafkaConnectionError, or KafkaTimeoutError from a broker that stopped answering
+        print(f"stoker: Kafka ({args.bootstrap}) failed: {type(exc).__name__}: {exc}; is the stack up? "
+              "(`stoker stack status`)", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except (ValueError, OSError) as exc:  # a bad --timeout, an unwritable --plot path
+        print(f"stoker: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # asyncio.run cancelled the task: Client.run's finally has sent the cancel
         print("\nstoker: interrupted; the request was cancelled", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -133,6 +133,8 @@ async def _one(client: Client, cfg: LoadConfig, rng: random.Random, record: Requ
         record.error = exc.code
     except RequestTimeout:
         record.error = "timeout"
+    except Exception as exc:  # e.g. Redis or Kafka failing: counted by kind, so one fault cannot abort the run
+        record.error = type(exc).__name__
 
 
 async def run_load(client: Client, cfg: LoadConfig, progress: bool = False) -> LoadReport:

@@ -9,7 +9,7 @@ import struct
 import subprocess
 import sys
 import zlib
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -93,7 +93,11 @@ def test_stack_subcommand_calls_the_launcher(monkeypatch: pytest.MonkeyPatch) ->
     from client import stack
 
     seen: list[list[str]] = []
-    monkeypatch.setattr(stack, "main", lambda argv: seen.append(argv) or 3)
+    def fake_main(argv: list[str]) -> int:
+        seen.append(argv)
+        return 3
+
+    monkeypatch.setattr(stack, "main", fake_main)
     assert cli.main(["stack", "status", "--redis-port", "7000"]) == 3
     assert seen == [["status", "--redis-port", "7000"]]
 
@@ -103,7 +107,34 @@ def test_bad_flag_value_exits_2_naming_the_field(capsys: pytest.CaptureFixture[s
     assert cli.main(["submit", "hi", "--temperature", "-1", "--redis-url", "redis://127.0.0.1:1/0"]) == 2
     assert "temperature" in capsys.readouterr().err
     assert cli.main(["workers", "--redis-url", "redis://127.0.0.1:1/0"]) == 4
-    assert "cannot reach" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "Redis (redis://127.0.0.1:1/0) failed" in err and "Traceback" not in err
+
+
+async def test_load_counts_client_failures_instead_of_aborting() -> None:
+    """A fault outside the contract's errors (here Redis failing for every third request) is counted per
+    kind in the report; the other requests still run and are measured."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from client.load import run_load
+    from schemas import Chunk, Done, Timings, Usage
+
+    calls = 0
+
+    class FlakyClient:
+        async def stream(self, **params: object) -> AsyncIterator[Chunk | Done]:
+            nonlocal calls
+            calls += 1
+            if calls % 3 == 0:
+                raise RedisConnectionError("Connection closed by server.")
+            yield Chunk(request_id=str(calls), attempt=1, seq=0, text=" w", token_ids=[5])
+            yield Done(request_id=str(calls), attempt=1, seq=1, finish_reason="length", text=" w",
+                       usage=Usage(prompt_tokens=2, completion_tokens=1, cached_tokens=0),
+                       timings=Timings(queue_ms=0.0, ttft_ms=0.0, total_ms=0.0), model="m", worker="w")
+
+    report = await run_load(FlakyClient(), LoadConfig(num_requests=9, output_len=1))  # type: ignore[arg-type]
+    assert calls == 9 and len(report.ok) == 6 and report.errors() == {"ConnectionError": 3}
+    assert "error ConnectionError: 3" in report.table()
 
 
 # ---- live ----------------------------------------------------------------------------------------------------
@@ -168,3 +199,11 @@ def test_load_reports_latencies_and_writes_a_plot(worker: Live, tmp_path: Path) 
         assert 0 < p50 <= p90 <= p99
     width, height, _ = read_png(plot.read_bytes())
     assert (width, height) == (800, 400)
+
+
+@pytest.mark.stack
+def test_submit_to_a_missing_topic_exits_3_naming_the_topic(worker: Live) -> None:
+    # the stack does not auto-create topics; aiokafka alone would wait 40 s for metadata, then a traceback
+    out = stoker(worker, "submit", "hi", "--topic", "stoker.no-such-topic", "--timeout", "2", timeout=30)
+    assert out.returncode == 3, out.stderr
+    assert "stoker.no-such-topic" in out.stderr and "Traceback" not in out.stderr

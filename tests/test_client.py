@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import subprocess
 import sys
 import threading
@@ -22,10 +23,12 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 import schemas
 from client.client import (
     Client,
+    ClientError,
     EventSequencer,
     RequestFailed,
     RequestTimeout,
@@ -82,6 +85,18 @@ def test_bad_job_is_refused_before_anything_is_sent() -> None:
     with pytest.raises(schemas.ContractError, match="stop"):
         c.make_job("hi", stop="a bare string")
     assert len(c.make_job("hi").request_id) == 32  # uuid4 hex by default
+
+
+def test_a_failed_start_raises_and_leaves_nothing_open() -> None:
+    """`with SyncClient(...)` against a Redis that is not there: the connection error comes out, and the
+    event loop SyncClient made is closed (no __exit__ follows a failed __enter__; a loop left open is a
+    ResourceWarning, an error under this suite's filterwarnings)."""
+    client = SyncClient("127.0.0.1:1", "redis://127.0.0.1:1/0")
+    with pytest.raises(RedisConnectionError, match="127.0.0.1:1"), client:
+        pass
+    gc.collect()  # an unclosed loop would warn here, inside this test
+    with pytest.raises(ClientError, match="not started"):  # and the async client holds no half-open state
+        _ = client._client.redis
 
 
 def test_client_imports_without_torch() -> None:

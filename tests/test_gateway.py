@@ -287,7 +287,8 @@ async def _hang_up(live: Live, path: str, body: dict[str, object], jobs_before: 
     assert len(channels) == 1 and not reader.at_eof()  # nothing answered yet
     writer.close()
     await writer.wait_closed()
-    return channels[0].decode().rsplit(":", 1)[1]
+    channel = channels[0]
+    return (channel.decode() if isinstance(channel, bytes) else channel).rsplit(":", 1)[1]
 
 
 async def test_hangup_before_the_first_event_cancels_the_job(kafka_bootstrap: str, redis_url: str) -> None:
