@@ -25,6 +25,8 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import msgspec
+from aiokafka.errors import KafkaError
+from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -121,6 +123,12 @@ class _EventStream(StreamingResponse):
         finally:
             await self._body.aclose()  # type: ignore[attr-defined]
             await self._events.aclose()  # type: ignore[attr-defined]
+
+
+def _backend_down(exc: Exception) -> APIError:
+    """Redis or Kafka failing is not the caller's fault nor a bug of ours: 503, so clients retry later."""
+    backend = "Redis" if isinstance(exc, RedisError) else "Kafka"
+    return APIError(503, f"{backend} is unavailable: {type(exc).__name__}: {exc}", code="backend_unavailable")
 
 
 def _typed(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], what: str) -> Any:
@@ -273,7 +281,11 @@ class Gateway:
 
     # ---- endpoints -------------------------------------------------------------------------------------
     async def list_models(self, request: Request) -> Response:
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "stoker"} for m in await self.served_models()]
+        try:
+            models = await self.served_models()
+        except RedisError as exc:
+            return _backend_down(exc).response()
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "stoker"} for m in models]
         return JSONResponse({"object": "list", "data": data})
 
     async def completions(self, request: Request) -> Response:
@@ -320,6 +332,8 @@ class Gateway:
             return exc.response()
         except ClientGone:  # nobody reads this; 499 is the usual log mark for "client closed request"
             return Response(status_code=499)
+        except (RedisError, KafkaError) as exc:
+            return _backend_down(exc).response()
 
     async def _collect(self, job: schemas.Job) -> Done:
         try:

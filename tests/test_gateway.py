@@ -20,8 +20,9 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from redis.exceptions import ConnectionError as RedisConnectionError
 
-from client.client import Client
+from client.client import Client, WorkerInfo
 from client.gateway import create_app
 from schemas import Done
 
@@ -236,6 +237,21 @@ async def test_no_live_workers_is_503(live: Live) -> None:
     async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://gw") as h:
         r = await h.post("/v1/completions", json={"model": "fake", "prompt": "hi"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_workers"
+
+
+async def test_redis_failing_is_503_naming_it(live: Live) -> None:
+    class RedisDown(Client):
+        async def workers(self) -> list[WorkerInfo]:
+            raise RedisConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+    app = create_app(lambda: RedisDown(live.bootstrap, live.redis_url, prefix=live.prefix, topic=live.topic))
+    transport = httpx.ASGITransport(app=app)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://gw") as h:
+        for r in (await h.post("/v1/completions", json={"model": "fake", "prompt": "hi"}),
+                  await h.get("/v1/models")):
+            error = r.json()["error"]
+            assert r.status_code == 503 and error["code"] == "backend_unavailable"
+            assert error["message"].startswith("Redis is unavailable: ConnectionError") and "refused" in error["message"]
 
 
 async def test_client_disconnect_cancels_the_job_in_the_worker(live: Live) -> None:
