@@ -8,13 +8,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import shutil
 import signal
 import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -24,6 +26,7 @@ from worker_harness import (
     Space,
     check_sequence,
     committed_offsets,
+    create_topics,
     job,
     make_space,
     produce,
@@ -32,6 +35,7 @@ from worker_harness import (
     wait_results,
 )
 
+from client import stack
 from engine.sequence import SamplingParams
 from schemas import DLQ_HEADERS, Cancel, Chunk, Done, Error, encode_cancel
 from worker.config import WorkerConfig
@@ -378,3 +382,73 @@ async def test_redis_outage_holds_commits_and_loses_nothing(request, tmp_path):
             break
         await asyncio.sleep(0.1)
     assert committed == end == len(ids)
+
+
+@pytest.fixture(scope="module")
+def private_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack.StackConfig]:
+    """A Kafka broker (and Redis) of this module's own: ports and data dir apart from the session stack,
+    so restarting its broker disturbs no other test."""
+    if shutil.which("java") is None or shutil.which("redis-server") is None:
+        pytest.skip("a private stack needs java and redis-server")
+    cfg = stack.StackConfig(kafka_port=_free_port(), controller_port=_free_port(), redis_port=_free_port(),
+                            stack_dir=tmp_path_factory.mktemp("private-stack"))
+    try:
+        stack.up(cfg)
+        yield cfg
+    finally:
+        stack.down(cfg, wipe=True)
+
+
+def _kill_broker(cfg: stack.StackConfig) -> None:
+    pid = stack.status(cfg).kafka.pid
+    assert pid is not None, "the private broker is not running"
+    os.kill(pid, signal.SIGKILL)  # a crash: no goodbye to the clients (a clean stop takes ~10 s here)
+    while Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
+        time.sleep(0.05)
+
+
+async def wait_committed(space: Space, expected: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        committed, end = await committed_offsets(space.bootstrap, space.group, space.names.jobs_topic)
+        if committed == end == expected or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.2)
+    assert (committed, end) == (expected, expected)
+
+
+@pytest.mark.timeout(240)
+async def test_broker_restart_mid_run_every_job_done_once_and_committed(private_stack):
+    cfg = private_stack
+    space = Space(cfg.kafka_bootstrap, cfg.redis_url)
+    names = space.names
+    await create_topics(space.bootstrap, {names.jobs_topic: 4, names.dlq_topic: 1})
+    r = aioredis.Redis.from_url(space.redis_url)
+    before = [f"rb{i}" for i in range(24)]
+    after = [f"ra{i}" for i in range(8)]
+    tokens = {rid: 50 + 25 * (i % 12) for i, rid in enumerate(before + after)}  # 0.5-3.3 s of steps each
+    try:
+        engine = FakeEngine(step_delay_s=0.01, max_num_seqs=4)  # ~11 s of work in all
+        async with running_worker(space, engine=engine, max_num_seqs=4) as worker:
+            await produce(space.bootstrap, names.jobs_topic, [job(i, max_tokens=tokens[i]) for i in before])
+            while not await r.exists(names.result(before[0]), names.result(before[1])):
+                await asyncio.sleep(0.05)  # some jobs finished (and committed), the rest are running or queued
+            await asyncio.to_thread(_kill_broker, cfg)
+            assert not all([await r.exists(names.result(i)) for i in before]), "everything finished too soon"
+            # Work goes on without the broker: every result lands, every commit fails.
+            await wait_results(r, names, before, timeout=60)
+            await asyncio.to_thread(stack.up, cfg)  # the same data dir: a restart, not a new cluster
+            # Nothing finishes from here on, so only the worker retrying its failed commits moves them.
+            await wait_committed(space, len(before))
+            await produce(space.bootstrap, names.jobs_topic, [job(i, max_tokens=tokens[i]) for i in after])
+            results = await wait_results(r, names, before + after, timeout=60)
+            await wait_committed(space, len(before) + len(after))
+            assert worker._healthy(), "a worker task died during the outage"  # noqa: SLF001
+    finally:
+        await r.aclose()
+    for rid, outcome in results.items():
+        check_sequence(outcome)
+        # Exactly one terminal event in the whole stream, from the one and only attempt: no job ran twice.
+        assert sum(isinstance(e, Done | Error) for e in outcome.events) == 1
+        assert {e.attempt for e in outcome.events} == {1}
+        assert isinstance(outcome.terminal, Done) and outcome.terminal.text == expected_text(rid, tokens[rid])

@@ -61,6 +61,7 @@ from worker.redis_io import OutEvent, RedisIO
 log = logging.getLogger("stoker.worker")
 VERSION = "0.1.0"
 Record = tuple[TopicPartition, int]
+_CLOSE_TIMEOUT_S = 10.0  # at shutdown, how long the last commit and each Kafka client's close may take
 
 
 def now_ms() -> float:
@@ -213,7 +214,10 @@ class Worker:
         deadline = time.monotonic() + self.cfg.drain_timeout_s
         while (self.active or not self._outbox.empty()) and time.monotonic() < deadline and self.fatal is None:
             await asyncio.sleep(0.05)
-        await self._commit_now()
+        # Bounded: with the broker away a commit (and the clients' close) waits for it without end. What is
+        # not committed is read again by the next owner, which finds the results and publishes nothing.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._commit_now(), _CLOSE_TIMEOUT_S)
         if self.rio is not None:
             for rid in list(self.active):
                 with contextlib.suppress(Exception):
@@ -228,10 +232,10 @@ class Worker:
             await asyncio.to_thread(self.driver.stop)
         if self.consumer is not None:
             with contextlib.suppress(Exception):
-                await self.consumer.stop()
+                await asyncio.wait_for(self.consumer.stop(), _CLOSE_TIMEOUT_S)
         if self.producer is not None:
             with contextlib.suppress(Exception):
-                await self.producer.stop()
+                await asyncio.wait_for(self.producer.stop(), _CLOSE_TIMEOUT_S)
         if self.redis is not None:
             with contextlib.suppress(Exception):
                 await self.redis.delete(self.rio.worker_key(self.cfg.worker_id)) if self.rio else None
@@ -249,7 +253,7 @@ class Worker:
         while not self._stopping.is_set():
             try:
                 batches = await self.consumer.getmany(timeout_ms=200, max_records=self.cfg.max_poll_records)
-            except KafkaError as exc:  # broker restart, etc.: aiokafka reconnects; keep polling
+            except (KafkaError, OSError, TimeoutError) as exc:  # broker restart: aiokafka reconnects; keep polling
                 log.warning("event=kafka_poll_error error=%r", str(exc))
                 await asyncio.sleep(0.5)
                 continue
@@ -401,7 +405,7 @@ class Worker:
                 await self.producer.send_and_wait(self.names.dlq_topic, value=rec_value, key=rec_key,
                                                   headers=list(headers) + extra)
                 break
-            except KafkaError as exc:  # keep the record in flight until the dead letter is stored
+            except (KafkaError, OSError, TimeoutError) as exc:  # keep the record in flight until it is stored
                 log.warning("event=dlq_retry error=%r", str(exc))
                 await asyncio.sleep(0.5)
         self.metrics.dlq.labels(code).inc()
@@ -525,22 +529,27 @@ class Worker:
         while True:
             await self._commit_wakeup.wait()
             self._commit_wakeup.clear()
-            await self._commit_now()
+            if not await self._commit_now():
+                # Broker away or a rebalance: nothing new may finish to wake us, so try again by ourselves.
+                self._commit_wakeup.set()
+                await asyncio.sleep(0.5)
             await asyncio.sleep(0.05)  # at most ~20 commits/s: batches the watermark moves
 
-    async def _commit_now(self) -> None:
+    async def _commit_now(self) -> bool:
+        """Commit every assigned partition's watermark; False when the commit failed (retry later)."""
         if self.consumer is None:
-            return
+            return True
         offsets = {tp: off for tp, off in self.tracker.to_commit().items() if tp in self._assigned}
         if not offsets:
-            return
+            return True
         try:
             await self.consumer.commit({tp: OffsetAndMetadata(off, "") for tp, off in offsets.items()})
-        except KafkaError as exc:  # rebalancing: the listener commits what is safe; try again later
+        except (KafkaError, OSError, TimeoutError) as exc:  # broker restart, rebalance: the offsets stay due
             log.warning("event=commit_failed error=%r", str(exc))
-            return
+            return False
         for tp, off in offsets.items():
             self.tracker.mark_committed(tp, off)
+        return True
 
     async def on_revoked(self, revoked: set[TopicPartition]) -> None:
         """Commit what is safe, stop admitting those partitions' jobs. Running ones go on: the new owner
