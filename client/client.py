@@ -202,6 +202,7 @@ class _Dispatcher:
                     self._wanted.set()
                 except _CONNECTION_ERRORS as exc:  # the reader replaces the connection, channel included
                     self.last_error, self._stale = exc, True
+                    self._wanted.set()  # an idle reader acts on it now rather than at its next check
             await asyncio.wait_for(confirmed, timeout_s)
         except BaseException:
             self._queues.pop(key, None)
