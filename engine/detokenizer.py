@@ -11,6 +11,7 @@ context keeps decoders that strip a leading space (sentencepiece "Metaspace") fr
 
 from __future__ import annotations
 
+import codecs
 from typing import Protocol
 
 _CONTEXT_TOKENS = 5
@@ -38,8 +39,20 @@ class IncrementalDetokenizer:
         self.text = ""  # the completion so far (only whole characters; truncated at a stop string)
         self.emitted = 0  # characters of self.text already handed out
         self.stopped = False
+        # Byte-level BPE: per-token bytes through an incremental UTF-8 decoder (it holds an unfinished
+        # character back by itself) instead of two tokenizer calls per token. Same text, a fraction of the CPU.
+        table = getattr(tokenizer, "byte_table", None)
+        self._bytes: list[bytes] | None = table() if callable(table) else None
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self._bytes is not None else None
 
     def _decode_pending(self, allow_partial: bool) -> None:
+        if self._utf8 is not None:
+            bytes_of, n = self._bytes, len(self._bytes)  # type: ignore[arg-type]
+            new = self.ids[self.read_offset :]
+            data = b"".join([bytes_of[t] if 0 <= t < n else b"" for t in new])  # type: ignore[index]
+            self.text += self._utf8.decode(data, final=allow_partial)
+            self.read_offset = len(self.ids)
+            return
         prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
         new_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
         if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not allow_partial):

@@ -94,9 +94,13 @@ class ModelRunner:
         """One host array to the device: pinned + non_blocking on CUDA (the caching host allocator keeps the
         pinned block alive until the copy ran, so overlapped steps never overwrite a buffer in flight)."""
         t = torch.from_numpy(host)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        if self.device.type != "cuda":
+            return t
+        # Filled by numpy, not torch's copy: torch parallelizes copies past 32K elements on its OpenMP pool,
+        # whose threads then spin-wait, burning cores while the step thread sleeps on the GPU.
+        pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        pinned.numpy()[...] = host
+        return pinned.to(self.device, non_blocking=True)
 
     def prepare(
         self,

@@ -177,6 +177,18 @@ def _mask_top_k_top_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return logits.masked_fill(torch.zeros_like(remove).scatter_(1, order, remove), float("-inf"))
 
 
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the vocabulary (first index among ties), in two stages when the row splits into 64 equal
+    pieces: a single-row argmax over a 128K vocabulary runs on one thread block (~28 us on an H200), the
+    two-stage one on 64 rows in parallel. The first maximal piece holds the first maximal index."""
+    n, v = logits.shape
+    if v % 64 or v < 64 * 256 or n > 64:
+        return logits.argmax(dim=-1)
+    piece_max, piece_arg = logits.view(n, 64, v // 64).max(dim=-1)
+    best = piece_max.argmax(dim=-1, keepdim=True)
+    return (best * (v // 64) + piece_arg.gather(1, best))[:, 0]
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         """logits: [N, V] float32 (fresh; may be modified) -> sampled ids and, when asked, logprobs."""
@@ -184,7 +196,7 @@ class Sampler:
         logits = apply_penalties(logits, b)
         if b.banned is not None:
             logits = logits.masked_fill(b.banned, float("-inf"))
-        token_ids = logits.argmax(dim=-1)
+        token_ids = greedy_argmax(logits)
         if not b.all_greedy:
             assert b.temperature is not None and b.min_p is not None
             assert b.seeds is not None and b.positions is not None

@@ -26,6 +26,8 @@ class Tokenizer:
                 f"model folder {path!r} has no tokenizer.json (only fast tokenizers are supported)"
             )
         self._tok = HFTokenizer.from_file(file)
+        self._file = file
+        self._byte_table: list[bytes] | None | bool = False  # False: not built yet
         cfg: dict[str, Any] = {}
         cfg_file = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(cfg_file):
@@ -63,6 +65,44 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def byte_table(self) -> list[bytes] | None:
+        """For a byte-level BPE tokenizer (GPT-2/Llama-3 style: ByteLevel decoder), each id's bytes as decode
+        with skip_special_tokens produces them (special tokens and unknown ids: b""), so a detokenizer can
+        decode a stream by concatenating bytes. None for any other decoder. Built once, on first use."""
+        if self._byte_table is False:
+            self._byte_table = self._build_byte_table()
+        return self._byte_table  # type: ignore[return-value]
+
+    def _build_byte_table(self) -> list[bytes] | None:
+        with open(self._file, encoding="utf-8") as f:
+            spec = json.load(f)
+        decoder = spec.get("decoder") or {}
+        if decoder.get("type") != "ByteLevel" or (spec.get("model") or {}).get("type") != "BPE":
+            return None
+        # GPT-2's reversible byte <-> printable character map (what ByteLevel decoding undoes).
+        keep = [
+            *range(ord("!"), ord("~") + 1),
+            *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1),
+        ]
+        chars = {chr(b): b for b in keep}
+        extra = 0
+        for b in range(256):
+            if b not in keep:
+                chars[chr(256 + extra)] = b
+                extra += 1
+        special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+        table: list[bytes] = []
+        for i in range(self._tok.get_vocab_size(with_added_tokens=True)):
+            token = self._tok.id_to_token(i)
+            if token is None or i in special:
+                table.append(b"")
+            elif all(c in chars for c in token):
+                table.append(bytes(chars[c] for c in token))
+            else:  # as the ByteLevel decoder does for a token outside the map (an added token's text)
+                table.append(token.encode("utf-8"))
+        return table
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render like transformers: sandboxed jinja2, trim_blocks/lstrip_blocks, raise_exception, tojson."""

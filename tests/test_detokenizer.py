@@ -123,3 +123,25 @@ def test_engine_stop_string_stop_id_eos_and_min_tokens(engine_path):
     out_ids, _, last = generate(engine_path, ids, eos={stop_id}, max_tokens=24, min_tokens=min_tokens)
     assert stop_id not in out_ids[:min_tokens] and len(out_ids) > min_tokens
     assert last.completion_tokens == len(out_ids)
+
+
+def test_byte_table_fast_path_equals_tokenizer_decode(tmp_path):
+    # Byte-level BPE: the detokenizer concatenates per-token bytes; the text must be decode()'s, also across
+    # ids that split UTF-8 characters, special tokens (skipped) and ids outside the vocabulary (nothing).
+    import random
+
+    from engine.make_model import write_tokenizer
+    from engine.tokenizer import Tokenizer
+
+    write_tokenizer(str(tmp_path), 384)
+    tok = Tokenizer(str(tmp_path))
+    table = tok.byte_table()
+    assert table is not None and len(table) == tok.vocab_size and table[tok.eos_token_id] == b""
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(0, 400) for _ in range(rng.randrange(1, 30))]
+        det = IncrementalDetokenizer(tok, [5, 6])
+        assert det._utf8 is not None
+        deltas = [det.add([i]) for i in ids]
+        assert "".join(deltas) + det.flush() == tok.decode(ids), ids
+        assert all(not d.endswith("\ufffd") or "\ufffd" in tok.decode(ids) for d in deltas)

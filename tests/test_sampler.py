@@ -205,3 +205,16 @@ def test_seeded_request_same_alone_and_in_a_mixed_batch(llama):
     assert mixed == alone
     other_seed = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.95, seed=99, ignore_eos=True)
     assert [t for o in run_one(engine, "t", ids, other_seed) for t in o.new_token_ids] != alone
+
+
+def test_greedy_argmax_two_stage_keeps_the_first_maximum():
+    from engine.sampler import greedy_argmax
+
+    gen = torch.Generator().manual_seed(3)
+    for n, v in [(1, 128256), (5, 64 * 256), (3, 384), (70, 64 * 256)]:
+        x = torch.randn(n, v, generator=gen)
+        x[:, v // 3] = x.max() + 1
+        x[:, v // 2] = x.max()  # a tie later in the row: the first index must win
+        assert torch.equal(greedy_argmax(x), x.argmax(dim=-1)), (n, v)
+        coarse = torch.randint(0, 3, (n, v), generator=gen).float()  # many ties across pieces
+        assert torch.equal(greedy_argmax(coarse), coarse.argmax(dim=-1)), (n, v)
