@@ -51,7 +51,7 @@ class IncrementalDetokenizer:
             new = self.ids[self.read_offset :]
             data = b"".join([bytes_of[t] if 0 <= t < n else b"" for t in new])  # type: ignore[index]
             self.text += self._utf8.decode(data, final=allow_partial)
-            self.read_offset = len(self.ids)
+            del self.ids[self.read_offset :]  # decoded: only the slow path needs ids kept
             return
         prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
         new_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
@@ -60,6 +60,18 @@ class IncrementalDetokenizer:
         self.text += new_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
 
+    def add_token(self, token: int, check_stop: bool = True) -> str:
+        """add([token]), with a short path for the common case (byte table, no stop strings)."""
+        utf8 = self._utf8
+        if utf8 is None or self.stop or self.stopped:
+            return self.add([token], check_stop)
+        table = self._bytes
+        piece = utf8.decode(table[token] if 0 <= token < len(table) else b"")  # type: ignore[arg-type]
+        if piece:
+            self.text += piece
+            self.emitted = len(self.text)
+        return piece
+
     def add(self, token_ids: list[int], check_stop: bool = True) -> str:
         """Feed new tokens; returns the text that may be sent now. Sets `stopped` when a stop string matched
         (the text is then final: cut before the stop string, or after it with include_stop_str_in_output).
@@ -67,6 +79,8 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         old_len = len(self.text)
+        if self._utf8 is not None:  # the byte path decodes just these tokens: no id history to keep
+            self.read_offset = len(self.ids)
         self.ids.extend(token_ids)
         self._decode_pending(allow_partial=False)
         if check_stop and self.stop and len(self.text) > old_len:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
 import threading
@@ -94,7 +95,14 @@ class LLMEngine:
             else self.runner.device.type == "cuda"
         )
         self._inflight: _Launched | None = None
+        self._prefix_caching = config.enable_prefix_caching
         self._num_history = 0  # live requests whose penalties read the output token values
+        if self.runner.device.type == "cuda":
+            # Serving: every step makes thousands of short-lived objects, so the cyclic GC runs often, and
+            # each full pass would walk everything loading made (modules, weights' metadata). Frozen, those
+            # are skipped; they live as long as the engine anyway.
+            gc.collect()
+            gc.freeze()
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
 
@@ -349,21 +357,24 @@ class LLMEngine:
     def _append(self, req: _Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         seq, params = req.seq, req.seq.params
         # The oldest pending placeholder is this token's (a newer one may belong to the step in flight).
-        num_outputs = seq.num_output_tokens - seq.num_pending + 1
-        seq.output_token_ids[num_outputs - 1] = token
+        outs = seq.output_token_ids
+        num_outputs = len(outs) - seq.num_pending + 1
+        outs[num_outputs - 1] = token
         seq.num_pending -= 1
         self._generation_tokens_total += 1
         past_min = num_outputs >= params.min_tokens
-        text = req.detokenizer.add([token], check_stop=past_min)
+        text = req.detokenizer.add_token(token, past_min)
         reason: FinishReason | None = None
         if req.detokenizer.stopped or (token in req.stop_ids and past_min):
             reason = FinishReason.STOP
-        elif num_outputs >= params.max_tokens or seq.num_prompt_tokens + num_outputs >= self.max_model_len:
+        elif (
+            num_outputs >= params.max_tokens or len(seq.prompt_token_ids) + num_outputs >= self.max_model_len
+        ):
             reason = FinishReason.LENGTH
         if reason is not None:
             text += req.detokenizer.flush()
             self._retire(req, reason)
-        elif self.config.enable_prefix_caching:  # blocks holding this token may now be hashed
+        elif self._prefix_caching:  # blocks holding this token may now be hashed
             self.scheduler.tokens_known(seq)
         return self._output(req, [token], text, [logprob] if logprob else None, reason is not None, reason)
 
@@ -397,19 +408,20 @@ class LLMEngine:
         error: tuple[str, str] | None = None,
     ) -> RequestOutput:
         seq = req.seq
+        # Positional (the field order of RequestOutput): this runs once per request per step.
         return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=token_ids,
-            text_delta=text,
-            logprobs=logprobs if seq.params.logprobs else None,
-            finished=finished,
-            finish_reason=reason.value if reason is not None else None,
-            prompt_tokens=seq.num_prompt_tokens,
-            completion_tokens=seq.num_output_tokens - seq.num_pending,
-            cached_tokens=seq.num_cached_tokens,
-            first_scheduled_ms=req.first_scheduled_ms,
-            error_code=error[0] if error else None,
-            error_message=error[1] if error else None,
+            seq.request_id,
+            token_ids,
+            text,
+            logprobs if seq.params.logprobs else None,
+            finished,
+            reason.value if reason is not None else None,
+            len(seq.prompt_token_ids),
+            len(seq.output_token_ids) - seq.num_pending,
+            seq.num_cached_tokens,
+            req.first_scheduled_ms,
+            error[0] if error else None,
+            error[1] if error else None,
         )
 
 

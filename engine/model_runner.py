@@ -129,7 +129,7 @@ class ModelRunner:
         gather = False
         for i, c in enumerate(decodes):
             seq = c.seq
-            if c.start >= seq.num_known_tokens:
+            if seq.num_pending and c.start >= seq.num_known_tokens:
                 if prev_rows is None or seq not in prev_rows:
                     raise RuntimeError(
                         f"{seq.request_id}: pending token at {c.start} without a step to read it from"

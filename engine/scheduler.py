@@ -157,12 +157,13 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            if seq.num_output_tokens >= seq.params.max_tokens:
+            num_outputs = len(seq.output_token_ids)  # (len() inline: this loop runs per sequence per step)
+            if num_outputs >= seq.params.max_tokens:
                 # Overlapped steps: its last token is still on the device and ends it (length) whatever its
                 # value; computing it would be wasted work. The engine finishes it when the value arrives.
                 index += 1
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(len(seq.prompt_token_ids) + num_outputs - seq.num_computed_tokens, budget)
             if num_new <= 0:
                 raise RuntimeError(
                     f"{seq.request_id}: running with all {seq.num_tokens} tokens computed; the engine must "
