@@ -178,15 +178,16 @@ def _mask_top_k_top_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over the vocabulary (first index among ties), in two stages when the row splits into 64 equal
-    pieces: a single-row argmax over a 128K vocabulary runs on one thread block (~28 us on an H200), the
-    two-stage one on 64 rows in parallel. The first maximal piece holds the first maximal index."""
+    """argmax over the vocabulary (first index among ties), in two stages when the row splits into 256 or 64
+    equal pieces of >= 256: a single-row argmax over a 128K vocabulary runs on one thread block (~28 us on an
+    H200); the pieces reduce in parallel. The first maximal piece holds the first maximal index."""
     n, v = logits.shape
-    if v % 64 or v < 64 * 256 or n > 64:
+    pieces = next((p for p in (256, 64) if v % p == 0 and v // p >= 256), 0)
+    if not pieces or n > 64:
         return logits.argmax(dim=-1)
-    piece_max, piece_arg = logits.view(n, 64, v // 64).max(dim=-1)
+    piece_max, piece_arg = logits.view(n, pieces, v // pieces).max(dim=-1)
     best = piece_max.argmax(dim=-1, keepdim=True)
-    return (best * (v // 64) + piece_arg.gather(1, best))[:, 0]
+    return (best * (v // pieces) + piece_arg.gather(1, best))[:, 0]
 
 
 class Sampler:

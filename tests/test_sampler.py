@@ -211,7 +211,7 @@ def test_greedy_argmax_two_stage_keeps_the_first_maximum():
     from engine.sampler import greedy_argmax
 
     gen = torch.Generator().manual_seed(3)
-    for n, v in [(1, 128256), (5, 64 * 256), (3, 384), (70, 64 * 256)]:
+    for n, v in [(1, 128256), (5, 64 * 256), (2, 64 * 257), (3, 384), (70, 64 * 256)]:
         x = torch.randn(n, v, generator=gen)
         x[:, v // 3] = x.max() + 1
         x[:, v // 2] = x.max()  # a tie later in the row: the first index must win
