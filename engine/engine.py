@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import random
 import threading
@@ -97,12 +96,6 @@ class LLMEngine:
         self._inflight: _Launched | None = None
         self._prefix_caching = config.enable_prefix_caching
         self._num_history = 0  # live requests whose penalties read the output token values
-        if self.runner.device.type == "cuda":
-            # Serving: every step makes thousands of short-lived objects, so the cyclic GC runs often, and
-            # each full pass would walk everything loading made (modules, weights' metadata). Frozen, those
-            # are skipped; they live as long as the engine anyway.
-            gc.collect()
-            gc.freeze()
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
 
