@@ -42,14 +42,15 @@ class IncrementalDetokenizer:
         # Byte-level BPE: per-token bytes through an incremental UTF-8 decoder (it holds an unfinished
         # character back by itself) instead of two tokenizer calls per token. Same text, a fraction of the CPU.
         table = getattr(tokenizer, "byte_table", None)
-        self._bytes: list[bytes] | None = table() if callable(table) else None
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self._bytes is not None else None
+        bytes_table: list[bytes] | None = table() if callable(table) else None
+        self._bytes: list[bytes] = bytes_table or []
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if bytes_table is not None else None
 
     def _decode_pending(self, allow_partial: bool) -> None:
         if self._utf8 is not None:
-            bytes_of, n = self._bytes, len(self._bytes)  # type: ignore[arg-type]
+            bytes_of, n = self._bytes, len(self._bytes)
             new = self.ids[self.read_offset :]
-            data = b"".join([bytes_of[t] if 0 <= t < n else b"" for t in new])  # type: ignore[index]
+            data = b"".join([bytes_of[t] if 0 <= t < n else b"" for t in new])
             self.text += self._utf8.decode(data, final=allow_partial)
             del self.ids[self.read_offset :]  # decoded: only the slow path needs ids kept
             return
@@ -66,7 +67,7 @@ class IncrementalDetokenizer:
         if utf8 is None or self.stop or self.stopped:
             return self.add([token], check_stop)
         table = self._bytes
-        piece = utf8.decode(table[token] if 0 <= token < len(table) else b"")  # type: ignore[arg-type]
+        piece = utf8.decode(table[token] if 0 <= token < len(table) else b"")
         if piece:
             self.text += piece
             self.emitted = len(self.text)

@@ -109,7 +109,7 @@ class _Staging:
 
 
 def _read_into(fd: int, buf: torch.Tensor, offset: int, nbytes: int) -> None:
-    view = memoryview(buf.numpy()).cast("B")[:nbytes]
+    view = buf.numpy().data.cast("B")[:nbytes]  # the ndarray's buffer, as bytes
     done = 0
     while done < nbytes:
         got = os.preadv(fd, [view[done:]], offset + done)

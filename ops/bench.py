@@ -189,7 +189,8 @@ class StepProbe:
     one decode step's end to the next one's start is time the GPU had nothing queued."""
 
     def __init__(self, eng):
-        self.runner, self.pairs = eng.runner, []
+        self.runner = eng.runner
+        self.pairs: list[list[Any]] = []  # [start event, end event] per decode step
         self._orig_forward, self._orig_sampler = self.runner.forward, self.runner.sampler
         self._decode = False
 
