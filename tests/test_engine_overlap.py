@@ -167,3 +167,26 @@ def test_prefix_cache_under_overlap_hashes_only_known_tokens(path):
     got = drain(engine)["again"]
     assert got["final"][1] == 2 and got["tokens"] == first[8:10]
     assert engine.stats().prefix_cache_hits >= 12
+
+
+def test_host_block_table_mirror_appends_rewrites_after_preemption_and_grows():
+    from engine.model_runner import _BlockTables
+    from engine.sequence import Sequence
+
+    tables = _BlockTables(max_blocks=8)
+    seqs = [Sequence(f"s{i}", [1]) for i in range(100)]  # more live sequences than the initial 64 rows
+    for i, seq in enumerate(seqs):
+        seq.block_table = [i, i + 1]
+    rows = [tables.row(seq) for seq in seqs]
+    assert len(set(rows)) == 100 and tables.array.shape[0] >= 100
+    seqs[3].block_table.append(7)  # a decode step allocated a block: only the new entry is written
+    assert list(tables.array[tables.row(seqs[3]), :3]) == [3, 4, 7]
+    seqs[5].block_table[:] = [9]  # preempted and re-admitted: a new table, written from the start
+    seqs[5].num_preemptions += 1
+    assert tables.array[tables.row(seqs[5]), 0] == 9
+    freed = tables.row(seqs[0])
+    tables.release(seqs[0])
+    newcomer = Sequence("new", [1], block_table=[42])
+    assert tables.row(newcomer) == freed and tables.array[freed, 0] == 42
+    with pytest.raises(ValueError, match="exceed max_model_len"):
+        tables.row(Sequence("long", [1], block_table=list(range(9))))
