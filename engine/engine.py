@@ -184,7 +184,12 @@ class LLMEngine:
         else:
             ids = list(prompt_token_ids)  # type: ignore[arg-type]
             vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+            # Fast path in C (map/set/min/max): a 1024 x 512 batch of ids costs ~10 ms here, not ~0.3 s of a
+            # per-id Python loop. Anything but plain ints (bool, an int subclass, numpy ints) takes the slow path.
+            if ids and set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab:
+                bad: list[Any] = []
+            else:  # find what is wrong, for the message (the empty prompt is reported below)
+                bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
             if bad:
                 raise EngineRequestError(
                     "invalid_job",

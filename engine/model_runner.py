@@ -50,6 +50,8 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            _blocking_sync(self.device)
         with torch.device(self.device):
             self.model = MODEL_REGISTRY[model_config.architecture](model_config, self.dtype, max_model_len)
         # Startup report (GPU work, see engine/fast_load.py and engine/cuda_graphs.py): seconds and bytes.
@@ -160,14 +162,15 @@ class ModelRunner:
         sample_indices = query_start[1:][samples] - 1
         width = max(1, int(((ends + bs - 1) // bs).max()))
         # int64: ids | positions | slots | sample indices; int32: query_start | context_lens | block tables.
-        i64 = self._upload(np.concatenate([ids, positions, slots, sample_indices]))
-        i32 = self._upload(
-            np.concatenate(
-                [query_start.astype(np.int32), ends.astype(np.int32), tables.array[rows, :width].reshape(-1)]
-            )
+        # Each part starts 16-byte aligned: Triton specializes a kernel on its pointers' 16-byte alignment, so
+        # parts at offsets that vary with the batch would compile new variants mid-run (~1 s of host each).
+        host64, (o_ids, o_pos, o_slots, o_samples) = _pack([ids, positions, slots, sample_indices], np.int64)
+        host32, (o_qsl, o_ctx, o_tables) = _pack(
+            [query_start, ends, tables.array[rows, :width].reshape(-1)], np.int32
         )
+        i64, i32 = self._upload(host64), self._upload(host32)
         T, N, B = num_tokens, len(sample_indices), num_seqs
-        input_ids = i64[:T]
+        input_ids = i64[o_ids : o_ids + T]
         if gather:  # pending ids: one gather from the previous step's sampled ids, on the device
             assert prev_tokens is not None
             pending = input_ids < 0
@@ -175,13 +178,13 @@ class ModelRunner:
                 pending, prev_tokens[(-1 - input_ids).clamp(min=0, max=prev_tokens.shape[0] - 1)], input_ids
             )
         meta = AttentionMetadata(
-            slot_mapping=i64[2 * T : 3 * T],
-            block_tables=i32[2 * B + 1 :].view(B, width),
-            query_start_loc=i32[: B + 1],
-            context_lens=i32[B + 1 : 2 * B + 1],
+            slot_mapping=i64[o_slots : o_slots + T],
+            block_tables=i32[o_tables : o_tables + B * width].view(B, width),
+            query_start_loc=i32[o_qsl : o_qsl + B + 1],
+            context_lens=i32[o_ctx : o_ctx + B],
             decode_only=num_decodes == num_seqs,
         )
-        return ModelInput(input_ids, i64[T : 2 * T], meta, i64[3 * T : 3 * T + N])
+        return ModelInput(input_ids, i64[o_pos : o_pos + T], meta, i64[o_samples : o_samples + N])
 
     def release(self, seq: Sequence) -> None:
         """seq ended: its host block-table row can go to another sequence."""
@@ -207,6 +210,74 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRequest]) -> SamplerOutput:
         return self.sample_async(logits, rows).wait()
+
+
+_CU_CTX_SCHED_BLOCKING_SYNC = 0x4
+_CU_CTX_SCHED_MASK = 0x7
+
+
+def _blocking_sync(device: torch.device) -> bool:
+    """Make every host wait on this GPU sleep instead of spin: the primary context's scheduling flag set to
+    blocking sync (driver API through ctypes). CUDA's default (auto) spins a core whenever fewer contexts
+    than cores exist, so any wait torch does for us (a stream sync, a pageable copy, a full launch queue)
+    burned a core per worker. Our one wait per step (PendingSample.wait) already sleeps; this covers the rest.
+    Before the context exists the primary context's flags apply at its creation; if torch created it already,
+    the live context's flags are set (cuCtxSetFlags, CUDA >= 12.1). Failure only logs."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        dev, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+        if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(dev), index):
+            raise RuntimeError("cuInit/cuDeviceGet failed")
+        if cuda.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)):
+            raise RuntimeError("cuDevicePrimaryCtxGetState failed")
+        new = (flags.value & ~_CU_CTX_SCHED_MASK) | _CU_CTX_SCHED_BLOCKING_SYNC
+        err = cuda.cuDevicePrimaryCtxSetFlags_v2(dev, ctypes.c_uint(new))
+        if err:
+            raise RuntimeError(f"cuDevicePrimaryCtxSetFlags_v2 returned CUDA error {err}")
+        if active.value:  # already created (torch ran before us): set the live context's flags too
+            # cuCtxSetFlags (CUDA >= 12.1) acts on the current context: make the primary one current for the
+            # call (retain/push, then pop/release: reference counts and this thread's state are unchanged).
+            ctx = ctypes.c_void_p()
+            if cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev):
+                raise RuntimeError("cuDevicePrimaryCtxRetain failed")
+            try:
+                if cuda.cuCtxPushCurrent_v2(ctx):
+                    raise RuntimeError("cuCtxPushCurrent failed")
+                try:
+                    err = cuda.cuCtxSetFlags(ctypes.c_uint(new))
+                    cuda.cuCtxGetFlags(ctypes.byref(flags))
+                finally:
+                    cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+            finally:
+                cuda.cuDevicePrimaryCtxRelease_v2(dev)
+            if err:
+                raise RuntimeError(f"cuCtxSetFlags returned CUDA error {err} on the live context")
+        else:
+            cuda.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active))
+        ok = flags.value & _CU_CTX_SCHED_MASK == _CU_CTX_SCHED_BLOCKING_SYNC
+        log.info(
+            "GPU %d waits: blocking sync %s (context flags %#x)", index, "on" if ok else "NOT on", flags.value
+        )
+        return bool(ok)
+    except Exception as e:  # no driver library, an old driver: keep CUDA's default scheduling
+        log.warning("could not set blocking-sync scheduling on %s (%s): host waits may spin", device, e)
+        return False
+
+
+def _pack(parts: list[np.ndarray], dtype: type[np.integer]) -> tuple[np.ndarray, list[int]]:
+    """Concatenate parts as `dtype`, each starting at a 16-byte boundary -> (array, start of each part)."""
+    align = 16 // np.dtype(dtype).itemsize
+    starts, end = [], 0
+    for p in parts:
+        starts.append(end)
+        end += -(-len(p) // align) * align
+    out = np.zeros(max(end, 1), dtype)  # zeroed padding: never read, but keeps the upload deterministic
+    for p, start in zip(parts, starts, strict=True):
+        out[start : start + len(p)] = p
+    return out, starts
 
 
 @dataclass(slots=True)

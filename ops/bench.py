@@ -193,9 +193,14 @@ class StepProbe:
         self.pairs: list[list[Any]] = []  # [start event, end event] per decode step
         self._orig_forward, self._orig_sampler = self.runner.forward, self.runner.sampler
         self._decode = False
+        self.forwards = 0  # forward calls so far, and the index of the last one that was not decode-only
+        self.last_mixed = -1
 
         def forward(inp):
             self._decode = bool(inp.meta.decode_only)
+            if not self._decode:
+                self.last_mixed = self.forwards
+            self.forwards += 1
             if self._decode:
                 ev = torch.cuda.Event(enable_timing=True)
                 ev.record()
@@ -252,7 +257,11 @@ def busiest_threads(before: dict[str, float], after: dict[str, float], n: int = 
     return sorted(((k, round(v, 2)) for k, v in delta.items() if v > 0), key=lambda kv: -kv[1])[:n]
 
 
-def run_requests(eng, prompts: list[list[int]], max_tokens: int, tag: str) -> dict[str, Any]:
+def run_requests(
+    eng, prompts: list[list[int]], max_tokens: int, tag: str, probe: StepProbe | None = None
+) -> dict[str, Any]:
+    """Runs the prompts to the end. With a probe: also splits wall and process CPU at the step that ran the
+    last prefill (mixed) forward: the prefill phase (adds included) vs the pure-decode phase."""
     from engine.sequence import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -262,15 +271,19 @@ def run_requests(eng, prompts: list[list[int]], max_tokens: int, tag: str) -> di
         eng.add_request(f"{tag}{i}", prompt_token_ids=p, params=params)
     stamps: list[float] = []
     cpu_stamps: list[float] = []  # process CPU seconds at each step's end
+    mixed_step = -1  # index of the step whose forward was the last mixed one
     main0 = time.thread_time()
     produced = 0
     while eng.has_unfinished():
+        before = probe.last_mixed if probe is not None else -1
         for out in eng.step():
             if out.error_code:
                 raise RuntimeError(f"{out.request_id}: {out.error_code} {out.error_message}")
             produced += len(out.new_token_ids)
         stamps.append(time.perf_counter())
         cpu_stamps.append(time.process_time())
+        if probe is not None and probe.last_mixed != before:
+            mixed_step = len(stamps) - 1
     wall = time.perf_counter() - t0
     main = time.thread_time() - main0
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -284,9 +297,39 @@ def run_requests(eng, prompts: list[list[int]], max_tokens: int, tag: str) -> di
         "cpu_cores": cpu / wall,
         "cpu_main_thread_s": main,
         "cpu_cores_second_half": (cpu_stamps[-1] - cpu_stamps[mid]) / max(1e-9, stamps[-1] - stamps[mid]),
+        **(_phases(t0, ru0, stamps, cpu_stamps, mixed_step) if 0 <= mixed_step < len(stamps) - 1 else {}),
         "stamps": stamps,
         "t0": t0,
     }
+
+
+def _phases(t0: float, ru0: Any, stamps: list[float], cpu: list[float], k: int) -> dict[str, float]:
+    """Prefill phase: from the first add to the end of step k (the last mixed forward; overlapped steps
+    finish it one step later, which this ignores); decode phase: the rest."""
+    cpu0 = ru0.ru_utime + ru0.ru_stime
+    pre_wall, dec_wall = stamps[k] - t0, stamps[-1] - stamps[k]
+    return {
+        "prefill_phase_s": pre_wall,
+        "prefill_phase_cpu_cores": (cpu[k] - cpu0) / max(1e-9, pre_wall),
+        "decode_phase_s": dec_wall,
+        "decode_phase_cpu_cores": (cpu[-1] - cpu[k]) / max(1e-9, dec_wall),
+    }
+
+
+def triton_variants() -> dict[str, int]:
+    """Compiled variants per Triton kernel of the engine (each specialization is a host-side compile)."""
+    import engine.kernels.activation as act
+    import engine.kernels.attention as att
+    import engine.kernels.rmsnorm as rms
+    import engine.kernels.rotary as rot
+
+    out = {}
+    for mod in (act, att, rms, rot):
+        for name, fn in vars(mod).items():
+            caches = getattr(fn, "device_caches", None)
+            if caches is not None and name.endswith("_kernel"):
+                out[name] = sum(len(c[0]) for c in caches.values())
+    return out
 
 
 def _out_file(name: str) -> str:
@@ -386,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-cold", action="store_true", help="no cold start (page cache drop + first engine)")
     ap.add_argument("--profile", action="store_true", help="W1 kernel table and W2 host cProfile into $OUT")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -409,15 +453,16 @@ def main(argv: list[str] | None = None) -> int:
     bw, rate = r["floors"]["bandwidth_Bps"], r["floors"]["matmul_flops"]
     log(f"bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s; writing weights")
     r["write_s"] = write_model(path, shape)
-    r["page_cache_dropped"] = drop_page_cache()
-    log(
-        f"weights written in {r['write_s']:.1f} s; cold start (page cache dropped: {r['page_cache_dropped']})"
-    )
-    eng, r["cold_ready_s"] = start_engine(path, args.max_num_seqs)
-    r["cold_startup"] = {k: v for k, v in eng.runner.startup.items()}
-    del eng
-    gc.collect()
-    torch.cuda.empty_cache()
+    if not args.skip_cold:
+        r["page_cache_dropped"] = drop_page_cache()
+        log(
+            f"weights written in {r['write_s']:.1f} s; cold start (page cache dropped: {r['page_cache_dropped']})"
+        )
+        eng, r["cold_ready_s"] = start_engine(path, args.max_num_seqs)
+        r["cold_startup"] = {k: v for k, v in eng.runner.startup.items()}
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
     log("warm start")
     eng, r["warm_ready_s"] = start_engine(path, args.max_num_seqs)
     r["warm_startup"] = dict(eng.runner.startup)
@@ -448,7 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     # W2
     probe = StepProbe(eng)
     threads0 = thread_cpu()
-    w2 = run_requests(eng, random_prompts(args.w2_requests, args.prompt, vocab, 3), args.new, "w2")
+    variants0 = triton_variants()
+    w2 = run_requests(eng, random_prompts(args.w2_requests, args.prompt, vocab, 3), args.new, "w2", probe)
+    r["triton_variants"] = {"before_w2": variants0, "after_w2": triton_variants()}
     r["w2_threads"] = busiest_threads(threads0, thread_cpu())
     r["w2_gpu"] = probe.close()
     w2.pop("stamps"), w2.pop("t0")
@@ -464,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     r["w2"]["floor_s"] = prefill_flops / rate + decode_s
     r["w2"]["floor_note"] = f"all {n} sequences in every decode step (ideal batching)"
     log(f"W2 {r['w2']} gpu {r['w2_gpu']}")
+    log(f"Triton variants {r['triton_variants']}")
     r["graph_replays"] = eng.runner.graphs.replays if eng.runner.graphs else 0
     if args.profile:
         profile_w1(eng, vocab, args.prompt)
@@ -553,6 +601,15 @@ def print_table(r: dict[str, Any], args: argparse.Namespace) -> None:
             f"second half of the steps {w2['cpu_cores_second_half']:.2f})",
         ),
         (
+            "W2 prefill phase | decode phase",
+            f"{w2.get('prefill_phase_s', float('nan')):.2f} s | {w2.get('decode_phase_s', float('nan')):.2f} s",
+            "",
+            "",
+            f"process cores {w2.get('prefill_phase_cpu_cores', float('nan')):.2f} | "
+            f"{w2.get('decode_phase_cpu_cores', float('nan')):.2f}; Triton compiles during W2: "
+            f"{sum(r['triton_variants']['after_w2'].values()) - sum(r['triton_variants']['before_w2'].values())}",
+        ),
+        (
             "W2 GPU idle between decode steps",
             f"{100 * g['idle_share']:.1f} %",
             "",
@@ -574,14 +631,17 @@ def print_table(r: dict[str, Any], args: argparse.Namespace) -> None:
             f"{len(ws.get('graph_buckets', []))} buckets",
         ),
         ("W3 ready (warm)", f"{r['warm_ready_s']:.2f} s", "", "", "< 6 s"),
-        (
-            "W3 ready (cold, first start)",
-            f"{r['cold_ready_s']:.2f} s",
-            "",
-            "",
-            f"weights {r['cold_startup'].get('load_s', 0):.2f} s; page cache dropped: {r['page_cache_dropped']}",
-        ),
     ]
+    if "cold_ready_s" in r:
+        rows.append(
+            (
+                "W3 ready (cold, first start)",
+                f"{r['cold_ready_s']:.2f} s",
+                "",
+                "",
+                f"weights {r['cold_startup'].get('load_s', 0):.2f} s; page cache dropped: {r['page_cache_dropped']}",
+            )
+        )
     widths = [
         max(len(str(row[i])) for row in rows + [("figure", "ours", "floor", "transformers", "target")])
         for i in range(5)

@@ -48,6 +48,13 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
         ({"prompt": ""}, "invalid_job", "prompt is empty"),
         ({"prompt_token_ids": []}, "invalid_job", "prompt is empty"),
         ({"prompt_token_ids": [3, 384, -1]}, "invalid_job", r"\[384, -1\] are not token ids"),
+        (
+            {"prompt_token_ids": [3, True, 383]},
+            "invalid_job",
+            r"\[True\] are not token ids",
+        ),  # bool: not an id
+        ({"prompt_token_ids": [3, 2.0]}, "invalid_job", r"\[2.0\] are not token ids"),
+        ({"prompt_token_ids": [0, 383, 384]}, "invalid_job", r"\[384\] are not token ids"),  # vocab edge
         ({"messages": [{"content": "x"}]}, "invalid_job", "list of"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "invalid_job", "unknown role robot"),
         (

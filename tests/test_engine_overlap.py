@@ -5,6 +5,7 @@ engine step synchronously); and no KV block leaks."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from engine_models import build_hf_model, prompts
 
@@ -190,3 +191,44 @@ def test_host_block_table_mirror_appends_rewrites_after_preemption_and_grows():
     assert tables.row(newcomer) == freed and tables.array[freed, 0] == 42
     with pytest.raises(ValueError, match="exceed max_model_len"):
         tables.row(Sequence("long", [1], block_table=list(range(9))))
+
+
+def test_prepare_starts_every_device_part_16_byte_aligned(path):
+    """Triton compiles a kernel variant per 16-byte-alignment class of each pointer: the parts of the packed
+    uploads must start aligned whatever the batch's token and sequence counts, and hold the right values."""
+    from engine.model_runner import _pack
+
+    engine = make(path, False)
+    seen: list = []
+    forward = engine.runner.forward
+
+    def spy(inp):
+        seen.append(inp)
+        return forward(inp)
+
+    engine.runner.forward = spy
+    # Odd token and sequence counts in mixed steps: 3 prompts of 5, 7 and 9 tokens, decodes beside prefills.
+    for i, n in enumerate((5, 7, 9)):
+        engine.add_request(
+            f"r{i}", prompt_token_ids=[3 + i] * n, params=SamplingParams(max_tokens=3, temperature=0)
+        )
+        engine.step()
+    drain(engine)
+    assert any(not inp.meta.decode_only for inp in seen[1:]) and len(seen) > 4
+    for inp in seen:
+        m = inp.meta
+        for t in (
+            inp.input_ids,
+            inp.positions,
+            inp.sample_indices,
+            m.slot_mapping,
+            m.block_tables,
+            m.query_start_loc,
+            m.context_lens,
+        ):
+            assert t.data_ptr() % 16 == 0, (t.shape, t.dtype)
+        assert m.query_start_loc[0] == 0 and m.query_start_loc[-1] == inp.input_ids.shape[0]
+        assert m.block_tables.shape[0] == m.context_lens.shape[0] == m.query_start_loc.shape[0] - 1
+        assert (m.context_lens > 0).all() and (inp.sample_indices < inp.input_ids.shape[0]).all()
+    packed, starts = _pack([np.arange(3), np.arange(5) + 10, np.arange(0)], np.int32)
+    assert starts == [0, 4, 12] and packed[4:9].tolist() == list(range(10, 15)) and len(packed) == 12

@@ -119,7 +119,9 @@ def _check_kernel_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                              f"with a contiguous last dim, got {t.dtype}, strides {t.stride()}")
 
 
-@triton.jit
+# Integer arguments that vary from batch to batch are not specialized on (Triton otherwise compiles a variant
+# per "== 1" / "% 16 == 0" class of each value): a mid-run compile costs ~1 s of host time and stalls the GPU.
+@triton.jit(do_not_specialize=["block_table_stride"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
@@ -262,7 +264,7 @@ def paged_decode_attention_triton(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "block_table_stride"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, out_ptr,
     qk_scale, num_seqs, q_token_stride, q_head_stride, block_table_stride, out_token_stride, out_head_stride,
