@@ -200,7 +200,8 @@ def test_paged_decode_attention(
 def test_decode_num_splits_fills_the_gpu() -> None:
     # Batch 1, 8 kv heads, 132 SMs (H200): 33 splits give 264 programs, 2 waves.
     assert decode_num_splits(1, 8, 8192, 132, 64) == 33
-    assert decode_num_splits(1, 8, 512, 132, 64) == 4  # short context: no split under 2 tiles
+    assert decode_num_splits(1, 8, 512, 132, 64) == 8  # short context: no split under one tile
+    assert decode_num_splits(1, 8, 1024, 132, 64) == 16  # W1's graphs (max_model_len 1024): 128 programs
     assert decode_num_splits(64, 8, 4096, 132, 64) == 1  # 512 programs already
     assert decode_num_splits(1, 1, 1 << 20, 132, 64) == 64  # capped: scratch and reduce stay small
 
