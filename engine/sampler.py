@@ -90,6 +90,8 @@ class SamplingBatch:
             padded = torch.full((len(id_lists), width), vocab_size, dtype=torch.int64)
             for i, ids in enumerate(id_lists):
                 padded[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+            if cuda:  # pageable memory would make this copy wait on the host
+                padded = padded.pin_memory()
             padded = padded.to(device, non_blocking=True)
             out = torch.zeros(len(id_lists), vocab_size + 1, dtype=torch.float32, device=device)
             out.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
