@@ -50,12 +50,12 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         t0 = time.perf_counter()
-        if self.device.type == "cuda":
-            _blocking_sync(self.device)
-        with torch.device(self.device):
-            self.model = MODEL_REGISTRY[model_config.architecture](model_config, self.dtype, max_model_len)
         # Startup report (GPU work, see engine/fast_load.py and engine/cuda_graphs.py): seconds and bytes.
         self.startup: dict[str, Any] = {}
+        if self.device.type == "cuda":
+            self.startup["blocking_sync"] = _blocking_sync(self.device)
+        with torch.device(self.device):
+            self.model = MODEL_REGISTRY[model_config.architecture](model_config, self.dtype, max_model_len)
         if self.device.type == "cuda":
             from engine.fast_load import load_weights_fast
 

@@ -269,3 +269,44 @@ def test_fp32_greedy_tokens_match_transformers(llama, cuda_graphs: bool) -> None
         assert engine.runner.startup["graph_capture_s"] > 0 and engine.runner.startup["load_s"] > 0
     else:
         assert engine.runner.graphs is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_mixed_steps_compile_no_new_triton_variants_and_waits_sleep(llama) -> None:
+    """After one warm-up request, mixed prefill/decode steps of other token and sequence counts reuse the
+    compiled kernels: a variant compiled mid-run costs ~1 s of host time while the GPU idles. And the
+    engine switched the GPU's waits to blocking sync (sleep, not spin)."""
+    from engine.kernels import activation, attention, rmsnorm, rotary
+    from engine.sequence import SamplingParams
+
+    path, _ = llama
+    engine = _engine(path, "bfloat16")
+    assert engine.runner.startup["blocking_sync"] is True
+    kernels = {
+        "prefill": attention._prefill_kernel,
+        "rotary": rotary._rotary_and_cache_kernel,
+        "rms_norm": rmsnorm._rms_norm_kernel,
+        "silu": activation._silu_and_mul_kernel,
+    }
+
+    def variants() -> dict[str, int]:
+        return {k: sum(len(c[0]) for c in fn.device_caches.values()) for k, fn in kernels.items()}
+
+    def run(prompts: list[list[int]]) -> int:
+        steps = 0
+        for i, ids in enumerate(prompts):  # one add per step: batches of 1..n sequences, odd and even sizes
+            engine.add_request(f"x{len(prompts)}-{i}", prompt_token_ids=ids, params=SamplingParams(max_tokens=6))
+            engine.step()
+            steps += 1
+        while engine.has_unfinished():
+            for out in engine.step():
+                assert out.error_code is None, out.error_message
+            steps += 1
+        return steps
+
+    gen = torch.Generator().manual_seed(3)
+    run([torch.randint(2, VOCAB, (5,), generator=gen).tolist()])
+    before = variants()
+    run([torch.randint(2, VOCAB, (n,), generator=gen).tolist() for n in (7, 12, 33, 3, 18, 1, 64)])
+    assert variants() == before
