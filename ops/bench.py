@@ -601,11 +601,11 @@ def print_table(r: dict[str, Any], args: argparse.Namespace) -> None:
             f"second half of the steps {w2['cpu_cores_second_half']:.2f})",
         ),
         (
-            "W2 prefill phase | decode phase",
-            f"{w2.get('prefill_phase_s', float('nan')):.2f} s | {w2.get('decode_phase_s', float('nan')):.2f} s",
+            "W2 prefill phase / decode phase",
+            f"{w2.get('prefill_phase_s', float('nan')):.2f} s / {w2.get('decode_phase_s', float('nan')):.2f} s",
             "",
             "",
-            f"process cores {w2.get('prefill_phase_cpu_cores', float('nan')):.2f} | "
+            f"process cores {w2.get('prefill_phase_cpu_cores', float('nan')):.2f} / "
             f"{w2.get('decode_phase_cpu_cores', float('nan')):.2f}; Triton compiles during W2: "
             f"{sum(r['triton_variants']['after_w2'].values()) - sum(r['triton_variants']['before_w2'].values())}",
         ),
