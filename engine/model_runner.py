@@ -8,6 +8,7 @@ the same interface.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +53,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         # Startup report (GPU work, see engine/fast_load.py and engine/cuda_graphs.py): seconds and bytes.
         self.startup: dict[str, Any] = {}
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and os.environ.get("STOKER_BLOCKING_SYNC", "1") != "0":  # 0: A/B runs
             self.startup["blocking_sync"] = _blocking_sync(self.device)
         with torch.device(self.device):
             self.model = MODEL_REGISTRY[model_config.architecture](model_config, self.dtype, max_model_len)
