@@ -316,6 +316,26 @@ async def test_sigkill_mid_stream_then_a_fresh_worker_finishes_everything(space,
     assert committed == end == len(ids)
 
 
+async def test_sigterm_while_redis_is_unreachable_at_startup_exits_promptly(space, tmp_path):
+    """A worker that cannot reach Redis at startup retries; SIGTERM must still stop it (cleanly, exit 0)."""
+    env = space.worker_env(REDIS_URL=f"redis://127.0.0.1:{_free_port()}/0")  # nothing listens there
+    log_path = tmp_path / "w.log"
+    proc = start_worker_process(env, log_path=log_path)
+    try:
+        for _ in range(400):  # until it is retrying Redis (Kafka joined, engine built)
+            if "event=redis_retry" in log_path.read_text():
+                break
+            assert proc.poll() is None, log_path.read_text()[-2000:]
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail("the worker never retried Redis: " + log_path.read_text()[-2000:])
+        started = time.monotonic()
+        assert stop_process(proc, timeout=15) == 0, log_path.read_text()[-2000:]
+        assert time.monotonic() - started < 12
+    finally:
+        stop_process(proc, signal.SIGKILL)
+
+
 def _free_port() -> int:
     import socket
 

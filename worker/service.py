@@ -187,11 +187,22 @@ class Worker:
                  self.names.jobs_topic, cfg.group_id)
 
     async def run(self) -> None:
-        """Until request_stop() (SIGTERM) or a fatal error; then drain and stop."""
-        await self.start()
+        """Until request_stop() (SIGTERM) or a fatal error; then drain and stop. A stop requested while
+        start() still waits (Redis or Kafka unreachable: it retries without end) cancels the start."""
+        starting = asyncio.create_task(self.start())
+        stopping = asyncio.create_task(self._stopping.wait())
         try:
-            await self._stopping.wait()
+            await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not starting.done():
+                starting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await starting
+                log.info("event=stopped_during_startup worker=%s", self.cfg.worker_id)
+            else:
+                starting.result()  # a failed start raises here
+                await stopping
         finally:
+            stopping.cancel()
             await self.stop()
         if self.fatal is not None:
             raise RuntimeError("the engine failed; see the log") from self.fatal
