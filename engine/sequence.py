@@ -17,7 +17,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # eos, a stop token id or a stop string
     LENGTH = "length"  # max_tokens reached (or the model's context)
     CANCELLED = "cancelled"  # abort()
