@@ -472,3 +472,161 @@ async def test_broker_restart_mid_run_every_job_done_once_and_committed(private_
         assert sum(isinstance(e, Done | Error) for e in outcome.events) == 1
         assert {e.attempt for e in outcome.events} == {1}
         assert isinstance(outcome.terminal, Done) and outcome.terminal.text == expected_text(rid, tokens[rid])
+
+
+# -- correctness review: paths where a job, a commit or a terminal event went wrong ----------------------
+async def _wait_all_committed(space: Space, expected: int, timeout: float = 20) -> tuple[int, int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        committed, end = await committed_offsets(space.bootstrap, space.group, space.names.jobs_topic)
+        if (committed == end == expected) or time.monotonic() > deadline:
+            return committed, end
+        await asyncio.sleep(0.2)
+
+
+async def _terminals(r: aioredis.Redis, names: object, rid: str) -> list[Done | Error]:
+    from schemas import decode_event
+    entries = await r.xrange(names.stream(rid))  # type: ignore[attr-defined]
+    return [e for e in (decode_event(f[b"data"]) for _, f in entries) if isinstance(e, Done | Error)]
+
+
+async def test_malformed_record_with_a_running_requests_id_leaves_it_running_and_committed(space, r):
+    """A bad record keyed with the id of a job running here goes to the DLQ; the running job still ends with
+    its own single terminal event and both records get committed (before: the running job was dropped from
+    the worker's books, its record never finished and the partition's commits stuck for good)."""
+    names = space.names
+    async with running_worker(space, engine=FakeEngine(step_delay_s=0.02)):
+        await produce(space.bootstrap, names.jobs_topic, [job("twin", max_tokens=60)])
+        for _ in range(300):
+            if await r.exists(names.stream("twin")):
+                break
+            await asyncio.sleep(0.02)
+        await produce(space.bootstrap, names.jobs_topic, [(b"twin", b"\x00 not json", [])])
+        results = await wait_results(r, names, ["twin"], timeout=30)
+        committed, end = await _wait_all_committed(space, 2)
+        terminals = await _terminals(r, names, "twin")
+    check_sequence(results["twin"])
+    done = results["twin"].terminal
+    assert isinstance(done, Done) and done.finish_reason == "length" and done.usage.completion_tokens == 60
+    assert terminals == [done]
+    assert (committed, end) == (2, 2)
+
+
+async def test_duplicate_record_read_while_the_terminal_event_is_unpublished_does_not_run_again(space, r):
+    """A second record of a request whose terminal event is queued (not yet in Redis) joins that request;
+    before, it re-claimed our own claim and ran the job again as attempt 2 (two terminal events)."""
+    names = space.names
+    async with running_worker(space) as w:
+        assert w.rio is not None
+        original, gate = w.rio.publish, asyncio.Event()
+
+        async def slow_terminals(events: list) -> None:
+            if any(ev.kind == 2 for ev in events):
+                await gate.wait()
+            await original(events)
+
+        w.rio.publish = slow_terminals  # type: ignore[method-assign]
+        await produce(space.bootstrap, names.jobs_topic, [job("again", max_tokens=3)])
+        for _ in range(300):  # finished in the engine, terminal event held back
+            if w.tracker.in_flight_count() == 1 and "again" not in w.active and await r.exists(names.stream("again")):
+                break
+            await asyncio.sleep(0.02)
+        await produce(space.bootstrap, names.jobs_topic, [job("again", max_tokens=3)])
+        for _ in range(300):
+            if w.tracker.in_flight_count() == 2:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.5)  # let the second record be admitted (or not)
+        gate.set()
+        results = await wait_results(r, names, ["again"], timeout=20)
+        committed, end = await _wait_all_committed(space, 2)
+        terminals = await _terminals(r, names, "again")
+    check_sequence(results["again"])
+    assert [t.attempt for t in terminals] == [1]
+    assert (committed, end) == (2, 2)
+
+
+async def test_a_crashed_background_task_stops_the_worker_and_hands_its_jobs_back(space, r):
+    """An unexpected error that ends one of the worker's tasks (here: Redis answers the publish with an
+    error reply) must stop the worker with an error, not leave it up, holding claims, doing nothing."""
+    from redis.exceptions import ResponseError
+
+    names = space.names
+    config = WorkerConfig(fake_engine=True, bootstrap_servers=space.bootstrap, redis_url=space.redis_url,
+                          job_topic=names.jobs_topic, prefix=names.redis_prefix, group_id=space.group,
+                          metrics_port=-1, claim_ttl_s=3, drain_timeout_s=5)
+    worker = Worker(config, FakeEngine(step_delay_s=0.02))
+    task = asyncio.create_task(worker.run())
+    for _ in range(200):
+        if worker.ready or task.done():
+            break
+        await asyncio.sleep(0.05)
+    assert worker.rio is not None
+
+    async def broken(events: list) -> None:
+        raise ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
+
+    worker.rio.publish = broken  # type: ignore[method-assign]
+    await produce(space.bootstrap, names.jobs_topic, [job("stuck", max_tokens=100)])
+    try:
+        with pytest.raises(RuntimeError, match="ResponseError: OOM command"):
+            await asyncio.wait_for(task, 20)
+    finally:
+        if not task.done():
+            worker.request_stop()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, 30)
+    assert await r.exists(names.claim("stuck")) == 0  # handed back: another worker takes it at once
+    assert int(await r.get(f"{names.redis_prefix}:attempts:stuck") or 0) == 0
+    committed, _ = await committed_offsets(space.bootstrap, space.group, names.jobs_topic)
+    assert committed == 0
+
+
+async def test_poison_job_too_large_for_the_dead_letter_topic_still_ends_and_commits(space, r):
+    """A poison job near the 1 MiB limit plus the dead-letter headers exceeds the producer's request size:
+    that send can never succeed. Before, it was retried forever (job never answered, commits stuck)."""
+    names = space.names
+    await r.set(f"{names.redis_prefix}:attempts:huge", 3)
+    body = msgspec.json.encode(job("huge", prompt="x"))
+    big = body.replace(b'"x"', b'"' + b"y" * (1_048_400 - len(body)) + b'"')  # fits the topic, not with DLQ headers
+    async with running_worker(space):
+        await produce(space.bootstrap, names.jobs_topic, [(b"huge", big, [])])
+        results = await wait_results(r, names, ["huge"], timeout=30)
+        committed, end = await _wait_all_committed(space, 1)
+    err = results["huge"].terminal
+    assert isinstance(err, Error) and err.code == "poison_job"
+    assert (committed, end) == (1, 1)
+    consumer = AIOKafkaConsumer(names.dlq_topic, bootstrap_servers=space.bootstrap, auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        batches = await consumer.getmany(timeout_ms=5000)
+        records = [rec for recs in batches.values() for rec in recs]
+    finally:
+        await consumer.stop()
+    assert [rec.key for rec in records] == [b"huge"]  # the dead letter, without the value that did not fit
+    headers = dict(records[0].headers)
+    assert headers["stoker-error-code"] == b"poison_job" and b"too large" in headers["stoker-error-message"]
+
+
+async def test_claims_are_renewed_while_kafka_metadata_calls_hang(space, r):
+    """The lag gauge asks Kafka for end offsets; with a broker away that call waits up to its request
+    timeout (40 s). Before, claim renewal waited behind it, so every running job's claim expired and
+    another worker could take the jobs over mid-run."""
+    names = space.names
+    async with running_worker(space, engine=FakeEngine(step_delay_s=0.02)) as w:
+        assert w.consumer is not None
+
+        async def hanging_end_offsets(partitions: object) -> dict:
+            await asyncio.sleep(60)
+            return {}
+
+        w.consumer.end_offsets = hanging_end_offsets  # type: ignore[method-assign]
+        await produce(space.bootstrap, names.jobs_topic, [job("long", max_tokens=400)])
+        for _ in range(300):
+            if "long" in w.active:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(4.5)  # claim_ttl_s is 3: only renewals keep the claim alive this long
+        owner = await r.get(names.claim("long"))
+        assert "long" in w.active
+        assert owner == w.cfg.worker_id.encode()

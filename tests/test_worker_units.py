@@ -163,6 +163,32 @@ async def test_driver_stops_stepping_while_outputs_are_unpublished():
         driver.stop()
 
 
+async def test_driver_reports_an_engine_whose_stats_fail_instead_of_dying_silently():
+    """engine.stats() runs on the engine thread after every step; if it raised, the thread died without a
+    word (no fatal, no sink call): the worker looked healthy and never stepped again."""
+
+    class BrokenStats(FakeEngine):
+        def stats(self):  # type: ignore[override]
+            raise RuntimeError("stats broke")
+
+    loop = asyncio.get_running_loop()
+    calls: list[tuple[int, object]] = []
+    called = asyncio.Event()
+
+    def sink(outputs, stats, step_ms):
+        calls.append((len(outputs), driver.fatal))
+        called.set()
+
+    driver = EngineDriver(BrokenStats(), loop, sink)
+    driver.start()
+    try:
+        driver.add_request("a", prompt="p", params=SamplingParams(max_tokens=5))
+        await asyncio.wait_for(called.wait(), 5)
+        assert calls == [(0, driver.fatal)] and isinstance(driver.fatal, RuntimeError)
+    finally:
+        driver.stop()
+
+
 def test_driver_thread_is_idle_without_work():
     loop = asyncio.new_event_loop()
     driver = EngineDriver(FakeEngine(), loop, lambda *a: None)

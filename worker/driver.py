@@ -112,6 +112,9 @@ class EngineDriver:
             started = time.perf_counter()
             try:
                 outputs = engine.step()
+                # Read here, on the engine's thread, so the loop never touches the engine. Inside the try:
+                # a raise here must stop the worker too, not end this thread without a word.
+                stats = engine.stats()
             except BaseException as exc:  # the engine is broken, not one request: the worker must stop
                 log.exception("event=engine_step_failed")
                 self.fatal = exc
@@ -119,7 +122,6 @@ class EngineDriver:
                 return
             self.busy_s += time.perf_counter() - started
             self.steps += 1
-            stats = engine.stats()  # read here, on the engine's thread, so the loop never touches the engine
             self.last_stats = stats
             if outputs:
                 with self._cond:

@@ -26,7 +26,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -104,6 +104,7 @@ class Batch:
     events: list[OutEvent] = field(default_factory=list)
     finished_records: list[Record] = field(default_factory=list)
     steps: int = 0
+    terminal_ids: list[str] = field(default_factory=list)  # their late duplicate records finish with them
     first_event_record_ms: list[float] = field(default_factory=list)  # for the `published` stage metric
 
 
@@ -130,6 +131,9 @@ class Worker:
         self.tracker = OffsetTracker()
         self.active: dict[str, Request] = {}
         self.parked: dict[str, Parked] = {}
+        # Requests whose terminal event is queued but not yet in Redis -> records of theirs read meanwhile
+        # (a duplicate, a re-delivery): finished with that event, never run again under a fresh attempt.
+        self._finishing: dict[str, list[Record]] = {}
         # Cancels for ids we have not met yet (the pub/sub message may beat the Kafka record).
         self._early_cancels: OrderedDict[str, None] = OrderedDict()
         self._outbox: asyncio.Queue[Batch] = asyncio.Queue()
@@ -180,9 +184,11 @@ class Worker:
         self.consumer.subscribe([self.names.jobs_topic], listener=_Rebalance(self))
         await self.consumer.start()
         await self.rio.retry("ping", self.redis.ping)
-        for coro in (self._poll_loop(), self._publish_loop(), self._commit_loop(), self._renew_loop(),
-                     self._parked_loop(), self._cancel_loop()):
-            self._tasks.append(asyncio.create_task(coro))
+        for loop_fn in (self._poll_loop, self._publish_loop, self._commit_loop, self._renew_loop,
+                        self._parked_loop, self._cancel_loop):
+            task = asyncio.create_task(loop_fn(), name=loop_fn.__name__)
+            task.add_done_callback(self._on_task_done)
+            self._tasks.append(task)
         log.info("event=worker_started worker=%s model=%s topic=%s group=%s", cfg.worker_id, self.model_name,
                  self.names.jobs_topic, cfg.group_id)
 
@@ -205,7 +211,20 @@ class Worker:
             stopping.cancel()
             await self.stop()
         if self.fatal is not None:
-            raise RuntimeError("the engine failed; see the log") from self.fatal
+            raise RuntimeError(f"the worker failed: {type(self.fatal).__name__}: {self.fatal}; see the log") \
+                from self.fatal
+
+    def _on_task_done(self, task: asyncio.Task[Any]) -> None:
+        """A task of ours ended by an error nobody expected (e.g. Redis answering with an error reply): the
+        worker can't go on (a dead publisher stalls every job while the claims keep being renewed), so stop,
+        hand the running jobs back and exit with an error for the supervisor to restart us."""
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        log.critical("event=task_failed task=%s error=%r", task.get_name(), str(exc), exc_info=exc)
+        if self.fatal is None:
+            self.fatal = exc
+        self._stopping.set()
 
     def request_stop(self) -> None:
         self._stopping.set()
@@ -218,7 +237,7 @@ class Worker:
         poll = self._tasks[0] if self._tasks else None
         if poll is not None:
             poll.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # one that failed is in self.fatal
                 await poll
         if self._side_tasks:
             await asyncio.wait(self._side_tasks, timeout=self.cfg.drain_timeout_s)
@@ -293,13 +312,15 @@ class Worker:
                 job = decode_job(rec.value, ctype, max_bytes=self.cfg.max_message_bytes)
                 msgpack = is_msgpack(ctype)
             except ContractError as exc:
-                await self._reject(rec, record, exc)
+                await self._reject(rec, record, exc, claims)
                 continue
             rid = job.request_id
             if rid in self.active:  # delivered again while we run it (a rebalance came back to us)
                 self.active[rid].records.append(record)
             elif rid in self.parked:
                 self.parked[rid].records.append(record)
+            elif rid in self._finishing:
+                self._finishing[rid].append(record)
             elif rid in claims:
                 claims[rid].records.append(record)
             else:
@@ -401,11 +422,13 @@ class Worker:
         self._send_terminal(req, err, str(code))
 
     def _send_terminal(self, req: Request, event: Done | Error, reason: str) -> None:
-        self.active.pop(req.job.request_id, None)
+        rid = req.job.request_id
+        if self.active.get(rid) is req:  # only this request: never another one running under the same id
+            del self.active[rid]
         self.metrics.finished.labels(reason).inc()
-        kind = 2
-        self._outbox.put_nowait(Batch([OutEvent(req.job.request_id, self._event_bytes(req, event), kind)],
-                                      list(req.records)))
+        self._finishing.setdefault(rid, [])
+        self._outbox.put_nowait(Batch([OutEvent(rid, self._event_bytes(req, event), 2)], list(req.records),
+                                      terminal_ids=[rid]))
 
     async def _dead_letter(self, rec_key: bytes | None, rec_value: bytes | None,
                            headers: list[tuple[str, bytes]], code: str, message: str, attempts: int) -> None:
@@ -416,12 +439,29 @@ class Worker:
                 await self.producer.send_and_wait(self.names.dlq_topic, value=rec_value, key=rec_key,
                                                   headers=list(headers) + extra)
                 break
+            except MessageSizeTooLargeError:
+                # The record plus our headers can never be sent (a job near the size limit): retrying would
+                # hold the job and its partition's commits forever. Send the dead letter without the value
+                # (and its headers), then also without the key; past that, give the dead letter up.
+                if rec_value is None and not headers and rec_key is None:
+                    log.error("event=dlq_dropped code=%s reason=too_large", code)
+                    return
+                dropped = "value and headers" if rec_value is not None or headers else "key"
+                log.error("event=dlq_part_dropped code=%s dropped=%s value_bytes=%d", code, dropped,
+                          len(rec_value or b""))
+                note = (f"{message[:800]}; the record's {dropped} ({len(rec_value or rec_key or b'')} bytes) "
+                        "made it too large for the dead-letter topic and are left out")
+                extra = dlq_headers(code, note, int(now_ms()), self.cfg.worker_id, attempts)
+                if dropped == "key":
+                    rec_key = None
+                rec_value, headers = None, []
             except (KafkaError, OSError, TimeoutError) as exc:  # keep the record in flight until it is stored
                 log.warning("event=dlq_retry error=%r", str(exc))
                 await asyncio.sleep(0.5)
         self.metrics.dlq.labels(code).inc()
 
-    async def _reject(self, rec: ConsumerRecord[Any, Any], record: Record, exc: ContractError) -> None:
+    async def _reject(self, rec: ConsumerRecord[Any, Any], record: Record, exc: ContractError,
+                      claims: dict[str, Parked]) -> None:
         """A record that breaks the contract: to the DLQ, and an error event when a request id is readable."""
         key = rec.key.decode("utf-8", "replace") if isinstance(rec.key, bytes) else None
         rid = exc.request_id or (key if is_valid_request_id(key) else None)
@@ -430,6 +470,15 @@ class Worker:
         await self._dead_letter(rec.key, rec.value, list(rec.headers or ()), exc.code, exc.message, 0)
         if rid is None:
             self._finish_records([record])
+            return
+        # The id is live here (running, parked or its terminal event queued): that request's own terminal
+        # event is the one its id gets; this record is done (dead-lettered) once that event is stored.
+        live = self.active.get(rid) or self.parked.get(rid) or claims.get(rid)
+        if live is not None:
+            live.records.append(record)
+            return
+        if rid in self._finishing:
+            self._finishing[rid].append(record)
             return
         msgpack = False
         with contextlib.suppress(ContractError):
@@ -445,6 +494,8 @@ class Worker:
         log.error("event=poison_job request_id=%s attempts=%d", req.job.request_id, req.attempt - 1)
         key, value, headers = req.raw
         await self._dead_letter(key, value, headers, code, msg, req.attempt - 1)
+        if req.lost:  # another worker took the claim while the send waited: its answer stands
+            return
         self._fail(req, code, msg)
 
     # -- output -------------------------------------------------------------------------------------------
@@ -503,6 +554,8 @@ class Worker:
             m.finished.labels(reason).inc()
             batch.events.append(OutEvent(rid, encode_event(event, req.msgpack), 2))
             batch.finished_records.extend(req.records)
+            batch.terminal_ids.append(rid)
+            self._finishing.setdefault(rid, [])
         if stats is not None:
             m.running.set(stats.num_running)
             m.waiting.set(stats.num_waiting)
@@ -519,12 +572,15 @@ class Worker:
                 batch.events += more.events
                 batch.finished_records += more.finished_records
                 batch.steps += more.steps
+                batch.terminal_ids += more.terminal_ids
                 batch.first_event_record_ms += more.first_event_record_ms
             await self.rio.publish(batch.events)
             published_ms = now_ms()
             for record_ms in batch.first_event_record_ms:
                 self._observe("published", record_ms, published_ms)
             self.metrics.events.inc(len(batch.events))
+            for rid in batch.terminal_ids:
+                batch.finished_records += self._finishing.pop(rid, [])
             self._finish_records(batch.finished_records)
             for _ in range(batch.steps):
                 self.driver.published()
@@ -575,6 +631,8 @@ class Worker:
                 del self.parked[rid]
         for req in self.active.values():
             req.records = [r for r in req.records if r[0] not in revoked]
+        for rid, records in self._finishing.items():
+            self._finishing[rid] = [r for r in records if r[0] not in revoked]
         log.info("event=partitions_revoked partitions=%s", sorted(f"{tp.topic}-{tp.partition}" for tp in revoked))
 
     def on_assigned(self, assigned: set[TopicPartition]) -> None:
@@ -607,7 +665,10 @@ class Worker:
                         self.parked[rid] = Parked(req.job, req.msgpack, req.record_ms, req.records, req.raw)
                 elif code == 2:
                     self.driver.abort(rid)
-            await self._update_lag()
+            # Bounded: with a broker away Kafka's offset calls wait up to their request timeout (40 s), and
+            # the claims must not wait behind a gauge (they expire after claim_ttl_s).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._update_lag(), interval)
             await asyncio.sleep(interval)
 
     async def _update_lag(self) -> None:
