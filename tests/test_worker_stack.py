@@ -630,3 +630,32 @@ async def test_claims_are_renewed_while_kafka_metadata_calls_hang(space, r):
         owner = await r.get(names.claim("long"))
         assert "long" in w.active
         assert owner == w.cfg.worker_id.encode()
+
+
+async def test_drain_timeout_publishes_nothing_for_a_job_after_handing_it_back(space, r):
+    """At the drain timeout the worker releases its claims (and takes back the attempt it counted), so the
+    next worker runs the job under the same attempt number. Chunks we publish after that release would
+    mix into the new run's seqs; before, the engine and publisher went on for a while after it."""
+    names = space.names
+    released_at: list[int] = []
+    async with running_worker(space, engine=FakeEngine(step_delay_s=0.01), drain_timeout_s=0.3) as w:
+        assert w.rio is not None
+        original = w.rio.release
+
+        async def release_then_linger(request_id: str) -> None:
+            await original(request_id)
+            seconds, micros = await r.time()
+            released_at.append(seconds * 1000 + micros // 1000)
+            await asyncio.sleep(0.3)  # the window a slow Redis round trip (or many claims) leaves
+
+        w.rio.release = release_then_linger  # type: ignore[method-assign]
+        await produce(space.bootstrap, names.jobs_topic, [job("handed", max_tokens=2000)])
+        for _ in range(300):
+            if await r.exists(names.stream("handed")):
+                break
+            await asyncio.sleep(0.02)
+    assert len(released_at) == 1 and await r.exists(names.claim("handed")) == 0
+    entries = await r.xrange(names.stream("handed"))
+    late = [eid for eid, _ in entries if int(eid.split(b"-")[0]) > released_at[0]]
+    assert late == []
+

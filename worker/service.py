@@ -244,6 +244,16 @@ class Worker:
         deadline = time.monotonic() + self.cfg.drain_timeout_s
         while (self.active or not self._outbox.empty()) and time.monotonic() < deadline and self.fatal is None:
             await asyncio.sleep(0.05)
+        # Hand back what still runs. Its claim is released below (with the attempt we counted), so the next
+        # worker runs it under the same attempt number: none of our events for it may follow the release.
+        # Stop them at the source, then let the publisher flush what is already queued.
+        for rid, req in self.active.items():
+            req.lost = True
+            if self.driver is not None and self.driver.fatal is None:
+                with contextlib.suppress(Exception):
+                    self.driver.abort(rid)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._outbox.join(), 2.0)
         # Bounded: with the broker away a commit (and the clients' close) waits for it without end. What is
         # not committed is read again by the next owner, which finds the results and publishes nothing.
         with contextlib.suppress(TimeoutError):
@@ -566,9 +576,11 @@ class Worker:
         assert self.rio is not None and self.driver is not None
         while True:
             batch = await self._outbox.get()
+            taken = 1  # task_done() once stored: stop() waits on the queue's join()
             # Coalesce a backlog into one pipeline (bounded, so one call stays small).
             while not self._outbox.empty() and len(batch.events) < 4096:
                 more = self._outbox.get_nowait()
+                taken += 1
                 batch.events += more.events
                 batch.finished_records += more.finished_records
                 batch.steps += more.steps
@@ -584,6 +596,8 @@ class Worker:
             self._finish_records(batch.finished_records)
             for _ in range(batch.steps):
                 self.driver.published()
+            for _ in range(taken):
+                self._outbox.task_done()
 
     def _finish_records(self, records: list[Record]) -> None:
         for tp, offset in records:
