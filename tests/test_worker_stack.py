@@ -577,7 +577,8 @@ async def test_a_crashed_background_task_stops_the_worker_and_hands_its_jobs_bac
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(task, 30)
     assert await r.exists(names.claim("stuck")) == 0  # handed back: another worker takes it at once
-    assert int(await r.get(f"{names.redis_prefix}:attempts:stuck") or 0) == 0
+    # Its chunks were made (their publish failed, maybe halfway): the attempt stays counted, the next runs as 2.
+    assert int(await r.get(f"{names.redis_prefix}:attempts:stuck") or 0) == 1
     committed, _ = await committed_offsets(space.bootstrap, space.group, names.jobs_topic)
     assert committed == 0
 
@@ -642,8 +643,8 @@ async def test_drain_timeout_publishes_nothing_for_a_job_after_handing_it_back(s
         assert w.rio is not None
         original = w.rio.release
 
-        async def release_then_linger(request_id: str) -> None:
-            await original(request_id)
+        async def release_then_linger(request_id: str, give_back_attempt: bool) -> None:
+            await original(request_id, give_back_attempt)
             seconds, micros = await r.time()
             released_at.append(seconds * 1000 + micros // 1000)
             await asyncio.sleep(0.3)  # the window a slow Redis round trip (or many claims) leaves
@@ -659,3 +660,43 @@ async def test_drain_timeout_publishes_nothing_for_a_job_after_handing_it_back(s
     late = [eid for eid, _ in entries if int(eid.split(b"-")[0]) > released_at[0]]
     assert late == []
 
+
+
+async def test_job_handed_back_mid_stream_is_resumed_under_a_new_attempt(space, r):
+    """A drain that times out hands running jobs back. One that already streamed chunks must be taken over
+    as attempt 2: before, the release took the attempt back, the next worker streamed attempt 1 again
+    from seq 0, and a subscriber reading the stream saw one attempt with every seq twice (two runs mixed)."""
+    names = space.names
+    async with running_worker(space, engine=FakeEngine(step_delay_s=0.02), drain_timeout_s=0.2):
+        await produce(space.bootstrap, names.jobs_topic, [job("moved", max_tokens=200)])
+        for _ in range(300):
+            if await r.xlen(names.stream("moved")) >= 3:
+                break
+            await asyncio.sleep(0.02)
+    assert await r.exists(names.result("moved")) == 0 and await r.exists(names.claim("moved")) == 0
+    async with running_worker(space):
+        results = await wait_results(r, names, ["moved"], timeout=30)
+    outcome = results["moved"]
+    check_sequence(outcome)
+    assert outcome.terminal.attempt == 2 and {e.attempt for e in outcome.events} == {1, 2}
+
+
+async def test_job_handed_back_before_any_event_keeps_its_attempt_number(space, r):
+    """The other side of the hand-back: a job that never published anything costs no attempt (draining
+    workers must not push a healthy job towards poison_job)."""
+    names = space.names
+    async with running_worker(space, engine=FakeEngine(max_num_seqs=1, step_delay_s=0.02), drain_timeout_s=0.2,
+                              max_num_seqs=1) as w:
+        await produce(space.bootstrap, names.jobs_topic, [job("first", max_tokens=500)])
+        for _ in range(300):
+            if await r.exists(names.stream("first")):
+                break
+            await asyncio.sleep(0.02)
+        await produce(space.bootstrap, names.jobs_topic, [job("queued", max_tokens=3)])
+        for _ in range(300):
+            if "queued" in w.active and await r.exists(names.stream("first")):
+                break
+            await asyncio.sleep(0.02)
+        assert "queued" in w.active and await r.exists(names.stream("queued")) == 0
+    assert int(await r.get(f"{names.redis_prefix}:attempts:queued") or 0) == 0
+    assert int(await r.get(f"{names.redis_prefix}:attempts:first") or 0) == 1

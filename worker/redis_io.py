@@ -102,12 +102,14 @@ end
 return out
 """
 
-# KEYS: claim, attempts. ARGV: token. A graceful hand-back (drain timeout): drop our claim and take back
-# the attempt we counted, so draining workers do not push a healthy job towards poison_job.
+# KEYS: claim, attempts. ARGV: token, give_back ('1' | '0'). A graceful hand-back (drain timeout): drop our
+# claim and, when the attempt published nothing, take back the attempt we counted, so draining workers do
+# not push a healthy job towards poison_job. An attempt that published events keeps its number: the next
+# worker must stream under a higher one, or its seqs would collide with ours in the stream.
 _RELEASE_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  if tonumber(redis.call('GET', KEYS[2]) or '0') > 0 then redis.call('DECR', KEYS[2]) end
+  if ARGV[2] == '1' and tonumber(redis.call('GET', KEYS[2]) or '0') > 0 then redis.call('DECR', KEYS[2]) end
   return 1
 end
 return 0
@@ -216,8 +218,9 @@ class RedisIO:
 
         return await self.retry("renew", go)
 
-    async def release(self, request_id: str) -> None:
-        await self._release(keys=[self.names.claim(request_id), self.attempts_key(request_id)], args=[self.token])
+    async def release(self, request_id: str, give_back_attempt: bool) -> None:
+        await self._release(keys=[self.names.claim(request_id), self.attempts_key(request_id)],
+                            args=[self.token, 1 if give_back_attempt else 0])
 
     async def result_exists(self, request_id: str) -> bool:
         return bool(await self.retry("exists", lambda: self.client.exists(self.names.result(request_id))))

@@ -259,9 +259,9 @@ class Worker:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._commit_now(), _CLOSE_TIMEOUT_S)
         if self.rio is not None:
-            for rid in list(self.active):
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self.rio.release(rid), 2)
+            for rid, req in list(self.active.items()):
+                with contextlib.suppress(Exception):  # seq 0: no event of this attempt was ever made
+                    await asyncio.wait_for(self.rio.release(rid, give_back_attempt=req.seq == 0), 2)
             self.rio.stopping = True
         for task in self._tasks[1:]:
             task.cancel()
