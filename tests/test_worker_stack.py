@@ -700,3 +700,30 @@ async def test_job_handed_back_before_any_event_keeps_its_attempt_number(space, 
         assert "queued" in w.active and await r.exists(names.stream("queued")) == 0
     assert int(await r.get(f"{names.redis_prefix}:attempts:queued") or 0) == 0
     assert int(await r.get(f"{names.redis_prefix}:attempts:first") or 0) == 1
+
+
+async def test_stop_ends_a_dead_letter_send_that_cannot_finish(space, r):
+    """A poison job's dead letter is sent by a side task that retries while Kafka refuses. stop() waited for
+    it (bounded) and then left it running past the worker's end, retrying on a closed producer forever."""
+    from aiokafka.errors import KafkaConnectionError
+
+    names = space.names
+    await r.set(f"{names.redis_prefix}:attempts:stuck-dlq", 3)
+    async with running_worker(space, drain_timeout_s=0.5) as w:
+        assert w.producer is not None
+
+        async def refused(*args: object, **kwargs: object) -> None:
+            raise KafkaConnectionError("broker away")
+
+        w.producer.send_and_wait = refused  # type: ignore[method-assign]
+        await produce(space.bootstrap, names.jobs_topic, [job("stuck-dlq")])
+        for _ in range(300):
+            if w._side_tasks:
+                break
+            await asyncio.sleep(0.02)
+        side = set(w._side_tasks)
+        assert side
+    assert all(t.done() for t in side)
+    assert await r.exists(names.result("stuck-dlq")) == 0  # not answered: the next worker dead-letters it
+    assert await r.exists(names.claim("stuck-dlq")) == 0
+    assert int(await r.get(f"{names.redis_prefix}:attempts:stuck-dlq")) == 3  # handed back as it came

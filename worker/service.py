@@ -241,6 +241,12 @@ class Worker:
                 await poll
         if self._side_tasks:
             await asyncio.wait(self._side_tasks, timeout=self.cfg.drain_timeout_s)
+            # A dead letter Kafka still refuses: give it up (its job is handed back below, unanswered and
+            # uncommitted, so the next worker dead-letters it) rather than retry past our own end.
+            for task in list(self._side_tasks):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         deadline = time.monotonic() + self.cfg.drain_timeout_s
         while (self.active or not self._outbox.empty()) and time.monotonic() < deadline and self.fatal is None:
             await asyncio.sleep(0.05)
