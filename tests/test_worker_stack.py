@@ -727,3 +727,26 @@ async def test_stop_ends_a_dead_letter_send_that_cannot_finish(space, r):
     assert await r.exists(names.result("stuck-dlq")) == 0  # not answered: the next worker dead-letters it
     assert await r.exists(names.claim("stuck-dlq")) == 0
     assert int(await r.get(f"{names.redis_prefix}:attempts:stuck-dlq")) == 3  # handed back as it came
+
+
+async def test_stop_during_a_claim_round_trip_leaves_no_orphan_claim(space, r):
+    """stop() cancelled the intake mid-claim: Redis had claimed the jobs (and counted an attempt) but the
+    worker never learned it, so the claims sat until they expired and the attempt was never given back
+    (each unlucky deploy moved a healthy job towards poison_job)."""
+    names = space.names
+    async with running_worker(space) as w:
+        assert w.rio is not None
+        original, in_admit = w.rio.admit, asyncio.Event()
+
+        async def slow_admit(request_ids: list[str]) -> list[tuple[str, int]]:
+            out = await original(request_ids)
+            in_admit.set()
+            await asyncio.sleep(0.5)  # a slow reply: Redis has already claimed
+            return out
+
+        w.rio.admit = slow_admit  # type: ignore[method-assign]
+        await produce(space.bootstrap, names.jobs_topic, [job("orphan", max_tokens=3)])
+        await asyncio.wait_for(in_admit.wait(), 20)
+    if not await r.exists(names.result("orphan")):  # not run in the drain: then handed back cleanly
+        assert await r.exists(names.claim("orphan")) == 0
+        assert int(await r.get(f"{names.redis_prefix}:attempts:orphan") or 0) == 0

@@ -236,6 +236,9 @@ class Worker:
         self.ready = False
         poll = self._tasks[0] if self._tasks else None
         if poll is not None:
+            # Let the intake end by itself (it checks _stopping after each poll, 200 ms): cancelled in the
+            # middle of a claim round trip, Redis would hold claims (and attempts) nobody here knows of.
+            await asyncio.wait({poll}, timeout=_CLOSE_TIMEOUT_S)
             poll.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):  # one that failed is in self.fatal
                 await poll
