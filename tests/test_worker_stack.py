@@ -750,3 +750,33 @@ async def test_stop_during_a_claim_round_trip_leaves_no_orphan_claim(space, r):
     if not await r.exists(names.result("orphan")):  # not run in the drain: then handed back cleanly
         assert await r.exists(names.claim("orphan")) == 0
         assert int(await r.get(f"{names.redis_prefix}:attempts:orphan") or 0) == 0
+
+
+# -- review round 2 ---------------------------------------------------------------------------------------
+async def test_malformed_record_of_a_finished_request_publishes_nothing(space, r):
+    """A bad record whose id already has a result: dead-lettered and committed, and no second terminal event
+    (before: an `error` went to the id's channel and stream, though the result key kept the original)."""
+    names = space.names
+    await r.set(names.result("settled"), b'{"type":"done"}', ex=60)
+    pubsub = r.pubsub()
+    await pubsub.subscribe(names.events_channel("settled"))
+    async with running_worker(space):
+        await produce(space.bootstrap, names.jobs_topic, [(b"settled", b"\x00 not json", [])])
+        committed, end = await _wait_all_committed(space, 1)
+        await asyncio.sleep(0.3)  # a publish would have gone out with the commit's batch
+    seen = []
+    for _ in range(10):  # the first read returns the subscribe confirmation (skipped as None)
+        if (msg := await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1)) is not None:
+            seen.append(msg["data"])
+    await pubsub.aclose()
+    assert (committed, end) == (1, 1)
+    assert seen == [] and await r.exists(names.stream("settled")) == 0
+    assert await r.get(names.result("settled")) == b'{"type":"done"}'
+    consumer = AIOKafkaConsumer(names.dlq_topic, bootstrap_servers=space.bootstrap, auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        batches = await consumer.getmany(timeout_ms=5000)
+    finally:
+        await consumer.stop()
+    assert [rec.key for recs in batches.values() for rec in recs] == [b"settled"]
+

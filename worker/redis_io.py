@@ -35,23 +35,26 @@ T = TypeVar("T")
 
 # KEYS: per event (channel, stream[, result, claim]); ARGV: cap, ttl_s, token, then per event
 # (kind, payload) where kind 0 = chunk, 1 = first chunk (set the stream's TTL), 2 = terminal (TTL, result,
-# release the claim if it is still ours). A terminal event brings 4 keys, the others 2.
+# release the claim if it is still ours), 3 = terminal only if the id has no result yet (the answer to a
+# rejected record, which claims nothing: an id that already ended must not get a second terminal event).
+# A terminal event brings 4 keys, the others 2.
 _PUBLISH_LUA = """
 local cap, ttl, token = ARGV[1], ARGV[2], ARGV[3]
 local k, a = 1, 4
 while a <= #ARGV do
   local kind, payload = ARGV[a], ARGV[a + 1]
-  redis.call('PUBLISH', KEYS[k], payload)
-  redis.call('XADD', KEYS[k + 1], 'MAXLEN', '~', cap, '*', 'FIELD', payload)
-  if kind ~= '0' then redis.call('EXPIRE', KEYS[k + 1], ttl) end
-  if kind == '2' then
-    -- NX: the first terminal event stands (a worker that lost its claim must not overwrite the winner's)
-    redis.call('SET', KEYS[k + 2], payload, 'EX', ttl, 'NX')
-    if redis.call('GET', KEYS[k + 3]) == token then redis.call('DEL', KEYS[k + 3]) end
-    k = k + 4
-  else
-    k = k + 2
+  local terminal = kind == '2' or kind == '3'
+  if not (kind == '3' and redis.call('EXISTS', KEYS[k + 2]) == 1) then
+    redis.call('PUBLISH', KEYS[k], payload)
+    redis.call('XADD', KEYS[k + 1], 'MAXLEN', '~', cap, '*', 'FIELD', payload)
+    if kind ~= '0' then redis.call('EXPIRE', KEYS[k + 1], ttl) end
+    if terminal then
+      -- NX: the first terminal event stands (a worker that lost its claim must not overwrite the winner's)
+      redis.call('SET', KEYS[k + 2], payload, 'EX', ttl, 'NX')
+      if redis.call('GET', KEYS[k + 3]) == token then redis.call('DEL', KEYS[k + 3]) end
+    end
   end
+  k = k + (terminal and 4 or 2)
   a = a + 2
 end
 return a
@@ -120,7 +123,7 @@ return 0
 class OutEvent:
     request_id: str
     payload: bytes
-    kind: int  # 0 chunk, 1 first event of the attempt, 2 terminal
+    kind: int  # 0 chunk, 1 first event of the attempt, 2 terminal, 3 terminal unless the id has a result
 
 
 class RedisIO:
@@ -173,7 +176,7 @@ class RedisIO:
         for ev in events:
             keys.append(names.events_channel(ev.request_id))
             keys.append(names.stream(ev.request_id))
-            if ev.kind == 2:
+            if ev.kind >= 2:
                 keys.append(names.result(ev.request_id))
                 keys.append(names.claim(ev.request_id))
             args.append(ev.kind)

@@ -436,17 +436,17 @@ class Worker:
                     worker=self.cfg.worker_id, tenant=req.job.tenant, metadata=req.job.metadata)
         self._send_terminal(req, done, reason)
 
-    def _fail(self, req: Request, code: str, message: str) -> None:
+    def _fail(self, req: Request, code: str, message: str, unless_ended: bool = False) -> None:
         err = Error(request_id=req.job.request_id, attempt=req.attempt, seq=req.seq, code=str(code), message=message)
-        self._send_terminal(req, err, str(code))
+        self._send_terminal(req, err, str(code), kind=3 if unless_ended else 2)
 
-    def _send_terminal(self, req: Request, event: Done | Error, reason: str) -> None:
+    def _send_terminal(self, req: Request, event: Done | Error, reason: str, kind: int = 2) -> None:
         rid = req.job.request_id
         if self.active.get(rid) is req:  # only this request: never another one running under the same id
             del self.active[rid]
         self.metrics.finished.labels(reason).inc()
         self._finishing.setdefault(rid, [])
-        self._outbox.put_nowait(Batch([OutEvent(rid, self._event_bytes(req, event), 2)], list(req.records),
+        self._outbox.put_nowait(Batch([OutEvent(rid, self._event_bytes(req, event), kind)], list(req.records),
                                       terminal_ids=[rid]))
 
     async def _dead_letter(self, rec_key: bytes | None, rec_value: bytes | None,
@@ -504,7 +504,9 @@ class Worker:
             msgpack = is_msgpack(content_type_of(rec.headers))
         # A stand-in Job only to carry the id into the Request; it is never run.
         req = Request(Job(request_id=rid, prompt_token_ids=[0]), msgpack, 1, now_ms(), [record], (None, None, []))
-        self._fail(req, exc.code, exc.message)
+        # Published only if the id has no result yet (checked in the publish script, atomically): a bad
+        # record reusing a finished request's id is a dead letter alone, never a second terminal event.
+        self._fail(req, exc.code, exc.message, unless_ended=True)
 
     async def _poison(self, req: Request) -> None:
         """Started max_attempts times without finishing: never again. DLQ (the job as we read it) + error."""
