@@ -780,3 +780,16 @@ async def test_malformed_record_of_a_finished_request_publishes_nothing(space, r
         await consumer.stop()
     assert [rec.key for recs in batches.values() for rec in recs] == [b"settled"]
 
+
+
+async def test_stream_keeps_every_chunk_of_a_request_longer_than_the_configured_cap(space, r):
+    """One chunk per engine step: a long completion outgrew stream_maxlen and a late reader lost its start.
+    The cap now covers the longest request the engine can run (every attempt), the flag being a floor."""
+    names = space.names
+    async with running_worker(space, engine=FakeEngine(max_model_len=1024), stream_maxlen=50):
+        await produce(space.bootstrap, names.jobs_topic, [job("long-out", max_tokens=600)])
+        results = await wait_results(r, names, ["long-out"], timeout=30)
+    outcome = results["long-out"]
+    check_sequence(outcome)
+    assert len(outcome.events) == 601 and outcome.events[0].seq == 0
+

@@ -236,3 +236,12 @@ def test_bad_env_value_is_named(capsys):
     with pytest.raises(SystemExit):
         parse_config([], {"STOKER_FAKE_ENGINE": "1", "STOKER_MAX_NUM_SEQS": "many"})
     assert "STOKER_MAX_NUM_SEQS" in capsys.readouterr().err
+
+
+def test_stream_cap_fits_the_longest_request_and_keeps_the_flag_as_a_floor():
+    from worker.service import Worker
+
+    small = Worker(WorkerConfig(fake_engine=True, stream_maxlen=50, max_attempts=3), FakeEngine(max_model_len=1000))
+    assert small.stream_cap() == 3 * 1001 + 1  # 3 attempts of 1000 chunks + a terminal each, + the poison error
+    big = Worker(WorkerConfig(fake_engine=True, stream_maxlen=50_000), FakeEngine(max_model_len=1000))
+    assert big.stream_cap() == 50_000

@@ -46,7 +46,8 @@ class WorkerConfig:
     redis_ca_certs: str | None = None
     prefix: str = REDIS_PREFIX
     ttl_s: int = DEFAULT_TTL_S  # stream, result key
-    stream_maxlen: int = 10_000  # approximate cap per request stream
+    # Least cap per request stream; the worker raises it to fit its longest request (Worker.stream_cap)
+    stream_maxlen: int = 10_000
     claim_ttl_s: float = 10.0
     attempts_ttl_s: int = 86_400
     max_attempts: int = DEFAULT_MAX_ATTEMPTS

@@ -44,7 +44,9 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
     ("--redis-ca-certs", "REDIS_CA_CERTS", str, None, "CA bundle for Redis TLS"),
     ("--prefix", "STOKER_PREFIX", str, "stoker", "Redis key prefix"),
     ("--ttl-s", "STOKER_TTL_S", int, 3600, "TTL of streams and result keys"),
-    ("--stream-maxlen", "STOKER_STREAM_MAXLEN", int, 10_000, "approximate cap of each request stream"),
+    ("--stream-maxlen", "STOKER_STREAM_MAXLEN", int, 10_000,
+     "least length each request stream keeps; raised to max_attempts x (max_model_len + 1) + 1, so even the "
+     "longest request the engine can run keeps every chunk for late readers"),
     ("--claim-ttl-s", "STOKER_CLAIM_TTL_S", float, 10.0, "claim TTL (renewed every third of it)"),
     ("--max-attempts", "STOKER_MAX_ATTEMPTS", int, 3, "starts before a job is dead-lettered as poison"),
     ("--max-waiting", "STOKER_MAX_WAITING", int, None, "queued requests before intake pauses"),

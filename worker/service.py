@@ -162,7 +162,7 @@ class Worker:
             tls["password"] = cfg.redis_password
         self.redis = aioredis.Redis.from_url(cfg.redis_url, socket_timeout=10, socket_connect_timeout=5,
                                              health_check_interval=15, **tls)
-        self.rio = RedisIO(self.redis, self.names, token=cfg.worker_id, stream_maxlen=cfg.stream_maxlen,
+        self.rio = RedisIO(self.redis, self.names, token=cfg.worker_id, stream_maxlen=self.stream_cap(),
                            ttl_s=cfg.ttl_s, claim_ttl_ms=int(cfg.claim_ttl_s * 1000),
                            attempts_ttl_s=cfg.attempts_ttl_s,
                            on_retry=lambda op, exc: self.metrics.redis_retries.labels(op).inc())
@@ -189,8 +189,16 @@ class Worker:
             task = asyncio.create_task(loop_fn(), name=loop_fn.__name__)
             task.add_done_callback(self._on_task_done)
             self._tasks.append(task)
-        log.info("event=worker_started worker=%s model=%s topic=%s group=%s", cfg.worker_id, self.model_name,
-                 self.names.jobs_topic, cfg.group_id)
+        log.info("event=worker_started worker=%s model=%s topic=%s group=%s stream_cap=%d", cfg.worker_id,
+                 self.model_name, self.names.jobs_topic, cfg.group_id, self.rio.stream_maxlen)
+
+    def stream_cap(self) -> int:
+        """Entries a request's stream keeps: the configured cap, raised to what the longest request the
+        engine can run may write, so a late reader replaying from 0-0 finds its first chunks. One chunk per
+        engine step at most, so an attempt writes at most max_model_len chunks and its terminal event; a
+        job takes up to max_attempts attempts plus a last one that only dead-letters it (one event)."""
+        longest = self.cfg.max_attempts * (int(self.engine.max_model_len) + 1) + 1
+        return max(self.cfg.stream_maxlen, longest)
 
     async def run(self) -> None:
         """Until request_stop() (SIGTERM) or a fatal error; then drain and stop. A stop requested while
