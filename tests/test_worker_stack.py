@@ -793,3 +793,55 @@ async def test_stream_keeps_every_chunk_of_a_request_longer_than_the_configured_
     check_sequence(outcome)
     assert len(outcome.events) == 601 and outcome.events[0].seq == 0
 
+
+
+async def test_missing_dead_letter_topic_fails_the_start_naming_it(space):
+    """With broker auto-creation off a missing DLQ topic made the first dead letter retry forever inside the
+    intake while /healthz said ok. Now the start checks both topics and fails with what to do."""
+    with pytest.raises(RuntimeError, match=r"nope\.dlq.*does not exist") as info:
+        async with running_worker(space, dlq_topic="nope.dlq"):
+            pass
+    assert space.names.jobs_topic not in str(info.value)  # that one exists: only the missing one is named
+
+
+async def test_dead_letter_send_that_keeps_failing_turns_healthz_unhealthy(space, r, caplog, monkeypatch):
+    """A dead letter refused at run time (the topic deleted since the start) is retried, and said loudly:
+    an error log naming the topic, /healthz 503, back to healthy once a send succeeds."""
+    from aiokafka.errors import KafkaTimeoutError
+
+    from worker import service
+
+    monkeypatch.setattr(service, "DLQ_UNHEALTHY_AFTER_S", 0.0)  # at once: the test need not wait 10 s
+    names = space.names
+    async with running_worker(space, metrics_port=0) as w:
+        assert w.producer is not None and w.health is not None
+        original, allow = w.producer.send_and_wait, asyncio.Event()
+
+        async def refused(*args: object, **kwargs: object) -> object:
+            if not allow.is_set():
+                raise KafkaTimeoutError("Failed to update metadata after 60.0 secs.")
+            return await original(*args, **kwargs)
+
+        w.producer.send_and_wait = refused  # type: ignore[method-assign]
+
+        def get(path: str) -> int:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{w.health.port}{path}", timeout=5) as resp:  # type: ignore[union-attr]
+                    return int(resp.status)
+            except urllib.error.HTTPError as exc:
+                return exc.code
+
+        await produce(space.bootstrap, names.jobs_topic, [(b"dl-stuck", b"\x00 not json", [])])
+        for _ in range(300):
+            if await asyncio.to_thread(get, "/healthz") == 503:
+                break
+            await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(get, "/healthz") == 503
+        assert any(rec.levelname == "ERROR" and names.dlq_topic in rec.getMessage() for rec in caplog.records)
+        allow.set()
+        await wait_results(r, names, ["dl-stuck"], timeout=20)
+        for _ in range(100):
+            if await asyncio.to_thread(get, "/healthz") == 200:
+                break
+            await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(get, "/healthz") == 200

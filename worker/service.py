@@ -62,6 +62,9 @@ log = logging.getLogger("stoker.worker")
 VERSION = "0.1.0"
 Record = tuple[TopicPartition, int]
 _CLOSE_TIMEOUT_S = 10.0  # at shutdown, how long the last commit and each Kafka client's close may take
+# A dead letter refused this long turns /healthz unhealthy: its record (and its partition's commits) is stuck
+# until an operator acts. Not at once: a broker restart refuses sends for a few seconds and heals by itself.
+DLQ_UNHEALTHY_AFTER_S = 10.0
 
 
 def now_ms() -> float:
@@ -143,6 +146,7 @@ class Worker:
         self._assigned: set[TopicPartition] = set()
         self._tasks: list[asyncio.Task[Any]] = []
         self._side_tasks: set[asyncio.Task[Any]] = set()  # short ones (dead letters), awaited in stop()
+        self._dlq_failing: dict[object, float] = {}  # dead-letter sends being retried -> when first refused
         self._started_at = time.time()
         self.ready = False
         self.consumer: AIOKafkaConsumer | None = None
@@ -176,6 +180,7 @@ class Worker:
         self.producer = AIOKafkaProducer(bootstrap_servers=cfg.bootstrap_servers, acks="all",
                                          client_id=f"stoker-worker-{cfg.worker_id}", **security)
         await self.producer.start()
+        await self._check_topics()
         self.consumer = AIOKafkaConsumer(
             bootstrap_servers=cfg.bootstrap_servers, group_id=cfg.group_id, enable_auto_commit=False,
             auto_offset_reset="earliest", client_id=f"stoker-worker-{cfg.worker_id}",
@@ -221,6 +226,27 @@ class Worker:
         if self.fatal is not None:
             raise RuntimeError(f"the worker failed: {type(self.fatal).__name__}: {self.fatal}; see the log") \
                 from self.fatal
+
+    async def _check_topics(self) -> None:
+        """Fail the start when the job or dead-letter topic is missing. Brokers run with auto-creation off
+        (a typo must not make a topic), and then the first dead letter would retry forever, holding its
+        partition's commits, while the worker looked healthy."""
+        assert self.producer is not None
+        while True:
+            try:
+                cluster = await self.producer.client.fetch_all_metadata()
+                break
+            except (KafkaError, OSError, TimeoutError) as exc:  # broker not up yet: wait, like the rest of start
+                log.warning("event=kafka_metadata_retry error=%r", str(exc))
+                await asyncio.sleep(1.0)
+        topics = cluster.topics()
+        missing = [t for t in (self.names.jobs_topic, self.names.dlq_topic) if t not in topics]
+        if missing:
+            what = "; ".join(f"Kafka topic {t!r} does not exist on {self.cfg.bootstrap_servers}" for t in missing)
+            raise RuntimeError(
+                f"{what} (or this client may not describe it). Brokers here do not create topics on first use: "
+                f"create it (kafka-topics.sh --create --topic {missing[0]} ...; `ops/stack up` makes the default "
+                "ones), or point --job-topic / --dlq-topic (STOKER_JOB_TOPIC / STOKER_DLQ_TOPIC) at existing ones")
 
     def _on_task_done(self, task: asyncio.Task[Any]) -> None:
         """A task of ours ended by an error nobody expected (e.g. Redis answering with an error reply): the
@@ -302,7 +328,9 @@ class Worker:
         log.info("event=worker_stopped worker=%s left_running=%d", self.cfg.worker_id, len(self.active))
 
     def _healthy(self) -> bool:
-        return self.fatal is None and all(not t.done() for t in self._tasks)
+        now = time.monotonic()
+        dlq_stuck = any(now - since >= DLQ_UNHEALTHY_AFTER_S for since in list(self._dlq_failing.values()))
+        return self.fatal is None and all(not t.done() for t in self._tasks) and not dlq_stuck
 
     # -- intake -------------------------------------------------------------------------------------------
     async def _poll_loop(self) -> None:
@@ -461,6 +489,16 @@ class Worker:
                            headers: list[tuple[str, bytes]], code: str, message: str, attempts: int) -> None:
         assert self.producer is not None
         extra = dlq_headers(code, message[:1000], int(now_ms()), self.cfg.worker_id, attempts)
+        token = object()  # this send, in _dlq_failing while Kafka refuses it
+        try:
+            await self._send_dead_letter(token, rec_key, rec_value, headers, code, message, attempts, extra)
+        finally:
+            self._dlq_failing.pop(token, None)
+
+    async def _send_dead_letter(self, token: object, rec_key: bytes | None, rec_value: bytes | None,
+                                headers: list[tuple[str, bytes]], code: str, message: str, attempts: int,
+                                extra: list[tuple[str, bytes]]) -> None:
+        assert self.producer is not None
         while True:
             try:
                 await self.producer.send_and_wait(self.names.dlq_topic, value=rec_value, key=rec_key,
@@ -483,7 +521,13 @@ class Worker:
                     rec_key = None
                 rec_value, headers = None, []
             except (KafkaError, OSError, TimeoutError) as exc:  # keep the record in flight until it is stored
-                log.warning("event=dlq_retry error=%r", str(exc))
+                if token not in self._dlq_failing:
+                    self._dlq_failing[token] = time.monotonic()
+                    log.error("event=dlq_send_failing topic=%s code=%s error=%r hint=%r", self.names.dlq_topic, code,
+                              str(exc), "retrying; check the topic exists (broker auto-creation is off) and the "
+                              "broker is reachable: the record's partition commits nothing until it is stored")
+                else:
+                    log.warning("event=dlq_retry topic=%s error=%r", self.names.dlq_topic, str(exc))
                 await asyncio.sleep(0.5)
         self.metrics.dlq.labels(code).inc()
 
