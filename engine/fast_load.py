@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from engine.loader import safetensors_files
+from engine.loader import check_all_loaded, safetensors_files, weight_target
 
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -192,13 +192,7 @@ def load_weights_fast(
             torch.cuda.synchronize(device)
     if bar is not None:
         bar.close()
-    missing = sorted(model.expected_shards() - loaded)  # type: ignore[operator]
-    if missing:
-        names = [f"{p}[{s}]" if s else p for p, s in missing]
-        raise ValueError(
-            f"model folder {path!r} lacks weights for: {', '.join(names[:8])}"
-            + (f" ... ({len(names)} in all)" if len(names) > 8 else "")
-        )
+    check_all_loaded(model, path, loaded)
     seconds = time.perf_counter() - t0
     return {"load_s": seconds, "bytes": total, "gb_per_s": total / seconds / 1e9, "files": len(files)}
 
@@ -211,20 +205,11 @@ def _place(
     raw: torch.Tensor,
     loaded: set[tuple[str, str]],
 ) -> None:
-    param_name, shard, rows = model.weight_destination(e.name)  # type: ignore[operator]
-    target = params[param_name].data
-    if rows is not None:
-        target = target[rows]
-    if e.shape != tuple(target.shape):
-        raise ValueError(
-            f"weight {e.name} in {os.path.basename(file)} has shape {e.shape}, "
-            f"expected {tuple(target.shape)} from config.json"
-        )
+    target = weight_target(model, params, e.name, e.shape, file, loaded)
     # Offsets inside safetensors data are not promised to be aligned to the dtype: realign on the device.
     if raw.data_ptr() % e.dtype.itemsize:
         raw = raw.clone()
     target.copy_(raw.view(e.dtype).view(e.shape))  # the cast (e.g. float32 file -> bf16 model) is on the GPU
-    loaded.add((param_name, shard))
 
 
 def _progress_bar(total: int, enabled: bool) -> Any:

@@ -151,21 +151,38 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
     for file in safetensors_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                dest = model.weight_destination(name)  # type: ignore[operator]
-                if dest is None:
+                if model.weight_destination(name) is None:  # type: ignore[operator]
                     continue
-                param_name, shard, rows = dest
-                target = params[param_name].data
-                if rows is not None:
-                    target = target[rows]
                 tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ValueError(
-                        f"weight {name} in {os.path.basename(file)} has shape {tuple(tensor.shape)}, "
-                        f"expected {tuple(target.shape)} from config.json"
-                    )
+                target = weight_target(model, params, name, tuple(tensor.shape), file, loaded)
                 target.copy_(tensor)  # casts and moves in one go
-                loaded.add((param_name, shard))
+    check_all_loaded(model, path, loaded)
+
+
+def weight_target(
+    model: torch.nn.Module,
+    params: dict[str, torch.nn.Parameter],
+    name: str,
+    shape: tuple[int, ...],
+    file: str,
+    loaded: set[tuple[str, str]],
+) -> torch.Tensor:
+    """The slice of a model parameter that checkpoint tensor `name` (of `shape`) fills, checked against the
+    config's shape; records the (parameter, shard) as loaded. Shared by both loaders."""
+    param_name, shard, rows = model.weight_destination(name)  # type: ignore[operator]
+    target = params[param_name].data
+    if rows is not None:
+        target = target[rows]
+    if shape != tuple(target.shape):
+        raise ValueError(
+            f"weight {name} in {os.path.basename(file)} has shape {shape}, "
+            f"expected {tuple(target.shape)} from config.json"
+        )
+    loaded.add((param_name, shard))
+    return target
+
+
+def check_all_loaded(model: torch.nn.Module, path: str, loaded: set[tuple[str, str]]) -> None:
     missing = sorted(model.expected_shards() - loaded)  # type: ignore[operator]
     if missing:
         names = [f"{p}[{s}]" if s else p for p, s in missing]
