@@ -21,12 +21,12 @@ from pathlib import Path
 import msgspec
 import pytest
 import redis.asyncio as aioredis
-from aiokafka import AIOKafkaConsumer
 from worker_harness import (
     Space,
     check_sequence,
     committed_offsets,
     create_topics,
+    dead_letters,
     job,
     make_space,
     produce,
@@ -188,13 +188,7 @@ async def test_malformed_jobs_go_to_the_dlq_with_headers_and_an_error_event(spac
                      "wrong-model": "unknown_model", "fails": "internal"}
     bad1_error = results["bad-1"].terminal
     assert isinstance(bad1_error, Error) and "max_tokens" in bad1_error.message
-    consumer = AIOKafkaConsumer(names.dlq_topic, bootstrap_servers=space.bootstrap, auto_offset_reset="earliest")
-    await consumer.start()
-    try:
-        batches = await consumer.getmany(timeout_ms=5000)
-        records = [rec for recs in batches.values() for rec in recs]
-    finally:
-        await consumer.stop()
+    records = await dead_letters(space.bootstrap, names.dlq_topic)
     # Only the malformed messages are dead letters; engine refusals are answered and committed.
     assert sorted(rec.value for rec in records) == sorted(
         [b'{"type": "job", "request_id": "bad-1", "max_tokens": 0, "prompt": "x"}', b"\x00 not json", b"[1, 2]"])
@@ -597,13 +591,7 @@ async def test_poison_job_too_large_for_the_dead_letter_topic_still_ends_and_com
     err = results["huge"].terminal
     assert isinstance(err, Error) and err.code == "poison_job"
     assert (committed, end) == (1, 1)
-    consumer = AIOKafkaConsumer(names.dlq_topic, bootstrap_servers=space.bootstrap, auto_offset_reset="earliest")
-    await consumer.start()
-    try:
-        batches = await consumer.getmany(timeout_ms=5000)
-        records = [rec for recs in batches.values() for rec in recs]
-    finally:
-        await consumer.stop()
+    records = await dead_letters(space.bootstrap, names.dlq_topic)
     assert [rec.key for rec in records] == [b"huge"]  # the dead letter, without the value that did not fit
     headers = dict(records[0].headers)
     assert headers["stoker-error-code"] == b"poison_job" and b"too large" in headers["stoker-error-message"]
@@ -772,13 +760,7 @@ async def test_malformed_record_of_a_finished_request_publishes_nothing(space, r
     assert (committed, end) == (1, 1)
     assert seen == [] and await r.exists(names.stream("settled")) == 0
     assert await r.get(names.result("settled")) == b'{"type":"done"}'
-    consumer = AIOKafkaConsumer(names.dlq_topic, bootstrap_servers=space.bootstrap, auto_offset_reset="earliest")
-    await consumer.start()
-    try:
-        batches = await consumer.getmany(timeout_ms=5000)
-    finally:
-        await consumer.stop()
-    assert [rec.key for recs in batches.values() for rec in recs] == [b"settled"]
+    assert [rec.key for rec in await dead_letters(space.bootstrap, names.dlq_topic)] == [b"settled"]
 
 
 

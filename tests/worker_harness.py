@@ -18,8 +18,9 @@ from typing import Any
 import msgspec
 import pytest
 import redis.asyncio as aioredis
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.structs import ConsumerRecord
 
 from schemas import Chunk, Done, Error, Names, decode_event
 
@@ -127,6 +128,17 @@ class Outcome:
 
     def chunks_of_final_attempt(self) -> list[Chunk]:
         return [e for e in self.events if isinstance(e, Chunk) and e.attempt == self.terminal.attempt]
+
+
+async def dead_letters(bootstrap: str, dlq_topic: str) -> list[ConsumerRecord[bytes, bytes]]:
+    """Every record on the test's dead-letter topic (read from the start; waits up to 5 s for the first)."""
+    consumer = AIOKafkaConsumer(dlq_topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        batches = await consumer.getmany(timeout_ms=5000)
+    finally:
+        await consumer.stop()
+    return [rec for recs in batches.values() for rec in recs]
 
 
 async def wait_results(r: aioredis.Redis, names: Names, ids: Iterable[str], timeout: float) -> dict[str, Outcome]:
