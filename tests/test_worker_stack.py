@@ -30,6 +30,7 @@ from worker_harness import (
     job,
     make_space,
     produce,
+    running_worker,
     start_worker_process,
     stop_process,
     wait_results,
@@ -43,29 +44,6 @@ from worker.fake_engine import FAIL_MARKER, FakeEngine
 from worker.service import Worker
 
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(120)]
-
-
-@contextlib.asynccontextmanager
-async def running_worker(space: Space, engine: FakeEngine | None = None, **cfg: object) -> AsyncIterator[Worker]:
-    settings: dict[str, object] = dict(
-        fake_engine=True, bootstrap_servers=space.bootstrap, redis_url=space.redis_url,
-        job_topic=space.names.jobs_topic, prefix=space.names.redis_prefix, group_id=space.group,
-        metrics_port=-1, claim_ttl_s=3, drain_timeout_s=5)
-    settings.update(cfg)
-    config = WorkerConfig(**settings)  # type: ignore[arg-type]
-    worker = Worker(config, engine or FakeEngine(max_num_seqs=config.max_num_seqs))
-    task = asyncio.create_task(worker.run())
-    try:
-        for _ in range(200):  # joined the group and got partitions
-            if worker.ready or task.done():
-                break
-            await asyncio.sleep(0.05)
-        if task.done():
-            task.result()
-        yield worker
-    finally:
-        worker.request_stop()
-        await asyncio.wait_for(task, 30)
 
 
 @pytest.fixture
@@ -514,10 +492,10 @@ async def test_duplicate_record_read_while_the_terminal_event_is_unpublished_doe
         assert w.rio is not None
         original, gate = w.rio.publish, asyncio.Event()
 
-        async def slow_terminals(events: list) -> None:
+        async def slow_terminals(events: list) -> set[tuple[str, int]]:
             if any(ev.kind == 2 for ev in events):
                 await gate.wait()
-            await original(events)
+            return await original(events)
 
         w.rio.publish = slow_terminals  # type: ignore[method-assign]
         await produce(space.bootstrap, names.jobs_topic, [job("again", max_tokens=3)])
@@ -618,7 +596,7 @@ async def test_claims_are_renewed_while_kafka_metadata_calls_hang(space, r):
         await asyncio.sleep(4.5)  # claim_ttl_s is 3: only renewals keep the claim alive this long
         owner = await r.get(names.claim("long"))
         assert "long" in w.active
-        assert owner == w.cfg.worker_id.encode()
+        assert owner == f"{w.cfg.worker_id} 1".encode()  # worker and attempt
 
 
 async def test_drain_timeout_publishes_nothing_for_a_job_after_handing_it_back(space, r):
@@ -631,8 +609,8 @@ async def test_drain_timeout_publishes_nothing_for_a_job_after_handing_it_back(s
         assert w.rio is not None
         original = w.rio.release
 
-        async def release_then_linger(request_id: str, give_back_attempt: bool) -> None:
-            await original(request_id, give_back_attempt)
+        async def release_then_linger(request_id: str, attempt: int, give_back_attempt: bool) -> None:
+            await original(request_id, attempt, give_back_attempt)
             seconds, micros = await r.time()
             released_at.append(seconds * 1000 + micros // 1000)
             await asyncio.sleep(0.3)  # the window a slow Redis round trip (or many claims) leaves

@@ -4,13 +4,14 @@ every request's stream, starting workers in-process or as subprocesses."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,9 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import ConsumerRecord
 
 from schemas import Chunk, Done, Error, Names, decode_event
+from worker.config import WorkerConfig
+from worker.fake_engine import FakeEngine
+from worker.service import Worker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -208,3 +212,38 @@ def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeo
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def running_worker(space: Space, engine: FakeEngine | None = None, **cfg: object) -> AsyncIterator[Worker]:
+    settings: dict[str, object] = dict(
+        fake_engine=True, bootstrap_servers=space.bootstrap, redis_url=space.redis_url,
+        job_topic=space.names.jobs_topic, prefix=space.names.redis_prefix, group_id=space.group,
+        metrics_port=-1, claim_ttl_s=3, drain_timeout_s=5)
+    settings.update(cfg)
+    config = WorkerConfig(**settings)  # type: ignore[arg-type]
+    worker = Worker(config, engine or FakeEngine(max_num_seqs=config.max_num_seqs))
+    task = asyncio.create_task(worker.run())
+    try:
+        for _ in range(200):  # joined the group and got partitions
+            if worker.ready or task.done():
+                break
+            await asyncio.sleep(0.05)
+        if task.done():
+            task.result()
+        yield worker
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, 30)
+
+
+def check_attempt_order(outcome: Outcome) -> None:
+    """The contract's attempt rules over one request's stream: attempts never go down (no event of a lower
+    attempt after the first event of a higher one), the highest attempt ends with exactly one terminal
+    event, and the result key holds that very event."""
+    attempts = [e.attempt for e in outcome.events]
+    assert attempts == sorted(attempts), f"an older attempt published after a newer one: {attempts}"
+    top = max(attempts)
+    assert outcome.terminal.attempt == top, f"the result is attempt {outcome.terminal.attempt}, the stream has {top}"
+    final_terminals = [e for e in outcome.events if e.attempt == top and isinstance(e, Done | Error)]
+    assert final_terminals == [outcome.terminal], final_terminals

@@ -49,6 +49,8 @@ class WorkerConfig:
     # Least cap per request stream; the worker raises it to fit its longest request (Worker.stream_cap)
     stream_maxlen: int = 10_000
     claim_ttl_s: float = 10.0
+    # Unreachable this long, the worker leaves the consumer group so others take its partitions
+    redis_outage_leave_s: float = 60.0
     attempts_ttl_s: int = 86_400
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     # Intake and shutdown
@@ -91,6 +93,8 @@ class WorkerConfig:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.claim_ttl_s < 1:
             problems.append(f"claim_ttl_s must be >= 1 s (renewed every third of it), got {self.claim_ttl_s}")
+        if self.redis_outage_leave_s <= 0:
+            problems.append(f"redis_outage_leave_s must be > 0, got {self.redis_outage_leave_s}")
         if self.drain_timeout_s < 0:
             problems.append(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if not 0 < self.switch_interval_s <= 0.1:

@@ -48,6 +48,8 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
      "least length each request stream keeps; raised to max_attempts x (max_model_len + 1) + 1, so even the "
      "longest request the engine can run keeps every chunk for late readers"),
     ("--claim-ttl-s", "STOKER_CLAIM_TTL_S", float, 10.0, "claim TTL (renewed every third of it)"),
+    ("--redis-outage-leave-s", "STOKER_REDIS_OUTAGE_LEAVE_S", float, 60.0,
+     "Redis unreachable this long: leave the consumer group (others take the partitions), rejoin after"),
     ("--max-attempts", "STOKER_MAX_ATTEMPTS", int, 3, "starts before a job is dead-lettered as poison"),
     ("--max-waiting", "STOKER_MAX_WAITING", int, None, "queued requests before intake pauses"),
     ("--drain-timeout-s", "STOKER_DRAIN_TIMEOUT_S", float, 30.0, "SIGTERM: wait this long for running requests"),

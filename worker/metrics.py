@@ -48,6 +48,10 @@ class WorkerMetrics:
         self.finished = Counter("stoker_requests_finished", "requests ended, by finish reason or error code",
                                 ["reason"], registry=r)
         self.dlq = Counter("stoker_dead_letters", "records sent to the dead-letter topic", ["code"], registry=r)
+        self.dlq_dropped = Counter("stoker_dead_letters_dropped", "dead letters that could not be sent in any "
+                                   "form (logged, their records committed)", ["code"], registry=r)
+        self.records_failed = Counter("stoker_records_failed", "records whose handling raised an unexpected error "
+                                      "(dead-lettered as internal)", registry=r)
         self.events = Counter("stoker_events_published", "events written to Redis", registry=r)
         self.redis_retries = Counter("stoker_redis_retries", "Redis calls retried after a failure", ["op"],
                                      registry=r)

@@ -1,8 +1,9 @@
 """Everything the worker says to Redis: events out, claims, attempts, cancels, heartbeat.
 
-Each step's events leave in ONE pipeline. Its first command is a small Lua script that does PUBLISH +
-XADD (MAXLEN ~ cap) for every event of the step, the stream's EXPIRE on a request's first and last event,
-and for terminal events the result key (SET EX) and the release of our claim. Why a script rather than
+Each step's events leave in ONE pipeline. Its first command is a small Lua script that checks each
+request's claim (does it still name this worker and attempt?) and does PUBLISH + XADD (MAXLEN ~ cap) for
+every event of the step, the stream's EXPIRE on a request's first and last event, and for terminal events
+the result key (SET EX) and the release of our claim. Why a script rather than
 three plain commands per event: redis-py packs and parses every command in pure Python, which capped a
 plain pipeline at ~31k events/s of worker CPU; one script call carrying all of a step's events measured
 ~390k events/s (both on this 2-core machine, 256 requests per step), leaving the worker's core for Kafka
@@ -12,7 +13,8 @@ Redis Cluster when the prefix carries a hash tag (e.g. `{stoker}`).
 Claims and attempts go through a second script (atomic check-and-claim, so two workers can never both
 start the same request), renewals through a third (renew only claims still ours, and report cancels).
 Every call retries with backoff while Redis is unreachable: the caller simply waits, commits stay held,
-nothing is lost.
+nothing is lost (the worker leaves its consumer group when an outage outlasts a bound). A refused login or
+permission is not an outage: it raises RedisAccessError at once.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 import redis.asyncio as aioredis
+from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -33,50 +37,81 @@ from schemas.names import STREAM_FIELD, Names
 log = logging.getLogger("stoker.worker.redis")
 T = TypeVar("T")
 
-# KEYS: per event (channel, stream[, result, claim]); ARGV: cap, ttl_s, token, then per event
-# (kind, payload) where kind 0 = chunk, 1 = first chunk (set the stream's TTL), 2 = terminal (TTL, result,
-# release the claim if it is still ours), 3 = terminal only if the id has no result yet (the answer to a
-# rejected record, which claims nothing: an id that already ended must not get a second terminal event).
-# A terminal event brings 4 keys, the others 2.
+# A claim's value names its worker and attempt: "<worker token> <attempt>" (worker ids hold no whitespace).
+#
+# KEYS per request group: channel, stream, result, claim, attempts. ARGV: cap, ttl_s, token, claim_ttl_ms,
+# attempts_ttl_s, then per group: mode, attempt, n, and n pairs (kind, payload); kind 0 = chunk, 1 = the
+# attempt's first event (sets the stream's TTL), 2 = terminal (TTL, result key, our claim released).
+# Mode 'c' (a claimed request): the group is written only while the claim still names this worker and
+# attempt; a claim that expired with nobody taking over is taken back only if the attempt counter still
+# equals our attempt (or is gone with the claim). Otherwise nothing of the group is written and its index is
+# returned: the claim is lost, the caller stops the request. So no event of an older attempt can follow a
+# newer attempt's first event, and the result key always holds the terminal event of the highest attempt.
+# Mode 'u' (the answer to a rejected record, which claims nothing): written only while the id has neither a
+# result (its own terminal event stands) nor a claim (it runs somewhere and will end by itself).
 _PUBLISH_LUA = """
-local cap, ttl, token = ARGV[1], ARGV[2], ARGV[3]
-local k, a = 1, 4
+local cap, ttl, token, claim_ttl, attempts_ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local lost = {}
+local k, a, group = 1, 6, 0
 while a <= #ARGV do
-  local kind, payload = ARGV[a], ARGV[a + 1]
-  local terminal = kind == '2' or kind == '3'
-  if not (kind == '3' and redis.call('EXISTS', KEYS[k + 2]) == 1) then
-    redis.call('PUBLISH', KEYS[k], payload)
-    redis.call('XADD', KEYS[k + 1], 'MAXLEN', '~', cap, '*', 'FIELD', payload)
-    if kind ~= '0' then redis.call('EXPIRE', KEYS[k + 1], ttl) end
-    if terminal then
-      -- NX: the first terminal event stands (a worker that lost its claim must not overwrite the winner's)
-      redis.call('SET', KEYS[k + 2], payload, 'EX', ttl, 'NX')
-      if redis.call('GET', KEYS[k + 3]) == token then redis.call('DEL', KEYS[k + 3]) end
+  group = group + 1
+  local mode, attempt, n = ARGV[a], ARGV[a + 1], tonumber(ARGV[a + 2])
+  local channel, stream, result, claim, attempts = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4]
+  local ok
+  if mode == 'c' then
+    local mine = token .. ' ' .. attempt
+    local owner = redis.call('GET', claim)
+    if owner == mine then
+      ok = true
+    elseif not owner then
+      local counter = redis.call('GET', attempts)
+      if (not counter) or counter == attempt then
+        redis.call('SET', claim, mine, 'PX', claim_ttl)
+        if not counter then redis.call('SET', attempts, attempt, 'EX', attempts_ttl) end
+        ok = true
+      end
+    end
+    if not ok then lost[#lost + 1] = group end
+  else
+    ok = redis.call('EXISTS', result) == 0 and redis.call('EXISTS', claim) == 0
+  end
+  if ok then
+    for i = 0, n - 1 do
+      local kind, payload = ARGV[a + 3 + 2 * i], ARGV[a + 4 + 2 * i]
+      redis.call('PUBLISH', channel, payload)
+      redis.call('XADD', stream, 'MAXLEN', '~', cap, '*', 'FIELD', payload)
+      if kind ~= '0' then redis.call('EXPIRE', stream, ttl) end
+      if kind == '2' then
+        redis.call('SET', result, payload, 'EX', ttl)
+        if mode == 'c' then redis.call('DEL', claim) end
+      end
     end
   end
-  k = k + (terminal and 4 or 2)
-  a = a + 2
+  k = k + 5
+  a = a + 3 + 2 * n
 end
-return a
+return lost
 """.replace("FIELD", STREAM_FIELD)
 
 # KEYS per job: result, cancelled, claim, attempts. ARGV: token, claim_ttl_ms, attempts_ttl_s.
 # Returns per job a pair: status ('done' | 'busy' | 'run' | 'cancelled') and the attempt number (0 unless
-# claimed). Atomic, so a result written or a claim taken by another worker can't slip in between.
+# claimed). Atomic, so a result written or a claim taken by another worker can't slip in between. A claim of
+# our own (a request we gave up) is taken again under a new attempt.
 _ADMIT_LUA = """
 local token, claim_ttl, attempts_ttl = ARGV[1], ARGV[2], ARGV[3]
+local ours = token .. ' '
 local out = {}
 for i = 1, #KEYS, 4 do
   if redis.call('EXISTS', KEYS[i]) == 1 then
     out[#out + 1] = 'done'; out[#out + 1] = 0
   else
     local owner = redis.call('GET', KEYS[i + 2])
-    if owner and owner ~= token then
+    if owner and string.sub(owner, 1, #ours) ~= ours then
       out[#out + 1] = 'busy'; out[#out + 1] = 0
     else
-      redis.call('SET', KEYS[i + 2], token, 'PX', claim_ttl)
       local n = redis.call('INCR', KEYS[i + 3])
       redis.call('EXPIRE', KEYS[i + 3], attempts_ttl)
+      redis.call('SET', KEYS[i + 2], ours .. n, 'PX', claim_ttl)
       out[#out + 1] = (redis.call('EXISTS', KEYS[i + 1]) == 1) and 'cancelled' or 'run'
       out[#out + 1] = n
     end
@@ -85,30 +120,36 @@ end
 return out
 """
 
-# KEYS per running request: claim, cancelled, result. ARGV: token, claim_ttl_ms. Returns per request
-# 0 (renewed), 1 (lost: another worker holds the claim, or a result exists), 2 (renewed, but cancelled).
+# KEYS per running request: claim, cancelled, result, attempts. ARGV: token, claim_ttl_ms, then each
+# request's attempt. Returns per request 0 (renewed), 1 (lost: another worker or attempt holds the claim, or
+# a result exists), 2 (renewed, but cancelled). A claim that expired (Redis was away, or we were paused) is
+# taken back on the same terms as in the publish script.
 _RENEW_LUA = """
 local token, ttl = ARGV[1], ARGV[2]
 local out = {}
-for i = 1, #KEYS, 3 do
+for i = 1, #KEYS, 4 do
+  local attempt = ARGV[3 + (i - 1) / 4]
+  local mine = token .. ' ' .. attempt
   local owner = redis.call('GET', KEYS[i])
-  if redis.call('EXISTS', KEYS[i + 2]) == 1 then
+  local ours = owner == mine
+  if not owner then
+    local counter = redis.call('GET', KEYS[i + 3])
+    ours = (not counter) or counter == attempt
+  end
+  if redis.call('EXISTS', KEYS[i + 2]) == 1 or not ours then
     out[#out + 1] = 1
-  elseif owner == token or not owner then
-    -- expired while Redis was away is still ours unless someone else took it meanwhile
-    redis.call('SET', KEYS[i], token, 'PX', ttl)
-    out[#out + 1] = (redis.call('EXISTS', KEYS[i + 1]) == 1) and 2 or 0
   else
-    out[#out + 1] = 1
+    redis.call('SET', KEYS[i], mine, 'PX', ttl)
+    out[#out + 1] = (redis.call('EXISTS', KEYS[i + 1]) == 1) and 2 or 0
   end
 end
 return out
 """
 
-# KEYS: claim, attempts. ARGV: token, give_back ('1' | '0'). A graceful hand-back (drain timeout): drop our
-# claim and, when the attempt published nothing, take back the attempt we counted, so draining workers do
-# not push a healthy job towards poison_job. An attempt that published events keeps its number: the next
-# worker must stream under a higher one, or its seqs would collide with ours in the stream.
+# KEYS: claim, attempts. ARGV: token and attempt, give_back ('1' | '0'). A graceful hand-back (drain
+# timeout): drop our claim and, when the attempt published nothing, take back the attempt we counted, so
+# draining workers do not push a healthy job towards poison_job. An attempt that published events keeps its
+# number: the next worker must stream under a higher one, or its seqs would collide with ours in the stream.
 _RELEASE_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
@@ -119,11 +160,16 @@ return 0
 """
 
 
+class RedisAccessError(RuntimeError):
+    """Redis answers but refuses us (wrong password, missing ACL permission): fatal, never retried."""
+
+
 @dataclass(slots=True)
 class OutEvent:
     request_id: str
     payload: bytes
-    kind: int  # 0 chunk, 1 first event of the attempt, 2 terminal, 3 terminal unless the id has a result
+    kind: int  # 0 chunk, 1 first event of the attempt, 2 terminal, 3 terminal of a rejected record (no claim)
+    attempt: int  # the attempt the event belongs to: published only while the claim names it
 
 
 class RedisIO:
@@ -143,6 +189,7 @@ class RedisIO:
         self._renew = client.register_script(_RENEW_LUA)
         self._release = client.register_script(_RELEASE_LUA)
         self.stopping = False  # set at shutdown so retries give up instead of waiting forever
+        self.down_since: float | None = None  # monotonic time of the first failure of the current outage
 
     def attempts_key(self, request_id: str) -> str:
         return f"{self.names.redis_prefix}:attempts:{request_id}"
@@ -151,41 +198,61 @@ class RedisIO:
         return f"{self.names.redis_prefix}:worker:{worker_id}"
 
     async def retry(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
-        """Run `call` until it succeeds; connection trouble means wait (backoff with jitter) and retry."""
+        """Run `call` until it succeeds; connection trouble means wait (backoff with jitter) and retry.
+        Refused credentials or permissions are no outage: they raise RedisAccessError at once."""
         delay = 0.05
         while True:
             try:
-                return await call()
+                result = await call()
+                self.down_since = None
+                return result
+            except (AuthenticationError, NoPermissionError) as exc:
+                raise RedisAccessError(f"Redis refused this worker's credentials or permissions ({what}): {exc}; "
+                                       "check --redis-password / REDIS_PASSWORD, the URL's user and its ACL") from exc
+            except ResponseError as exc:
+                if str(exc).startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
+                    raise RedisAccessError(f"Redis refused this worker ({what}): {exc}; check --redis-password / "
+                                           "REDIS_PASSWORD, the URL's user and its ACL") from exc
+                raise
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 if self.stopping:
                     raise
+                if self.down_since is None:
+                    self.down_since = time.monotonic()
                 if self._on_retry:
                     self._on_retry(what, exc)
                 log.warning("event=redis_retry op=%s delay_s=%.2f error=%r", what, delay, str(exc))
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 2.0)
 
-    async def publish(self, events: list[OutEvent]) -> None:
-        """One pipeline for one step's events (retried whole: a replay duplicates seqs the subscriber
-        drops, never loses any)."""
+    async def publish(self, events: list[OutEvent]) -> set[tuple[str, int]]:
+        """One script call for a batch of steps' events (retried whole: a replay duplicates seqs the
+        subscriber drops, never loses any). Returns the (request id, attempt) pairs whose claim was lost:
+        none of their events was written."""
         if not events:
-            return
+            return set()
+        # Group by request and attempt (order kept within a group): one claim check per group.
+        groups: dict[tuple[str, int, bool], list[OutEvent]] = {}
+        for ev in events:
+            groups.setdefault((ev.request_id, ev.attempt, ev.kind == 3), []).append(ev)
         names = self.names
         keys: list[str] = []
-        args: list[bytes | str | int] = [self.stream_maxlen, self.ttl_s, self.token]
-        for ev in events:
-            keys.append(names.events_channel(ev.request_id))
-            keys.append(names.stream(ev.request_id))
-            if ev.kind >= 2:
-                keys.append(names.result(ev.request_id))
-                keys.append(names.claim(ev.request_id))
-            args.append(ev.kind)
-            args.append(ev.payload)
+        args: list[bytes | str | int] = [self.stream_maxlen, self.ttl_s, self.token, self.claim_ttl_ms,
+                                         self.attempts_ttl_s]
+        order = list(groups)
+        for rid, attempt, unclaimed in order:
+            keys += [names.events_channel(rid), names.stream(rid), names.result(rid), names.claim(rid),
+                     self.attempts_key(rid)]
+            group = groups[(rid, attempt, unclaimed)]
+            args += ["u" if unclaimed else "c", attempt, len(group)]
+            for ev in group:
+                args += [2 if ev.kind == 3 else ev.kind, ev.payload]
 
-        async def go() -> None:
-            await self._publish(keys=keys, args=args)
+        async def go() -> list[int]:
+            return [int(x) for x in await self._publish(keys=keys, args=args)]
 
-        await self.retry("publish", go)
+        lost = await self.retry("publish", go)
+        return {(order[i - 1][0], order[i - 1][1]) for i in lost}
 
     async def admit(self, request_ids: list[str]) -> list[tuple[str, int]]:
         """Claim each request unless it has a result or another worker's live claim."""
@@ -202,12 +269,13 @@ class RedisIO:
 
         return await self.retry("admit", go)
 
-    async def renew(self, request_ids: list[str], heartbeat: tuple[str, bytes, int] | None) -> list[int]:
-        """Renew our claims (one round trip for all) and the heartbeat key; see _RENEW_LUA for the codes."""
+    async def renew(self, running: list[tuple[str, int]], heartbeat: tuple[str, bytes, int] | None) -> list[int]:
+        """Renew our claims on (request id, attempt) pairs in one round trip, and the heartbeat key; see
+        _RENEW_LUA for the codes."""
         names = self.names
         keys: list[str] = []
-        for rid in request_ids:
-            keys += [names.claim(rid), names.cancelled(rid), names.result(rid)]
+        for rid, _ in running:
+            keys += [names.claim(rid), names.cancelled(rid), names.result(rid), self.attempts_key(rid)]
 
         async def go() -> list[int]:
             pipe = self.client.pipeline(transaction=False)
@@ -215,15 +283,24 @@ class RedisIO:
                 key, value, ttl = heartbeat
                 pipe.set(key, value, ex=ttl)
             if keys:
-                await self._renew(keys=keys, args=[self.token, self.claim_ttl_ms], client=pipe)
+                await self._renew(keys=keys, args=[self.token, self.claim_ttl_ms, *(a for _, a in running)],
+                                  client=pipe)
             replies = await pipe.execute()
             return [int(x) for x in replies[-1]] if keys else []
 
         return await self.retry("renew", go)
 
-    async def release(self, request_id: str, give_back_attempt: bool) -> None:
+    async def release(self, request_id: str, attempt: int, give_back_attempt: bool) -> None:
         await self._release(keys=[self.names.claim(request_id), self.attempts_key(request_id)],
-                            args=[self.token, 1 if give_back_attempt else 0])
+                            args=[f"{self.token} {attempt}", 1 if give_back_attempt else 0])
+
+    async def cancelled_among(self, request_ids: list[str]) -> list[str]:
+        """The ids of these that carry a cancel key (one round trip)."""
+        if not request_ids:
+            return []
+        keys = [self.names.cancelled(rid) for rid in request_ids]
+        flags = await self.retry("cancelled", lambda: self.client.mget(keys))
+        return [rid for rid, flag in zip(request_ids, flags, strict=True) if flag is not None]
 
     async def result_exists(self, request_id: str) -> bool:
         return bool(await self.retry("exists", lambda: self.client.exists(self.names.result(request_id))))

@@ -105,9 +105,8 @@ class Batch:
     """One pipeline's worth of output: events, records finished once they are stored, engine steps acked."""
 
     events: list[OutEvent] = field(default_factory=list)
-    finished_records: list[Record] = field(default_factory=list)
+    terminals: list[Request] = field(default_factory=list)  # their records (and late duplicates') finish
     steps: int = 0
-    terminal_ids: list[str] = field(default_factory=list)  # their late duplicate records finish with them
     first_event_record_ms: list[float] = field(default_factory=list)  # for the `published` stage metric
 
 
@@ -143,6 +142,7 @@ class Worker:
         self._commit_wakeup = asyncio.Event()
         self._stopping = asyncio.Event()
         self._paused = False
+        self._left_group = False  # left the consumer group during a long Redis outage (rejoins after it)
         self._assigned: set[TopicPartition] = set()
         self._tasks: list[asyncio.Task[Any]] = []
         self._side_tasks: set[asyncio.Task[Any]] = set()  # short ones (dead letters), awaited in stop()
@@ -161,11 +161,7 @@ class Worker:
     async def start(self) -> None:
         cfg = self.cfg
         loop = asyncio.get_running_loop()
-        tls: dict[str, Any] = {"ssl_ca_certs": cfg.redis_ca_certs} if cfg.redis_url.startswith("rediss://") else {}
-        if cfg.redis_password is not None:
-            tls["password"] = cfg.redis_password
-        self.redis = aioredis.Redis.from_url(cfg.redis_url, socket_timeout=10, socket_connect_timeout=5,
-                                             health_check_interval=15, **tls)
+        self.redis = self._redis_client()
         self.rio = RedisIO(self.redis, self.names, token=cfg.worker_id, stream_maxlen=self.stream_cap(),
                            ttl_s=cfg.ttl_s, claim_ttl_ms=int(cfg.claim_ttl_s * 1000),
                            attempts_ttl_s=cfg.attempts_ttl_s,
@@ -174,6 +170,9 @@ class Worker:
             self.health = HealthServer(self.metrics, ready=lambda: self.ready, healthy=self._healthy)
             await self.health.start(cfg.metrics_host, cfg.metrics_port)
             log.info("event=metrics_listening port=%s", self.health.port)
+        # Redis first: a worker that cannot log in must fail here, before it joins the group and takes
+        # partitions it could never serve (an outage, by contrast, is waited out).
+        await self.rio.retry("ping", self.redis.ping)
         self.driver = EngineDriver(self.engine, loop, self._on_step)
         self.driver.start()
         security = cfg.kafka_security()
@@ -188,14 +187,23 @@ class Worker:
         )
         self.consumer.subscribe([self.names.jobs_topic], listener=_Rebalance(self))
         await self.consumer.start()
-        await self.rio.retry("ping", self.redis.ping)
         for loop_fn in (self._poll_loop, self._publish_loop, self._commit_loop, self._renew_loop,
-                        self._parked_loop, self._cancel_loop):
+                        self._parked_loop, self._cancel_loop, self._redis_watch_loop):
             task = asyncio.create_task(loop_fn(), name=loop_fn.__name__)
             task.add_done_callback(self._on_task_done)
             self._tasks.append(task)
         log.info("event=worker_started worker=%s model=%s topic=%s group=%s stream_cap=%d", cfg.worker_id,
                  self.model_name, self.names.jobs_topic, cfg.group_id, self.rio.stream_maxlen)
+
+    def _redis_client(self, name: str | None = None) -> aioredis.Redis:
+        cfg = self.cfg
+        extra: dict[str, Any] = {"ssl_ca_certs": cfg.redis_ca_certs} if cfg.redis_url.startswith("rediss://") else {}
+        if cfg.redis_password is not None:
+            extra["password"] = cfg.redis_password
+        if name is not None:
+            extra["client_name"] = name  # CLIENT LIST shows whose connection it is
+        return aioredis.Redis.from_url(cfg.redis_url, socket_timeout=10, socket_connect_timeout=5,
+                                       health_check_interval=15, **extra)
 
     def stream_cap(self) -> int:
         """Entries a request's stream keeps: the configured cap, raised to what the longest request the
@@ -304,7 +312,7 @@ class Worker:
         if self.rio is not None:
             for rid, req in list(self.active.items()):
                 with contextlib.suppress(Exception):  # seq 0: no event of this attempt was ever made
-                    await asyncio.wait_for(self.rio.release(rid, give_back_attempt=req.seq == 0), 2)
+                    await asyncio.wait_for(self.rio.release(rid, req.attempt, give_back_attempt=req.seq == 0), 2)
             self.rio.stopping = True
         for task in self._tasks[1:]:
             task.cancel()
@@ -328,14 +336,20 @@ class Worker:
         log.info("event=worker_stopped worker=%s left_running=%d", self.cfg.worker_id, len(self.active))
 
     def _healthy(self) -> bool:
+        """Every loop runs (none before start() finished), no dead letter is stuck, and we are in the group
+        (not sitting out a Redis outage)."""
         now = time.monotonic()
         dlq_stuck = any(now - since >= DLQ_UNHEALTHY_AFTER_S for since in list(self._dlq_failing.values()))
-        return self.fatal is None and all(not t.done() for t in self._tasks) and not dlq_stuck
+        running = bool(self._tasks) and all(not t.done() for t in self._tasks)
+        return self.fatal is None and running and not dlq_stuck and not self._left_group
 
     # -- intake -------------------------------------------------------------------------------------------
     async def _poll_loop(self) -> None:
         assert self.consumer is not None
         while not self._stopping.is_set():
+            if self._left_group:  # sitting out a Redis outage: no subscription to poll
+                await asyncio.sleep(0.2)
+                continue
             try:
                 batches = await self.consumer.getmany(timeout_ms=200, max_records=self.cfg.max_poll_records)
             except (KafkaError, OSError, TimeoutError) as exc:  # broker restart: aiokafka reconnects; keep polling
@@ -362,33 +376,63 @@ class Worker:
             record: Record = (tp, rec.offset)
             record_ms = float(rec.timestamp) if rec.timestamp and rec.timestamp > 0 else polled_ms
             self._observe("polled", record_ms, polled_ms)
-            ctype = content_type_of(rec.headers)
             try:
-                job = decode_job(rec.value, ctype, max_bytes=self.cfg.max_message_bytes)
-                msgpack = is_msgpack(ctype)
-            except ContractError as exc:
-                await self._reject(rec, record, exc, claims)
-                continue
-            rid = job.request_id
-            if rid in self.active:  # delivered again while we run it (a rebalance came back to us)
-                self.active[rid].records.append(record)
-            elif rid in self.parked:
-                self.parked[rid].records.append(record)
-            elif rid in self._finishing:
-                self._finishing[rid].append(record)
-            elif rid in claims:
-                claims[rid].records.append(record)
-            else:
-                claims[rid] = Parked(job, msgpack, record_ms, [record], (rec.key, rec.value, list(rec.headers or ())))
-                if self.cfg.log_prompts:
-                    log.info("event=job_read request_id=%s prompt=%r", rid, job.prompt or job.messages)
+                await self._take(rec, record, record_ms, claims)
+            except Exception as exc:  # noqa: BLE001 -- no record may stop the intake
+                await self._record_failed(rec, record, exc, claims)
         if claims:
             assert self.rio is not None
             outcomes = await self.rio.admit(list(claims))
             claimed_ms = now_ms()
             for (rid, parked), (status, attempt) in zip(claims.items(), outcomes, strict=True):
                 self._observe("claimed", parked.record_ms, claimed_ms)
-                self._admitted(rid, parked, status, attempt)
+                try:
+                    self._admitted(rid, parked, status, attempt)
+                except Exception as exc:  # noqa: BLE001 -- one job's failure must not stop the intake
+                    log.exception("event=admit_failed request_id=%s", rid)
+                    self.metrics.records_failed.inc()
+                    req = self.active.get(rid) or Request(parked.job, parked.msgpack, attempt, parked.record_ms,
+                                                          parked.records, parked.raw)
+                    self._fail(req, ErrorCode.INTERNAL, f"the worker failed to start this job: {exc}")
+
+    async def _take(self, rec: ConsumerRecord[Any, Any], record: Record, record_ms: float,
+                    claims: dict[str, Parked]) -> None:
+        """One record: decode it and route it (to the request it duplicates, or to this round's claims)."""
+        ctype = content_type_of(rec.headers)
+        try:
+            job = decode_job(rec.value, ctype, max_bytes=self.cfg.max_message_bytes)
+            msgpack = is_msgpack(ctype)
+        except ContractError as exc:
+            await self._reject(rec, record, exc, claims)
+            return
+        rid = job.request_id
+        if rid in self.active:  # delivered again while we run it (a rebalance came back to us)
+            self.active[rid].records.append(record)
+        elif rid in self.parked:
+            self.parked[rid].records.append(record)
+        elif rid in self._finishing:
+            self._finishing[rid].append(record)
+        elif rid in claims:
+            claims[rid].records.append(record)
+        else:
+            claims[rid] = Parked(job, msgpack, record_ms, [record], (rec.key, rec.value, list(rec.headers or ())))
+            if self.cfg.log_prompts:
+                log.info("event=job_read request_id=%s prompt=%r", rid, job.prompt or job.messages)
+
+    async def _record_failed(self, rec: ConsumerRecord[Any, Any], record: Record, exc: Exception,
+                             claims: dict[str, Parked]) -> None:
+        """A record whose handling raised what nobody expected (a bug, a client refusing it): dead-letter it
+        as `internal`; if even that raises, log it loudly, count it and let it be committed, so one record
+        can never stall its partition or kill the worker."""
+        log.exception("event=record_failed topic=%s partition=%d offset=%d", rec.topic, rec.partition, rec.offset)
+        self.metrics.records_failed.inc()
+        try:
+            await self._reject(rec, record, ContractError(ErrorCode.INTERNAL, f"the worker failed on this record: "
+                                                           f"{type(exc).__name__}: {exc}"), claims)
+        except Exception:  # noqa: BLE001
+            log.critical("event=record_dropped topic=%s partition=%d offset=%d", rec.topic, rec.partition,
+                         rec.offset, exc_info=True)
+            self._finish_records([record])
 
     def _admitted(self, rid: str, job: Parked, status: str, attempt: int) -> None:
         """Act on the claim script's answer for one job."""
@@ -482,8 +526,8 @@ class Worker:
             del self.active[rid]
         self.metrics.finished.labels(reason).inc()
         self._finishing.setdefault(rid, [])
-        self._outbox.put_nowait(Batch([OutEvent(rid, self._event_bytes(req, event), kind)], list(req.records),
-                                      terminal_ids=[rid]))
+        self._outbox.put_nowait(Batch([OutEvent(rid, self._event_bytes(req, event), kind, req.attempt)],
+                                      terminals=[req]))
 
     async def _dead_letter(self, rec_key: bytes | None, rec_value: bytes | None,
                            headers: list[tuple[str, bytes]], code: str, message: str, attempts: int) -> None:
@@ -498,38 +542,59 @@ class Worker:
     async def _send_dead_letter(self, token: object, rec_key: bytes | None, rec_value: bytes | None,
                                 headers: list[tuple[str, bytes]], code: str, message: str, attempts: int,
                                 extra: list[tuple[str, bytes]]) -> None:
+        """Send until stored. A dead letter that can never be sent (too large for the topic with our
+        headers, or refused by the client outright) is sent again smaller: the key and headers with a short
+        stub value, then our headers alone, then without the key; past that it is given up, loudly (log and
+        metric): its record is committed rather than held, since it would stall the partition forever."""
         assert self.producer is not None
+        value_bytes = len(rec_value or b"")
+        stub = f"stoker: the dead-lettered record's value ({value_bytes} bytes) is left out".encode()
+        # Each a (key, value, headers, what was dropped) to try in turn.
+        forms: list[tuple[bytes | None, bytes | None, list[tuple[str, bytes]], str]] = [
+            (rec_key, rec_value, list(headers), ""),
+            (rec_key, stub, list(headers), "value"),
+            (rec_key, stub, [], "value and headers"),
+            (None, stub, [], "key, value and headers"),
+        ]
+        if rec_value is None:  # nothing to stub: keep what came (a record may lack a value, not both)
+            forms[0] = (rec_key, rec_value if rec_key is not None else stub, list(headers), "")
+        form = 0
         while True:
+            key, value, hdrs, dropped = forms[form]
+            note = message if not dropped else (
+                f"{message[:800]}; the record's {dropped} made the dead letter too large to send and are left out "
+                f"(value {value_bytes} bytes, key {len(rec_key or b'')} bytes)")
+            those = extra if not dropped else dlq_headers(code, note, int(now_ms()), self.cfg.worker_id, attempts)
             try:
-                await self.producer.send_and_wait(self.names.dlq_topic, value=rec_value, key=rec_key,
-                                                  headers=list(headers) + extra)
+                await self.producer.send_and_wait(self.names.dlq_topic, value=value, key=key,
+                                                  headers=hdrs + those)
                 break
-            except MessageSizeTooLargeError:
-                # The record plus our headers can never be sent (a job near the size limit): retrying would
-                # hold the job and its partition's commits forever. Send the dead letter without the value
-                # (and its headers), then also without the key; past that, give the dead letter up.
-                if rec_value is None and not headers and rec_key is None:
-                    log.error("event=dlq_dropped code=%s reason=too_large", code)
-                    return
-                dropped = "value and headers" if rec_value is not None or headers else "key"
-                log.error("event=dlq_part_dropped code=%s dropped=%s value_bytes=%d", code, dropped,
-                          len(rec_value or b""))
-                note = (f"{message[:800]}; the record's {dropped} ({len(rec_value or rec_key or b'')} bytes) "
-                        "made it too large for the dead-letter topic and are left out")
-                extra = dlq_headers(code, note, int(now_ms()), self.cfg.worker_id, attempts)
-                if dropped == "key":
-                    rec_key = None
-                rec_value, headers = None, []
-            except (KafkaError, OSError, TimeoutError) as exc:  # keep the record in flight until it is stored
-                if token not in self._dlq_failing:
-                    self._dlq_failing[token] = time.monotonic()
-                    log.error("event=dlq_send_failing topic=%s code=%s error=%r hint=%r", self.names.dlq_topic, code,
-                              str(exc), "retrying; check the topic exists (broker auto-creation is off) and the "
-                              "broker is reachable: the record's partition commits nothing until it is stored")
-                else:
-                    log.warning("event=dlq_retry topic=%s error=%r", self.names.dlq_topic, str(exc))
-                await asyncio.sleep(0.5)
+            except (KafkaError, OSError, TimeoutError) as exc:
+                if not isinstance(exc, MessageSizeTooLargeError):  # keep the record in flight until stored
+                    await self._dead_letter_refused(token, code, exc)
+                    continue
+                failure: BaseException = exc
+            except Exception as exc:  # noqa: BLE001 -- the client refused the record itself (e.g. its shape)
+                failure = exc
+            form += 1
+            if form == len(forms):
+                log.critical("event=dlq_dropped code=%s error=%r value_bytes=%d hint=%r", code, str(failure),
+                             value_bytes, "the record is committed without a dead letter; see the log above")
+                self.metrics.dlq_dropped.labels(code).inc()
+                return
+            log.error("event=dlq_part_dropped code=%s dropped=%s error=%r value_bytes=%d", code, forms[form][3],
+                      str(failure), value_bytes)
         self.metrics.dlq.labels(code).inc()
+
+    async def _dead_letter_refused(self, token: object, code: str, exc: BaseException) -> None:
+        if token not in self._dlq_failing:
+            self._dlq_failing[token] = time.monotonic()
+            log.error("event=dlq_send_failing topic=%s code=%s error=%r hint=%r", self.names.dlq_topic, code,
+                      str(exc), "retrying; check the topic exists (broker auto-creation is off) and the "
+                      "broker is reachable: the record's partition commits nothing until it is stored")
+        else:
+            log.warning("event=dlq_retry topic=%s error=%r", self.names.dlq_topic, str(exc))
+        await asyncio.sleep(0.5)
 
     async def _reject(self, rec: ConsumerRecord[Any, Any], record: Record, exc: ContractError,
                       claims: dict[str, Parked]) -> None:
@@ -601,7 +666,8 @@ class Worker:
                 req.text.append(out.text_delta)
                 chunk = Chunk(request_id=rid, attempt=req.attempt, seq=req.seq, text=out.text_delta,
                               token_ids=out.new_token_ids, logprobs=_logprobs(out))
-                batch.events.append(OutEvent(rid, encode_event(chunk, req.msgpack), 1 if req.seq == 0 else 0))
+                batch.events.append(OutEvent(rid, encode_event(chunk, req.msgpack), 1 if req.seq == 0 else 0,
+                                             req.attempt))
                 req.seq += 1
             if not out.finished:
                 continue
@@ -625,9 +691,8 @@ class Worker:
                 reason = out.finish_reason or "stop"
                 m.e2e.observe(max(0.0, step_ms - req.record_ms) / 1000)
             m.finished.labels(reason).inc()
-            batch.events.append(OutEvent(rid, encode_event(event, req.msgpack), 2))
-            batch.finished_records.extend(req.records)
-            batch.terminal_ids.append(rid)
+            batch.events.append(OutEvent(rid, encode_event(event, req.msgpack), 2, req.attempt))
+            batch.terminals.append(req)
             self._finishing.setdefault(rid, [])
         if stats is not None:
             m.running.set(stats.num_running)
@@ -645,18 +710,27 @@ class Worker:
                 more = self._outbox.get_nowait()
                 taken += 1
                 batch.events += more.events
-                batch.finished_records += more.finished_records
+                batch.terminals += more.terminals
                 batch.steps += more.steps
-                batch.terminal_ids += more.terminal_ids
                 batch.first_event_record_ms += more.first_event_record_ms
-            await self.rio.publish(batch.events)
+            lost = await self.rio.publish(batch.events)
             published_ms = now_ms()
             for record_ms in batch.first_event_record_ms:
                 self._observe("published", record_ms, published_ms)
             self.metrics.events.inc(len(batch.events))
-            for rid in batch.terminal_ids:
-                batch.finished_records += self._finishing.pop(rid, [])
-            self._finish_records(batch.finished_records)
+            for rid, attempt in lost:
+                req = self.active.get(rid)
+                if req is not None and req.attempt == attempt:
+                    self._claim_lost(req, "publish")
+            finished: list[Record] = []
+            for req in batch.terminals:
+                rid = req.job.request_id
+                records = req.records + self._finishing.pop(rid, [])
+                if (rid, req.attempt) in lost:  # another attempt owns the request: wait for its answer
+                    self._park(req, records)
+                else:
+                    finished += records
+            self._finish_records(finished)
             for _ in range(batch.steps):
                 self.driver.published()
             for _ in range(taken):
@@ -719,27 +793,46 @@ class Worker:
         log.info("event=partitions_assigned partitions=%s", sorted(f"{tp.topic}-{tp.partition}" for tp in assigned))
 
     # -- claims, cancels, parked jobs ---------------------------------------------------------------------
+    def _claim_lost(self, req: Request, found_by: str) -> None:
+        """Another worker (or a newer attempt) holds the request's claim: we were presumed dead (paused,
+        cut off). Stop at once: nothing more of ours may be published for it (the publish script drops it
+        anyway), its KV blocks are freed, and its records wait for the new owner's answer."""
+        rid = req.job.request_id
+        log.warning("event=claim_lost request_id=%s attempt=%d found_by=%s", rid, req.attempt, found_by)
+        req.lost = True
+        if self.active.get(rid) is req:
+            del self.active[rid]
+        if self.driver is not None:
+            self.driver.abort(rid)
+        self._park(req, req.records)
+
+    def _park(self, req: Request, records: list[Record]) -> None:
+        if not records:
+            return
+        rid = req.job.request_id
+        if rid in self.parked:
+            self.parked[rid].records.extend(records)
+        else:
+            self.parked[rid] = Parked(req.job, req.msgpack, req.record_ms, list(records), req.raw)
+        self.metrics.parked.set(len(self.parked))
+
     async def _renew_loop(self) -> None:
         assert self.rio is not None and self.driver is not None
         interval = self.cfg.claim_ttl_s / 3
         key = self.rio.worker_key(self.cfg.worker_id)
         while True:
-            ids = [rid for rid, req in self.active.items() if not req.lost]
+            running = [(rid, req.attempt) for rid, req in self.active.items() if not req.lost]
+            ids = [rid for rid, _ in running]
             beat = json.dumps({"worker": self.cfg.worker_id, "model": self.model_name,
                                "capacity": self.cfg.max_num_seqs, "running": len(ids), "version": VERSION,
                                "started_at": self._started_at}).encode()
-            codes = await self.rio.renew(ids, (key, beat, max(3, int(self.cfg.claim_ttl_s))))
-            for rid, code in zip(ids, codes, strict=True):
+            codes = await self.rio.renew(running, (key, beat, max(3, int(self.cfg.claim_ttl_s))))
+            for (rid, attempt), code in zip(running, codes, strict=True):
                 req = self.active.get(rid)
-                if req is None:
+                if req is None or req.attempt != attempt:
                     continue
                 if code == 1:  # another worker runs it now (we were presumed dead): stop, let theirs stand
-                    log.warning("event=claim_lost request_id=%s", rid)
-                    req.lost = True
-                    del self.active[rid]
-                    self.driver.abort(rid)
-                    if req.records:
-                        self.parked[rid] = Parked(req.job, req.msgpack, req.record_ms, req.records, req.raw)
+                    self._claim_lost(req, "renew")
                 elif code == 2:
                     self.driver.abort(rid)
             # Bounded: with a broker away Kafka's offset calls wait up to their request timeout (40 s), and
@@ -780,11 +873,23 @@ class Worker:
             self.metrics.parked.set(len(self.parked))
 
     async def _cancel_loop(self) -> None:
-        assert self.redis is not None and self.rio is not None
+        assert self.rio is not None
+        client = self._redis_client(name=f"stoker-cancels-{self.cfg.worker_id}")
+        try:
+            await self._listen_for_cancels(client)
+        finally:
+            with contextlib.suppress(Exception):
+                await client.aclose()
+
+    async def _listen_for_cancels(self, client: aioredis.Redis) -> None:
+        assert self.rio is not None
         while True:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.names.cancel_channel)
+                # Cancels published while we were not subscribed (Redis dropped us, e.g. for a burst that
+                # overflowed our output buffer) are lost on the channel; their keys are not.
+                await self._apply_cancel_keys()
                 while True:
                     msg = await pubsub.get_message(timeout=1.0)
                     if msg is not None:
@@ -796,6 +901,54 @@ class Worker:
             finally:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
+
+    async def _apply_cancel_keys(self) -> None:
+        assert self.rio is not None
+        ids = [rid for rid, req in self.active.items() if not req.lost]
+        for rid in await self.rio.cancelled_among(ids):
+            if rid in self.active and self.driver is not None:
+                log.info("event=cancel_from_key request_id=%s", rid)
+                self.driver.abort(rid)
+
+    async def _redis_watch_loop(self) -> None:
+        """A Redis outage longer than redis_outage_leave_s: leave the consumer group, so that workers that
+        still reach Redis take our partitions (our claims expire meanwhile and they start the jobs again as
+        the next attempt); rejoin once Redis answers. Shorter outages are waited out (commits held)."""
+        assert self.rio is not None and self.consumer is not None
+        while True:
+            await asyncio.sleep(0.5)
+            down_since = self.rio.down_since
+            if not self._left_group and down_since is not None and \
+                    time.monotonic() - down_since >= self.cfg.redis_outage_leave_s:
+                await self._leave_group(time.monotonic() - down_since)
+            elif self._left_group and down_since is None and await self._redis_answers():
+                log.warning("event=group_rejoin reason=redis_back worker=%s", self.cfg.worker_id)
+                self.consumer.subscribe([self.names.jobs_topic], listener=_Rebalance(self))
+                self._left_group = False
+
+    async def _redis_answers(self) -> bool:
+        assert self.redis is not None
+        try:
+            return bool(await asyncio.wait_for(self.redis.ping(), 5))
+        except (OSError, RedisConnectionError, RedisTimeoutError, TimeoutError):
+            return False
+
+    async def _leave_group(self, down_s: float) -> None:
+        assert self.consumer is not None
+        log.error("event=group_leave reason=redis_unreachable down_s=%.1f running=%d worker=%s", down_s,
+                  len(self.active), self.cfg.worker_id)
+        self._left_group = True
+        self.ready = False
+        await self.on_revoked(set(self._assigned))
+        self.consumer.unsubscribe()
+        # What runs here can't publish; its claims expire and other workers run it again. Free the engine.
+        for rid, req in list(self.active.items()):
+            req.lost = True
+            if self.driver is not None:
+                self.driver.abort(rid)
+        self.active.clear()
+        self.parked.clear()
+        self.metrics.parked.set(0)
 
     def _on_cancel(self, data: bytes) -> None:
         try:

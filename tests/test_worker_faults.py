@@ -1,0 +1,317 @@
+"""Worker faults found by an outside attack (issue 9), each against the real broker and Redis: a record that
+breaks the dead-letter send, a worker paused past its claim, a worker that cannot log in to Redis or loses it,
+cancels sent while the cancel subscription is down."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaProducer
+from worker_harness import (
+    Space,
+    check_attempt_order,
+    check_sequence,
+    committed_offsets,
+    dead_letters,
+    job,
+    make_space,
+    produce,
+    running_worker,
+    start_worker_process,
+    stop_process,
+    wait_results,
+)
+
+from schemas import Cancel, Done, encode_cancel
+from worker.fake_engine import FakeEngine
+
+pytestmark = [pytest.mark.stack, pytest.mark.timeout(180)]
+
+
+@pytest.fixture
+async def space(request: pytest.FixtureRequest) -> Space:
+    return await make_space(request)
+
+
+@pytest.fixture
+async def r(space: Space) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(space.redis_url)
+    yield client
+    await client.aclose()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_redis(port: int, data_dir: Path, *extra: str) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
+                             "--save", "", "--appendonly", "yes", "--appendfsync", "always", *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return proc
+        time.sleep(0.05)
+    raise RuntimeError("redis-server did not start")
+
+
+async def wait_committed(space: Space, expected: int, timeout: float = 30) -> tuple[int, int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        committed, end = await committed_offsets(space.bootstrap, space.group, space.names.jobs_topic)
+        if committed == end == expected or time.monotonic() > deadline:
+            return committed, end
+        await asyncio.sleep(0.2)
+
+
+class CuttableProxy:
+    """A loopback TCP forwarder to Redis that the test can cut (every connection closed, new ones refused)
+    and heal, or stall (bytes held) and let flow again: one worker loses Redis while the others keep it."""
+
+    def __init__(self, target_port: int):
+        self.target_port = target_port
+        self.cut = False
+        self.flowing = asyncio.Event()  # cleared: bytes are held (a stalled network), not dropped
+        self.flowing.set()
+        self.server: asyncio.Server | None = None
+        self.writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(Exception):
+            while data := await reader.read(65536):
+                await self.flowing.wait()
+                if self.cut:
+                    break
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.cut:
+            writer.close()
+            return
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self.writers |= {writer, up_writer}
+        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+
+    def sever(self) -> None:
+        self.cut = True
+        for w in self.writers:
+            w.close()
+        self.writers.clear()
+
+    async def close(self) -> None:
+        self.sever()
+        if self.server is not None:
+            self.server.close()
+
+
+# -- 1. one record must never stop the poll loop -------------------------------------------------------------
+async def test_keyless_record_over_the_size_limit_is_dead_lettered_and_the_jobs_around_it_finish(space, r):
+    """gzip lets the broker take a 2 MiB value; the worker refuses it (message_too_large) and its dead letter
+    can't carry the value. Before: the retry without the value kept the key, None, aiokafka asserted "need at
+    least one: key or value", the poll loop died and every restarted worker died on the same record."""
+    names = space.names
+    big = b'{"type":"job","prompt":"' + b"z" * 2_200_000 + b'"}'
+    producer = AIOKafkaProducer(bootstrap_servers=space.bootstrap, compression_type="gzip",
+                                max_request_size=4_000_000, acks="all")
+    await producer.start()
+    try:  # one partition's order: job, keyless giant, job
+        for key, value in ((b"before", msgspec.json.encode(job("before", max_tokens=5))), (None, big),
+                           (b"after", msgspec.json.encode(job("after", max_tokens=5)))):
+            await producer.send_and_wait(names.jobs_topic, value=value, key=key, partition=0)
+    finally:
+        await producer.stop()
+    async with running_worker(space) as worker:
+        results = await wait_results(r, names, ["before", "after"], timeout=30)
+        assert await wait_committed(space, 3) == (3, 3)
+        assert worker._healthy() and worker.fatal is None  # noqa: SLF001
+    assert all(isinstance(o.terminal, Done) for o in results.values())
+    records = await dead_letters(space.bootstrap, names.dlq_topic)
+    assert len(records) == 1
+    dead = records[0]
+    headers = dict(dead.headers)
+    assert dead.key is None and dead.value is not None and len(dead.value) < 1000  # a short stub value
+    assert headers["stoker-error-code"] == b"message_too_large"
+    assert b"left out" in headers["stoker-error-message"]
+
+
+# -- 2. a worker paused past its claim publishes nothing after it resumes -----------------------------------
+@pytest.mark.timeout(240)
+async def test_worker_paused_past_its_claim_ttl_publishes_nothing_after_it_resumes(space, r, tmp_path):
+    """The first worker's Redis link stalls with a publish in flight, then the process is SIGSTOPped past
+    its claims' TTL; the second worker takes every job over as attempt 2. Then the held bytes reach Redis
+    and the first worker resumes: before, its attempt-1 chunks (and a second `done`) landed after attempt 2's
+    events, and its `done` could take the result key for good (set only if absent)."""
+    names = space.names
+    ids = [f"p{i}" for i in range(8)]
+    port = int(space.redis_url.rsplit(":", 1)[1].split("/")[0])
+    proxy = CuttableProxy(port)
+    proxy_port = await proxy.start()
+    env = space.worker_env(STOKER_FAKE_STEP_DELAY_S="0.02")
+    first = start_worker_process({**env, "REDIS_URL": f"redis://127.0.0.1:{proxy_port}/0"},
+                                 log_path=tmp_path / "a.log")
+    second = None
+    try:
+        await produce(space.bootstrap, names.jobs_topic, [job(i, max_tokens=400) for i in ids])
+        for _ in range(400):  # every job streams on the first worker
+            if all(await asyncio.gather(*(r.exists(names.stream(i)) for i in ids))):
+                break
+            await asyncio.sleep(0.05)
+        second = start_worker_process(env, log_path=tmp_path / "b.log")
+        await asyncio.sleep(1.0)
+        proxy.flowing.clear()
+        await asyncio.sleep(0.3)  # the first worker's next publish is now held in the proxy
+        first.send_signal(signal.SIGSTOP)
+        # The claims (3 s) expire and the group (10 s session) gives every partition to the second worker,
+        # which starts the jobs again as attempt 2.
+        for _ in range(800):
+            attempts = await asyncio.gather(*(r.get(f"{names.redis_prefix}:attempts:{i}") for i in ids))
+            if all(a is not None and int(a) >= 2 for a in attempts):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail("the second worker never took the jobs over")
+        await asyncio.sleep(1.0)  # attempt 2 streams
+        proxy.flowing.set()
+        first.send_signal(signal.SIGCONT)
+        results = await wait_results(r, names, ids, timeout=60)
+        await asyncio.sleep(2.0)  # anything the resumed worker still had queued would land by now
+        results = await wait_results(r, names, ids, timeout=5)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            first.send_signal(signal.SIGCONT)
+        stop_process(first)
+        if second is not None:
+            stop_process(second)
+        await proxy.close()
+    for outcome in results.values():
+        check_attempt_order(outcome)
+        check_sequence(outcome)
+
+
+# -- 3. Redis: login checked before joining; an outage past the bound leaves the group -----------------------
+def test_wrong_redis_password_is_fatal_before_joining_the_group(space, tmp_path):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    proc = start_redis(port, tmp_path, "--requirepass", "right-password")
+    try:
+        env = space.worker_env(REDIS_URL=f"redis://127.0.0.1:{port}/0", REDIS_PASSWORD="wrong-password")
+        log_path = tmp_path / "w.log"
+        worker = start_worker_process(env, log_path=log_path)
+        try:
+            code = worker.wait(30)
+        finally:
+            stop_process(worker, signal.SIGKILL)
+        text = log_path.read_text()
+        assert code == 1, text[-2000:]
+        failed = [line for line in text.splitlines() if "event=worker_failed" in line]
+        assert len(failed) == 1 and re.search("authentication|password", failed[0], re.I), text[-2000:]
+        assert "partitions_assigned" not in text  # it never joined the group
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def test_healthz_is_unhealthy_until_the_worker_really_runs(space, tmp_path):
+    env = space.worker_env(REDIS_URL=f"redis://127.0.0.1:{free_port()}/0", STOKER_METRICS_PORT="0",
+                           STOKER_METRICS_HOST="127.0.0.1")
+    log_path = tmp_path / "w.log"
+    proc = start_worker_process(env, log_path=log_path)
+    try:
+        port = None
+        for _ in range(400):
+            m = re.search(r"event=metrics_listening port=(\d+)", log_path.read_text())
+            if m and "event=redis_retry" in log_path.read_text():
+                port = int(m.group(1))
+                break
+            await asyncio.sleep(0.05)
+        assert port is not None, log_path.read_text()[-2000:]
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5)
+        assert err.value.code == 503
+        err.value.close()  # the error holds the response's socket
+    finally:
+        stop_process(proc)
+
+
+@pytest.mark.timeout(240)
+async def test_worker_that_loses_redis_past_the_bound_leaves_the_group_and_rejoins(space, r):
+    names = space.names
+    port = int(space.redis_url.rsplit(":", 1)[1].split("/")[0])
+    proxy = CuttableProxy(port)
+    proxy_port = await proxy.start()
+    ids = [f"l{i}" for i in range(24)]
+    try:
+        async with (
+            running_worker(space, engine=FakeEngine(step_delay_s=0.02),
+                           redis_url=f"redis://127.0.0.1:{proxy_port}/0", redis_outage_leave_s=3) as cut,
+            running_worker(space, engine=FakeEngine(step_delay_s=0.02)) as healthy,
+        ):
+            for _ in range(400):  # both hold partitions
+                if cut.consumer.assignment() and healthy.consumer.assignment():
+                    break
+                await asyncio.sleep(0.05)
+            await produce(space.bootstrap, names.jobs_topic, [job(i, max_tokens=150) for i in ids])
+            await asyncio.sleep(0.5)
+            proxy.sever()
+            results = await wait_results(r, names, ids, timeout=90)
+            assert not cut.consumer.assignment()  # it left the group while Redis was away
+            proxy.cut = False
+            for _ in range(600):  # Redis is back: it rejoins and gets partitions again
+                if cut.consumer.assignment():
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                pytest.fail("the worker never rejoined the group after Redis came back")
+            assert await wait_committed(space, len(ids)) == (len(ids), len(ids))
+    finally:
+        await proxy.close()
+    for outcome in results.values():
+        check_attempt_order(outcome)
+        check_sequence(outcome)
+
+
+# -- 5. cancels sent while the cancel subscription is down ---------------------------------------------------
+async def test_cancel_published_while_the_cancel_subscription_is_down_lands_at_once(space, r):
+    names = space.names
+    async with running_worker(space, engine=FakeEngine(step_delay_s=0.02), claim_ttl_s=30) as worker:
+        await produce(space.bootstrap, names.jobs_topic, [job("c1", max_tokens=2000)])
+        while not await r.exists(names.stream("c1")):
+            await asyncio.sleep(0.05)
+        clients = await r.client_list()
+        ours = [c for c in clients if c.get("name") == f"stoker-cancels-{worker.cfg.worker_id}"]
+        assert len(ours) == 1, "the cancel listener names its connection"
+        await r.execute_command("CLIENT", "KILL", "ID", ours[0]["id"])
+        for _ in range(100):  # nobody listens on the cancel channel now
+            if dict(await r.pubsub_numsub(names.cancel_channel)).get(names.cancel_channel.encode(), 0) == 0:
+                break
+            await asyncio.sleep(0.01)
+        await r.set(names.cancelled("c1"), 1, ex=60)
+        await r.publish(names.cancel_channel, encode_cancel(Cancel(request_id="c1")))
+        sent = time.monotonic()
+        results = await wait_results(r, names, ["c1"], timeout=20)
+        # The renew loop (every 10 s here) would find the key only much later.
+        assert time.monotonic() - sent < 3.0
+    assert isinstance(results["c1"].terminal, Done) and results["c1"].terminal.finish_reason == "cancelled"
