@@ -273,7 +273,7 @@ async def test_metrics_health_and_heartbeat(space, r):
 
         status, body = await asyncio.to_thread(get, "/metrics")
         assert status == 200
-        assert 'stoker_requests_finished_total{reason="length"} 1.0' in body
+        assert 'stoker_requests_finished_total{reason="length",tenant=""} 1.0' in body
         assert "stoker_generation_tokens_total" in body and "stoker_time_to_first_token_seconds_count 1.0" in body
         assert (await asyncio.to_thread(get, "/readyz"))[0] == 200
         assert (await asyncio.to_thread(get, "/healthz"))[0] == 200
