@@ -238,7 +238,7 @@ def test_range_errors_name_the_allowed_range() -> None:
 @pytest.mark.parametrize("msgpack", [False, True], ids=["json", "msgpack"])
 def test_metadata_is_bounded_at_16_kib_encoded_in_the_jobs_own_encoding(msgpack: bool) -> None:
     limit = 16 * 1024
-    assert schemas.MAX_METADATA_BYTES == limit
+    assert limit == schemas.MAX_METADATA_BYTES
     encoder = msgspec.msgpack.encode if msgpack else msgspec.json.encode
     # The overhead of {"k": <string>} at these lengths (MessagePack's string header grows with the length).
     filler = limit - (len(encoder({"k": "x" * 1000})) - 1000)
