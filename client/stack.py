@@ -40,7 +40,18 @@ DEFAULT_KAFKA_VERSION = "4.4.0"  # newest 4.x on Maven Central when written; its
 LOG4J_VERSION = "2.24.3"  # Kafka's own log4j2 line; log4j-slf4j-impl is the slf4j 1.x binding
 DEPENDENCY_PLUGIN = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1"
 DEFAULT_JOB_TOPIC = "stoker.jobs"  # the same defaults as schemas/names.py; this file stays standalone
-DEFAULT_DLQ_TOPIC = "stoker.jobs.dlq"
+# Redis persistence choices: none (the default here: a restart loses every result, claim and stream), or an
+# append-only file fsynced every second (a crash loses up to ~1 s of writes) or on every write.
+REDIS_PERSISTENCE = ("none", "everysec", "always")
+
+
+def default_dlq_topic(job_topic: str) -> str:
+    """schemas.names.default_dlq_topic, repeated: this file must not import msgspec (importing schemas.names
+    runs the package's __init__, which does). tests/test_stack.py checks that both rules agree."""
+    return job_topic + ".dlq"
+
+
+DEFAULT_DLQ_TOPIC = default_dlq_topic(DEFAULT_JOB_TOPIC)
 HOST = "127.0.0.1"  # loopback only: this broker has no authentication
 
 
@@ -72,10 +83,11 @@ class StackConfig:
     stack_dir: Path = field(default_factory=lambda: _cache_root(os.environ) / "stack")  # data, pids
     log_dir: Path | None = None  # default <stack_dir>/logs
     job_topic: str = DEFAULT_JOB_TOPIC
-    dlq_topic: str = DEFAULT_DLQ_TOPIC
+    dlq_topic: str = ""  # empty: default_dlq_topic(job_topic), the worker's and the client's default too
     job_partitions: int = 4
     dlq_partitions: int = 1
     kafka_heap_mb: int = 384
+    redis_persistence: str = "none"  # none | everysec | always (AOF in <stack_dir>/redis)
     start_timeout_s: float = 120.0
     stop_timeout_s: float = 30.0
 
@@ -92,6 +104,10 @@ class StackConfig:
         for name, n in (("job_partitions", self.job_partitions), ("dlq_partitions", self.dlq_partitions)):
             if n < 1:
                 raise StackError(f"{name}={n} must be >= 1")
+        if not self.dlq_topic:
+            self.dlq_topic = default_dlq_topic(self.job_topic)
+        if self.redis_persistence not in REDIS_PERSISTENCE:
+            raise StackError(f"redis_persistence={self.redis_persistence!r}: choose none, everysec or always")
         for name in (self.job_topic, self.dlq_topic):
             if not name or len(name) > 249 or not all(c.isalnum() or c in "._-" for c in name):
                 raise StackError(f"topic name {name!r} is not valid in Kafka (1-249 of [A-Za-z0-9._-])")
@@ -112,9 +128,10 @@ class StackConfig:
             stack_dir=Path(env.get("STOKER_STACK_DIR") or cache / "stack"),
             log_dir=Path(env["STOKER_STACK_LOG_DIR"]) if env.get("STOKER_STACK_LOG_DIR") else None,
             job_topic=env.get("STOKER_JOB_TOPIC") or DEFAULT_JOB_TOPIC,
-            dlq_topic=env.get("STOKER_DLQ_TOPIC") or DEFAULT_DLQ_TOPIC,
+            dlq_topic=env.get("STOKER_DLQ_TOPIC") or "",
             job_partitions=_env_int(env, "STOKER_JOB_PARTITIONS", 4),
             dlq_partitions=_env_int(env, "STOKER_DLQ_PARTITIONS", 1),
+            redis_persistence=env.get("STOKER_REDIS_PERSISTENCE") or "none",
         )
 
     @property
@@ -630,6 +647,32 @@ def redis_ping(port: int, timeout: float = 1.0) -> bool:
         return False
 
 
+def redis_config(port: int, name: str, timeout: float = 1.0) -> str | None:
+    """CONFIG GET `name` over RESP (the value, or None when Redis does not answer)."""
+    command = b"".join(b"$%d\r\n%s\r\n" % (len(part), part) for part in (b"CONFIG", b"GET", name.encode()))
+    try:
+        with socket.create_connection((HOST, port), timeout=timeout) as s:
+            s.sendall(b"*3\r\n" + command)
+            reply = s.recv(4096)
+    except OSError:
+        return None
+    lines = reply.split(b"\r\n")  # *2, $len, name, $len, value, ''
+    return lines[4].decode() if len(lines) >= 5 and lines[0] == b"*2" else None
+
+
+def _redis_persistence_args(persistence: str) -> list[str]:
+    # RDB snapshots stay off either way: the AOF alone is what the promise needs (see the README).
+    if persistence == "none":
+        return ["--save", "", "--appendonly", "no"]
+    return ["--save", "", "--appendonly", "yes", "--appendfsync", persistence]
+
+
+def _running_persistence(port: int) -> str | None:
+    if redis_config(port, "appendonly") == "no":
+        return "none"
+    return redis_config(port, "appendfsync")
+
+
 def _redis_binary() -> str:
     found = shutil.which("redis-server") or ("/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists()
                                              else None)
@@ -649,13 +692,15 @@ def _redis_binary() -> str:
 
 
 def _start_redis(cfg: StackConfig) -> int:
+    assert cfg.log_dir is not None
     cfg.redis_dir.mkdir(parents=True, exist_ok=True)
+    cfg.log_dir.mkdir(parents=True, exist_ok=True)
     pid_file = cfg.redis_dir / "redis.pid"
     pid_file.unlink(missing_ok=True)
     proc = subprocess.run(
         [_redis_binary(), "--port", str(cfg.redis_port), "--bind", HOST, "--dir", str(cfg.redis_dir),
          "--daemonize", "yes", "--pidfile", str(pid_file), "--logfile", str(cfg.redis_log),
-         "--save", "", "--appendonly", "no"],
+         *_redis_persistence_args(cfg.redis_persistence)],
         capture_output=True, text=True, start_new_session=True,
     )
     if proc.returncode != 0:
@@ -706,6 +751,9 @@ def up(cfg: StackConfig) -> StackInfo:
         elif not redis_ping(cfg.redis_port):
             raise StackError(f"our redis (pid {_redis_pid(cfg)}) does not answer PING; "
                              f"see {cfg.redis_log}, or run `down` then `up`")
+        elif (running := _running_persistence(cfg.redis_port)) not in (None, cfg.redis_persistence):
+            print(f"redis: already running with persistence {running}, not {cfg.redis_persistence}; it takes "
+                  "effect at the next start (`down`, then `up`: the data stays unless --wipe)", file=sys.stderr)
         kafka_pid = _kafka_pid(cfg)
         if kafka_pid is None:
             for port, what in ((cfg.kafka_port, "Kafka"), (cfg.controller_port, "Kafka controller")):
@@ -752,6 +800,8 @@ def _print_status(st: StackStatus, cfg: StackConfig) -> None:
         wanted = ", ".join(f"{t} ({st.topics.get(t, 'missing')} partitions)" for t in cfg.topics())
         print(f"topics {wanted}", file=sys.stderr)
     print(f"data   {cfg.stack_dir}", file=sys.stderr)
+    if st.redis.up:
+        print(f"redis persistence {_running_persistence(cfg.redis_port)}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -765,13 +815,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", type=Path, help="env STOKER_STACK_LOG_DIR (default <stack-dir>/logs)")
     parser.add_argument("--job-partitions", type=int, help="env STOKER_JOB_PARTITIONS (default 4)")
     parser.add_argument("--dlq-partitions", type=int, help="env STOKER_DLQ_PARTITIONS (default 1)")
+    parser.add_argument("--redis-persistence", choices=REDIS_PERSISTENCE,
+                        help="up: Redis append-only file fsynced on every write (always), every second "
+                             "(everysec), or none; env STOKER_REDIS_PERSISTENCE (default none)")
     parser.add_argument("--wipe", action="store_true", help="down: also delete Kafka's and Redis' data")
     args = parser.parse_args(argv)
     try:
         cfg = StackConfig.from_env()
         overrides = {k: getattr(args, k) for k in ("kafka_port", "controller_port", "redis_port",
                                                    "kafka_version", "stack_dir", "log_dir",
-                                                   "job_partitions", "dlq_partitions")}
+                                                   "job_partitions", "dlq_partitions", "redis_persistence")}
         for key, value in overrides.items():
             if value is not None:
                 setattr(cfg, key, value)

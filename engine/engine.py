@@ -115,6 +115,7 @@ class LLMEngine:
         if not isinstance(request_id, str) or not request_id:
             raise EngineRequestError("invalid_job", "request_id must be a non-empty string")
         ids = self._prompt_ids(request_id, prompt, messages, prompt_token_ids)
+        self._check_stop_token_ids(request_id, params.stop_token_ids)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise EngineRequestError(
                 "context_length_exceeded",
@@ -201,6 +202,17 @@ class LLMEngine:
                 "invalid_job", f"{request_id}: the prompt is empty; give at least one token"
             )
         return ids
+
+    def _check_stop_token_ids(self, request_id: str, stop_token_ids: tuple[int, ...]) -> None:
+        """Beside the prompt id check: the sampler bans these by index until min_tokens, so one past the
+        vocabulary would index out of range (on a GPU, a device-side assert that takes the worker down)."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in stop_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise EngineRequestError(
+                "invalid_job",
+                f"{request_id}: stop_token_ids {bad[:5]} are not token ids of this model (0 <= id < {vocab})",
+            )
 
     def abort(self, request_id: str) -> None:
         with self._lock:

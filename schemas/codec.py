@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from .errors import ContractError, ErrorCode
-from .messages import CONTRACT_VERSION, Cancel, Event, Job
+from .messages import CONTRACT_VERSION, MAX_METADATA_BYTES, Cancel, Event, Job
 from .names import CONTENT_TYPE_HEADER, JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, is_valid_request_id
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20  # 1 MiB, the contract's default limit on a whole encoded job
@@ -101,11 +101,20 @@ def _decode_inbound(data: Buffer | None, content_type: str | bytes | None, max_b
     if raw.get("type") != tag:
         raise ContractError(bad, f"field `type` must be {tag!r} here, got {raw.get('type')!r}", request_id)
     try:
-        return msgspec.convert(_without_nulls(raw), kind)
+        message = msgspec.convert(_without_nulls(raw), kind)
     except msgspec.ValidationError as exc:
         # Cross-field rules raise ContractError inside __post_init__; msgspec wraps it but keeps the cause.
-        message = exc.__cause__.message if isinstance(exc.__cause__, ContractError) else str(exc)
-        raise ContractError(bad, f"{tag} rejected: {message}", request_id) from None
+        reason = exc.__cause__.message if isinstance(exc.__cause__, ContractError) else str(exc)
+        raise ContractError(bad, f"{tag} rejected: {reason}", request_id) from None
+    if isinstance(message, Job) and message.metadata is not None:
+        # Measured re-encoded (compact JSON, or MessagePack), so a producer's whitespace does not count. It is
+        # echoed in `done` on the channel, the stream and the result key: every byte is held per request.
+        size = len((_msgpack_encoder if msgpack else _json_encoder).encode(message.metadata))
+        if size > MAX_METADATA_BYTES:
+            raise ContractError(bad, f"{tag} rejected: `metadata` is {size} bytes encoded; the limit is "
+                                f"{MAX_METADATA_BYTES} bytes (16 KiB): keep large data elsewhere and send a "
+                                "reference", request_id)
+    return message
 
 
 def decode_job(data: Buffer | None, content_type: str | bytes | None = None, *,

@@ -18,6 +18,8 @@ from .names import is_valid_request_id
 CONTRACT_VERSION = 1  # the highest `v` this code understands
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+MAX_TENANT_CHARS = 64
+MAX_METADATA_BYTES = 16 * 1024  # `metadata` encoded in the job's own encoding (codec checks it on decode)
 _INT64_MAX = 2**63 - 1
 
 # msgspec's pattern check uses re.search, where `$` also matches before a trailing newline; __post_init__
@@ -81,8 +83,11 @@ class Job(_Message, tag="job"):
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS, description="alternatives per token; 0 = none")] = 0
     priority: Annotated[int, Meta(ge=-_INT64_MAX - 1, le=_INT64_MAX, description="lower runs first")] = 0
     deadline_ms: Annotated[int, Meta(ge=0, le=_INT64_MAX, description="Unix epoch ms")] | None = None
-    tenant: str | None = None
-    metadata: dict[str, Any] | None = None
+    tenant: Annotated[str, Meta(min_length=1, max_length=MAX_TENANT_CHARS,
+                                description="opaque label; a metrics label of bounded cardinality")] | None = None
+    metadata: Annotated[dict[str, Any], Meta(description=f"opaque object, echoed in `done`; at most "
+                                             f"{MAX_METADATA_BYTES} bytes encoded (compact JSON, or MessagePack "
+                                             "for a MessagePack job)")] | None = None
     v: Annotated[int, Meta(ge=1)] = CONTRACT_VERSION
 
     def __post_init__(self) -> None:

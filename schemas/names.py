@@ -27,6 +27,12 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _KAFKA_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 
 
+def default_dlq_topic(jobs_topic: str) -> str:
+    """The dead-letter topic of a job topic when none is configured. client/stack.py (standard library only,
+    so it cannot import this package) repeats this one line; tests/test_stack.py checks that both agree."""
+    return jobs_topic + DLQ_SUFFIX
+
+
 def is_valid_request_id(value: object) -> bool:
     """True for 1-128 chars of [A-Za-z0-9._:-] (also the check for a Kafka record key used as a fallback id)."""
     return isinstance(value, str) and _REQUEST_ID.fullmatch(value) is not None
@@ -50,7 +56,7 @@ class Names:
         if not self.redis_prefix or any(c.isspace() for c in self.redis_prefix):
             raise ValueError(f"redis_prefix must be non-empty and without whitespace, got {self.redis_prefix!r}")
         if not self.dlq_topic:
-            object.__setattr__(self, "dlq_topic", self.jobs_topic + DLQ_SUFFIX)
+            object.__setattr__(self, "dlq_topic", default_dlq_topic(self.jobs_topic))
         for field, topic in (("jobs_topic", self.jobs_topic), ("dlq_topic", self.dlq_topic)):
             if not _KAFKA_TOPIC.fullmatch(topic):
                 raise ValueError(f"{field} must be 1-249 chars of [A-Za-z0-9._-] (a legal Kafka topic), got {topic!r}")

@@ -156,3 +156,14 @@ def test_dockerfile_installs_the_worker_and_runs_it() -> None:
     assert "EXPOSE 9400" in dockerfile
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".git", "models"} <= set(ignored) and "pyproject.toml" not in ignored
+
+
+def test_redis_persistence_choices_match_the_local_stack(compose: dict[str, Any]) -> None:
+    redis = compose["services"]["redis"]
+    script = "\n".join(redis["command"])
+    assert env_of(redis)["STOKER_REDIS_PERSISTENCE"] == "${STOKER_REDIS_PERSISTENCE:-none}"
+    assert stack.StackConfig(stack_dir=ROOT / "var" / "unused").redis_persistence == "none"  # same default
+    choices = re.findall(r"^\s*([a-z|]+)\) exec", script, re.M)
+    assert sorted("|".join(choices).split("|")) == sorted(stack.REDIS_PERSISTENCE)
+    assert '--appendonly yes --appendfsync "$$STOKER_REDIS_PERSISTENCE"' in script
+    assert "redis-data:/data" in redis["volumes"] and "redis-data" in compose["volumes"]

@@ -71,6 +71,19 @@ def test_add_request_validation(engine, kwargs, code, match):
     assert not engine.has_unfinished()
 
 
+def test_stop_token_ids_beyond_the_vocabulary_are_refused_at_admission(engine):
+    # Unchecked, min_tokens > 0 bans them in the sampler by index: out of range (internal on the CPU, a
+    # device-side assert on a GPU). The vocabulary here is 384.
+    for stop_ids in ([384], [3, 10**6], [True]):
+        with pytest.raises(EngineRequestError, match=r"stop_token_ids .* not token ids") as info:
+            engine.add_request("r", prompt="hi", params=SamplingParams(max_tokens=4, min_tokens=2,
+                                                                       stop_token_ids=stop_ids))
+        assert info.value.code == "invalid_job"
+    assert not engine.has_unfinished()
+    engine.add_request("ok", prompt="hi", params=SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=(383,)))
+    assert drain(engine)["ok"][-1].completion_tokens >= 2
+
+
 def test_prompt_at_the_context_limit_runs_and_duplicates_are_refused(engine):
     engine.add_request("r", prompt_token_ids=[3] * 124, params=GREEDY)
     with pytest.raises(EngineRequestError, match="already queued or running"):

@@ -213,7 +213,7 @@ RANGES: list[tuple[str, list[Any], list[Any]]] = [  # field, rejected values, ac
     ("ignore_eos", [1, "true"], [True, False]),
     ("priority", [2**63, "0"], [-(2**63), 2**63 - 1]),
     ("deadline_ms", [-1, 1.5], [0, 1924992000000]),
-    ("tenant", [1, []], ["acme"]),
+    ("tenant", [1, [], "", "t" * 65], ["acme", "a", "t" * 64]),
     ("model", [1], ["m"]),
     ("metadata", [[1], "x", 5], [{}, {"a": [1]}]),
 ]
@@ -233,6 +233,26 @@ def test_range_errors_name_the_allowed_range() -> None:
     assert "<= 1.0" in rejected(job_bytes(top_p=2)).message
     assert "<= 20" in rejected(job_bytes(logprobs=99)).message
     assert "min_tokens" in rejected(job_bytes(min_tokens=5, max_tokens=4)).message
+
+
+@pytest.mark.parametrize("msgpack", [False, True], ids=["json", "msgpack"])
+def test_metadata_is_bounded_at_16_kib_encoded_in_the_jobs_own_encoding(msgpack: bool) -> None:
+    limit = 16 * 1024
+    assert limit == schemas.MAX_METADATA_BYTES
+    encoder = msgspec.msgpack.encode if msgpack else msgspec.json.encode
+    # The overhead of {"k": <string>} at these lengths (MessagePack's string header grows with the length).
+    filler = limit - (len(encoder({"k": "x" * 1000})) - 1000)
+    at_limit = {"k": "x" * filler}
+    assert len(encoder(at_limit)) == limit
+    ctype = MP if msgpack else None
+    assert decode_job(job_bytes(msgpack, metadata=at_limit), ctype).metadata == at_limit
+    over = {"k": "x" * (filler + 1)}
+    err = rejected(job_bytes(msgpack, metadata=over), content_type=ctype)
+    assert "metadata" in err.message and str(limit + 1) in err.message and "16384" in err.message
+    assert err.request_id == RID
+    # A producer learns it before sending: encode_job runs the same check.
+    with pytest.raises(ContractError, match="metadata"):
+        schemas.encode_job(Job(request_id=RID, prompt="p", metadata=over), msgpack)
 
 
 def test_min_tokens_equal_to_max_tokens_is_fine() -> None:

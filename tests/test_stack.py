@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -43,9 +46,30 @@ def test_config_from_env_reads_ports_dirs_and_topics(tmp_path: Path) -> None:
     cfg = stack.StackConfig.from_env(env)
     assert (cfg.kafka_bootstrap, cfg.redis_url) == ("127.0.0.1:19092", "redis://127.0.0.1:16379/0")
     assert cfg.stack_dir == tmp_path / "stack" and cfg.kafka_home == tmp_path / f"kafka-{cfg.kafka_version}"
-    assert cfg.topics() == {"a.jobs": 4, "stoker.jobs.dlq": 2}
+    assert cfg.topics() == {"a.jobs": 4, "a.jobs.dlq": 2}  # the dead-letter topic follows the job topic
     with pytest.raises(stack.StackError, match="STOKER_REDIS_PORT"):
         stack.StackConfig.from_env({"STOKER_REDIS_PORT": "six"})
+
+
+def test_default_dead_letter_topic_is_one_rule_for_stack_worker_and_client(tmp_path: Path) -> None:
+    """The launcher stays standard-library only (schemas needs msgspec), so it repeats the rule: both agree."""
+    from schemas.names import Names, default_dlq_topic
+
+    for topic in ("stoker.jobs", "x", "a-b_c.9"):
+        ours = stack.StackConfig(stack_dir=tmp_path, job_topic=topic).dlq_topic
+        assert ours == stack.default_dlq_topic(topic) == default_dlq_topic(topic) == Names(jobs_topic=topic).dlq_topic
+    assert stack.DEFAULT_DLQ_TOPIC == default_dlq_topic(stack.DEFAULT_JOB_TOPIC) == "stoker.jobs.dlq"
+    assert stack.StackConfig.from_env({"STOKER_JOB_TOPIC": "x"}).topics() == {"x": 4, "x.dlq": 1}
+    both = stack.StackConfig.from_env({"STOKER_JOB_TOPIC": "x", "STOKER_DLQ_TOPIC": "dead"})
+    assert both.topics() == {"x": 4, "dead": 1}
+
+
+def test_redis_persistence_setting_from_env_and_its_bad_values(tmp_path: Path) -> None:
+    assert stack.StackConfig(stack_dir=tmp_path).redis_persistence == "none"  # the local default: none
+    env = {"STOKER_CACHE": str(tmp_path), "STOKER_REDIS_PERSISTENCE": "always"}
+    assert stack.StackConfig.from_env(env).redis_persistence == "always"
+    with pytest.raises(stack.StackError, match="redis_persistence.*none, everysec or always"):
+        stack.StackConfig(stack_dir=tmp_path, redis_persistence="sometimes")
 
 
 def test_down_never_stops_a_process_it_did_not_start(tmp_path: Path) -> None:
@@ -183,3 +207,42 @@ def test_cli_lifecycle_on_other_ports(stack_services: Endpoints, tmp_path: Path)
         time.sleep(0.1)
     status = run("status")
     assert status.returncode == 3 and status.stdout == "" and "down" in status.stderr
+
+
+def _redis_kill_9(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    while stack._alive(pid):
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize(("persistence", "kept"), [("always", True), ("everysec", True), ("none", False)])
+def test_private_redis_keeps_a_result_across_kill_9_with_aof(persistence: str, kept: bool, tmp_path: Path) -> None:
+    """The launcher's Redis with `--redis-persistence always` (AOF, fsync per write) keeps a result key across
+    a crash and restart; with `none` (the old only choice) every result is gone. everysec may lose the last
+    second; here the write is older than that."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    import redis
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = stack.StackConfig(stack_dir=tmp_path, redis_port=port, redis_persistence=persistence)
+    pid = stack._start_redis(cfg)
+    try:
+        client = redis.Redis(port=port)
+        client.set("stoker:result:r1", b'{"type":"done"}', ex=3600)
+        assert client.config_get("appendonly")["appendonly"] == ("no" if persistence == "none" else "yes")
+        assert stack._running_persistence(port) == persistence  # what `up` compares with the asked-for one
+        if persistence == "everysec":
+            time.sleep(1.5)
+        client.close()
+        _redis_kill_9(pid)
+        pid = stack._start_redis(cfg)
+        client = redis.Redis(port=port)
+        assert client.get("stoker:result:r1") == (b'{"type":"done"}' if kept else None)
+        assert 0 < client.ttl("stoker:result:r1") <= 3600 or not kept
+        client.close()
+        assert any(cfg.redis_dir.glob("appendonly*")) is kept  # the AOF lives in the stack's data dir
+    finally:
+        _redis_kill_9(pid)

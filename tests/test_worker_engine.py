@@ -9,10 +9,10 @@ import sys
 
 import pytest
 import redis.asyncio as aioredis
-from worker_harness import ROOT, check_sequence, job, make_space, produce, wait_results
+from worker_harness import ROOT, check_sequence, job, make_space, produce, scrape, wait_results
 
 from engine.sequence import SamplingParams
-from schemas import Done
+from schemas import Done, Error
 from worker.config import WorkerConfig
 from worker.service import Worker
 
@@ -75,3 +75,42 @@ async def test_worker_output_equals_the_engine_alone(request, tiny_model):
         assert isinstance(done, Done), done
         assert done.text == expected[j["request_id"]]
         assert done.usage.completion_tokens <= j["max_tokens"] and done.model == "tiny"
+
+
+async def test_prefix_cache_metrics_and_a_stop_id_beyond_the_vocabulary(request, tiny_model):
+    """Through Kafka and Redis with the real engine: a stop id >= the vocabulary (384) with min_tokens used to
+    index past the sampler's logits and end `internal`; now `invalid_job` naming the field. And the prefix
+    cache counters, which stayed 0, count: a repeated prompt is looked up whole and found in part."""
+    space = await make_space(request)
+    shared = [5 + (7 * i) % 300 for i in range(48)]  # three 16-token blocks
+    engine = await asyncio.to_thread(_engine, tiny_model)
+    config = WorkerConfig(model=tiny_model, bootstrap_servers=space.bootstrap, redis_url=space.redis_url,
+                          job_topic=space.names.jobs_topic, prefix=space.names.redis_prefix, group_id=space.group,
+                          metrics_port=0, max_num_seqs=16)
+    worker = Worker(config, engine)
+    task = asyncio.create_task(worker.run())
+    r = aioredis.Redis.from_url(space.redis_url)
+    try:
+        await produce(space.bootstrap, space.names.jobs_topic, [
+            job("bad-stop", prompt="hello", stop_token_ids=[3, 384], min_tokens=1, max_tokens=4),
+            job("p0", prompt_token_ids=shared, max_tokens=2, temperature=0)])
+        results = await wait_results(r, space.names, ["bad-stop", "p0"], timeout=120)
+        await produce(space.bootstrap, space.names.jobs_topic,  # after p0: its blocks are cached
+                      [job(f"p{i}", prompt_token_ids=shared, max_tokens=2, temperature=0) for i in (1, 2)])
+        results |= await wait_results(r, space.names, ["p1", "p2"], timeout=120)
+        assert worker.health is not None and worker.health.port is not None
+        values = await asyncio.to_thread(scrape, worker.health.port)
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, 60)
+        await r.aclose()
+    bad = results["bad-stop"].terminal
+    assert isinstance(bad, Error) and bad.code == "invalid_job" and "stop_token_ids" in bad.message, bad
+    done = [results[f"p{i}"].terminal for i in range(3)]
+    assert all(isinstance(d, Done) for d in done)
+    cached = sum(d.usage.cached_tokens for d in done if isinstance(d, Done))
+    assert cached > 0
+    assert values[("stoker_prefix_cache_queries_total", frozenset())] == 3 * len(shared)
+    assert values[("stoker_prefix_cache_hits_total", frozenset())] == cached
+    assert values[("stoker_prompt_tokens_total", frozenset({("tenant", "")}))] == 3 * len(shared)
+    assert values[("stoker_generation_tokens_total", frozenset({("tenant", "")}))] == 6

@@ -31,6 +31,7 @@ from worker_harness import (
     make_space,
     produce,
     running_worker,
+    scrape,
     start_worker_process,
     stop_process,
     wait_results,
@@ -250,7 +251,7 @@ async def test_metrics_health_and_heartbeat(space, r):
 
         status, body = await asyncio.to_thread(get, "/metrics")
         assert status == 200
-        assert 'stoker_requests_finished_total{reason="length"} 1.0' in body
+        assert 'stoker_requests_finished_total{reason="length",tenant=""} 1.0' in body
         assert "stoker_generation_tokens_total" in body and "stoker_time_to_first_token_seconds_count 1.0" in body
         assert (await asyncio.to_thread(get, "/readyz"))[0] == 200
         assert (await asyncio.to_thread(get, "/healthz"))[0] == 200
@@ -805,3 +806,78 @@ async def test_dead_letter_send_that_keeps_failing_turns_healthz_unhealthy(space
                 break
             await asyncio.sleep(0.05)
         assert await asyncio.to_thread(get, "/healthz") == 200
+
+
+async def test_token_prefix_and_busy_metrics_count_with_a_bounded_tenant_label(space, r):
+    """They were declared and never incremented. Exact counts after jobs of known lengths; the tenant label is
+    capped (the first max_tenant_labels tenants keep theirs, later ones count as `other`, none is "")."""
+    names = space.names
+    first = [("a1", "a", 3, 5), ("a2", "a", 2, 4), ("b1", "b", 5, 6)]  # (id, tenant, prompt words, max_tokens)
+    later = [("c1", "c", 7, 2), ("d1", "d", 1, 3), ("n1", None, 4, 9)]
+    started = time.monotonic()
+    async with running_worker(space, metrics_port=0, max_tenant_labels=2) as w:
+        assert w.health is not None and w.health.port is not None
+        for batch in (first, later):  # a and b are met first: they take the two labels
+            await produce(space.bootstrap, names.jobs_topic, [
+                job(rid, prompt=" ".join(["word"] * words), max_tokens=max_tokens, **({"tenant": t} if t else {}))
+                for rid, t, words, max_tokens in batch])
+            await wait_results(r, names, [rid for rid, *_ in batch], timeout=30)
+        values = await asyncio.to_thread(scrape, w.health.port)
+    wall = time.monotonic() - started
+
+    def get(name: str, **labels: str) -> float:
+        return values.get((name, frozenset(labels.items())), 0.0)
+
+    expected = {"a": (5, 9), "b": (5, 6), "other": (8, 5), "": (4, 9)}  # tenant label -> (prompt, generated)
+    for tenant, (prompt, generated) in expected.items():
+        assert get("stoker_prompt_tokens_total", tenant=tenant) == prompt, tenant
+        assert get("stoker_generation_tokens_total", tenant=tenant) == generated, tenant
+    assert get("stoker_requests_finished_total", reason="length", tenant="a") == 2
+    assert get("stoker_requests_finished_total", reason="length", tenant="other") == 2
+    assert get("stoker_requests_finished_total", reason="length", tenant="") == 1
+    assert not any(("tenant", t) in labels for _, labels in values for t in ("c", "d"))
+    # The stand-in engine looks every prompt token up and finds none cached.
+    assert get("stoker_prefix_cache_queries_total") == 22 and get("stoker_prefix_cache_hits_total") == 0
+    assert 0 < get("stoker_engine_busy_seconds_total") <= wall
+
+
+async def test_jobs_outside_the_version_1_1_bounds_get_invalid_job_naming_the_field(space, r):
+    """tenant 1-64 chars, metadata at most 16 KiB encoded (JSON and MessagePack), stop_token_ids below the
+    vocabulary: each was accepted (the last one reaching the sampler); now an invalid_job error event."""
+    names = space.names
+    bad = {
+        "long-tenant": ("tenant", job("long-tenant", tenant="t" * 65)),
+        "empty-tenant": ("tenant", job("empty-tenant", tenant="")),
+        "big-meta": ("metadata", job("big-meta", metadata={"k": "x" * (16 * 1024)})),
+        "big-meta-mp": ("metadata", job("big-meta-mp", metadata={"k": "x" * (16 * 1024)})),
+        "stop-id": ("stop_token_ids", job("stop-id", stop_token_ids=[5, 32000], min_tokens=1, max_tokens=4)),
+    }
+    items: list[dict | tuple] = [body for _, body in bad.values() if body["request_id"] != "big-meta-mp"]
+    mp = bad["big-meta-mp"][1]
+    items.append((b"big-meta-mp", msgspec.msgpack.encode(mp), [("content-type", b"application/msgpack")]))
+    items.append(job("fine", tenant="t" * 64, metadata={"k": "x" * 1000}, stop_token_ids=[31999], max_tokens=2))
+    async with running_worker(space):
+        await produce(space.bootstrap, names.jobs_topic, items)
+        results = await wait_results(r, names, [*bad, "fine"], timeout=30)
+    for rid, (field_name, _) in bad.items():
+        terminal = results[rid].terminal
+        assert isinstance(terminal, Error) and terminal.code == "invalid_job", (rid, terminal)
+        assert field_name in terminal.message, (rid, terminal.message)
+    assert isinstance(results["fine"].terminal, Done) and results["fine"].terminal.tenant == "t" * 64
+
+
+async def test_the_stacks_default_dead_letter_topic_is_the_one_worker_and_client_use(space):
+    """STOKER_JOB_TOPIC=x ops/stack up made `x` and `stoker.jobs.dlq`; the worker wanted `x.dlq` and refused to
+    start. One rule now: the stack makes x.dlq, the worker starts on x alone and dead-letters there."""
+    from client.client import Client
+
+    topic = f"own.{space.tag}"
+    cfg = stack.StackConfig.from_env({"STOKER_JOB_TOPIC": topic})
+    assert cfg.dlq_topic == f"{topic}.dlq"
+    assert Client(space.bootstrap, space.redis_url, topic=topic).names.dlq_topic == cfg.dlq_topic
+    await asyncio.to_thread(stack.ensure_topics, space.bootstrap, cfg.topics())
+    async with running_worker(space, job_topic=topic) as w:
+        assert w.names.dlq_topic == cfg.dlq_topic
+        await produce(space.bootstrap, topic, [(b"junk", b"not json", [])])
+        letters = await dead_letters(space.bootstrap, cfg.dlq_topic)
+    assert [rec.key for rec in letters] == [b"junk"]

@@ -15,6 +15,7 @@ from worker.config import WorkerConfig
 from worker.driver import EngineDriver
 from worker.fake_engine import FAIL_MARKER, FakeEngine, fake_token_id, fake_token_text
 from worker.main import parse_config
+from worker.metrics import TenantLabels
 from worker.offsets import OffsetTracker
 
 
@@ -226,6 +227,7 @@ def test_config_from_env_and_flags():
     ({"fake_engine": True, "security_protocol": "SASL_SSL"}, "sasl_mechanism"),
     ({"fake_engine": True, "job_topic": "bad topic"}, "jobs_topic"),
     ({"fake_engine": True, "switch_interval_s": 0}, "switch_interval_s"),
+    ({"fake_engine": True, "max_tenant_labels": -1}, "max_tenant_labels"),
 ])
 def test_config_rejects_bad_values_with_a_reason(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
@@ -245,3 +247,9 @@ def test_stream_cap_fits_the_longest_request_and_keeps_the_flag_as_a_floor():
     assert small.stream_cap() == 3 * 1001 + 1  # 3 attempts of 1000 chunks + a terminal each, + the poison error
     big = Worker(WorkerConfig(fake_engine=True, stream_maxlen=50_000), FakeEngine(max_model_len=1000))
     assert big.stream_cap() == 50_000
+
+
+def test_tenant_labels_are_capped_and_the_absent_tenant_has_its_own():
+    labels = TenantLabels(2)
+    assert [labels(t) for t in ("a", None, "b", "c", "a", "b", "d")] == ["a", "", "b", "other", "a", "b", "other"]
+    assert TenantLabels(0)("a") == "other"

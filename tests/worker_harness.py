@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -193,6 +194,16 @@ async def committed_offsets(bootstrap: str, group: str, topic: str) -> tuple[int
         return committed, sum(ends.values())
     finally:
         await consumer.stop()
+
+
+def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """/metrics as {(sample name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def start_worker_process(env: dict[str, str], *args: str, log_path: Path | None = None) -> subprocess.Popen[bytes]:

@@ -63,6 +63,7 @@ class WorkerConfig:
     metrics_host: str = "0.0.0.0"
     metrics_port: int = 9400  # 0 = pick a free port, -1 = off
     switch_interval_s: float = 0.0005  # sys.setswitchinterval, set by worker.main (see there why)
+    max_tenant_labels: int = 100  # distinct `tenant` metric labels; later tenants count as "other"
     log_prompts: bool = False
     log_level: str = "INFO"
     log_format: str = "kv"  # kv | json
@@ -91,6 +92,9 @@ class WorkerConfig:
         for name in ("ttl_s", "stream_maxlen", "attempts_ttl_s", "max_attempts", "max_message_bytes"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_tenant_labels < 0:
+            problems.append(f"max_tenant_labels must be >= 0 (0: every tenant counts as other), got "
+                            f"{self.max_tenant_labels}")
         if self.claim_ttl_s < 1:
             problems.append(f"claim_ttl_s must be >= 1 s (renewed every third of it), got {self.claim_ttl_s}")
         if self.redis_outage_leave_s <= 0:

@@ -123,6 +123,9 @@ class FakeEngine:
             if bad:
                 raise EngineRequestError("invalid_job", f"prompt_token_ids out of [0, {self.vocab_size}): {bad[:5]}")
             num_prompt = len(prompt_token_ids)
+        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad_stop:
+            raise EngineRequestError("invalid_job", f"stop_token_ids out of [0, {self.vocab_size}): {bad_stop[:5]}")
         if num_prompt + params.max_tokens > self.max_model_len:
             raise EngineRequestError(
                 "context_length_exceeded",

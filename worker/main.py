@@ -58,6 +58,8 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
     ("--metrics-port", "STOKER_METRICS_PORT", int, 9400, "metrics/health port (0 any, -1 off)"),
     ("--switch-interval-s", "STOKER_SWITCH_INTERVAL_S", float, 0.0005,
      "GIL switch interval: how long the loop may wait for the engine thread"),
+    ("--max-tenant-labels", "STOKER_MAX_TENANT_LABELS", int, 100,
+     "distinct `tenant` label values in metrics; later tenants are counted as `other`"),
     ("--log-prompts", "STOKER_LOG_PROMPTS", bool, False, "log prompt text (off: prompts may be private)"),
     ("--log-level", "STOKER_LOG_LEVEL", str, "INFO", "DEBUG|INFO|WARNING|ERROR"),
     ("--log-format", "STOKER_LOG_FORMAT", str, "kv", "kv or json"),

@@ -9,26 +9,65 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from engine.outputs import EngineStats
 
 log = logging.getLogger("stoker.worker.metrics")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # Transport stages are sub-millisecond to tens of ms when healthy: fine buckets there, coarse beyond.
 _STAGE_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+NO_TENANT = ""  # a job without `tenant` (a real tenant is 1-64 chars, so this never collides)
+OTHER_TENANT = "other"  # every tenant met after the first max_tenant_labels
+DEFAULT_MAX_TENANT_LABELS = 100
+
+
+class _EngineTotals(Protocol):
+    """What the engine driver exposes: the last step's stats (running totals) and time spent stepping."""
+
+    busy_s: float
+
+    @property
+    def last_stats(self) -> EngineStats | None: ...
+
+
+class TenantLabels:
+    """Bounds the `tenant` label's cardinality: the first `limit` distinct tenants keep their own value, later
+    ones share OTHER_TENANT (each series costs memory here and in Prometheus, and tenants are user input)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._known: set[str] = set()
+
+    def __call__(self, tenant: str | None) -> str:
+        if tenant is None:
+            return NO_TENANT
+        if tenant in self._known:
+            return tenant
+        if len(self._known) < self.limit:
+            self._known.add(tenant)
+            return tenant
+        return OTHER_TENANT
 
 
 class WorkerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, max_tenant_labels: int = DEFAULT_MAX_TENANT_LABELS) -> None:
+        self.tenant_label = TenantLabels(max_tenant_labels)
+        self._engine: _EngineTotals | None = None
+        self._engine_seen = (0, 0, 0.0)  # prefix queries, prefix hits, busy seconds already counted
         r = self.registry = CollectorRegistry()
         self.running = Gauge("stoker_requests_running", "requests in the engine's running batch", registry=r)
         self.waiting = Gauge("stoker_requests_waiting", "requests queued in the engine", registry=r)
         self.parked = Gauge("stoker_requests_parked", "jobs waiting on another worker's claim", registry=r)
         self.kv_usage = Gauge("stoker_kv_cache_usage", "share of KV blocks in use (0-1)", registry=r)
-        self.prompt_tokens = Counter("stoker_prompt_tokens", "prompt tokens processed", registry=r)
-        self.generation_tokens = Counter("stoker_generation_tokens", "tokens generated", registry=r)
+        # By tenant (bounded: see TenantLabels), counted by the worker from each request's outputs.
+        self.prompt_tokens = Counter("stoker_prompt_tokens", "prompt tokens of requests the engine started",
+                                     ["tenant"], registry=r)
+        self.generation_tokens = Counter("stoker_generation_tokens", "tokens generated", ["tenant"], registry=r)
         self.prefix_queries = Counter("stoker_prefix_cache_queries", "prompt tokens looked up", registry=r)
         self.prefix_hits = Counter("stoker_prefix_cache_hits", "prompt tokens found cached", registry=r)
         self.ttft = Histogram("stoker_time_to_first_token_seconds", "Kafka record time to first token",
@@ -46,7 +85,7 @@ class WorkerMetrics:
         self.stage = Histogram("stoker_job_stage_seconds", "Kafka record time to each stage of a job's start",
                                ["stage"], buckets=_STAGE_BUCKETS, registry=r)
         self.finished = Counter("stoker_requests_finished", "requests ended, by finish reason or error code",
-                                ["reason"], registry=r)
+                                ["reason", "tenant"], registry=r)
         self.dlq = Counter("stoker_dead_letters", "records sent to the dead-letter topic", ["code"], registry=r)
         self.dlq_dropped = Counter("stoker_dead_letters_dropped", "dead letters that could not be sent in any "
                                    "form (logged, their records committed)", ["code"], registry=r)
@@ -59,7 +98,30 @@ class WorkerMetrics:
                          registry=r)
         self.engine_busy = Counter("stoker_engine_busy_seconds", "time spent inside engine.step()", registry=r)
 
+    def watch_engine(self, engine: _EngineTotals) -> None:
+        """Count the engine's own running totals (prefix cache, busy time) from `engine` at each scrape."""
+        self._engine = engine
+
+    def add_tokens(self, prompt: dict[str, int], generated: dict[str, int]) -> None:
+        """One engine step's tokens, {tenant label: count}: one increment per tenant, not per request."""
+        for label, count in prompt.items():
+            self.prompt_tokens.labels(label).inc(count)
+        for label, count in generated.items():
+            self.generation_tokens.labels(label).inc(count)
+
+    def _sync_engine(self) -> None:
+        if self._engine is None:
+            return
+        stats, busy_s = self._engine.last_stats, self._engine.busy_s
+        queries, hits = (stats.prefix_cache_queries, stats.prefix_cache_hits) if stats else self._engine_seen[:2]
+        seen_queries, seen_hits, seen_busy = self._engine_seen
+        self.prefix_queries.inc(max(0, queries - seen_queries))
+        self.prefix_hits.inc(max(0, hits - seen_hits))
+        self.engine_busy.inc(max(0.0, busy_s - seen_busy))
+        self._engine_seen = (max(queries, seen_queries), max(hits, seen_hits), max(busy_s, seen_busy))
+
     def render(self) -> bytes:
+        self._sync_engine()
         return generate_latest(self.registry)
 
 

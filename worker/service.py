@@ -127,7 +127,7 @@ class Worker:
         self.engine = engine
         self.model_name = config.served_model_name or engine.model_name
         self.names = config.names
-        self.metrics = WorkerMetrics()
+        self.metrics = WorkerMetrics(config.max_tenant_labels)
         self._stage = {name: self.metrics.stage.labels(name)
                        for name in ("polled", "claimed", "engine_added", "first_output", "published")}
         self.tracker = OffsetTracker()
@@ -174,6 +174,7 @@ class Worker:
         # partitions it could never serve (an outage, by contrast, is waited out).
         await self.rio.retry("ping", self.redis.ping)
         self.driver = EngineDriver(self.engine, loop, self._on_step)
+        self.metrics.watch_engine(self.driver)
         self.driver.start()
         security = cfg.kafka_security()
         self.producer = AIOKafkaProducer(bootstrap_servers=cfg.bootstrap_servers, acks="all",
@@ -524,7 +525,7 @@ class Worker:
         rid = req.job.request_id
         if self.active.get(rid) is req:  # only this request: never another one running under the same id
             del self.active[rid]
-        self.metrics.finished.labels(reason).inc()
+        self.metrics.finished.labels(reason, self.metrics.tenant_label(req.job.tenant)).inc()
         self._finishing.setdefault(rid, [])
         self._outbox.put_nowait(Batch([OutEvent(rid, self._event_bytes(req, event), kind, req.attempt)],
                                       terminals=[req]))
@@ -646,13 +647,19 @@ class Worker:
             return
         batch = Batch(steps=1)
         m = self.metrics
+        prompt_tokens: dict[str, int] = {}  # tenant label -> tokens this step, counted once per tenant below
+        generated: dict[str, int] = {}
         for out in outputs:
             req = self.active.get(out.request_id)
             if req is None or req.lost:
                 continue
+            tenant = m.tenant_label(req.job.tenant)
             if out.first_scheduled_ms is not None and req.first_scheduled_ms is None:
                 req.first_scheduled_ms = out.first_scheduled_ms
                 m.queue.observe(max(0.0, out.first_scheduled_ms - req.record_ms) / 1000)
+                prompt_tokens[tenant] = prompt_tokens.get(tenant, 0) + out.prompt_tokens
+            if out.new_token_ids:
+                generated[tenant] = generated.get(tenant, 0) + len(out.new_token_ids)
             rid = out.request_id
             if out.new_token_ids or out.text_delta:
                 if req.first_token_ms is None:
@@ -690,10 +697,11 @@ class Worker:
                     metadata=req.job.metadata)
                 reason = out.finish_reason or "stop"
                 m.e2e.observe(max(0.0, step_ms - req.record_ms) / 1000)
-            m.finished.labels(reason).inc()
+            m.finished.labels(reason, tenant).inc()
             batch.events.append(OutEvent(rid, encode_event(event, req.msgpack), 2, req.attempt))
             batch.terminals.append(req)
             self._finishing.setdefault(rid, [])
+        m.add_tokens(prompt_tokens, generated)
         if stats is not None:
             m.running.set(stats.num_running)
             m.waiting.set(stats.num_waiting)
