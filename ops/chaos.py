@@ -249,7 +249,7 @@ class Chaos:
                 await self.wait_streaming(r, self.ids[-count:])
                 self.log(f"[chaos] {len(self.ids)} jobs produced; fault: {fault.__name__[6:]}")
                 await fault()
-                if fault is self.fault_redis:  # the test's own connections died with the server
+                if fault == self.fault_redis:  # the test's own connections died with the server
                     await r.aclose()
                     r = aioredis.Redis.from_url(self.redis_url)
             await self.settle(r, deadline=started + timeout_s)
