@@ -612,7 +612,8 @@ def _start_kafka(cfg: StackConfig, lib: Path, java: str) -> int:
     if not (kdir / "data" / "meta.properties").exists():
         # Cluster id: 16 random bytes, URL-safe base64 without padding (what `random-uuid` prints).
         cluster_id = base64.urlsafe_b64encode(secrets.token_bytes(16)).decode().rstrip("=")
-        proc = subprocess.run([*jvm, *classpath, "kafka.tools.StorageTool", "format", "-t", cluster_id,
+        # `--cluster-id=ID` in one word: an id that starts with "-" (1 in 64 do) would read as an option
+        proc = subprocess.run([*jvm, *classpath, "kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}",
                                "-c", str(props)], capture_output=True, text=True)
         if proc.returncode != 0:
             raise StackError(f"formatting Kafka storage in {kdir / 'data'} failed:\n"

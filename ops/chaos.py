@@ -5,7 +5,8 @@ attempt after a higher attempt's first event in its stream, and the group's cons
 
 Everything runs on loopback: a private Kafka broker (client.stack, own ports and data dir), a private
 redis-server with AOF (`appendfsync always`, so a killed Redis keeps what it acknowledged), and the workers
-as real `stoker-worker` processes on the stand-in engine. Bounded in time: each wait has a deadline.
+as real `stoker-worker` processes on the stand-in engine, each reaching Redis through a loopback proxy of
+its own (so that one worker's link can stall while the others' flow). Bounded in time: each wait has a deadline.
 
     ops/chaos [--jobs 300] [--keep-logs DIR]
 
@@ -28,9 +29,10 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
@@ -38,7 +40,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from client import stack
-from schemas import Done, Error, Names, decode_event
+from schemas import Chunk, Done, Error, Names, decode_event
 
 ROOT = Path(__file__).resolve().parents[1]
 CLAIM_TTL_S = 3.0
@@ -57,6 +59,52 @@ def wait_port(port: int, timeout_s: float) -> None:
             return
         time.sleep(0.05)
     raise RuntimeError(f"nothing answered on port {port} within {timeout_s} s")
+
+
+class RedisProxy:
+    """A loopback TCP forwarder to Redis that the test can cut (every connection closed, new ones refused)
+    and heal, or stall (bytes held) and let flow again: one worker loses Redis while the others keep it."""
+
+    def __init__(self, target_port: int):
+        self.target_port = target_port
+        self.cut = False
+        self.flowing = asyncio.Event()  # cleared: bytes are held (a stalled network), not dropped
+        self.flowing.set()
+        self.server: asyncio.Server | None = None
+        self.writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(Exception):
+            while data := await reader.read(65536):
+                await self.flowing.wait()
+                if self.cut:
+                    break
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.cut:
+            writer.close()
+            return
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self.writers |= {writer, up_writer}
+        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+
+    def sever(self) -> None:
+        self.cut = True
+        for w in self.writers:
+            w.close()
+        self.writers.clear()
+
+    async def close(self) -> None:
+        self.sever()
+        if self.server is not None:
+            self.server.close()
 
 
 @dataclass
@@ -93,10 +141,10 @@ class ChaosReport:
         return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
 
-def check_stream(rid: str, terminal: Done | Error, events: list[object]) -> list[str]:
+def check_stream(rid: str, terminal: Done | Error, events: Sequence[Chunk | Done | Error]) -> list[str]:
     """The contract's rules for one request: what is wrong, as sentences (none when all holds)."""
     problems = []
-    attempts = [e.attempt for e in events]  # type: ignore[attr-defined]
+    attempts = [e.attempt for e in events]
     if attempts != sorted(attempts):
         problems.append(f"{rid}: an older attempt published after a newer one ({attempts[:40]}...)")
     top = max(attempts, default=0)
@@ -105,7 +153,7 @@ def check_stream(rid: str, terminal: Done | Error, events: list[object]) -> list
     finals = [e for e in events if isinstance(e, Done | Error) and e.attempt == top]
     if finals != [terminal]:
         problems.append(f"{rid}: the highest attempt has {len(finals)} terminal events, or not the result's")
-    seqs = [e.seq for e in events if e.attempt == top]  # type: ignore[attr-defined]
+    seqs = [e.seq for e in events if e.attempt == top]
     if sorted(set(seqs)) != list(range(len(set(seqs)))):
         problems.append(f"{rid}: seq gaps in the final attempt")
     return problems
@@ -126,6 +174,7 @@ class Chaos:
         self.redis_dir = work_dir / "redis"
         self.redis_proc: subprocess.Popen[bytes] | None = None
         self.workers: list[subprocess.Popen[bytes]] = []
+        self.proxies: dict[int, RedisProxy] = {}  # worker pid -> its own link to Redis
         self.worker_count = 0
         self.report = ChaosReport(jobs)
         self.ids: list[str] = []
@@ -148,10 +197,14 @@ class Chaos:
             self.redis_proc.kill()
             self.redis_proc.wait()
 
-    def start_worker(self) -> subprocess.Popen[bytes]:
+    async def start_worker(self) -> subprocess.Popen[bytes]:
+        """A worker process whose Redis link is a proxy of its own (so one worker's link can stall)."""
         self.worker_count += 1
+        proxy = RedisProxy(self.redis_port)
+        proxy_port = await proxy.start()
         env = dict(os.environ)
-        env.update(KAFKA_BOOTSTRAP_SERVERS=self.stack_cfg.kafka_bootstrap, REDIS_URL=self.redis_url,
+        env.update(KAFKA_BOOTSTRAP_SERVERS=self.stack_cfg.kafka_bootstrap,
+                   REDIS_URL=f"redis://127.0.0.1:{proxy_port}/0",
                    STOKER_JOB_TOPIC=self.names.jobs_topic, STOKER_PREFIX=self.names.redis_prefix,
                    STOKER_GROUP_ID=self.group, STOKER_METRICS_PORT="-1", STOKER_FAKE_ENGINE="1",
                    STOKER_FAKE_STEP_DELAY_S=str(self.step_delay_s), STOKER_CLAIM_TTL_S=str(CLAIM_TTL_S),
@@ -160,6 +213,7 @@ class Chaos:
             proc = subprocess.Popen([sys.executable, "-m", "worker.main"], cwd=ROOT, env=env, stdout=out,
                                     stderr=subprocess.STDOUT)
         self.workers.append(proc)
+        self.proxies[proc.pid] = proxy
         return proc
 
     def live_workers(self) -> list[subprocess.Popen[bytes]]:
@@ -204,13 +258,19 @@ class Chaos:
         victim.wait()
         self.report.faults.append("worker SIGKILL")
         await asyncio.sleep(1.0)
-        self.start_worker()
+        await self.start_worker()
 
     async def fault_sigstop(self) -> None:
         victim = self.live_workers()[-1]
+        link = self.proxies[victim.pid]
+        # Its link stalls first, with a publish in flight (a frozen VM, a long GC pause: the bytes it sent
+        # arrive when it wakes). Then the process stops past the claim TTL and the group's session timeout
+        # (10 s): the other worker takes its jobs over as the next attempt.
+        link.flowing.clear()
+        await asyncio.sleep(0.3)
         victim.send_signal(signal.SIGSTOP)
-        # Past the claim TTL and the group's session timeout (10 s): the other worker takes its jobs over.
         await asyncio.sleep(CLAIM_TTL_S + 10.0)
+        link.flowing.set()
         victim.send_signal(signal.SIGCONT)
         self.report.faults.append(f"worker SIGSTOP {CLAIM_TTL_S + 10:.0f} s")
 
@@ -239,8 +299,8 @@ class Chaos:
         await self.create_topics()
         r = aioredis.Redis.from_url(self.redis_url)
         try:
-            self.start_worker()
-            self.start_worker()
+            await self.start_worker()
+            await self.start_worker()
             faults = [self.fault_sigkill, self.fault_sigstop, self.fault_redis, self.fault_broker]
             per_wave = self.jobs // len(faults)
             for n, fault in enumerate(faults):
@@ -256,6 +316,8 @@ class Chaos:
             await self.check(r)
         finally:
             await r.aclose()
+            for proxy in self.proxies.values():
+                await proxy.close()
             self.report.seconds = time.monotonic() - started
         return self.report
 
@@ -286,7 +348,7 @@ class Chaos:
     async def check(self, r: aioredis.Redis) -> None:
         report = self.report
         for rid in self.ids:
-            value = await r.get(self.names.result(rid))
+            value: Any = await r.get(self.names.result(rid))
             if value is None:
                 report.missing += 1
                 report.violations.append(f"{rid}: no result")
@@ -296,7 +358,7 @@ class Chaos:
             report.done += isinstance(terminal, Done)
             report.errors += isinstance(terminal, Error)
             report.attempts[terminal.attempt] += 1
-            entries = await r.xrange(self.names.stream(rid))
+            entries: Any = await r.xrange(self.names.stream(rid))
             events = [decode_event(fields[b"data"]) for _, fields in entries]
             report.violations += check_stream(rid, terminal, events)
         report.committed, report.end_offsets = await self.offsets()

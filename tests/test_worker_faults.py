@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import AsyncIterator
@@ -37,6 +38,9 @@ from worker_harness import (
 
 from schemas import Cancel, Done, encode_cancel
 from worker.fake_engine import FakeEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops"))
+from chaos import RedisProxy  # noqa: E402
 
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(180)]
 
@@ -80,52 +84,6 @@ async def wait_committed(space: Space, expected: int, timeout: float = 30) -> tu
         await asyncio.sleep(0.2)
 
 
-class CuttableProxy:
-    """A loopback TCP forwarder to Redis that the test can cut (every connection closed, new ones refused)
-    and heal, or stall (bytes held) and let flow again: one worker loses Redis while the others keep it."""
-
-    def __init__(self, target_port: int):
-        self.target_port = target_port
-        self.cut = False
-        self.flowing = asyncio.Event()  # cleared: bytes are held (a stalled network), not dropped
-        self.flowing.set()
-        self.server: asyncio.Server | None = None
-        self.writers: set[asyncio.StreamWriter] = set()
-
-    async def start(self) -> int:
-        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        return int(self.server.sockets[0].getsockname()[1])
-
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(Exception):
-            while data := await reader.read(65536):
-                await self.flowing.wait()
-                if self.cut:
-                    break
-                writer.write(data)
-                await writer.drain()
-        writer.close()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.cut:
-            writer.close()
-            return
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-        self.writers |= {writer, up_writer}
-        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
-
-    def sever(self) -> None:
-        self.cut = True
-        for w in self.writers:
-            w.close()
-        self.writers.clear()
-
-    async def close(self) -> None:
-        self.sever()
-        if self.server is not None:
-            self.server.close()
-
-
 # -- 1. one record must never stop the poll loop -------------------------------------------------------------
 async def test_keyless_record_over_the_size_limit_is_dead_lettered_and_the_jobs_around_it_finish(space, r):
     """gzip lets the broker take a 2 MiB value; the worker refuses it (message_too_large) and its dead letter
@@ -166,7 +124,7 @@ async def test_worker_paused_past_its_claim_ttl_publishes_nothing_after_it_resum
     names = space.names
     ids = [f"p{i}" for i in range(8)]
     port = int(space.redis_url.rsplit(":", 1)[1].split("/")[0])
-    proxy = CuttableProxy(port)
+    proxy = RedisProxy(port)
     proxy_port = await proxy.start()
     env = space.worker_env(STOKER_FAKE_STEP_DELAY_S="0.02")
     first = start_worker_process({**env, "REDIS_URL": f"redis://127.0.0.1:{proxy_port}/0"},
@@ -260,7 +218,7 @@ async def test_healthz_is_unhealthy_until_the_worker_really_runs(space, tmp_path
 async def test_worker_that_loses_redis_past_the_bound_leaves_the_group_and_rejoins(space, r):
     names = space.names
     port = int(space.redis_url.rsplit(":", 1)[1].split("/")[0])
-    proxy = CuttableProxy(port)
+    proxy = RedisProxy(port)
     proxy_port = await proxy.start()
     ids = [f"l{i}" for i in range(24)]
     try:
