@@ -13,7 +13,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.loader import ModelConfig
+from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, PendingSample
 from engine.outputs import EngineRequestError, EngineStats, RequestOutput, TokenLogprob, TopLogprob
 from engine.sampler import SamplerOutput, SamplingRequest

@@ -16,9 +16,10 @@ import torch
 from engine.config import EngineConfig
 from engine.cuda_graphs import bucket_sizes, pick_bucket
 from engine.fast_load import load_weights_fast, read_header
-from engine.loader import ModelConfig, load_weights
+from engine.loader import load_weights
 from engine.make_model import write_tokenizer
-from engine.models import MODEL_REGISTRY
+from engine.model_config import ModelConfig
+from engine.models import model_class
 
 CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
@@ -88,7 +89,7 @@ def test_bucket_sizes_and_pick() -> None:
 def _fresh_model(path: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
     mc = ModelConfig.from_folder(path)
     with torch.device(device):
-        return MODEL_REGISTRY[mc.architecture](mc, dtype, 64)
+        return model_class(mc.architecture)(mc, dtype, 64)
 
 
 @pytest.mark.parametrize(
@@ -159,7 +160,7 @@ def _input(
     samples: list[int],
     decode_only: bool,
 ):
-    from engine.model_runner import AttentionMetadata, ModelInput
+    from engine.batch import AttentionMetadata, ModelInput
 
     width = max(len(t) for t in tables)
     tables = [t + [0] * (width - len(t)) for t in tables]

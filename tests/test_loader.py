@@ -13,8 +13,8 @@ from engine_models import build_hf_model, hf_greedy, prompts
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.loader import ModelConfig
 from engine.make_model import make_model
+from engine.model_config import ModelConfig
 from engine.sequence import SamplingParams
 
 
@@ -146,7 +146,7 @@ def test_missing_and_misshapen_weights(llama_dir, tmp_path):
         )
 
     path = broken_copy(llama_dir, tmp_path / "a", without_k)
-    with pytest.raises(ValueError, match=r"lacks weights for: layers\.1\.qkv_proj\[k\]"):
+    with pytest.raises(ValueError, match=r"lacks weights for: model\.layers\.1\.self_attn\.qkv_proj\.weight\[k\]"):
         LLMEngine(EngineConfig(path, device="cpu", num_kv_blocks=8))
 
     def misshapen(path: str) -> None:
