@@ -11,17 +11,17 @@ import pytest
 import torch
 from engine_models import build_hf_model, hf_greedy, prompts
 
+from engine import EngineRequest, SamplingParams
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.make_model import make_model
 from engine.model_config import ModelConfig
-from engine.sequence import SamplingParams
 
 
 def greedy_tokens(engine: LLMEngine, ids: list[int], n: int) -> list[int]:
-    engine.add_request(
+    engine.add_request(EngineRequest(
         "r", prompt_token_ids=ids, params=SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-    )
+    ))
     out: list[int] = []
     while engine.has_unfinished():
         for o in engine.step():

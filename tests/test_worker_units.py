@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from engine import EngineRequest, SamplingParams
 from engine.outputs import EngineRequestError, RequestOutput
-from engine.sequence import SamplingParams
 from worker.config import WorkerConfig
 from worker.driver import EngineDriver
 from worker.fake_engine import FAIL_MARKER, FakeEngine, fake_token_id, fake_token_text
@@ -77,7 +77,7 @@ def _run_to_end(engine: FakeEngine) -> dict[str, list[RequestOutput]]:
 
 def test_fake_engine_is_deterministic_and_respects_max_tokens():
     engine = FakeEngine(vocab_size=1000)
-    engine.add_request("r1", prompt="hello there", params=SamplingParams(max_tokens=5))
+    engine.add_request(EngineRequest("r1", prompt="hello there", params=SamplingParams(max_tokens=5)))
     outs = _run_to_end(engine)["r1"]
     ids = [t for o in outs for t in o.new_token_ids]
     assert ids == [fake_token_id("r1", i, 1000) for i in range(5)]
@@ -89,7 +89,7 @@ def test_fake_engine_is_deterministic_and_respects_max_tokens():
 def test_fake_engine_priority_order_when_the_batch_is_full():
     engine = FakeEngine(max_num_seqs=1)
     for rid, prio in (("low", 5), ("high", -1), ("mid", 0)):
-        engine.add_request(rid, prompt="x", params=SamplingParams(max_tokens=2), priority=prio)
+        engine.add_request(EngineRequest(rid, prompt="x", params=SamplingParams(max_tokens=2), priority=prio))
     finished = []
     while engine.has_unfinished():
         finished += [o.request_id for o in engine.step() if o.finished]
@@ -98,12 +98,12 @@ def test_fake_engine_priority_order_when_the_batch_is_full():
 
 def test_fake_engine_abort_deadline_stop_and_errors():
     engine = FakeEngine(max_model_len=50)
-    engine.add_request("cancel-me", prompt="x", params=SamplingParams(max_tokens=40))
-    engine.add_request("late", prompt="x", params=SamplingParams(max_tokens=40), deadline_ms=time.time() * 1000 - 1)
-    engine.add_request("boom", prompt=f"x {FAIL_MARKER}", params=SamplingParams(max_tokens=3))
+    engine.add_request(EngineRequest("cancel-me", prompt="x", params=SamplingParams(max_tokens=40)))
+    engine.add_request(EngineRequest("late", prompt="x", params=SamplingParams(max_tokens=40), deadline_ms=time.time() * 1000 - 1))
+    engine.add_request(EngineRequest("boom", prompt=f"x {FAIL_MARKER}", params=SamplingParams(max_tokens=3)))
     text = "".join(fake_token_text(fake_token_id("stopper", i, engine.vocab_size)) for i in range(3))
     stop = text[len(text) // 2 : len(text) // 2 + 3]
-    engine.add_request("stopper", prompt="x", params=SamplingParams(max_tokens=40, stop=(stop,)))
+    engine.add_request(EngineRequest("stopper", prompt="x", params=SamplingParams(max_tokens=40, stop=(stop,))))
     first = engine.step()
     engine.abort("cancel-me")
     outs = _run_to_end(engine)
@@ -116,7 +116,7 @@ def test_fake_engine_abort_deadline_stop_and_errors():
     assert outs["stopper"][-1].finish_reason == "stop" and stop not in streamed
     assert text.startswith(streamed)
     with pytest.raises(EngineRequestError) as exc:
-        engine.add_request("long", prompt="a b c", params=SamplingParams(max_tokens=48))
+        engine.add_request(EngineRequest("long", prompt="a b c", params=SamplingParams(max_tokens=48)))
     assert exc.value.code == "context_length_exceeded"
 
 
@@ -136,7 +136,7 @@ async def test_driver_delivers_every_step_and_sleeps_when_idle():
     driver = EngineDriver(engine, loop, sink)
     driver.start()
     try:
-        driver.add_request("a", prompt="p", params=SamplingParams(max_tokens=20))
+        driver.add_request(EngineRequest("a", prompt="p", params=SamplingParams(max_tokens=20)))
         await asyncio.wait_for(done.wait(), 5)
         assert [t for o in got for t in o.new_token_ids] == [fake_token_id("a", i, engine.vocab_size) for i in range(20)]
         steps = driver.steps
@@ -153,7 +153,7 @@ async def test_driver_stops_stepping_while_outputs_are_unpublished():
     driver = EngineDriver(engine, loop, lambda outs, stats, ms: batches.append(len(outs)), max_unpublished_steps=3)
     driver.start()
     try:
-        driver.add_request("a", prompt="p", params=SamplingParams(max_tokens=100))
+        driver.add_request(EngineRequest("a", prompt="p", params=SamplingParams(max_tokens=100)))
         await asyncio.sleep(0.3)
         assert driver.steps == 3 and len(batches) == 3  # held at the limit: nothing published yet
         driver.published()
@@ -182,7 +182,7 @@ async def test_driver_reports_an_engine_whose_stats_fail_instead_of_dying_silent
     driver = EngineDriver(BrokenStats(), loop, sink)
     driver.start()
     try:
-        driver.add_request("a", prompt="p", params=SamplingParams(max_tokens=5))
+        driver.add_request(EngineRequest("a", prompt="p", params=SamplingParams(max_tokens=5)))
         await asyncio.wait_for(called.wait(), 5)
         assert calls == [(0, driver.fatal)] and isinstance(driver.fatal, RuntimeError)
     finally:

@@ -123,8 +123,7 @@ def build_engine(cfg: WorkerConfig) -> Any:
 
         return FakeEngine(cfg.served_model_name or "fake", max_num_seqs=cfg.max_num_seqs,
                           max_model_len=cfg.max_model_len or 4096, step_delay_s=cfg.fake_step_delay_s)
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
+    from engine import EngineConfig, LLMEngine
 
     kwargs: dict[str, Any] = {"model_path": cfg.model, "max_num_seqs": cfg.max_num_seqs}
     if cfg.served_model_name:
