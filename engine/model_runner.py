@@ -8,7 +8,6 @@ the same interface.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine import kernels
 from engine.batch import AttentionMetadata, ModelInput
 from engine.config import EngineConfig
 from engine.kv_cache import allocate_kv_cache, num_kv_blocks
@@ -38,7 +38,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         # Startup report (GPU work, see engine/fast_load.py and engine/cuda_graphs.py): seconds and bytes.
         self.startup: dict[str, Any] = {}
-        if self.device.type == "cuda" and os.environ.get("STOKER_BLOCKING_SYNC", "1") != "0":  # 0: A/B runs
+        kernels.set_triton(config.use_triton)
+        if self.device.type == "cuda" and config.blocking_sync:
             self.startup["blocking_sync"] = _blocking_sync(self.device)
         with torch.device(self.device):
             self.model = model_class(model_config.architecture)(model_config, self.dtype, max_model_len)

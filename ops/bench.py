@@ -161,6 +161,10 @@ def drop_page_cache() -> bool:
 def start_engine(path: str, max_num_seqs: int):
     from engine import EngineConfig, LLMEngine
 
+    # A/B switches, read here at the edge (the engine itself reads no environment): STOKER_TRITON=0 runs the
+    # torch references, STOKER_BLOCKING_SYNC=0 keeps CUDA's default (spinning) host waits.
+    use_triton = os.environ.get("STOKER_TRITON", "1") != "0"
+    blocking_sync = os.environ.get("STOKER_BLOCKING_SYNC", "1") != "0"
     t0 = time.perf_counter()
     eng = LLMEngine(
         EngineConfig(
@@ -172,6 +176,8 @@ def start_engine(path: str, max_num_seqs: int):
             max_num_batched_tokens=8192,
             enable_prefix_caching=False,
             gpu_memory_utilization=0.9,
+            use_triton=use_triton,
+            blocking_sync=blocking_sync,
         )
     )
     torch.cuda.synchronize()

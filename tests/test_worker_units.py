@@ -218,6 +218,26 @@ def test_config_from_env_and_flags():
                                     "sasl_plain_username": "u", "sasl_plain_password": "p"}
 
 
+def test_every_engine_setting_reaches_the_engine_config(tmp_path, monkeypatch):
+    from worker.main import build_engine
+
+    env = {"STOKER_MODEL": str(tmp_path), "STOKER_DEVICE": "cpu", "STOKER_DTYPE": "float16",
+           "STOKER_BLOCK_SIZE": "32", "STOKER_NO_PREFIX_CACHING": "1", "STOKER_NO_TRITON": "yes",
+           "STOKER_MAX_NUM_BATCHED_TOKENS": "2048", "STOKER_SEED": "7", "STOKER_GPU_MEMORY_UTILIZATION": "0.5"}
+    cfg = parse_config(["--no-cuda-graphs", "--no-async-scheduling", "--no-blocking-sync",
+                        "--num-kv-blocks", "64", "--max-num-batched-tokens", "1024"], env)
+    monkeypatch.setattr("engine.LLMEngine", lambda config: config, raising=False)  # no model load here
+    ec = build_engine(cfg)
+    assert (ec.model_path, ec.device, ec.dtype, ec.block_size, ec.num_kv_blocks) == (str(tmp_path), "cpu", "float16",
+                                                                                      32, 64)
+    assert ec.max_num_batched_tokens == 1024 and ec.seed == 7 and ec.gpu_memory_utilization == 0.5  # flag beats env
+    assert not ec.enable_prefix_caching and not ec.cuda_graphs and ec.async_scheduling is False
+    assert not ec.use_triton and not ec.blocking_sync
+    defaults = build_engine(parse_config([], {"STOKER_MODEL": str(tmp_path), "STOKER_DEVICE": "cpu"}))
+    assert defaults.enable_prefix_caching and defaults.cuda_graphs and defaults.async_scheduling is None
+    assert defaults.use_triton and defaults.blocking_sync and defaults.block_size == 16
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     ({}, "no model"),
     ({"fake_engine": True, "max_num_seqs": 0}, "max_num_seqs"),
@@ -226,6 +246,9 @@ def test_config_from_env_and_flags():
     ({"fake_engine": True, "security_protocol": "SASL_SSL"}, "sasl_mechanism"),
     ({"fake_engine": True, "job_topic": "bad topic"}, "jobs_topic"),
     ({"fake_engine": True, "switch_interval_s": 0}, "switch_interval_s"),
+    ({"fake_engine": True, "block_size": 24}, "block_size must be a power of two"),
+    ({"fake_engine": True, "dtype": "int8"}, "dtype"),
+    ({"fake_engine": True, "max_num_batched_tokens": 0}, "max_num_batched_tokens"),
 ])
 def test_config_rejects_bad_values_with_a_reason(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
