@@ -1,5 +1,31 @@
 """Stoker's inference engine: loader, model, kernels, paged KV cache, scheduler, sampler, tokenizer.
 
-No I/O beyond reading the model folder. Importing this package is cheap: torch is imported only by the
-modules that need it (the scheduler and block manager are pure Python).
+No I/O beyond reading the model folder. The names below are the public API (engine/outputs.py states the
+contract); callers import them from here, never from the modules. Importing this package is cheap: torch is
+imported only when LLMEngine is first used (the worker's stand-in engine and its tests never import it).
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from engine.config import EngineConfig
+from engine.outputs import EngineRequestError, EngineStats, RequestOutput, TokenLogprob, TopLogprob
+from engine.request import EngineRequest
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.engine import LLMEngine
+
+__all__ = [
+    "EngineConfig", "EngineRequest", "EngineRequestError", "EngineStats", "LLMEngine", "RequestOutput",
+    "SamplingParams", "TokenLogprob", "TopLogprob",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLMEngine":  # torch and the model code load here, on first use
+        from engine.engine import LLMEngine
+
+        return LLMEngine
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -27,6 +27,10 @@ class EngineConfig:
     # Overlapped steps (engine.step): schedule and launch step N+1 before reading step N's tokens.
     # None = on for CUDA, off on the CPU (where a step's outputs then come back from the same step() call).
     async_scheduling: bool | None = None
+    use_triton: bool = True  # False: the plain-torch kernel references everywhere (A/B runs, debugging)
+    # On CUDA: host waits on the GPU sleep (blocking-sync context flag) instead of spinning a core;
+    # False keeps CUDA's default scheduling (A/B runs). See model_runner._blocking_sync.
+    blocking_sync: bool = True
 
     def __post_init__(self) -> None:
         problems = []

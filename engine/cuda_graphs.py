@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from engine.model_runner import ModelInput, ModelRunner
+from engine.batch import AttentionMetadata, ModelInput
+from engine.models.base import CausalLM
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -43,14 +42,20 @@ def pick_bucket(sizes: list[int], n: int) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, max_batch: int, max_model_len: int):
-        from engine.model_runner import AttentionMetadata
-
-        self.runner = runner
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        device: torch.device,
+        block_size: int,
+        max_batch: int,
+        max_model_len: int,
+    ):
+        self.model, self.kv_caches, self.device = model, kv_caches, device
         self.sizes = bucket_sizes(max_batch)
         self.max_batch = max_batch
-        dev = runner.device
-        max_blocks = -(-max_model_len // runner.block_size)
+        dev = device
+        max_blocks = -(-max_model_len // block_size)
         self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=dev)
@@ -73,9 +78,8 @@ class DecodeGraphs:
         self.capture_s = 0.0
 
     def _forward(self, b: int) -> torch.Tensor:
-        model = self.runner.model
-        hidden = model(self.input_ids[:b], self.positions[:b], self._meta[b], self.runner.kv_caches)
-        return model.compute_logits(hidden)
+        hidden = self.model(self.input_ids[:b], self.positions[:b], self._meta[b], self.kv_caches)
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -84,19 +88,19 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         # Warm up on a side stream (as torch.cuda.graphs asks): compiles the Triton kernels and lets cuBLAS
         # pick its algorithms before any capture.
-        side = torch.cuda.Stream(self.runner.device)
+        side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for b in (self.sizes[-1], self.sizes[0]):
                 self._forward(b)
         torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize(self.runner.device)
+        torch.cuda.synchronize(self.device)
         for b in reversed(self.sizes):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.logits[b] = self._forward(b)
             self.graphs[b] = graph
-        torch.cuda.synchronize(self.runner.device)
+        torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
         return self.capture_s
 

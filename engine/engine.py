@@ -1,4 +1,10 @@
-"""LLMEngine: the API the worker drives (see engine/outputs.py for the contract)."""
+"""LLMEngine: the API the worker drives (see engine/outputs.py for the contract).
+
+The loop, once per step(): apply the inbox (adds, aborts) -> schedule -> launch the forward and sampling ->
+update the scheduler from the step before's sampled tokens (it appends them, applies the stop rule and frees
+the finished) -> build the outputs. Input processing (engine/input_processor.py) and output processing
+(engine/output_processor.py) sit beside it; the scheduler (engine/scheduler.py) owns each request's life.
+"""
 
 from __future__ import annotations
 
@@ -12,13 +18,16 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.loader import ModelConfig
+from engine.input_processor import InputProcessor
+from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, PendingSample
-from engine.outputs import EngineRequestError, EngineStats, RequestOutput, TokenLogprob, TopLogprob
-from engine.sampler import SamplerOutput, SamplingRequest
-from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
-from engine.sequence import PENDING_TOKEN, FinishReason, SamplingParams, Sequence
+from engine.output_processor import OutputProcessor, RequestState, SampleResult
+from engine.outputs import EngineRequestError, EngineStats, RequestOutput
+from engine.request import EngineRequest
+from engine.sampler import SamplingRequest
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SampledToken, ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -26,12 +35,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class _Request:
-    seq: Sequence
-    seed: int  # the request's seed, or one drawn at add time: seeded and unseeded draw the same way
-    stop_ids: frozenset[int]  # eos (unless ignore_eos) and stop_token_ids
-    detokenizer: IncrementalDetokenizer
+    state: RequestState  # the sequence and its output side
     row: SamplingRequest  # refers to the sequence's own token lists, so it is built once per request
-    first_scheduled_ms: float | None = None
 
 
 @dataclass(slots=True)
@@ -76,15 +81,20 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 enable_prefix_caching=config.enable_prefix_caching,
+                max_model_len=max_len,
             )
         )
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
+        self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, max_len, self.eos_token_ids)
+        self.outputs = OutputProcessor(self.tokenizer)
         self._lock = threading.Lock()
         self._inbox: list[tuple[str, Any]] = []  # ("add", _Request) | ("abort", request_id), in call order
         self._pending_ids: set[str] = set()  # added, not yet applied: catches duplicates across threads
-        self._requests: dict[str, _Request] = {}  # applied and unfinished; touched only by step()
+        # Applied and unfinished, touched only by step(): entries leave only in _forget, for the sequences the
+        # scheduler reports ended (schedule's out.ended, update_from_output's result, our finish() calls).
+        self._requests: dict[str, _Request] = {}
         self._rng = random.Random(config.seed)
         # Overlapped steps (see step()): on unless the config turns them off; CPU default off, so a step's
         # outputs come back from the same step() call there (the tests read it that way).
@@ -94,125 +104,27 @@ class LLMEngine:
             else self.runner.device.type == "cuda"
         )
         self._inflight: _Launched | None = None
-        self._prefix_caching = config.enable_prefix_caching
         self._num_history = 0  # live requests whose penalties read the output token values
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
 
     # ---- thread-safe inbox -------------------------------------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        *,
-        prompt: str | None = None,
-        messages: list[dict[str, Any]] | None = None,
-        prompt_token_ids: list[int] | None = None,
-        params: SamplingParams | None = None,
-        priority: int = 0,
-        deadline_ms: float | None = None,
-    ) -> None:
-        params = params if params is not None else SamplingParams()
-        if not isinstance(request_id, str) or not request_id:
-            raise EngineRequestError("invalid_job", "request_id must be a non-empty string")
-        ids = self._prompt_ids(request_id, prompt, messages, prompt_token_ids)
-        self._check_stop_token_ids(request_id, params.stop_token_ids)
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise EngineRequestError(
-                "context_length_exceeded",
-                f"{request_id}: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"model's context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens",
-            )
-        stop_ids = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else self.eos_token_ids
-        )
-        seq = Sequence(request_id, ids, params, priority=priority, deadline_ms=deadline_ms)
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output)
+    def add_request(self, request: EngineRequest) -> None:
+        """Validates synchronously (EngineRequestError); the request joins the batch at the next step()."""
+        seq = self.inputs.process(request)
+        state = self.outputs.new_request(seq)
         with self._lock:
-            if request_id in self._pending_ids or request_id in self._requests:
+            if seq.request_id in self._pending_ids or seq.request_id in self._requests:
                 raise EngineRequestError(
-                    "invalid_job", f"request_id {request_id!r} is already queued or running"
+                    "invalid_job", f"request_id {seq.request_id!r} is already queued or running"
                 )
+            params = seq.params
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-            self._pending_ids.add(request_id)
-            row = SamplingRequest(params, seed, seq.prompt_token_ids, seq.output_token_ids, tuple(stop_ids))
-            self._inbox.append(("add", _Request(seq, seed, stop_ids, detok, row)))
-
-    def _prompt_ids(
-        self,
-        request_id: str,
-        prompt: str | None,
-        messages: list[dict[str, Any]] | None,
-        prompt_token_ids: list[int] | None,
-    ) -> list[int]:
-        given = [
-            name
-            for name, v in (
-                ("prompt", prompt),
-                ("messages", messages),
-                ("prompt_token_ids", prompt_token_ids),
+            self._pending_ids.add(seq.request_id)
+            row = SamplingRequest(
+                params, seed, seq.prompt_token_ids, seq.output_token_ids, tuple(seq.stop_token_ids)
             )
-            if v is not None
-        ]
-        if len(given) != 1:
-            raise EngineRequestError(
-                "invalid_job",
-                f"{request_id}: give exactly one of prompt, messages, "
-                f"prompt_token_ids (got {', '.join(given) or 'none'})",
-            )
-        if prompt is not None:
-            if not isinstance(prompt, str):
-                raise EngineRequestError("invalid_job", f"{request_id}: prompt must be a string")
-            ids = self.tokenizer.encode(prompt) if prompt else []
-        elif messages is not None:
-            if (
-                not isinstance(messages, list)
-                or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
-                    for m in messages
-                )
-                or not messages
-            ):
-                raise EngineRequestError(
-                    "invalid_job",
-                    f"{request_id}: messages must be a non-empty list of {{role, content}} objects",
-                )
-            try:
-                ids = self.tokenizer.encode_chat(messages)
-            except Exception as e:  # a template's raise_exception or a jinja error: the request's fault
-                raise EngineRequestError(
-                    "invalid_job", f"{request_id}: cannot render the chat template: {e}"
-                ) from e
-        else:
-            ids = list(prompt_token_ids)  # type: ignore[arg-type]
-            vocab = self.model_config.vocab_size
-            # Fast path in C (map/set/min/max): a 1024 x 512 batch of ids costs ~10 ms here, not ~0.3 s of a
-            # per-id Python loop. Anything but plain ints (bool, an int subclass, numpy ints) takes the slow path.
-            if ids and set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab:
-                bad: list[Any] = []
-            else:  # find what is wrong, for the message (the empty prompt is reported below)
-                bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-            if bad:
-                raise EngineRequestError(
-                    "invalid_job",
-                    f"{request_id}: prompt_token_ids {bad[:5]} are not "
-                    f"token ids of this model (0 <= id < {vocab})",
-                )
-        if not ids:
-            raise EngineRequestError(
-                "invalid_job", f"{request_id}: the prompt is empty; give at least one token"
-            )
-        return ids
-
-    def _check_stop_token_ids(self, request_id: str, stop_token_ids: tuple[int, ...]) -> None:
-        """Beside the prompt id check: the sampler bans these by index until min_tokens, so one past the
-        vocabulary would index out of range (on a GPU, a device-side assert that takes the worker down)."""
-        vocab = self.model_config.vocab_size
-        bad = [t for t in stop_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise EngineRequestError(
-                "invalid_job",
-                f"{request_id}: stop_token_ids {bad[:5]} are not token ids of this model (0 <= id < {vocab})",
-            )
+            self._inbox.append(("add", _Request(state, row)))
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -251,7 +163,7 @@ class LLMEngine:
             outputs += self._finish_step(self._inflight)
             self._inflight = None
         out = self.scheduler.schedule()
-        outputs += [self._ended_output(seq.request_id) for seq in out.ended]
+        outputs += [self._ended_output(seq) for seq in out.ended]
         launched = self._launch(out) if out.chunks else None
         if self._inflight is not None:
             outputs += self._finish_step(self._inflight)
@@ -267,10 +179,11 @@ class LLMEngine:
             self._pending_ids.clear()
         for kind, item in inbox:
             if kind == "add":
-                self._requests[item.seq.request_id] = item
-                self.scheduler.add(item.seq)
-                self._prompt_tokens_total += item.seq.num_prompt_tokens
-                self._num_history += _needs_history(item.seq.params)
+                seq = item.state.seq
+                self._requests[seq.request_id] = item
+                self.scheduler.add(seq)
+                self._prompt_tokens_total += seq.num_prompt_tokens
+                self._num_history += _needs_history(seq.params)
             else:
                 self.scheduler.abort(item)
 
@@ -279,19 +192,16 @@ class LLMEngine:
         requests = self._requests
         sampling: list[ScheduledChunk] = []
         for chunk in out.chunks:
-            req = requests[chunk.seq.request_id]
-            if req.first_scheduled_ms is None:
-                req.first_scheduled_ms = now_ms
+            state = requests[chunk.seq.request_id].state
+            if state.first_scheduled_ms is None:
+                state.first_scheduled_ms = now_ms
             if chunk.samples:
                 sampling.append(chunk)
         prev = self._inflight
         inp = self.runner.prepare(out, *((prev.token_ids, prev.rows) if prev is not None else ()))
         logits = self.runner.forward(inp)
         token_ids, parts = self._sample(logits, [requests[c.seq.request_id].row for c in sampling])
-        self.scheduler.postprocess(out)
-        for chunk in sampling:
-            chunk.seq.output_token_ids.append(PENDING_TOKEN)
-            chunk.seq.num_pending += 1
+        self.scheduler.update_from_launch(out)
         return _Launched(sampling, {c.seq: i for i, c in enumerate(sampling)}, token_ids, parts)
 
     def _sample(
@@ -317,130 +227,64 @@ class LLMEngine:
         return torch.cat(tokens), parts
 
     def _finish_step(self, launched: _Launched) -> list[RequestOutput]:
-        """Wait for a launched step's sampled tokens (a blocking sync) and process them."""
-        results: list[tuple[int, TokenLogprob | None] | Exception] = []
-        parts, sampling = launched.parts, launched.sampling
+        """Wait for a launched step's sampled tokens (a blocking sync), detokenize them, update the scheduler,
+        build the outputs. A request whose sampling or detokenization failed fails alone."""
+        seqs = [c.seq for c in launched.sampling]
+        results: list[SampleResult] = []
+        parts = launched.parts
         for k, (first, part) in enumerate(parts):
-            end = parts[k + 1][0] if k + 1 < len(parts) else len(sampling)
+            end = parts[k + 1][0] if k + 1 < len(parts) else len(seqs)
             try:
                 if isinstance(part, Exception):
                     raise part
-                results.extend(self._unpack(part.wait(), sampling[first:end]))
+                results.extend(self.outputs.unpack(part.wait(), seqs[first:end]))
             except Exception as e:  # the rows this part covers fail alone
                 results.extend([e] * (end - first))
-        outputs: list[RequestOutput] = []
-        requests = self._requests
-        for chunk, result in zip(launched.sampling, results, strict=True):
-            req = requests.get(chunk.seq.request_id)
-            if req is None or req.seq is not chunk.seq:
+        sampled: list[SampledToken] = []
+        done: list[tuple[_Request, SampleResult, str]] = []
+        for seq, result in zip(seqs, results, strict=True):
+            if seq.is_finished:
                 continue  # ended meanwhile (aborted, past its deadline): its token is discarded
-            outputs.append(self._process(req, result))
-        return outputs
+            req = self._requests[seq.request_id]
+            text = ""
+            if not isinstance(result, Exception):
+                try:
+                    text, stop_string = self.outputs.detokenize(req.state, result[0])
+                    sampled.append(SampledToken(seq, result[0], stop_string))
+                except Exception as e:
+                    result = e
+            done.append((req, result, text))
+        self._generation_tokens_total += len(sampled)
+        for seq in self.scheduler.update_from_output(sampled):
+            self._forget(seq)
+        return [self._output(req, result, text) for req, result, text in done]
 
-    @staticmethod
-    def _unpack(
-        out: SamplerOutput, chunks: list[ScheduledChunk]
-    ) -> list[tuple[int, TokenLogprob | None] | Exception]:
-        token_ids = out.token_ids.tolist()
-        if out.logprobs is None or out.top_ids is None or out.top_logprobs is None:
-            return [(t, None) for t in token_ids]
-        lps, top_ids, top_lps = out.logprobs.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
-        results: list[tuple[int, TokenLogprob | None] | Exception] = []
-        for i, (chunk, token) in enumerate(zip(chunks, token_ids, strict=True)):
-            n = chunk.seq.params.logprobs
-            top = [TopLogprob(t, lp) for t, lp in zip(top_ids[i][:n], top_lps[i][:n], strict=True)]
-            results.append((token, TokenLogprob(token, lps[i], top) if n else None))
-        return results
-
-    def _process(self, req: _Request, result: tuple[int, TokenLogprob | None] | Exception) -> RequestOutput:
-        try:
-            if isinstance(result, Exception):
-                raise result
-            return self._append(req, *result)
-        except Exception as e:
-            log.exception("request %s failed in sampling/post-processing", req.seq.request_id)
-            self._retire(req, FinishReason.STOP)
-            return self._output(
-                req, [], "", None, finished=True, reason=None, error=("internal", f"{type(e).__name__}: {e}")
+    def _output(self, req: _Request, result: SampleResult, text: str) -> RequestOutput:
+        if isinstance(result, Exception):
+            log.error(
+                "request %s failed in sampling/post-processing",
+                req.state.seq.request_id,
+                exc_info=(type(result), result, result.__traceback__),
             )
+            self.scheduler.finish(req.state.seq, FinishReason.STOP)
+            self._forget(req.state.seq)
+            return self.outputs.output(req.state, [], "", None, ("internal", f"{type(result).__name__}: {result}"))
+        token, logprob = result
+        return self.outputs.output(req.state, [token], text, [logprob] if logprob else None)
 
-    def _append(self, req: _Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
-        seq, params = req.seq, req.seq.params
-        # The oldest pending placeholder is this token's (a newer one may belong to the step in flight).
-        outs = seq.output_token_ids
-        num_outputs = len(outs) - seq.num_pending + 1
-        outs[num_outputs - 1] = token
-        seq.num_pending -= 1
-        self._generation_tokens_total += 1
-        past_min = num_outputs >= params.min_tokens
-        text = req.detokenizer.add_token(token, past_min)
-        reason: FinishReason | None = None
-        if req.detokenizer.stopped or (token in req.stop_ids and past_min):
-            reason = FinishReason.STOP
-        elif (
-            num_outputs >= params.max_tokens or len(seq.prompt_token_ids) + num_outputs >= self.max_model_len
-        ):
-            reason = FinishReason.LENGTH
-        if reason is not None:
-            text += req.detokenizer.flush()
-            self._retire(req, reason)
-        elif self._prefix_caching:  # blocks holding this token may now be hashed
-            self.scheduler.tokens_known(seq)
-        return self._output(req, [token], text, [logprob] if logprob else None, reason is not None, reason)
-
-    def _retire(self, req: _Request, reason: FinishReason) -> None:
-        """End a request the engine decided to stop: drop a token sampled past the end, free its blocks."""
-        seq = req.seq
-        _drop_pending(seq)
-        self.scheduler.finish(seq, reason)
-        self._forget(req)
-
-    def _forget(self, req: _Request) -> None:
-        del self._requests[req.seq.request_id]
-        self.runner.release(req.seq)
-        self._num_history -= _needs_history(req.seq.params)
-
-    def _ended_output(self, request_id: str) -> RequestOutput:
+    def _ended_output(self, seq: Sequence) -> RequestOutput:
         """A request the scheduler ended without running it this step (cancelled or past its deadline)."""
-        req = self._requests[request_id]
-        _drop_pending(req.seq)
-        self._forget(req)
-        return self._output(req, [], req.detokenizer.flush(), None, True, req.seq.finish_reason)
+        state = self._requests[seq.request_id].state
+        self._forget(seq)
+        return self.outputs.output(state, [], "", None)
 
-    @staticmethod
-    def _output(
-        req: _Request,
-        token_ids: list[int],
-        text: str,
-        logprobs: list[TokenLogprob] | None,
-        finished: bool,
-        reason: FinishReason | None,
-        error: tuple[str, str] | None = None,
-    ) -> RequestOutput:
-        seq = req.seq
-        # Positional (the field order of RequestOutput): this runs once per request per step.
-        return RequestOutput(
-            seq.request_id,
-            token_ids,
-            text,
-            logprobs if seq.params.logprobs else None,
-            finished,
-            reason.value if reason is not None else None,
-            len(seq.prompt_token_ids),
-            len(seq.output_token_ids) - seq.num_pending,
-            seq.num_cached_tokens,
-            req.first_scheduled_ms,
-            error[0] if error else None,
-            error[1] if error else None,
-        )
+    def _forget(self, seq: Sequence) -> None:
+        """seq ended (the scheduler freed it): drop the engine's side of it."""
+        del self._requests[seq.request_id]
+        self.runner.release(seq)
+        self._num_history -= _needs_history(seq.params)
 
 
 def _needs_history(params: SamplingParams) -> bool:
     """Penalties read the output token values, which overlapped steps do not have on the host in time."""
     return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1)
-
-
-def _drop_pending(seq: Sequence) -> None:
-    if seq.num_pending:
-        del seq.output_token_ids[-seq.num_pending :]
-        seq.num_pending = 0

@@ -8,7 +8,8 @@ into groups of whole tensors of up to `group_bytes`, and for each group:
      (the read releases the GIL, so the threads really read in parallel) and each thread issues a
      `non_blocking` host->device copy of its chunk into one raw uint8 device buffer, on a copy stream;
   2. the main thread waits for the group's copies on the compute stream, views each tensor inside the raw
-     buffer (dtype, shape) and copies it into its (fused) parameter, casting on the GPU.
+     buffer (dtype, shape) and hands the view to its layer's `load_weight` (engine.loader.WeightMap), whose
+     one copy_ puts it into the (fused) parameter, casting on the GPU.
 A pinned buffer goes back to the ring only after an event says its copy finished. Reads of group g+1
 overlap the casts of group g. On CPU (tests) the same code runs with pageable buffers.
 """
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from engine.loader import check_all_loaded, safetensors_files, weight_target
+from engine.loader import WeightMap, safetensors_files
 
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -128,23 +129,19 @@ def load_weights_fast(
     group_bytes: int = 2 * 2**30,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Same contract as `engine.loader.load_weights` (weight_destination / expected_shards), faster.
+    """Same contract as `engine.loader.load_weights` (a WeightMap and the layers' load_weight), faster.
     Returns {"load_s", "bytes", "gb_per_s", "files"}."""
     device = torch.device(device)
     cuda = device.type == "cuda"
     t0 = time.perf_counter()
-    params = dict(model.named_parameters())
+    weights = WeightMap(model)
     files = safetensors_files(path)
-    plan = [
-        (f, [e for e in read_header(f) if model.weight_destination(e.name) is not None])  # type: ignore[operator]
-        for f in files
-    ]
+    plan = [(f, [e for e in read_header(f) if weights.destination(e.name) is not None]) for f in files]
     total = sum(e.end - e.begin for _, es in plan for e in es)
     staging = _Staging(max(2, threads * 2), chunk_bytes, pinned=cuda)
     copy_stream = torch.cuda.Stream(device) if cuda else None
     bar = _progress_bar(total, progress)
     lock = threading.Lock()
-    loaded: set[tuple[str, str]] = set()
 
     def fetch(fd: int, raw: torch.Tensor, begin: int, offset: int, nbytes: int) -> None:
         # One chunk: file range -> staging buffer -> device buffer (async on the copy stream).
@@ -184,7 +181,7 @@ def load_weights_fast(
                         torch.cuda.current_stream(device).wait_stream(copy_stream)
                         raw.record_stream(copy_stream)
                     for e in group:
-                        _place(params, model, file, e, raw[e.begin - begin : e.end - begin], loaded)
+                        _place(weights, file, e, raw[e.begin - begin : e.end - begin])
                     del raw
             finally:
                 os.close(fd)
@@ -192,24 +189,17 @@ def load_weights_fast(
             torch.cuda.synchronize(device)
     if bar is not None:
         bar.close()
-    check_all_loaded(model, path, loaded)
+    weights.check_all_loaded(path)
     seconds = time.perf_counter() - t0
     return {"load_s": seconds, "bytes": total, "gb_per_s": total / seconds / 1e9, "files": len(files)}
 
 
-def _place(
-    params: dict[str, torch.nn.Parameter],
-    model: torch.nn.Module,
-    file: str,
-    e: TensorEntry,
-    raw: torch.Tensor,
-    loaded: set[tuple[str, str]],
-) -> None:
-    target = weight_target(model, params, e.name, e.shape, file, loaded)
+def _place(weights: WeightMap, file: str, e: TensorEntry, raw: torch.Tensor) -> None:
     # Offsets inside safetensors data are not promised to be aligned to the dtype: realign on the device.
     if raw.data_ptr() % e.dtype.itemsize:
         raw = raw.clone()
-    target.copy_(raw.view(e.dtype).view(e.shape))  # the cast (e.g. float32 file -> bf16 model) is on the GPU
+    # A view, no copy: the layer's load_weight casts (e.g. float32 file -> bf16 model) on the GPU as it copies.
+    weights.load(e.name, raw.view(e.dtype).view(e.shape), file)
 
 
 def _progress_bar(total: int, enabled: bool) -> Any:

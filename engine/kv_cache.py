@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import EngineConfig
-from engine.loader import ModelConfig
+from engine.model_config import ModelConfig
 
 CPU_DEFAULT_KV_BYTES = 256 * 2**20
 

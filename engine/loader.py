@@ -1,130 +1,28 @@
-"""Reads a Hugging Face model folder: config.json, generation_config.json and *.safetensors weights.
+"""Reads a Hugging Face model folder's *.safetensors weights into the model's layers.
 
-Weights go to the device one tensor at a time (safetensors `safe_open`), copied straight into the model's
-(fused) parameters: no full host copy of the model is ever made.
+The rule for this checkpoint format is `WeightMap`: a checkpoint name is the path of one of our modules plus
+its parameter name (`model.layers.3.self_attn.o_proj.weight`), except that the model's `packed_modules`
+folds separate projections into a fused one with a shard name (`...self_attn.q_proj.weight` ->
+`...self_attn.qkv_proj`, shard "q"). The module's own `load_weight` then places the tensor. Both loaders
+(this plain one and engine.fast_load) go through it. Weights go to the device one tensor at a time
+(safetensors `safe_open`), copied straight into the parameters: no full host copy of the model is made.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-
-
-def _read_json(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    return data
-
-
-def _as_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
-
-
-@dataclass(slots=True)
-class ModelConfig:
-    """The parts of config.json the model needs, normalised across Llama/Mistral/Qwen2/Qwen3."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None  # HF rope_scaling / rope_parameters when not "default"
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v biases (Qwen2)
-    qk_norm: bool  # per-head RMSNorm of q and k before rotary (Qwen3)
-    eos_token_ids: list[int]  # from config.json and generation_config.json, merged
-    bos_token_id: int | None
-    sliding_window: int | None  # not implemented: the engine caps max_model_len to it instead
-
-    @classmethod
-    def from_folder(cls, path: str) -> ModelConfig:
-        cfg_path = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_path):
-            raise FileNotFoundError(f"model folder {path!r} has no config.json")
-        cfg = _read_json(cfg_path)
-        archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r} in {cfg_path}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        missing = [
-            k
-            for k in (
-                "vocab_size",
-                "hidden_size",
-                "intermediate_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-            )
-            if k not in cfg
-        ]
-        if missing:
-            raise ValueError(f"{cfg_path} lacks required keys: {', '.join(missing)}")
-        num_heads = int(cfg["num_attention_heads"])
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-        # transformers 5.x folds rope_theta and rope_scaling into rope_parameters.
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or None
-        rope_theta = float(cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0)
-        rope_type = (rope or {}).get("rope_type", (rope or {}).get("type", "default"))
-        rope_scaling = None if rope is None or rope_type == "default" else {**rope, "rope_type": rope_type}
-        eos = _as_id_list(cfg.get("eos_token_id"))
-        gen_path = os.path.join(path, "generation_config.json")
-        if os.path.isfile(gen_path):
-            eos += [e for e in _as_id_list(_read_json(gen_path).get("eos_token_id")) if e not in eos]
-        if arch != "Qwen2ForCausalLM" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
-            raise ValueError(f"{cfg_path}: attention_bias/mlp_bias is not supported for {arch}")
-        sliding = cfg.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
-            sliding = None
-        return cls(
-            architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM",
-            qk_norm=arch == "Qwen3ForCausalLM",
-            eos_token_ids=eos,
-            bos_token_id=cfg.get("bos_token_id"),
-            sliding_window=int(sliding) if sliding else None,
-        )
+from engine.layers.weights import WeightModule, WeightShapeError
+from engine.model_config import read_json
 
 
 def safetensors_files(path: str) -> list[str]:
     """The weight files: those the index names when there is one, else every *.safetensors."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        names = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        names = sorted(set(read_json(index).get("weight_map", {}).values()))
         absent = [n for n in names if not os.path.isfile(os.path.join(path, n))]
         if absent:
             raise FileNotFoundError(f"{index} names weight files that are missing: {', '.join(absent)}")
@@ -137,56 +35,68 @@ def safetensors_files(path: str) -> list[str]:
     return [os.path.join(path, n) for n in names]
 
 
-def load_weights(model: torch.nn.Module, path: str) -> None:
-    """Copy every checkpoint tensor into the model, one at a time, cast to the parameter's dtype.
+class WeightMap:
+    """Checkpoint tensor name -> (module, parameter, shard); records what was loaded and checks that nothing
+    the layers expect is missing."""
 
-    `model.weight_destination(name)` maps a checkpoint name to (parameter name, shard name, rows of the
-    parameter's first dim or None for all) or None for a tensor we do not use (rotary inv_freq); this is
-    where q/k/v and gate/up get fused. `model.expected_shards()` lists every (parameter, shard) to fill.
-    """
+    def __init__(self, model: torch.nn.Module):
+        self.modules = {name: m for name, m in model.named_modules() if isinstance(m, WeightModule)}
+        self.packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
+        self.loaded: set[tuple[str, str]] = set()
+
+    def destination(self, name: str) -> tuple[str, WeightModule, str, str] | None:
+        """(module path, module, parameter, shard), or None for a tensor we do not use (rotary inv_freq,
+        lm_head.weight of a tied model, a bias we run without, a layer past num_layers)."""
+        module_name, _, param = name.rpartition(".")
+        shard = ""
+        parent, _, leaf = module_name.rpartition(".")
+        if leaf in self.packed:
+            fused, shard = self.packed[leaf]
+            module_name = f"{parent}.{fused}" if parent else fused
+        module = self.modules.get(module_name)
+        if module is None or not module.owns(param):
+            return None
+        return module_name, module, param, shard
+
+    def load(self, name: str, tensor: torch.Tensor, file: str) -> None:
+        """Place checkpoint tensor `name` (read from `file`): the module's load_weight does the one copy."""
+        dest = self.destination(name)
+        if dest is None:
+            raise KeyError(f"weight {name} has no place in this model")
+        module_name, module, param, shard = dest
+        try:
+            module.load_weight(param, tensor, shard)
+        except WeightShapeError as e:
+            raise ValueError(
+                f"weight {name} in {os.path.basename(file)} has shape {e.got}, "
+                f"expected {e.expected} from config.json"
+            ) from None
+        self.loaded.add((f"{module_name}.{param}", shard))
+
+    def check_all_loaded(self, path: str) -> None:
+        expected = {
+            (f"{module_name}.{param}", shard)
+            for module_name, module in self.modules.items()
+            for param, shard in module.expected_shards()
+        }
+        missing = sorted(expected - self.loaded)
+        if missing:
+            names = [f"{p}[{s}]" if s else p for p, s in missing]
+            raise ValueError(
+                f"model folder {path!r} lacks weights for: {', '.join(names[:8])}"
+                + (f" ... ({len(names)} in all)" if len(names) > 8 else "")
+            )
+
+
+def load_weights(model: torch.nn.Module, path: str) -> None:
+    """Copy every checkpoint tensor into the model, one at a time, cast to the parameter's dtype."""
     from safetensors import safe_open
 
-    params = dict(model.named_parameters())
-    loaded: set[tuple[str, str]] = set()
-    for file in safetensors_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if model.weight_destination(name) is None:  # type: ignore[operator]
-                    continue
-                tensor = f.get_tensor(name)
-                target = weight_target(model, params, name, tuple(tensor.shape), file, loaded)
-                target.copy_(tensor)  # casts and moves in one go
-    check_all_loaded(model, path, loaded)
-
-
-def weight_target(
-    model: torch.nn.Module,
-    params: dict[str, torch.nn.Parameter],
-    name: str,
-    shape: tuple[int, ...],
-    file: str,
-    loaded: set[tuple[str, str]],
-) -> torch.Tensor:
-    """The slice of a model parameter that checkpoint tensor `name` (of `shape`) fills, checked against the
-    config's shape; records the (parameter, shard) as loaded. Shared by both loaders."""
-    param_name, shard, rows = model.weight_destination(name)  # type: ignore[operator]
-    target = params[param_name].data
-    if rows is not None:
-        target = target[rows]
-    if shape != tuple(target.shape):
-        raise ValueError(
-            f"weight {name} in {os.path.basename(file)} has shape {shape}, "
-            f"expected {tuple(target.shape)} from config.json"
-        )
-    loaded.add((param_name, shard))
-    return target
-
-
-def check_all_loaded(model: torch.nn.Module, path: str, loaded: set[tuple[str, str]]) -> None:
-    missing = sorted(model.expected_shards() - loaded)  # type: ignore[operator]
-    if missing:
-        names = [f"{p}[{s}]" if s else p for p, s in missing]
-        raise ValueError(
-            f"model folder {path!r} lacks weights for: {', '.join(names[:8])}"
-            + (f" ... ({len(names)} in all)" if len(names) > 8 else "")
-        )
+    weights = WeightMap(model)
+    with torch.no_grad():
+        for file in safetensors_files(path):
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    if weights.destination(name) is not None:
+                        weights.load(name, f.get_tensor(name), file)
+    weights.check_all_loaded(path)

@@ -8,7 +8,6 @@ the same interface.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -16,32 +15,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine import kernels
+from engine.batch import AttentionMetadata, ModelInput
 from engine.config import EngineConfig
 from engine.kv_cache import allocate_kv_cache, num_kv_blocks
-from engine.loader import ModelConfig, load_weights
-from engine.models import MODEL_REGISTRY
+from engine.loader import load_weights
+from engine.model_config import ModelConfig
+from engine.models import model_class
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRequest
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64: flat cache slot of each token
-    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0 (never read past context_lens)
-    query_start_loc: torch.Tensor  # [B+1] int32: sequence b owns tokens [qsl[b], qsl[b+1])
-    context_lens: torch.Tensor  # [B] int32: tokens in the cache for b after this step
-    decode_only: bool  # every sequence has exactly one query token (the decode kernel's case)
-
-
-@dataclass(slots=True)
-class ModelInput:
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    meta: AttentionMetadata
-    sample_indices: torch.Tensor  # [N] int64: rows of the hidden states whose logits are sampled
 
 
 class ModelRunner:
@@ -53,10 +38,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         # Startup report (GPU work, see engine/fast_load.py and engine/cuda_graphs.py): seconds and bytes.
         self.startup: dict[str, Any] = {}
-        if self.device.type == "cuda" and os.environ.get("STOKER_BLOCKING_SYNC", "1") != "0":  # 0: A/B runs
+        kernels.set_triton(config.use_triton)
+        if self.device.type == "cuda" and config.blocking_sync:
             self.startup["blocking_sync"] = _blocking_sync(self.device)
         with torch.device(self.device):
-            self.model = MODEL_REGISTRY[model_config.architecture](model_config, self.dtype, max_model_len)
+            self.model = model_class(model_config.architecture)(model_config, self.dtype, max_model_len)
         if self.device.type == "cuda":
             from engine.fast_load import load_weights_fast
 
@@ -74,7 +60,9 @@ class ModelRunner:
         if self.device.type == "cuda" and config.cuda_graphs:
             from engine.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self, config.max_num_seqs, max_model_len)
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_caches, self.device, self.block_size, config.max_num_seqs, max_model_len
+            )
             self.startup["graph_capture_s"] = self.graphs.capture()
             self.startup["graph_buckets"] = self.graphs.sizes
         self.startup["ready_s"] = time.perf_counter() - t0

@@ -3,11 +3,12 @@
 INTERFACE FIXED BY THE LEAD: the worker (and its stand-in engine for transport benchmarks) relies on it.
 Pure Python, no torch.
 
-The engine API (engine/engine.py, class LLMEngine) that the worker drives:
+The engine API (`from engine import ...`: LLMEngine, EngineConfig, EngineRequest, SamplingParams and the
+types below) that the worker drives:
     engine = LLMEngine(EngineConfig(model_path=..., ...))       # loads the model folder
     engine.model_name: str; engine.max_model_len: int; engine.tokenizer (encode/decode/chat template)
-    engine.add_request(request_id, *, prompt=None | messages=None | prompt_token_ids=None,
-                       params: SamplingParams, priority=0, deadline_ms=None) -> None
+    engine.add_request(EngineRequest(request_id, prompt=... | messages=... | prompt_token_ids=...,
+                                     params=SamplingParams(...), priority=0, deadline_ms=None)) -> None
         thread-safe; validates synchronously and raises EngineRequestError (codes below);
         the request joins the batch at the next step().
     engine.abort(request_id) -> None          thread-safe; ends it (CANCELLED) at the next step()

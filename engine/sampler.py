@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sequence import SamplingParams
+from engine.sampling_params import SamplingParams
 
 LOGPROB_FLOOR = -9999.0
 _M32 = 0xFFFFFFFF

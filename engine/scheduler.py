@@ -1,18 +1,23 @@
-"""Continuous-batching scheduler (pure Python, no torch).
-
-INTERFACE FIXED BY THE LEAD: other parts of the engine rely on exactly these names and meanings.
+"""Continuous-batching scheduler (pure Python, no torch): it owns every request's life.
 
 One engine step, as the engine drives it:
-    out = scheduler.schedule()          # drop aborted/expired, admit, chunk prefills, preempt if dry
-    result = model_runner.execute(out)  # forward every chunk, sample where chunk.samples
-    scheduler.postprocess(out)          # num_computed_tokens += num_tokens; register full blocks
-    for each sampled chunk: seq.output_token_ids.append(token); if it must stop: scheduler.finish(seq, r)
+    out = scheduler.schedule()               # drop aborted/expired, admit, chunk prefills, preempt if dry
+    (the model runner launches out: forward every chunk, sample where chunk.samples)
+    scheduler.update_from_launch(out)        # num_computed_tokens += num_tokens; full blocks cached; a
+                                             # placeholder (PENDING_TOKEN) for each token being sampled
+    ... later, when the sampled values reach the host:
+    finished = scheduler.update_from_output([SampledToken(seq, token_id, stop_string_hit), ...])
+                                             # fill placeholders, apply the stop rule, free the finished
 
-Overlapped steps (the engine's async mode): after launching a step the engine appends PENDING_TOKEN
-(seq.num_pending += 1) for each sampled chunk and schedules the next step before the values are known; the
-next step decodes that pending token (its input id comes from the device). When the value arrives the engine
-writes it in place (num_pending -= 1) and calls tokens_known(seq) so full blocks get hashed. A sequence whose
-output already counts max_tokens (its last token in flight) is not scheduled again.
+The stop rule (update_from_output): STOP on a stop string (found by the engine's output processor) or,
+once min_tokens are out, on one of seq.stop_token_ids; LENGTH at max_tokens or the end of the context.
+Sequences also end in schedule() (CANCELLED, DEADLINE) and by finish() (the engine failed one alone).
+However a sequence ends, its blocks are freed and a token still in flight is dropped; the engine learns of
+it from out.ended, update_from_output's result, or its own finish() call, and forgets it then.
+
+Overlapped steps (the engine's async mode): the next step is scheduled before the last one's values are
+known; it decodes the pending token (its input id comes from the device). A sequence whose output already
+counts max_tokens (its last token in flight) is not scheduled again.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # running sequences at most
     max_num_batched_tokens: int = 8192  # tokens computed in one step (decodes count 1 each)
     enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # prompt + output tokens at most (LENGTH there); None = no cap
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1:
@@ -43,6 +49,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1 or None, got {self.max_model_len}")
 
 
 @dataclass(slots=True)
@@ -60,11 +68,20 @@ class ScheduledChunk:
 
 
 @dataclass(slots=True)
+class SampledToken:
+    """A sampled token whose value reached the host, for update_from_output."""
+
+    seq: Sequence
+    token_id: int
+    stop_string: bool = False  # the output processor found a stop string ending at this token
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     # Decodes first (num_tokens == 1), then prefill chunks; every seq appears at most once.
     chunks: list[ScheduledChunk] = field(default_factory=list)
     # Ended by the scheduler this step without running (aborted -> CANCELLED, past deadline -> DEADLINE):
-    # status FINISHED, finish_reason set, blocks already freed.
+    # status FINISHED, finish_reason set, blocks already freed, a token in flight dropped.
     ended: list[Sequence] = field(default_factory=list)
     # Running sequences pushed back to waiting this step (blocks freed, num_computed_tokens reset to 0).
     preempted: list[Sequence] = field(default_factory=list)
@@ -160,14 +177,14 @@ class Scheduler:
             num_outputs = len(seq.output_token_ids)  # (len() inline: this loop runs per sequence per step)
             if num_outputs >= seq.params.max_tokens:
                 # Overlapped steps: its last token is still on the device and ends it (length) whatever its
-                # value; computing it would be wasted work. The engine finishes it when the value arrives.
+                # value; computing it would be wasted work. update_from_output finishes it when the value arrives.
                 index += 1
                 continue
             num_new = min(len(seq.prompt_token_ids) + num_outputs - seq.num_computed_tokens, budget)
             if num_new <= 0:
                 raise RuntimeError(
-                    f"{seq.request_id}: running with all {seq.num_tokens} tokens computed; the engine must "
-                    "append the sampled token (or finish the sequence) after every sampling chunk"
+                    f"{seq.request_id}: running with all {seq.num_tokens} tokens computed; call "
+                    "update_from_launch after every schedule() (it adds the sampled token's placeholder)"
                 )
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self.running.pop()  # processed sequences are a prefix of the list: never a victim
@@ -218,31 +235,57 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        seq.drop_placeholders()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._unfinished[seq.request_id]
         self._num_deadlines -= seq.deadline_ms is not None
         self._abort_requested.discard(seq.request_id)
 
-    def postprocess(self, out: SchedulerOutput) -> None:
-        """After the model ran `out`: advance num_computed_tokens, register newly full blocks in the prefix cache."""
+    def update_from_launch(self, out: SchedulerOutput) -> None:
+        """The model runs `out` (launched; values may still be on the device): advance num_computed_tokens,
+        register newly full blocks in the prefix cache, and give each sequence whose chunk samples a
+        placeholder for its token."""
         for chunk in out.chunks:
             seq = chunk.seq
             if chunk.start != seq.num_computed_tokens or seq.status is not SequenceStatus.RUNNING:
                 raise RuntimeError(
-                    f"{seq.request_id}: postprocess of a stale chunk (start {chunk.start}, computed "
+                    f"{seq.request_id}: update_from_launch of a stale chunk (start {chunk.start}, computed "
                     f"{seq.num_computed_tokens}, status {seq.status.value}); call it once per schedule()"
                 )
+            samples = chunk.samples  # (before the placeholder changes seq.num_tokens)
             seq.num_computed_tokens += chunk.num_tokens
             self.block_manager.cache_full_blocks(seq)
+            if samples:
+                seq.add_placeholder()
 
-    def tokens_known(self, seq: Sequence) -> None:
-        """The engine filled in pending tokens of seq: register blocks that became hashable (prefix cache)."""
-        if seq.status is SequenceStatus.RUNNING:
-            self.block_manager.cache_full_blocks(seq)
+    def update_from_output(self, sampled: list[SampledToken]) -> list[Sequence]:
+        """Sampled values reached the host: fill each sequence's oldest placeholder, apply the stop rule (see
+        the module docstring), end the sequences that must stop. -> those ended here (finish_reason set)."""
+        finished = []
+        max_model_len = self.config.max_model_len
+        for item in sampled:
+            seq, token_id = item.seq, item.token_id
+            if seq.status is SequenceStatus.FINISHED:
+                continue  # ended while its token was in flight: the token is discarded
+            num_outputs = seq.fill_placeholder(token_id)
+            params = seq.params
+            reason: FinishReason | None = None
+            if item.stop_string or (token_id in seq.stop_token_ids and num_outputs >= params.min_tokens):
+                reason = FinishReason.STOP
+            elif num_outputs >= params.max_tokens or (
+                max_model_len is not None and len(seq.prompt_token_ids) + num_outputs >= max_model_len
+            ):
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                self._end(seq, reason)
+                finished.append(seq)
+            elif seq.status is SequenceStatus.RUNNING:  # blocks holding this token may now be hashed
+                self.block_manager.cache_full_blocks(seq)
+        return finished
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """End a running sequence now (stop/length decided by the engine): FINISHED, blocks freed."""
+        """End a sequence now (the engine failed it alone): FINISHED, blocks freed, a token in flight dropped."""
         if self._unfinished.get(seq.request_id) is not seq:
             raise ValueError(f"{seq.request_id}: finish() of a sequence that is not queued or running")
         self._end(seq, reason)

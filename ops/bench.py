@@ -159,9 +159,12 @@ def drop_page_cache() -> bool:
 
 # ---- our engine ------------------------------------------------------------------------------------------
 def start_engine(path: str, max_num_seqs: int):
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
+    from engine import EngineConfig, LLMEngine
 
+    # A/B switches, read here at the edge (the engine itself reads no environment): STOKER_TRITON=0 runs the
+    # torch references, STOKER_BLOCKING_SYNC=0 keeps CUDA's default (spinning) host waits.
+    use_triton = os.environ.get("STOKER_TRITON", "1") != "0"
+    blocking_sync = os.environ.get("STOKER_BLOCKING_SYNC", "1") != "0"
     t0 = time.perf_counter()
     eng = LLMEngine(
         EngineConfig(
@@ -173,6 +176,8 @@ def start_engine(path: str, max_num_seqs: int):
             max_num_batched_tokens=8192,
             enable_prefix_caching=False,
             gpu_memory_utilization=0.9,
+            use_triton=use_triton,
+            blocking_sync=blocking_sync,
         )
     )
     torch.cuda.synchronize()
@@ -262,13 +267,13 @@ def run_requests(
 ) -> dict[str, Any]:
     """Runs the prompts to the end. With a probe: also splits wall and process CPU at the step that ran the
     last prefill (mixed) forward: the prefill phase (adds included) vs the pure-decode phase."""
-    from engine.sequence import SamplingParams
+    from engine import EngineRequest, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     for i, p in enumerate(prompts):
-        eng.add_request(f"{tag}{i}", prompt_token_ids=p, params=params)
+        eng.add_request(EngineRequest(f"{tag}{i}", prompt_token_ids=p, params=params))
     stamps: list[float] = []
     cpu_stamps: list[float] = []  # process CPU seconds at each step's end
     mixed_step = -1  # index of the step whose forward was the last mixed one
@@ -341,13 +346,13 @@ def profile_w1(eng, vocab: int, prompt: int) -> None:
     step's time goes against the bandwidth floor. Written to $OUT/w1_profile.txt."""
     from torch.profiler import ProfilerActivity, profile
 
-    from engine.sequence import SamplingParams
+    from engine import EngineRequest, SamplingParams
 
-    eng.add_request(
+    eng.add_request(EngineRequest(
         "prof",
         prompt_token_ids=random_prompts(1, prompt, vocab, 9)[0],
         params=SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True),
-    )
+    ))
     for _ in range(40):  # prefill and warm decode steps
         eng.step()
     torch.cuda.synchronize()

@@ -8,7 +8,8 @@ import pytest
 
 import engine.block_manager as block_manager_module
 from engine.block_manager import BlockManager, hash_block
-from engine.sequence import SamplingParams, Sequence
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
 
 
 def make_seq(request_id: str, prompt: list[int], output: list[int] | None = None) -> Sequence:

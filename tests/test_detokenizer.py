@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 from engine_models import build_hf_model, prompts
 
+from engine import EngineRequest, SamplingParams
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine import LLMEngine
 from engine.make_model import write_tokenizer
-from engine.sequence import SamplingParams
 from engine.tokenizer import Tokenizer
 
 
@@ -87,8 +87,8 @@ def engine_path(tmp_path_factory) -> str:
 def generate(path: str, ids: list[int], eos: set[int] | None = None, **params):
     engine = LLMEngine(EngineConfig(path, device="cpu", num_kv_blocks=32))
     if eos is not None:
-        engine.eos_token_ids = frozenset(eos)
-    engine.add_request("r", prompt_token_ids=ids, params=SamplingParams(temperature=0, **params))
+        engine.inputs.eos_token_ids = frozenset(eos)
+    engine.add_request(EngineRequest("r", prompt_token_ids=ids, params=SamplingParams(temperature=0, **params)))
     outs = []
     while engine.has_unfinished():
         outs += engine.step()

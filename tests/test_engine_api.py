@@ -9,10 +9,10 @@ import time
 import pytest
 from engine_models import build_hf_model, prompts
 
+from engine import EngineRequest, SamplingParams
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.outputs import EngineRequestError, RequestOutput
-from engine.sequence import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 )
 def test_add_request_validation(engine, kwargs, code, match):
     with pytest.raises(EngineRequestError, match=match) as info:
-        engine.add_request("r", **kwargs)
+        engine.add_request(EngineRequest("r", **kwargs))
     assert info.value.code == code
     assert not engine.has_unfinished()
 
@@ -85,17 +85,17 @@ def test_stop_token_ids_beyond_the_vocabulary_are_refused_at_admission(engine):
 
 
 def test_prompt_at_the_context_limit_runs_and_duplicates_are_refused(engine):
-    engine.add_request("r", prompt_token_ids=[3] * 124, params=GREEDY)
+    engine.add_request(EngineRequest("r", prompt_token_ids=[3] * 124, params=GREEDY))
     with pytest.raises(EngineRequestError, match="already queued or running"):
-        engine.add_request("r", prompt="hello", params=GREEDY)
+        engine.add_request(EngineRequest("r", prompt="hello", params=GREEDY))
     outs = drain(engine)["r"]
     assert outs[-1].finish_reason == "length" and outs[-1].completion_tokens == 4
 
 
 def test_text_and_chat_prompts(engine):
     messages = [{"role": "user", "content": "Why is the sky blue?"}]
-    engine.add_request("chat", messages=messages, params=GREEDY)
-    engine.add_request("text", prompt=engine.tokenizer.apply_chat_template(messages), params=GREEDY)
+    engine.add_request(EngineRequest("chat", messages=messages, params=GREEDY))
+    engine.add_request(EngineRequest("text", prompt=engine.tokenizer.apply_chat_template(messages), params=GREEDY))
     outs = drain(engine)
     chat_ids = engine.tokenizer.encode_chat(messages)
     assert outs["chat"][-1].prompt_tokens == len(chat_ids)
@@ -106,9 +106,9 @@ def test_text_and_chat_prompts(engine):
 def test_abort_and_deadline(engine):
     ps = prompts(31, [9, 9, 9])
     long = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
-    engine.add_request("a", prompt_token_ids=ps[0], params=long)
-    engine.add_request("b", prompt_token_ids=ps[1], params=long, deadline_ms=time.time() * 1000 + 60_000)
-    engine.add_request("late", prompt_token_ids=ps[2], params=long, deadline_ms=time.time() * 1000 - 1)
+    engine.add_request(EngineRequest("a", prompt_token_ids=ps[0], params=long))
+    engine.add_request(EngineRequest("b", prompt_token_ids=ps[1], params=long, deadline_ms=time.time() * 1000 + 60_000))
+    engine.add_request(EngineRequest("late", prompt_token_ids=ps[2], params=long, deadline_ms=time.time() * 1000 - 1))
     first = {o.request_id: o for o in engine.step()}
     assert first["late"].finish_reason == "deadline" and first["late"].new_token_ids == []
     assert first["a"].first_scheduled_ms is not None and first["a"].first_scheduled_ms <= time.time() * 1000
@@ -139,8 +139,8 @@ def test_one_failing_request_does_not_fail_the_engine(engine, monkeypatch):
 
     monkeypatch.setattr(sampler.SamplingBatch, "build", staticmethod(build))
     ps = prompts(32, [5, 7])
-    engine.add_request("ok", prompt_token_ids=ps[0], params=GREEDY)
-    engine.add_request("bad", prompt_token_ids=ps[1], params=SamplingParams(max_tokens=4, seed=666))
+    engine.add_request(EngineRequest("ok", prompt_token_ids=ps[0], params=GREEDY))
+    engine.add_request(EngineRequest("bad", prompt_token_ids=ps[1], params=SamplingParams(max_tokens=4, seed=666)))
     outs = drain(engine)
     assert outs["bad"][-1].error_code == "internal" and "boom" in (outs["bad"][-1].error_message or "")
     assert outs["bad"][-1].finished and outs["bad"][-1].finish_reason is None
@@ -156,7 +156,7 @@ def test_concurrent_adds_while_stepping(engine):
     def producer(offset: int) -> None:
         try:
             for i in range(offset, 24, 3):
-                engine.add_request(f"r{i}", prompt_token_ids=ps[i], params=GREEDY)
+                engine.add_request(EngineRequest(f"r{i}", prompt_token_ids=ps[i], params=GREEDY))
                 time.sleep(0.001)
         except BaseException as e:  # surfaced below
             errors.append(e)

@@ -10,10 +10,10 @@ from collections.abc import Callable
 import pytest
 from engine_models import ARCHS, build_hf_model, hf_greedy, prompts
 
+from engine import EngineRequest, SamplingParams
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sequence import SamplingParams
 
 MAX_NEW = 10
 PROMPTS = prompts(1, [3, 17, 9, 26, 1])  # shared by most tests so the HF references are computed once
@@ -55,7 +55,7 @@ def run(
     step = 0
     while engine.has_unfinished() or any(s >= step for s in schedule):
         for rid, ids, n in schedule.get(step, []):
-            engine.add_request(rid, prompt_token_ids=ids, params=greedy(n))
+            engine.add_request(EngineRequest(rid, prompt_token_ids=ids, params=greedy(n)))
         step_out = engine.step()
         if on_step:
             on_step(step_out)

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from engine_models import build_hf_model, prompts
 
+from engine import EngineRequest, SamplingParams
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.sequence import PENDING_TOKEN, SamplingParams
+from engine.sequence import PENDING_TOKEN
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def both(path: str, requests: list[tuple[str, list[int], SamplingParams]], **kw)
     for overlap in (False, True):
         engine = make(path, overlap, **kw)
         for rid, ids, params in requests:
-            engine.add_request(rid, prompt_token_ids=ids, params=params)
+            engine.add_request(EngineRequest(rid, prompt_token_ids=ids, params=params))
         results.append(drain(engine))
     sync, over = results
     assert over == sync
@@ -64,11 +65,11 @@ def both(path: str, requests: list[tuple[str, list[int], SamplingParams]], **kw)
 
 def test_first_step_only_launches_then_tokens_arrive_one_call_later(path):
     engine = make(path, True)
-    engine.add_request(
+    engine.add_request(EngineRequest(
         "r", prompt_token_ids=prompts(1, [7])[0], params=SamplingParams(temperature=0, max_tokens=3)
-    )
+    ))
     assert engine.step() == []  # prefill launched, its token still on the "device"
-    seq = engine._requests["r"].seq
+    seq = engine._requests["r"].state.seq
     assert seq.output_token_ids == [PENDING_TOKEN] and seq.num_pending == 1
     out = engine.step()  # decode launched on the pending token, then the prefill's token read
     assert len(out) == 1 and len(out[0].new_token_ids) == 1 and out[0].completion_tokens == 1
@@ -78,7 +79,7 @@ def test_first_step_only_launches_then_tokens_arrive_one_call_later(path):
 def test_stops_with_a_token_in_flight_match_sync(path):
     ids = prompts(21, [6, 11, 3])
     greedy = make(path, False)
-    greedy.add_request("g", prompt_token_ids=ids[0], params=SamplingParams(temperature=0, max_tokens=8))
+    greedy.add_request(EngineRequest("g", prompt_token_ids=ids[0], params=SamplingParams(temperature=0, max_tokens=8)))
     stream = drain(greedy)["g"]["tokens"]
     text = greedy.tokenizer.decode(stream)
     stop_text = text[len(text) // 2 : len(text) // 2 + 2]
@@ -126,15 +127,15 @@ def test_penalties_force_sync_steps_and_match_sync(path):
     ]
     both(path, reqs)
     engine = make(path, True)
-    engine.add_request(reqs[1][0], prompt_token_ids=reqs[1][1], params=reqs[1][2])
+    engine.add_request(EngineRequest(reqs[1][0], prompt_token_ids=reqs[1][1], params=reqs[1][2]))
     engine.step()
     assert engine._inflight is not None  # overlapped while no penalties run
-    engine.add_request(reqs[0][0], prompt_token_ids=reqs[0][1], params=reqs[0][2])
+    engine.add_request(EngineRequest(reqs[0][0], prompt_token_ids=reqs[0][1], params=reqs[0][2]))
     engine.step()  # drains first: the new request's penalties read output values
     for r in engine._requests.values():
         assert (
-            r.seq.num_pending <= 1
-            and PENDING_TOKEN not in r.seq.output_token_ids[: r.seq.num_output_tokens - 1]
+            r.state.seq.num_pending <= 1
+            and PENDING_TOKEN not in r.state.seq.output_token_ids[: r.state.seq.num_output_tokens - 1]
         )
 
 
@@ -142,8 +143,8 @@ def test_abort_and_deadline_in_flight(path):
     ids = prompts(31, [9, 9])
     engine = make(path, True)
     long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    engine.add_request("a", prompt_token_ids=ids[0], params=long)
-    engine.add_request("b", prompt_token_ids=ids[1], params=long)
+    engine.add_request(EngineRequest("a", prompt_token_ids=ids[0], params=long))
+    engine.add_request(EngineRequest("b", prompt_token_ids=ids[1], params=long))
 
     def on_step(step: int, outs) -> None:
         if step == 3:
@@ -159,12 +160,12 @@ def test_prefix_cache_under_overlap_hashes_only_known_tokens(path):
     # A second request repeating prompt + output must hit those blocks and still produce the same tokens.
     ids = prompts(13, [7])[0]
     engine = make(path, True, block_size=4)
-    engine.add_request("first", prompt_token_ids=ids, params=SamplingParams(temperature=0, max_tokens=10))
+    engine.add_request(EngineRequest("first", prompt_token_ids=ids, params=SamplingParams(temperature=0, max_tokens=10)))
     first = drain(engine)["first"]["tokens"]
     for block in engine.scheduler.block_manager.blocks:
         assert PENDING_TOKEN not in block.token_ids
     again = ids + first[:8]
-    engine.add_request("again", prompt_token_ids=again, params=SamplingParams(temperature=0, max_tokens=2))
+    engine.add_request(EngineRequest("again", prompt_token_ids=again, params=SamplingParams(temperature=0, max_tokens=2)))
     got = drain(engine)["again"]
     assert got["final"][1] == 2 and got["tokens"] == first[8:10]
     assert engine.stats().prefix_cache_hits >= 12
@@ -209,9 +210,9 @@ def test_prepare_starts_every_device_part_16_byte_aligned(path):
     engine.runner.forward = spy
     # Odd token and sequence counts in mixed steps: 3 prompts of 5, 7 and 9 tokens, decodes beside prefills.
     for i, n in enumerate((5, 7, 9)):
-        engine.add_request(
+        engine.add_request(EngineRequest(
             f"r{i}", prompt_token_ids=[3 + i] * n, params=SamplingParams(max_tokens=3, temperature=0)
-        )
+        ))
         engine.step()
     drain(engine)
     assert any(not inp.meta.decode_only for inp in seen[1:]) and len(seen) > 4

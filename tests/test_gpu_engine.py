@@ -16,9 +16,10 @@ import torch
 from engine.config import EngineConfig
 from engine.cuda_graphs import bucket_sizes, pick_bucket
 from engine.fast_load import load_weights_fast, read_header
-from engine.loader import ModelConfig, load_weights
+from engine.loader import load_weights
 from engine.make_model import write_tokenizer
-from engine.models import MODEL_REGISTRY
+from engine.model_config import ModelConfig
+from engine.models import model_class
 
 CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
@@ -88,7 +89,7 @@ def test_bucket_sizes_and_pick() -> None:
 def _fresh_model(path: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
     mc = ModelConfig.from_folder(path)
     with torch.device(device):
-        return MODEL_REGISTRY[mc.architecture](mc, dtype, 64)
+        return model_class(mc.architecture)(mc, dtype, 64)
 
 
 @pytest.mark.parametrize(
@@ -159,7 +160,7 @@ def _input(
     samples: list[int],
     decode_only: bool,
 ):
-    from engine.model_runner import AttentionMetadata, ModelInput
+    from engine.batch import AttentionMetadata, ModelInput
 
     width = max(len(t) for t in tables)
     tables = [t + [0] * (width - len(t)) for t in tables]
@@ -244,7 +245,7 @@ def test_bf16_logits_match_transformers_prefill_and_graph_decode(llama_smooth) -
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
 def test_fp32_greedy_tokens_match_transformers(llama, cuda_graphs: bool) -> None:
-    from engine.sequence import SamplingParams
+    from engine import EngineRequest, SamplingParams
 
     path, hf = llama
     hf = hf.to("cuda")
@@ -252,9 +253,9 @@ def test_fp32_greedy_tokens_match_transformers(llama, cuda_graphs: bool) -> None
     gen = torch.Generator().manual_seed(2)
     prompts = {f"r{n}": torch.randint(2, VOCAB, (n,), generator=gen).tolist() for n in (5, 17, 33, 64, 1)}
     for rid, ids in prompts.items():
-        engine.add_request(
+        engine.add_request(EngineRequest(
             rid, prompt_token_ids=ids, params=SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-        )
+        ))
     got: dict[str, list[int]] = {rid: [] for rid in prompts}
     while engine.has_unfinished():
         for out in engine.step():
@@ -277,8 +278,8 @@ def test_mixed_steps_compile_no_new_triton_variants_and_waits_sleep(llama) -> No
     """After one warm-up request, mixed prefill/decode steps of other token and sequence counts reuse the
     compiled kernels: a variant compiled mid-run costs ~1 s of host time while the GPU idles. And the
     engine switched the GPU's waits to blocking sync (sleep, not spin)."""
+    from engine import EngineRequest, SamplingParams
     from engine.kernels import activation, attention, rmsnorm, rotary
-    from engine.sequence import SamplingParams
 
     path, _ = llama
     engine = _engine(path, "bfloat16")
@@ -296,7 +297,7 @@ def test_mixed_steps_compile_no_new_triton_variants_and_waits_sleep(llama) -> No
     def run(prompts: list[list[int]]) -> int:
         steps = 0
         for i, ids in enumerate(prompts):  # one add per step: batches of 1..n sequences, odd and even sizes
-            engine.add_request(f"x{len(prompts)}-{i}", prompt_token_ids=ids, params=SamplingParams(max_tokens=6))
+            engine.add_request(EngineRequest(f"x{len(prompts)}-{i}", prompt_token_ids=ids, params=SamplingParams(max_tokens=6)))
             engine.step()
             steps += 1
         while engine.has_unfinished():

@@ -238,7 +238,7 @@ def test_dispatch_uses_triton_on_cuda_and_reference_with_stoker_triton_0(monkeyp
     mixed = paged_attention(q, k_cache, v_cache, block_tables, qsl, context_lens, 0.1)
     torch.testing.assert_close(fast, paged_decode_attention_triton(q, k_cache, v_cache, block_tables,
                                                                    context_lens, 0.1), rtol=0, atol=0)
-    monkeypatch.setenv("STOKER_TRITON", "0")
+    monkeypatch.setattr("engine.kernels._triton_enabled", False)  # EngineConfig(use_triton=False)
     slow = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.1)
     x = torch.randn(3, 48, device="cuda", dtype=torch.float16)
     torch.testing.assert_close(rms_norm(x, torch.ones(48, device="cuda", dtype=torch.float16), 1e-6)[0],

@@ -11,17 +11,17 @@ import pytest
 import torch
 from engine_models import build_hf_model, hf_greedy, prompts
 
+from engine import EngineRequest, SamplingParams
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.loader import ModelConfig
 from engine.make_model import make_model
-from engine.sequence import SamplingParams
+from engine.model_config import ModelConfig
 
 
 def greedy_tokens(engine: LLMEngine, ids: list[int], n: int) -> list[int]:
-    engine.add_request(
+    engine.add_request(EngineRequest(
         "r", prompt_token_ids=ids, params=SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-    )
+    ))
     out: list[int] = []
     while engine.has_unfinished():
         for o in engine.step():
@@ -146,7 +146,7 @@ def test_missing_and_misshapen_weights(llama_dir, tmp_path):
         )
 
     path = broken_copy(llama_dir, tmp_path / "a", without_k)
-    with pytest.raises(ValueError, match=r"lacks weights for: layers\.1\.qkv_proj\[k\]"):
+    with pytest.raises(ValueError, match=r"lacks weights for: model\.layers\.1\.self_attn\.qkv_proj\.weight\[k\]"):
         LLMEngine(EngineConfig(path, device="cpu", num_kv_blocks=8))
 
     def misshapen(path: str) -> None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 from engine_models import build_hf_model, hf_logits, prompts
 
+from engine import EngineRequest, SamplingParams
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.sampler import (
@@ -17,7 +18,6 @@ from engine.sampler import (
     apply_penalties,
     uniform_noise,
 )
-from engine.sequence import SamplingParams
 
 V = 50
 
@@ -149,7 +149,7 @@ def llama(tmp_path_factory):
 
 
 def run_one(engine: LLMEngine, rid: str, ids: list[int], params: SamplingParams):
-    engine.add_request(rid, prompt_token_ids=ids, params=params)
+    engine.add_request(EngineRequest(rid, prompt_token_ids=ids, params=params))
     outs = []
     while engine.has_unfinished():
         outs += [o for o in engine.step() if o.request_id == rid]
@@ -195,11 +195,11 @@ def test_seeded_request_same_alone_and_in_a_mixed_batch(llama):
     ]
     engine = LLMEngine(EngineConfig(path, device="cpu", num_kv_blocks=32, max_num_batched_tokens=8))
     for i, p in enumerate(prompts(13, [5, 14, 3])):
-        engine.add_request(
+        engine.add_request(EngineRequest(
             f"o{i}",
             prompt_token_ids=p,
             params=SamplingParams(max_tokens=12, temperature=0.8, ignore_eos=True),
-        )
+        ))
     engine.step()  # the seeded request joins a running, chunked batch
     mixed = [t for o in run_one(engine, "s", ids, params) for t in o.new_token_ids]
     assert mixed == alone

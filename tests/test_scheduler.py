@@ -13,8 +13,9 @@ from collections import Counter
 
 import pytest
 
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.sequence import PENDING_TOKEN, FinishReason, SamplingParams, Sequence, SequenceStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
+from engine.sequence import PENDING_TOKEN, FinishReason, Sequence, SequenceStatus
 
 
 class Clock:
@@ -45,7 +46,8 @@ def fake_token(seq: Sequence) -> int:
 
 
 class Harness:
-    """The engine loop of engine/scheduler.py's docstring, checking invariants at every step.
+    """The engine loop of engine/scheduler.py's docstring, checking invariants at every step. A "stop" is
+    reported as a stop string at output count stop_early[request_id]; the scheduler's own rule does the rest.
     overlap=True drives it as the engine's overlapped steps do: sampled tokens stay PENDING_TOKEN until the
     next step has been scheduled and run, and are then filled in (or dropped when the sequence ended)."""
 
@@ -72,64 +74,42 @@ class Harness:
         out = self.scheduler.schedule()
         self.check(out)
         self.run_model(out)
-        samples = [chunk.samples for chunk in out.chunks]  # before postprocess and the append change it
+        samples = [chunk.samples for chunk in out.chunks]  # before update_from_launch adds the placeholders
+        tokens = [fake_token(c.seq) if sampled else 0 for c, sampled in zip(out.chunks, samples, strict=True)]
         self.log += [
             (c.seq.request_id, c.start, c.num_tokens, sampled)
             for c, sampled in zip(out.chunks, samples, strict=True)
         ]
-        self.scheduler.postprocess(out)
-        if self.overlap:
-            self.overlap_tail(out, samples)
-            self.check_blocks()
-            return out
-        for chunk, sampled in zip(out.chunks, samples, strict=True):
+        for seq in out.ended:  # the scheduler dropped the token of an ended sequence still in flight
+            self.hidden.pop(seq, None)
+        self.scheduler.update_from_launch(out)
+        launched = []
+        for chunk, sampled, token in zip(out.chunks, samples, tokens, strict=True):
             if chunk.num_tokens > 1 or chunk.start < chunk.seq.num_prompt_tokens - 1:
                 self.prefill_chunks[chunk.seq.request_id] += 1
             if sampled:
-                seq = chunk.seq
-                seq.output_token_ids.append(fake_token(seq))
-                if seq.num_output_tokens == seq.params.max_tokens:
-                    self.scheduler.finish(seq, FinishReason.LENGTH)
-                elif seq.num_output_tokens == self.stop_early.get(seq.request_id):
-                    self.scheduler.finish(seq, FinishReason.STOP)
+                assert chunk.seq.output_token_ids[-1] == PENDING_TOKEN
+                self.hidden.setdefault(chunk.seq, []).append(token)
+                launched.append(chunk.seq)
+        if self.overlap:  # the previous step's values arrive only now, after this step was scheduled and ran
+            arrived, self.in_flight = self.in_flight, launched
+        else:
+            arrived = launched
+        self.deliver(arrived)
         self.check_blocks()
         return out
 
-    def overlap_tail(self, out: SchedulerOutput, samples: list[bool]) -> None:
-        for seq in out.ended:  # the engine drops the token of an ended sequence still in flight
-            self.drop_pending(seq)
-        launched = []
-        for chunk, sampled in zip(out.chunks, samples, strict=True):
-            if chunk.num_tokens > 1 or chunk.start < chunk.seq.num_prompt_tokens - 1:
-                self.prefill_chunks[chunk.seq.request_id] += 1
-            if sampled:
-                seq = chunk.seq
-                self.hidden.setdefault(seq, []).append(fake_token(seq))
-                seq.output_token_ids.append(PENDING_TOKEN)
-                seq.num_pending += 1
-                launched.append(seq)
-        # The previous step's values arrive only now, after this step was scheduled and ran.
-        for seq in self.in_flight:
+    def deliver(self, seqs: list[Sequence]) -> None:
+        sampled = []
+        for seq in seqs:
             if seq.is_finished:
                 continue
-            index = seq.num_output_tokens - seq.num_pending
-            seq.output_token_ids[index] = self.hidden[seq].pop(0)
-            seq.num_pending -= 1
-            if index + 1 == seq.params.max_tokens:
-                self.drop_pending(seq)
-                self.scheduler.finish(seq, FinishReason.LENGTH)
-            elif index + 1 == self.stop_early.get(seq.request_id):
-                self.drop_pending(seq)
-                self.scheduler.finish(seq, FinishReason.STOP)
-            else:
-                self.scheduler.tokens_known(seq)
-        self.in_flight = launched
-
-    def drop_pending(self, seq: Sequence) -> None:
-        if seq.num_pending:
-            del seq.output_token_ids[-seq.num_pending :]
-            seq.num_pending = 0
-        self.hidden.pop(seq, None)
+            token = self.hidden[seq].pop(0)
+            stop = seq.num_known_output_tokens + 1 == self.stop_early.get(seq.request_id)
+            sampled.append(SampledToken(seq, token, stop_string=stop))
+        for seq in self.scheduler.update_from_output(sampled):
+            assert seq.is_finished and seq.num_pending == 0
+            self.hidden.pop(seq, None)
 
     def run_until_done(self, max_steps: int = 10_000) -> int:
         for step in range(max_steps):
@@ -347,9 +327,7 @@ def test_a_sequence_whose_last_token_is_in_flight_is_not_scheduled_again() -> No
     sched.add(seq)
     for _ in range(2):
         out = sched.schedule()
-        sched.postprocess(out)
-        seq.output_token_ids.append(PENDING_TOKEN)
-        seq.num_pending += 1
+        sched.update_from_launch(out)  # adds the placeholder of the token being sampled
     assert seq.num_output_tokens == 2 and seq.status is SequenceStatus.RUNNING and len(seq.block_table) == 2
     sched.add(other)
     for _ in range(3):  # no chunk of `last`, no preemption of it, no spin; `other` waits for a free block
@@ -364,10 +342,11 @@ def test_misuse_of_the_loop_is_a_clear_error() -> None:
     sched = Scheduler(SchedulerConfig(num_blocks=4, block_size=2))
     sched.add(Sequence("a", [1, 2, 3], SamplingParams(max_tokens=3)))
     out = sched.schedule()
-    sched.postprocess(out)
+    sched.update_from_launch(out)
     with pytest.raises(RuntimeError, match="stale chunk"):
-        sched.postprocess(out)
-    with pytest.raises(RuntimeError, match="must append the sampled token"):
+        sched.update_from_launch(out)
+    sched.running[0].drop_placeholders()  # as if the launch had not added the sampled token's placeholder
+    with pytest.raises(RuntimeError, match="call update_from_launch after every schedule"):
         sched.schedule()
 
 
@@ -524,3 +503,40 @@ def test_randomized_simulation(seed: int, overlap: bool) -> None:
         if seq.finish_reason is FinishReason.LENGTH:
             assert seq.num_output_tokens == seq.params.max_tokens
     assert h.scheduler.num_free_blocks == config.num_blocks
+
+
+def run_one_token(sched: Scheduler, seq: Sequence, token: int, stop_string: bool = False) -> list[Sequence]:
+    sched.update_from_launch(sched.schedule())
+    return sched.update_from_output([SampledToken(seq, token, stop_string)])
+
+
+def test_update_from_output_applies_the_stop_rule_and_frees_the_finished() -> None:
+    sched = Scheduler(SchedulerConfig(num_blocks=8, block_size=2, max_model_len=7))
+    # A stop id counts only once min_tokens are out.
+    seq = Sequence("ids", [1, 2], SamplingParams(max_tokens=4, min_tokens=2), stop_token_ids=frozenset({9}))
+    sched.add(seq)
+    assert run_one_token(sched, seq, 9) == [] and seq.output_token_ids == [9] and not seq.is_finished
+    assert run_one_token(sched, seq, 9) == [seq]
+    assert seq.finish_reason is FinishReason.STOP and seq.block_table == [] and sched.num_free_blocks == 8
+    # A stop string found on the max_tokens-th token wins over LENGTH.
+    seq = Sequence("str", [1], SamplingParams(max_tokens=1))
+    sched.add(seq)
+    assert run_one_token(sched, seq, 5, stop_string=True) == [seq] and seq.finish_reason is FinishReason.STOP
+    # The context's end: prompt 5 + 2 outputs reach max_model_len=7 before max_tokens.
+    seq = Sequence("ctx", [1, 2, 3, 4, 5], SamplingParams(max_tokens=10))
+    sched.add(seq)
+    assert run_one_token(sched, seq, 5) == []
+    assert run_one_token(sched, seq, 6) == [seq] and seq.finish_reason is FinishReason.LENGTH
+    assert seq.output_token_ids == [5, 6] and not sched.has_unfinished()
+
+
+def test_an_ended_sequence_drops_its_token_in_flight_and_ignores_its_value() -> None:
+    sched = Scheduler(SchedulerConfig(num_blocks=8, block_size=2))
+    seq = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=5))
+    sched.add(seq)
+    sched.update_from_launch(sched.schedule())
+    assert seq.output_token_ids == [PENDING_TOKEN] and seq.num_pending == 1
+    sched.abort("a")
+    assert sched.schedule().ended == [seq]
+    assert seq.output_token_ids == [] and seq.num_pending == 0 and seq.finish_reason is FinishReason.CANCELLED
+    assert sched.update_from_output([SampledToken(seq, 4)]) == [] and seq.output_token_ids == []

@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 from worker_harness import ROOT, check_sequence, job, make_space, produce, scrape, wait_results
 
-from engine.sequence import SamplingParams
+from engine import EngineRequest, SamplingParams
 from schemas import Done, Error
 from worker.config import WorkerConfig
 from worker.service import Worker
@@ -28,8 +28,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _engine(model: str):  # noqa: ANN202 -- LLMEngine is imported lazily
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
+    from engine import EngineConfig, LLMEngine
 
     return LLMEngine(EngineConfig(model_path=model, device="cpu", kv_cache_memory_bytes=32 << 20, max_num_seqs=16))
 
@@ -38,9 +37,9 @@ def _alone(model: str, jobs: list[dict]) -> dict[str, str]:
     """Each request's text from the engine driven directly, no Kafka, no Redis."""
     engine = _engine(model)
     for j in jobs:
-        engine.add_request(j["request_id"], prompt=j["prompt"], params=SamplingParams(
+        engine.add_request(EngineRequest(j["request_id"], prompt=j["prompt"], params=SamplingParams(
             max_tokens=j["max_tokens"], temperature=j.get("temperature", 1.0), seed=j.get("seed"),
-            stop=tuple(j.get("stop", ()))))
+            stop=tuple(j.get("stop", ())))))
     text: dict[str, list[str]] = {j["request_id"]: [] for j in jobs}
     while engine.has_unfinished():
         for out in engine.step():

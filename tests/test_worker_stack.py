@@ -38,7 +38,7 @@ from worker_harness import (
 )
 
 from client import stack
-from engine.sequence import SamplingParams
+from engine import EngineRequest, SamplingParams
 from schemas import DLQ_HEADERS, Cancel, Chunk, Done, Error, encode_cancel
 from worker.config import WorkerConfig
 from worker.fake_engine import FAIL_MARKER, FakeEngine
@@ -62,7 +62,7 @@ async def r(space: Space) -> AsyncIterator[aioredis.Redis]:
 def expected_text(request_id: str, max_tokens: int) -> str:
     """What the stand-in engine alone produces for this request."""
     engine = FakeEngine()
-    engine.add_request(request_id, prompt="x", params=SamplingParams(max_tokens=max_tokens))
+    engine.add_request(EngineRequest(request_id, prompt="x", params=SamplingParams(max_tokens=max_tokens)))
     text = []
     while engine.has_unfinished():
         text += [o.text_delta for o in engine.step()]

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from engine import EngineRequest, SamplingParams
 from engine.outputs import EngineRequestError, RequestOutput
-from engine.sequence import SamplingParams
 from worker.config import WorkerConfig
 from worker.driver import EngineDriver
 from worker.fake_engine import FAIL_MARKER, FakeEngine, fake_token_id, fake_token_text
@@ -78,7 +78,7 @@ def _run_to_end(engine: FakeEngine) -> dict[str, list[RequestOutput]]:
 
 def test_fake_engine_is_deterministic_and_respects_max_tokens():
     engine = FakeEngine(vocab_size=1000)
-    engine.add_request("r1", prompt="hello there", params=SamplingParams(max_tokens=5))
+    engine.add_request(EngineRequest("r1", prompt="hello there", params=SamplingParams(max_tokens=5)))
     outs = _run_to_end(engine)["r1"]
     ids = [t for o in outs for t in o.new_token_ids]
     assert ids == [fake_token_id("r1", i, 1000) for i in range(5)]
@@ -90,7 +90,7 @@ def test_fake_engine_is_deterministic_and_respects_max_tokens():
 def test_fake_engine_priority_order_when_the_batch_is_full():
     engine = FakeEngine(max_num_seqs=1)
     for rid, prio in (("low", 5), ("high", -1), ("mid", 0)):
-        engine.add_request(rid, prompt="x", params=SamplingParams(max_tokens=2), priority=prio)
+        engine.add_request(EngineRequest(rid, prompt="x", params=SamplingParams(max_tokens=2), priority=prio))
     finished = []
     while engine.has_unfinished():
         finished += [o.request_id for o in engine.step() if o.finished]
@@ -99,12 +99,12 @@ def test_fake_engine_priority_order_when_the_batch_is_full():
 
 def test_fake_engine_abort_deadline_stop_and_errors():
     engine = FakeEngine(max_model_len=50)
-    engine.add_request("cancel-me", prompt="x", params=SamplingParams(max_tokens=40))
-    engine.add_request("late", prompt="x", params=SamplingParams(max_tokens=40), deadline_ms=time.time() * 1000 - 1)
-    engine.add_request("boom", prompt=f"x {FAIL_MARKER}", params=SamplingParams(max_tokens=3))
+    engine.add_request(EngineRequest("cancel-me", prompt="x", params=SamplingParams(max_tokens=40)))
+    engine.add_request(EngineRequest("late", prompt="x", params=SamplingParams(max_tokens=40), deadline_ms=time.time() * 1000 - 1))
+    engine.add_request(EngineRequest("boom", prompt=f"x {FAIL_MARKER}", params=SamplingParams(max_tokens=3)))
     text = "".join(fake_token_text(fake_token_id("stopper", i, engine.vocab_size)) for i in range(3))
     stop = text[len(text) // 2 : len(text) // 2 + 3]
-    engine.add_request("stopper", prompt="x", params=SamplingParams(max_tokens=40, stop=(stop,)))
+    engine.add_request(EngineRequest("stopper", prompt="x", params=SamplingParams(max_tokens=40, stop=(stop,))))
     first = engine.step()
     engine.abort("cancel-me")
     outs = _run_to_end(engine)
@@ -117,7 +117,7 @@ def test_fake_engine_abort_deadline_stop_and_errors():
     assert outs["stopper"][-1].finish_reason == "stop" and stop not in streamed
     assert text.startswith(streamed)
     with pytest.raises(EngineRequestError) as exc:
-        engine.add_request("long", prompt="a b c", params=SamplingParams(max_tokens=48))
+        engine.add_request(EngineRequest("long", prompt="a b c", params=SamplingParams(max_tokens=48)))
     assert exc.value.code == "context_length_exceeded"
 
 
@@ -137,7 +137,7 @@ async def test_driver_delivers_every_step_and_sleeps_when_idle():
     driver = EngineDriver(engine, loop, sink)
     driver.start()
     try:
-        driver.add_request("a", prompt="p", params=SamplingParams(max_tokens=20))
+        driver.add_request(EngineRequest("a", prompt="p", params=SamplingParams(max_tokens=20)))
         await asyncio.wait_for(done.wait(), 5)
         assert [t for o in got for t in o.new_token_ids] == [fake_token_id("a", i, engine.vocab_size) for i in range(20)]
         steps = driver.steps
@@ -154,7 +154,7 @@ async def test_driver_stops_stepping_while_outputs_are_unpublished():
     driver = EngineDriver(engine, loop, lambda outs, stats, ms: batches.append(len(outs)), max_unpublished_steps=3)
     driver.start()
     try:
-        driver.add_request("a", prompt="p", params=SamplingParams(max_tokens=100))
+        driver.add_request(EngineRequest("a", prompt="p", params=SamplingParams(max_tokens=100)))
         await asyncio.sleep(0.3)
         assert driver.steps == 3 and len(batches) == 3  # held at the limit: nothing published yet
         driver.published()
@@ -183,7 +183,7 @@ async def test_driver_reports_an_engine_whose_stats_fail_instead_of_dying_silent
     driver = EngineDriver(BrokenStats(), loop, sink)
     driver.start()
     try:
-        driver.add_request("a", prompt="p", params=SamplingParams(max_tokens=5))
+        driver.add_request(EngineRequest("a", prompt="p", params=SamplingParams(max_tokens=5)))
         await asyncio.wait_for(called.wait(), 5)
         assert calls == [(0, driver.fatal)] and isinstance(driver.fatal, RuntimeError)
     finally:
@@ -219,6 +219,26 @@ def test_config_from_env_and_flags():
                                     "sasl_plain_username": "u", "sasl_plain_password": "p"}
 
 
+def test_every_engine_setting_reaches_the_engine_config(tmp_path, monkeypatch):
+    from worker.main import build_engine
+
+    env = {"STOKER_MODEL": str(tmp_path), "STOKER_DEVICE": "cpu", "STOKER_DTYPE": "float16",
+           "STOKER_BLOCK_SIZE": "32", "STOKER_NO_PREFIX_CACHING": "1", "STOKER_NO_TRITON": "yes",
+           "STOKER_MAX_NUM_BATCHED_TOKENS": "2048", "STOKER_SEED": "7", "STOKER_GPU_MEMORY_UTILIZATION": "0.5"}
+    cfg = parse_config(["--no-cuda-graphs", "--no-async-scheduling", "--no-blocking-sync",
+                        "--num-kv-blocks", "64", "--max-num-batched-tokens", "1024"], env)
+    monkeypatch.setattr("engine.LLMEngine", lambda config: config, raising=False)  # no model load here
+    ec = build_engine(cfg)
+    assert (ec.model_path, ec.device, ec.dtype, ec.block_size, ec.num_kv_blocks) == (str(tmp_path), "cpu", "float16",
+                                                                                      32, 64)
+    assert ec.max_num_batched_tokens == 1024 and ec.seed == 7 and ec.gpu_memory_utilization == 0.5  # flag beats env
+    assert not ec.enable_prefix_caching and not ec.cuda_graphs and ec.async_scheduling is False
+    assert not ec.use_triton and not ec.blocking_sync
+    defaults = build_engine(parse_config([], {"STOKER_MODEL": str(tmp_path), "STOKER_DEVICE": "cpu"}))
+    assert defaults.enable_prefix_caching and defaults.cuda_graphs and defaults.async_scheduling is None
+    assert defaults.use_triton and defaults.blocking_sync and defaults.block_size == 16
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     ({}, "no model"),
     ({"fake_engine": True, "max_num_seqs": 0}, "max_num_seqs"),
@@ -228,6 +248,9 @@ def test_config_from_env_and_flags():
     ({"fake_engine": True, "job_topic": "bad topic"}, "jobs_topic"),
     ({"fake_engine": True, "switch_interval_s": 0}, "switch_interval_s"),
     ({"fake_engine": True, "max_tenant_labels": -1}, "max_tenant_labels"),
+    ({"fake_engine": True, "block_size": 24}, "block_size must be a power of two"),
+    ({"fake_engine": True, "dtype": "int8"}, "dtype"),
+    ({"fake_engine": True, "max_num_batched_tokens": 0}, "max_num_batched_tokens"),
 ])
 def test_config_rejects_bad_values_with_a_reason(kwargs, needle):
     with pytest.raises(ValueError, match=needle):

@@ -27,6 +27,17 @@ class WorkerConfig:
     kv_cache_memory_bytes: int | None = None  # memory budget for the KV cache; None = the engine's default
     max_num_seqs: int = 256  # requests in the running batch at most
     max_model_len: int | None = None
+    dtype: str | None = None  # float32 | float16 | bfloat16; None = bfloat16 on CUDA, float32 on CPU
+    block_size: int = 16  # tokens per KV block (a power of two)
+    num_kv_blocks: int | None = None  # None = as many as the memory budget allows
+    gpu_memory_utilization: float = 0.9  # share of the GPU the engine may fill (without kv_cache_memory_bytes)
+    max_num_batched_tokens: int = 8192  # tokens per engine step: lower = steadier inter-token latency
+    seed: int | None = None  # seeds the per-request seeds of unseeded requests
+    no_prefix_caching: bool = False
+    no_cuda_graphs: bool = False
+    no_async_scheduling: bool = False  # step synchronously (no overlap of host work with the GPU's)
+    no_triton: bool = False  # the plain-torch kernel references (A/B runs, debugging)
+    no_blocking_sync: bool = False  # keep CUDA's spinning host waits (A/B runs)
     # Kafka
     bootstrap_servers: str = "127.0.0.1:9092"
     job_topic: str = JOBS_TOPIC
@@ -74,6 +85,17 @@ class WorkerConfig:
             problems.append("no model: set --model / STOKER_MODEL to a model folder (or STOKER_FAKE_ENGINE=1)")
         if self.max_num_seqs < 1:
             problems.append(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        # The engine checks its settings again (EngineConfig); these fail before the model loads.
+        if self.dtype not in (None, "float32", "float16", "bfloat16"):
+            problems.append(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            problems.append(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            problems.append(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            problems.append(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_batched_tokens < 1:
+            problems.append(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_waiting is None:
             self.max_waiting = self.max_num_seqs
         if self.max_waiting < 1:

@@ -12,10 +12,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
-from engine.outputs import EngineStats, RequestOutput
-from engine.sequence import SamplingParams
+from engine import EngineRequest, EngineStats, RequestOutput
 
 log = logging.getLogger("stoker.worker.driver")
 
@@ -26,17 +25,7 @@ class EngineLike(Protocol):
     model_name: str
     max_model_len: int
 
-    def add_request(
-        self,
-        request_id: str,
-        *,
-        prompt: str | None = None,
-        messages: list[dict[str, Any]] | None = None,
-        prompt_token_ids: list[int] | None = None,
-        params: SamplingParams,
-        priority: int = 0,
-        deadline_ms: float | None = None,
-    ) -> None: ...
+    def add_request(self, request: EngineRequest) -> None: ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -90,8 +79,8 @@ class EngineDriver:
             self._unpublished -= 1
             self._cond.notify_all()
 
-    def add_request(self, request_id: str, **kwargs: Any) -> None:
-        self.engine.add_request(request_id, **kwargs)  # validates synchronously; raises EngineRequestError
+    def add_request(self, request: EngineRequest) -> None:
+        self.engine.add_request(request)  # validates synchronously; raises EngineRequestError
         self.notify()
 
     def abort(self, request_id: str) -> None:

@@ -17,10 +17,8 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
 
-from engine.outputs import EngineRequestError, EngineStats, RequestOutput
-from engine.sequence import SamplingParams
+from engine import EngineRequest, EngineRequestError, EngineStats, RequestOutput, SamplingParams
 
 FAIL_MARKER = "__stoker_fail__"
 _BLOCK_SIZE = 16
@@ -98,17 +96,11 @@ class FakeEngine:
         self._generation_tokens_total = 0
 
     # -- thread-safe API --------------------------------------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        *,
-        prompt: str | None = None,
-        messages: list[dict[str, Any]] | None = None,
-        prompt_token_ids: list[int] | None = None,
-        params: SamplingParams,
-        priority: int = 0,
-        deadline_ms: float | None = None,
-    ) -> None:
+    def add_request(self, request: EngineRequest) -> None:
+        request_id, prompt, messages, prompt_token_ids = (
+            request.request_id, request.prompt, request.messages, request.prompt_token_ids
+        )
+        params, priority, deadline_ms = request.params, request.priority, request.deadline_ms
         if sum(x is not None for x in (prompt, messages, prompt_token_ids)) != 1:
             raise EngineRequestError("invalid_job", "give exactly one of prompt, messages, prompt_token_ids")
         if prompt is not None:

@@ -27,6 +27,20 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
     ("--kv-cache-memory-bytes", "STOKER_KV_CACHE_MEMORY_BYTES", int, None, "KV cache memory budget"),
     ("--max-num-seqs", "STOKER_MAX_NUM_SEQS", int, 256, "max concurrent requests in the batch"),
     ("--max-model-len", "STOKER_MAX_MODEL_LEN", int, None, "context length cap"),
+    ("--dtype", "STOKER_DTYPE", str, None, "float32|float16|bfloat16 (default: bfloat16 on CUDA, float32 on CPU)"),
+    ("--block-size", "STOKER_BLOCK_SIZE", int, 16, "tokens per KV block (a power of two)"),
+    ("--num-kv-blocks", "STOKER_NUM_KV_BLOCKS", int, None, "KV blocks (default: as many as the budget allows)"),
+    ("--gpu-memory-utilization", "STOKER_GPU_MEMORY_UTILIZATION", float, 0.9,
+     "share of the GPU the engine may fill (when no KV cache budget is given)"),
+    ("--max-num-batched-tokens", "STOKER_MAX_NUM_BATCHED_TOKENS", int, 8192,
+     "tokens per engine step: lower keeps inter-token latency steadier, higher gives more throughput"),
+    ("--seed", "STOKER_SEED", int, None, "seed of the per-request seeds of unseeded requests"),
+    ("--no-prefix-caching", "STOKER_NO_PREFIX_CACHING", bool, False, "turn prefix caching off"),
+    ("--no-cuda-graphs", "STOKER_NO_CUDA_GRAPHS", bool, False, "run decode steps eagerly (no CUDA graphs)"),
+    ("--no-async-scheduling", "STOKER_NO_ASYNC_SCHEDULING", bool, False,
+     "step synchronously: no host work overlapped with the GPU's"),
+    ("--no-triton", "STOKER_NO_TRITON", bool, False, "plain-torch kernel references instead of Triton (A/B)"),
+    ("--no-blocking-sync", "STOKER_NO_BLOCKING_SYNC", bool, False, "keep CUDA's spinning host waits (A/B)"),
     ("--bootstrap-servers", "KAFKA_BOOTSTRAP_SERVERS", str, "127.0.0.1:9092", "Kafka bootstrap servers"),
     ("--job-topic", "STOKER_JOB_TOPIC", str, "stoker.jobs", "job topic"),
     ("--dlq-topic", "STOKER_DLQ_TOPIC", str, "", "dead-letter topic (default: job topic + .dlq)"),
@@ -127,10 +141,16 @@ def build_engine(cfg: WorkerConfig) -> Any:
 
         return FakeEngine(cfg.served_model_name or "fake", max_num_seqs=cfg.max_num_seqs,
                           max_model_len=cfg.max_model_len or 4096, step_delay_s=cfg.fake_step_delay_s)
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
+    from engine import EngineConfig, LLMEngine
 
-    kwargs: dict[str, Any] = {"model_path": cfg.model, "max_num_seqs": cfg.max_num_seqs}
+    kwargs: dict[str, Any] = {
+        "model_path": cfg.model, "max_num_seqs": cfg.max_num_seqs, "dtype": cfg.dtype, "block_size": cfg.block_size,
+        "num_kv_blocks": cfg.num_kv_blocks, "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        "max_num_batched_tokens": cfg.max_num_batched_tokens, "seed": cfg.seed,
+        "enable_prefix_caching": not cfg.no_prefix_caching, "cuda_graphs": not cfg.no_cuda_graphs,
+        "async_scheduling": False if cfg.no_async_scheduling else None, "use_triton": not cfg.no_triton,
+        "blocking_sync": not cfg.no_blocking_sync,
+    }
     if cfg.served_model_name:
         kwargs["model_name"] = cfg.served_model_name
     if cfg.device:

@@ -31,8 +31,7 @@ from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from engine.outputs import EngineRequestError, EngineStats, RequestOutput
-from engine.sequence import SamplingParams
+from engine import EngineRequest, EngineRequestError, EngineStats, RequestOutput, SamplingParams
 from schemas import (
     Chunk,
     ContractError,
@@ -482,9 +481,9 @@ class Worker:
             include_stop_str_in_output=job.include_stop_str_in_output, logprobs=job.logprobs,
         )
         messages = [{"role": m.role, "content": m.content} for m in job.messages] if job.messages else None
-        self.driver.add_request(job.request_id, prompt=job.prompt, messages=messages,
-                                prompt_token_ids=job.prompt_token_ids, params=params, priority=job.priority,
-                                deadline_ms=job.deadline_ms)
+        self.driver.add_request(EngineRequest(job.request_id, prompt=job.prompt, messages=messages,
+                                              prompt_token_ids=job.prompt_token_ids, params=params,
+                                              priority=job.priority, deadline_ms=job.deadline_ms))
 
     def _apply_backpressure(self) -> None:
         """Pause every assigned partition while the engine has enough queued (or too little KV left)."""

@@ -1,8 +1,7 @@
 """Kernels behind the model: each op dispatches to its Triton launcher for CUDA tensors and to the
-plain-torch reference (which defines the semantics) otherwise, or everywhere when STOKER_TRITON=0."""
+plain-torch reference (which defines the semantics) otherwise, or everywhere after set_triton(False)
+(EngineConfig.use_triton=False)."""
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -22,13 +21,21 @@ __all__ = [
     "rms_norm", "rms_norm_ref", "rope_cos_sin", "rotary_and_cache", "rotary_and_cache_ref",
     "silu_and_mul", "silu_and_mul_ref", "use_triton",
     "paged_attention_triton", "paged_decode_attention_triton", "rms_norm_triton", "rotary_and_cache_triton",
-    "silu_and_mul_triton",
+    "silu_and_mul_triton", "set_triton",
 ]
+
+# A process-wide backend switch (like torch.backends' flags), not per engine: the layers call these ops
+# without an engine at hand. The engine sets it from EngineConfig.use_triton; tests flip it.
+_triton_enabled = True
+
+
+def set_triton(enabled: bool) -> None:
+    global _triton_enabled
+    _triton_enabled = enabled
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    """Read per call (a dict lookup) so tests and benchmarks can flip STOKER_TRITON at run time."""
-    return x.is_cuda and HAS_TRITON and os.environ.get("STOKER_TRITON", "1") != "0"
+    return x.is_cuda and HAS_TRITON and _triton_enabled
 
 
 def rms_norm(

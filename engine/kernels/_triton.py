@@ -39,7 +39,7 @@ def interpreting() -> bool:
 def check_launchable(*tensors: Any) -> None:
     """Raise a clear error instead of a Triton crash when a kernel cannot run on these tensors."""
     if not HAS_TRITON:
-        raise RuntimeError("triton is not importable here; use the *_ref functions (or STOKER_TRITON=0)")
+        raise RuntimeError("triton is not importable here; use the *_ref functions (or EngineConfig(use_triton=False))")
     on_cpu = [t for t in tensors if not t.is_cuda]
     if on_cpu and not interpreting():
         raise ValueError("Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tests)")

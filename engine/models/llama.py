@@ -1,130 +1,145 @@
 """Llama-family decoder (Llama 2/3/3.x, Mistral, Qwen2 with q/k/v bias, Qwen3 with per-head q/k norm).
 
-q/k/v are one fused matmul and gate/up another (fused at load, see `weight_destination`). The forward is
-over a flat batch of tokens (prefill chunks and decodes mixed) and has no Python loop over tokens or
-sequences and no host sync, so a CUDA graph can capture it. Only the kernel dispatchers of
-`engine.kernels` touch the KV cache.
+Built from engine.layers: the modules own the parameters and how checkpoint tensors fill them; this file
+wires them and names them as the checkpoints do (`model.layers.N.self_attn.qkv_proj`), so the loader maps
+a checkpoint name to its module by path, with `packed_modules` folding q/k/v and gate/up into the fused
+linears. The forward is over a flat batch of tokens (prefill chunks and decodes mixed) and has no Python
+loop over tokens or sequences and no host sync, so a CUDA graph can capture it.
 """
 
 from __future__ import annotations
 
-import re
-from typing import TYPE_CHECKING
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine import kernels
-from engine.loader import ModelConfig
+from engine.batch import AttentionMetadata
+from engine.layers import (
+    GateUpLinear,
+    Linear,
+    LMHead,
+    PagedAttention,
+    QKVLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabEmbedding,
+)
+from engine.model_config import ModelConfig
+from engine.models.base import CausalLM
 
-if TYPE_CHECKING:
-    from engine.model_runner import AttentionMetadata
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = QKVLinear(
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bias=cfg.attention_bias, dtype=dtype
+        )
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, dtype=dtype)
+        # Qwen3: RMSNorm over each head's vector of q and k, before rotary.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H], normed
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        # Views into qkv (row stride != H*D): the rotary kernel rotates them in place.
+        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0].view_as(q)
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0].view_as(k)
+        self.rotary(q, k, v, positions, k_cache, v_cache, meta.slot_mapping)
+        attn = self.attn(q, k_cache, v_cache, meta)
+        return self.o_proj(attn.reshape(num_tokens, self.q_size))
 
 
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = GateUpLinear(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    """Norm -> attention -> norm -> MLP, the residual carried beside the hidden states and added inside the
+    next norm. A fused decode path would replace this forward (not the modules): e.g. one kernel that takes
+    post_attention_layernorm.weight and mlp.gate_up_proj.weight."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, rotary: RotaryEmbedding):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim**-0.5
-        self.input_layernorm = _param(cfg.hidden_size, dtype=dtype)
-        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, cfg.hidden_size, dtype=dtype)
-        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype) if cfg.attention_bias else None
-        self.q_norm = _param(cfg.head_dim, dtype=dtype) if cfg.qk_norm else None
-        self.k_norm = _param(cfg.head_dim, dtype=dtype) if cfg.qk_norm else None
-        self.o_proj = _param(cfg.hidden_size, self.q_size, dtype=dtype)
-        self.post_attention_layernorm = _param(cfg.hidden_size, dtype=dtype)
-        self.gate_up_proj = _param(2 * cfg.intermediate_size, cfg.hidden_size, dtype=dtype)
-        self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = LlamaAttention(cfg, dtype, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = LlamaMLP(cfg, dtype)
 
     def forward(
         self,
         hidden: torch.Tensor,  # [T, H]
         residual: torch.Tensor | None,  # [T, H]; None in the first layer
-        positions: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,
         meta: AttentionMetadata,
-        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        cos_sin: torch.Tensor,  # [max_position, D] float32
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        num_tokens = hidden.shape[0]
-        x, residual = kernels.rms_norm(hidden, self.input_layernorm, self.eps, residual)
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [T, (Hq + 2 Hkv) D]
-        # Views into qkv (row stride != H*D): the rotary kernel rotates them in place.
-        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
-            num_tokens, self.num_kv_heads, self.head_dim
-        )
-        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: RMSNorm over each head's vector
-            q = kernels.rms_norm(q.reshape(-1, self.head_dim), self.q_norm, self.eps)[0].view_as(q)
-            k = kernels.rms_norm(k.reshape(-1, self.head_dim), self.k_norm, self.eps)[0].view_as(k)
-        kernels.rotary_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
-        if meta.decode_only:  # one query per sequence: the split-K decode kernel
-            attn = kernels.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale
-            )
-        else:
-            attn = kernels.paged_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, self.scale
-            )
-        hidden = F.linear(attn.reshape(num_tokens, self.q_size), self.o_proj)
-        x, residual = kernels.rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
-        hidden = F.linear(kernels.silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
-        return hidden, residual
+        x, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(x, positions, meta, k_cache, v_cache)
+        x, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(x), residual
 
 
-# Checkpoint name -> (our parameter, shard of a fused parameter) for the per-layer tensors.
-_LAYER_MAP = {
-    "input_layernorm.weight": ("input_layernorm", ""),
-    "self_attn.q_proj.weight": ("qkv_proj", "q"),
-    "self_attn.k_proj.weight": ("qkv_proj", "k"),
-    "self_attn.v_proj.weight": ("qkv_proj", "v"),
-    "self_attn.q_proj.bias": ("qkv_bias", "q"),
-    "self_attn.k_proj.bias": ("qkv_bias", "k"),
-    "self_attn.v_proj.bias": ("qkv_bias", "v"),
-    "self_attn.q_norm.weight": ("q_norm", ""),
-    "self_attn.k_norm.weight": ("k_norm", ""),
-    "self_attn.o_proj.weight": ("o_proj", ""),
-    "post_attention_layernorm.weight": ("post_attention_layernorm", ""),
-    "mlp.gate_proj.weight": ("gate_up_proj", "gate"),
-    "mlp.up_proj.weight": ("gate_up_proj", "up"),
-    "mlp.down_proj.weight": ("down_proj", ""),
-}
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_position: int):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, positions, meta, k_cache, v_cache)
+        return self.norm(hidden, residual)[0]
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
+    # Checkpoint module name -> (our fused module, its shard): how q/k/v and gate/up load into one linear.
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_position: int):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
-        self.norm = _param(cfg.hidden_size, dtype=dtype)
-        self.lm_head = (
-            self.embed_tokens
-            if cfg.tie_word_embeddings
-            else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        )
-        self.register_buffer(
-            "cos_sin",
-            kernels.rope_cos_sin(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling),
-            persistent=False,
-        )
-        # Rows of the fused parameters: q | k | v and gate | up.
-        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-        self._rows = {
-            "q": slice(0, q),
-            "k": slice(q, q + kv),
-            "v": slice(q + kv, q + 2 * kv),
-            "gate": slice(0, inter),
-            "up": slice(inter, 2 * inter),
-        }
+        self.model = LlamaModel(cfg, dtype, max_position)
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype, tied_to=tied)
 
     def forward(
         self,
@@ -134,40 +149,8 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, H] (normed)."""
-        hidden = F.embedding(input_ids, self.embed_tokens)
-        residual: torch.Tensor | None = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, positions, meta, k_cache, v_cache, self.cos_sin)
-        return kernels.rms_norm(hidden, self.norm, self.cfg.rms_norm_eps, residual)[0]
+        return self.model(input_ids, positions, meta, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] (only the rows we sample) -> [N, vocab] float32."""
-        return F.linear(hidden, self.lm_head).float()
-
-    # Loading (engine.loader.load_weights drives these).
-    def weight_destination(self, name: str) -> tuple[str, str, slice | None] | None:
-        if name == "model.embed_tokens.weight":
-            return "embed_tokens", "", None
-        if name == "model.norm.weight":
-            return "norm", "", None
-        if name == "lm_head.weight":
-            return None if self.cfg.tie_word_embeddings else ("lm_head", "", None)
-        m = _LAYER_RE.match(name)
-        if m is None or m.group(2) not in _LAYER_MAP or int(m.group(1)) >= self.cfg.num_layers:
-            return None  # e.g. rotary_emb.inv_freq: recomputed, not loaded
-        param, shard = _LAYER_MAP[m.group(2)]
-        if getattr(self.layers[int(m.group(1))], param) is None:
-            return None  # e.g. a zero bias saved for a model we run without one
-        return f"layers.{m.group(1)}.{param}", shard, self._rows[shard] if shard else None
-
-    def expected_shards(self) -> set[tuple[str, str]]:
-        out = set()
-        for name, _ in self.named_parameters():
-            param = name.rsplit(".", 1)[-1]
-            if param == "qkv_proj" or param == "qkv_bias":
-                out |= {(name, s) for s in ("q", "k", "v")}
-            elif param == "gate_up_proj":
-                out |= {(name, s) for s in ("gate", "up")}
-            else:
-                out.add((name, ""))
-        return out
+        return self.lm_head(hidden)

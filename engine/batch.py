@@ -1,0 +1,28 @@
+"""What one step runs: the flat token batch and what attention needs to read and write the paged KV cache.
+
+A leaf: the model runner builds these, the model and its layers read them, the CUDA-graph runner keeps
+static copies of them. It imports nothing of ours, so none of those needs to import another for the types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot of each token
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0 (never read past context_lens)
+    query_start_loc: torch.Tensor  # [B+1] int32: sequence b owns tokens [qsl[b], qsl[b+1])
+    context_lens: torch.Tensor  # [B] int32: tokens in the cache for b after this step
+    decode_only: bool  # every sequence has exactly one query token (the decode kernel's case)
+
+
+@dataclass(slots=True)
+class ModelInput:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # [N] int64: rows of the hidden states whose logits are sampled

@@ -1,0 +1,21 @@
+"""The model's building blocks. Each module owns its parameters and the rule that fills them from checkpoint
+tensors (`WeightModule.load_weight`); the model files only wire them together.
+
+A new way to hold or multiply weights (FP8, a tensor-parallel shard) is a new module here with its own
+parameters, `load_weight` and forward; the model's forward calls `self.qkv_proj(x)` either way. A fused
+path that crosses modules (a norm folded into the next GEMV's prologue, the residual add into its epilogue)
+reads the weights of several of these modules from a decoder layer's forward: the modules own weights and
+loading, not necessarily the kernel that uses them.
+"""
+
+from engine.layers.attention import PagedAttention
+from engine.layers.embedding import LMHead, VocabEmbedding
+from engine.layers.linear import GateUpLinear, Linear, MergedLinear, QKVLinear
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.layers.weights import WeightModule, WeightShapeError
+
+__all__ = [
+    "GateUpLinear", "LMHead", "Linear", "MergedLinear", "PagedAttention", "QKVLinear", "RMSNorm",
+    "RotaryEmbedding", "VocabEmbedding", "WeightModule", "WeightShapeError",
+]

@@ -1,0 +1,68 @@
+"""Linear layers: y = x W^T (+ b), W [out, in] as in Hugging Face checkpoints.
+
+`MergedLinear` stores several checkpoint projections as row blocks of one parameter, so one GEMM computes
+them all (q | k | v, gate | up); each knows which rows a shard fills. An FP8 or a tensor-parallel variant
+subclasses these: its own parameters (a scale, a shard of the rows or columns), its `load_weight`, its forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.layers.weights import WeightModule, copy_into, empty_param
+
+
+class Linear(WeightModule):
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = False, dtype: torch.dtype):
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.weight = empty_param(output_size, input_size, dtype=dtype)
+        self.bias = empty_param(output_size, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, in] -> [T, out]"""
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Checkpoint projections fused along the output dim: shard `name` fills rows `self.shard_rows[name]`
+    of the weight (and of the bias)."""
+
+    def __init__(self, input_size: int, shard_sizes: dict[str, int], *, bias: bool = False, dtype: torch.dtype):
+        super().__init__(input_size, sum(shard_sizes.values()), bias=bias, dtype=dtype)
+        self.shard_rows: dict[str, slice] = {}
+        start = 0
+        for name, size in shard_sizes.items():
+            self.shard_rows[name] = slice(start, start + size)
+            start += size
+
+    def load_weight(self, param_name: str, loaded: torch.Tensor, shard: str = "") -> None:
+        rows = self.shard_rows.get(shard)
+        if rows is None:
+            raise ValueError(
+                f"{type(self).__name__}.{param_name}: unknown shard {shard!r} (have {', '.join(self.shard_rows)})"
+            )
+        copy_into(self._parameters[param_name].data[rows], loaded)  # type: ignore[union-attr]
+
+    def expected_shards(self) -> list[tuple[str, str]]:
+        return [(name, shard) for name, _ in super().expected_shards() for shard in self.shard_rows]
+
+
+class QKVLinear(MergedLinear):
+    """q | k | v projections in one GEMM: [T, H] -> [T, (Hq + 2 Hkv) D]."""
+
+    def __init__(
+        self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, bias: bool, dtype: torch.dtype
+    ):
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        super().__init__(
+            hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=bias, dtype=dtype
+        )
+
+
+class GateUpLinear(MergedLinear):
+    """gate | up projections of the gated MLP in one GEMM: [T, H] -> [T, 2 I]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype):
+        super().__init__(hidden_size, {"gate": intermediate_size, "up": intermediate_size}, dtype=dtype)

@@ -1,0 +1,94 @@
+"""Output processing: sampled tokens -> RequestOutputs (detokenize with stop strings, logprobs, usage).
+
+The stop strings are found here, before the scheduler applies the stop rule (update_from_output), so that
+a stop string wins over max_tokens on the same token; the text is flushed once the scheduler ended the
+sequence. Pure Python apart from reading the sampler's host tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.detokenizer import Decoder, IncrementalDetokenizer
+from engine.outputs import RequestOutput, TokenLogprob, TopLogprob
+from engine.sampler import SamplerOutput
+from engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class RequestState:
+    """The output side of one request."""
+
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    first_scheduled_ms: float | None = None
+
+
+# One sampled row as the host got it: (token id, its logprob entry when asked for), or why sampling failed.
+SampleResult = tuple[int, TokenLogprob | None] | Exception
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Decoder):
+        self.tokenizer = tokenizer
+
+    def new_request(self, seq: Sequence) -> RequestState:
+        params = seq.params
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, seq.prompt_token_ids, params.stop, params.include_stop_str_in_output
+        )
+        return RequestState(seq, detokenizer)
+
+    @staticmethod
+    def detokenize(state: RequestState, token_id: int) -> tuple[str, bool]:
+        """A new token of a running sequence (before the scheduler fills its placeholder) -> (text delta,
+        whether a stop string ended here). Stop strings count only once min_tokens are out."""
+        seq = state.seq
+        past_min = seq.num_known_output_tokens + 1 >= seq.params.min_tokens
+        text = state.detokenizer.add_token(token_id, past_min)
+        return text, state.detokenizer.stopped
+
+    @staticmethod
+    def unpack(out: SamplerOutput, seqs: list[Sequence]) -> list[SampleResult]:
+        """The sampler's host tensors -> one result per row (row i is seqs[i])."""
+        token_ids = out.token_ids.tolist()
+        if out.logprobs is None or out.top_ids is None or out.top_logprobs is None:
+            return [(t, None) for t in token_ids]
+        lps, top_ids, top_lps = out.logprobs.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
+        results: list[SampleResult] = []
+        for i, (seq, token) in enumerate(zip(seqs, token_ids, strict=True)):
+            n = seq.params.logprobs
+            top = [TopLogprob(t, lp) for t, lp in zip(top_ids[i][:n], top_lps[i][:n], strict=True)]
+            results.append((token, TokenLogprob(token, lps[i], top) if n else None))
+        return results
+
+    @staticmethod
+    def output(
+        state: RequestState,
+        token_ids: list[int],
+        text: str,
+        logprobs: list[TokenLogprob] | None,
+        error: tuple[str, str] | None = None,
+    ) -> RequestOutput:
+        """The step's output of one request, after the scheduler's update: a finished sequence also gets the
+        text its detokenizer held back (a possible stop-string prefix, an unfinished character)."""
+        seq = state.seq
+        finished = seq.is_finished
+        if finished and error is None:
+            text += state.detokenizer.flush()
+        reason = seq.finish_reason if error is None else None
+        # Positional (the field order of RequestOutput): this runs once per request per step.
+        return RequestOutput(
+            seq.request_id,
+            token_ids,
+            text,
+            logprobs if seq.params.logprobs else None,
+            finished,
+            reason.value if reason is not None else None,
+            len(seq.prompt_token_ids),
+            len(seq.output_token_ids) - seq.num_pending,
+            seq.num_cached_tokens,
+            state.first_scheduled_ms,
+            error[0] if error else None,
+            error[1] if error else None,
+        )
