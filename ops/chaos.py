@@ -91,7 +91,11 @@ class RedisProxy:
         if self.cut:
             writer.close()
             return
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:  # Redis itself is down: the client sees its connection refused, as it would directly
+            writer.close()
+            return
         self.writers |= {writer, up_writer}
         await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
 
