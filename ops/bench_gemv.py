@@ -197,6 +197,55 @@ def sweep(ms: list[int], dtype: torch.dtype, bw: float) -> None:
                 torch.cuda.empty_cache()
 
 
+ABLATE_CORES = [GemvConfig(1, bn, bk, False, nw, st) for bn, bk, nw, st in [
+    (8, 512, 4, 3), (16, 512, 4, 3), (4, 1024, 4, 3), (8, 1024, 4, 3), (4, 512, 4, 3)]]
+ABLATE_DOT = [GemvConfig(16, bn, bk, True, nw, st) for bn, bk, nw, st in [
+    (16, 256, 1, 4), (16, 256, 2, 4), (32, 128, 4, 5), (32, 256, 4, 4), (64, 128, 4, 4), (64, 128, 8, 4),
+    (32, 128, 2, 5), (64, 64, 4, 6)]]
+
+
+def ablate(dtype: torch.dtype) -> None:
+    """Which fusion costs what, per block config: us per call of each flag combination."""
+    print("\n## ablation: us per call by fusion and config (cores = CUDA-core path, dot = 16-row tl.dot)")
+    for model, name in [("8b", "gate_up"), ("8b", "qkv"), ("8b", "o"), ("1b", "gate_up"), ("1b", "qkv")]:
+        for m in (1, 8):
+            p = Proj(model, name, m, dtype)
+            x = p.x
+
+            def variants(w: torch.Tensor, cfg: GemvConfig, p: Proj = p, x: torch.Tensor = x, name: str = name) -> dict:
+                out = {"plain": lambda: gemv_triton(x, w, config=cfg)}
+                if name == "gate_up":
+                    out["silu"] = lambda: gemv_triton(x, w, silu_mul=True, config=cfg)
+                    out["norm+silu"] = lambda: gemv_triton(x, w, norm_weight=p.g, silu_mul=True, config=cfg)
+                elif name == "qkv":
+                    rope = {"num_heads": p.hq, "num_kv_heads": p.hkv, "positions": p.positions,
+                            "cos_sin": p.cos_sin, "k_cache": p.k_cache, "v_cache": p.v_cache,
+                            "slot_mapping": p.slots}
+                    out["norm"] = lambda: gemv_triton(x, w, norm_weight=p.g, config=cfg)
+                    out["rope"] = lambda: gemv_rotary_cache_triton(x, w, None, **rope, config=cfg)
+                    out["norm+rope"] = lambda: gemv_rotary_cache_triton(x, w, None, **rope, norm_weight=p.g,
+                                                                         config=cfg)
+                else:
+                    out["add"] = lambda: gemv_triton(x, w, add=p.add, config=cfg)
+                return out
+
+            cfgs = (ABLATE_CORES if m == 1 else []) + ABLATE_DOT
+            kinds = list(variants(p.ws[0], cfgs[0]))
+            print(f"{model} {name} M={m}: cuBLAS {graph_us(p.chain(p.cublas)):.1f} us")
+            print("  config                         " + " ".join(f"{k:>10}" for k in kinds))
+            for cfg in cfgs:
+                row = []
+                for kind in kinds:
+                    try:
+                        row.append(f"{graph_us([variants(w, cfg)[kind] for w in p.ws] * max(1, 16 // len(p.ws))):10.1f}")
+                    except Exception as e:  # e.g. out of shared memory: report and go on
+                        row.append(f"{type(e).__name__[:10]:>10}")
+                label = f"{'dot' if cfg.use_dot else 'cores'} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+                print(f"  {label:<30} " + " ".join(row), flush=True)
+            del p
+            torch.cuda.empty_cache()
+
+
 def layer_rows(model: str, m: int, dtype: torch.dtype, bw: float) -> None:
     """A chain of decoder layers' four projections (no attention), rotating over enough layers' weights."""
     projs = {name: Proj(model, name, m, dtype, n_copies=1) for name in ("qkv", "o", "gate_up", "down")}
@@ -223,18 +272,16 @@ def layer_rows(model: str, m: int, dtype: torch.dtype, bw: float) -> None:
 
 
 def ptx_load_widths() -> None:
-    """How the compiled GEMV kernels load: 16-byte vector loads (ld.global.v4) or narrower."""
-    print("\n## PTX global loads per compiled _gemv_kernel variant (v4 = 16-byte)")
+    """How the compiled GEMV kernels load weights: 16-byte vector loads (ld.global.v4, or cp.async of 16 bytes
+    on the pipelined tl.dot path) or narrower."""
+    print("\n## PTX global loads per compiled _gemv_kernel variant (v4 / cp.async 0x10 = 16-byte)")
     try:
         for caches in gemv_mod._gemv_kernel.device_caches.values():
-            for kernel in caches[0].values():
+            for kernel in list(caches[0].values())[:12]:
                 ptx = kernel.asm.get("ptx", "")
-                counts = {w: ptx.count(f"ld.global{w}") for w in (".v4", ".v2")}
-                total = ptx.count("ld.global")
-                consts = getattr(getattr(kernel, "src", None), "constants", {})
-                flags = {k: v for k, v in (consts.items() if isinstance(consts, dict) else [])
-                         if isinstance(k, str | tuple)}
-                print(f"  ld.global total {total:3d}, v4 {counts['.v4']:3d}, v2 {counts['.v2']:3d}  {flags}"[:300])
+                print(f"  ld.global {ptx.count('ld.global'):3d} (v4 {ptx.count('ld.global.v4'):3d}, "
+                      f"v2 {ptx.count('ld.global.v2'):3d}); cp.async {ptx.count('cp.async.cg'):3d} "
+                      f"(16-byte {ptx.count('], 0x10;'):3d})")
     except Exception as e:  # introspection of Triton internals is best effort
         print(f"  (not available: {type(e).__name__}: {e})")
 
@@ -245,6 +292,7 @@ def main() -> None:
     parser.add_argument("--ms", default="1,2,4,8,16")
     parser.add_argument("--sweep", action="store_true", help="first time block configs of the plain GEMV")
     parser.add_argument("--sweep-ms", default="1,4,16")
+    parser.add_argument("--ablate", action="store_true", help="time each fusion per block config")
     parser.add_argument("--models", default="8b,1b")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
@@ -258,6 +306,9 @@ def main() -> None:
     if opts.sweep:
         sweep([int(m) for m in opts.sweep_ms.split(",")], dtype, bw)
         print(f"(sweep took {time.time() - t0:.0f} s)")
+    if opts.ablate:
+        ablate(dtype)
+        print(f"(ablation done at {time.time() - t0:.0f} s)")
     ms = [int(m) for m in opts.ms.split(",")]
     print("\n## fused GEMV vs cuBLAS (+ the unfused kernels it replaces); us per call, CUDA-graph replay")
     print("| proj | M | weights MB | cuBLAS | unfused | gemv | fused | fused+PDL | TB/s | % copy | speedup | config |")
