@@ -40,7 +40,12 @@ from engine.kernels import (  # noqa: E402
     rotary_and_cache_triton,
     silu_and_mul_triton,
 )
-from engine.kernels.gemv import GemvConfig, gemv_rotary_cache_triton, gemv_triton  # noqa: E402
+from engine.kernels.gemv import (  # noqa: E402
+    GemvConfig,
+    fold_norm_weight,
+    gemv_rotary_cache_triton,
+    gemv_triton,
+)
 
 MODELS = {  # hidden, q heads, kv heads, head_dim, intermediate
     "8b": (4096, 32, 8, 128, 14336),
@@ -111,6 +116,8 @@ class Proj:
         self.x = torch.randn(m, k, device=DEVICE, dtype=dtype)
         self.res_in = torch.randn(m, k, device=DEVICE, dtype=dtype)
         self.g = torch.rand(k, device=DEVICE, dtype=dtype) + 0.5
+        if name in ("qkv", "gate_up"):  # the fused path takes the norm weight folded in at load time
+            self.ws_folded = [fold_norm_weight(w, self.g) for w in self.ws]
         n_out = n // 2 if name == "gate_up" else n
         self.add = torch.randn(m, n_out, device=DEVICE, dtype=dtype)
         if name == "qkv":
@@ -149,14 +156,17 @@ class Proj:
         return {"qkv": qkv, "gate_up": gate_up, "o": self.cublas(w), "down": self.cublas(w)}[self.name]
 
     def fused(self, w: torch.Tensor, pdl: bool) -> Callable[[], object]:
+        """w: one of self.ws; qkv and gate_up use its folded twin (same index in self.ws_folded)."""
         x = self.x
+        if self.name in ("qkv", "gate_up"):
+            w = self.ws_folded[next(i for i, v in enumerate(self.ws) if v is w)]
         if self.name == "qkv":
             return lambda: gemv_rotary_cache_triton(
                 x, w, None, num_heads=self.hq, num_kv_heads=self.hkv, positions=self.positions,
                 cos_sin=self.cos_sin, k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=self.slots,
-                norm_weight=self.g, eps=EPS, pdl=pdl)
+                norm_folded=True, eps=EPS, pdl=pdl)
         if self.name == "gate_up":
-            return lambda: gemv_triton(x, w, norm_weight=self.g, eps=EPS, silu_mul=True, pdl=pdl)
+            return lambda: gemv_triton(x, w, norm_folded=True, eps=EPS, silu_mul=True, pdl=pdl)
         return lambda: gemv_triton(x, w, add=self.add, pdl=pdl)
 
     def chain(self, make: Callable[[torch.Tensor], Callable[[], object]]) -> list[Callable[[], object]]:
@@ -217,13 +227,15 @@ def ablate(dtype: torch.dtype) -> None:
                 if name == "gate_up":
                     out["silu"] = lambda: gemv_triton(x, w, silu_mul=True, config=cfg)
                     out["norm+silu"] = lambda: gemv_triton(x, w, norm_weight=p.g, silu_mul=True, config=cfg)
+                    out["fold+silu"] = lambda: gemv_triton(x, w, norm_folded=True, silu_mul=True, config=cfg)
                 elif name == "qkv":
                     rope = {"num_heads": p.hq, "num_kv_heads": p.hkv, "positions": p.positions,
                             "cos_sin": p.cos_sin, "k_cache": p.k_cache, "v_cache": p.v_cache,
                             "slot_mapping": p.slots}
                     out["norm"] = lambda: gemv_triton(x, w, norm_weight=p.g, config=cfg)
+                    out["fold"] = lambda: gemv_triton(x, w, norm_folded=True, config=cfg)
                     out["rope"] = lambda: gemv_rotary_cache_triton(x, w, None, **rope, config=cfg)
-                    out["norm+rope"] = lambda: gemv_rotary_cache_triton(x, w, None, **rope, norm_weight=p.g,
+                    out["fold+rope"] = lambda: gemv_rotary_cache_triton(x, w, None, **rope, norm_folded=True,
                                                                          config=cfg)
                 else:
                     out["add"] = lambda: gemv_triton(x, w, add=p.add, config=cfg)
@@ -253,6 +265,8 @@ def layer_rows(model: str, m: int, dtype: torch.dtype, bw: float) -> None:
     n_layers = max(2, math.ceil(ROTATE_BYTES / layer_bytes))
     for p in projs.values():
         p.ws += [torch.randn_like(p.ws[0]) * p.k**-0.5 for _ in range(n_layers - 1)]
+        if p.name in ("qkv", "gate_up"):
+            p.ws_folded = [fold_norm_weight(w, p.g) for w in p.ws]
 
     def chain(kind: str, pdl: bool = False) -> list[Callable[[], object]]:
         calls: list[Callable[[], object]] = []
@@ -325,7 +339,7 @@ def main() -> None:
                 best = min(fus, pdl)
                 tbs = p.bytes["fused"] / best / 1e6
                 n_out = p.n // 2 if name == "gate_up" else p.n
-                cfg = gemv_mod.gemv_config(m, n_out, p.k, name in ("gate_up", "qkv"), True)
+                cfg = gemv_mod.gemv_config({"gate_up": "silu", "qkv": "rope"}.get(name, "plain"), m, n_out // (2 if name == "qkv" else 1), p.k, True)
                 label = f"{model} {name}{'+rope+cache' if name == 'qkv' else ''} {p.k}x{p.n}"
                 print(f"| {label} | {m:>2} | {p.wbytes / 2**20:7.1f} | {cub:6.1f} | {unf:7.1f} | {plain:6.1f} | "
                       f"{fus:6.1f} | {pdl:7.1f} | {tbs:5.2f} | {tbs / bw * 1e12:5.0%} | {unf / best:5.2f}x | "

@@ -5,11 +5,15 @@ Row-parallel: each program owns BLOCK_N output columns (weight rows) for all M t
 of its rows (no split-K, so no partials and no reduce kernel), accumulating in float32. Variants, all through
 constexpr flags of one kernel:
 
-- prologue RMSNorm (`norm_weight`): the rms of each x row is accumulated in the same K loop that streams the
-  weights, and 1/rms is applied to the accumulator at the end (sum_k W[n,k] g[k] x[k] / rms), so x is read
-  once. Optionally with the residual add before it (`norm_residual`): s = x + residual, rounded to the
-  model dtype like torch; program 0 writes s out exactly once (into a new buffer: other programs still
-  read the old residual, so it must never be updated in place);
+- prologue RMSNorm: each program sums the squares of its x rows in a short pass of its own (x is M*K
+  elements, an L2 hit for every program after the first), and 1/rms scales the accumulator at the end
+  (sum_k W[n,k] g[k] x[k] / rms). The fast form takes the norm weight folded into W at load time
+  (`fold_norm_weight`, `norm_folded=True`), so the weight loop is exactly the plain GEMV; with `norm_weight`
+  unfolded, x is scaled by g inside the loop, which costs 2-3x on the tl.dot path (measured, see
+  gemv_config). Optionally with the residual add before it (`norm_residual`, an in-loop variant): s = x +
+  residual, rounded to the model dtype like torch; program 0 writes s out exactly once (into a new buffer:
+  other programs still read the old residual, so it must never be updated in place). The decode path does
+  not need it: the residual add lives in the o_proj / down epilogue;
 - bias (Qwen2's q/k/v bias);
 - SiLU-and-mul epilogue (`silu_mul`): weight rows are [gate; up] as in engine/models/llama.py; each program
   streams gate row n and up row I + n and writes silu(gate) * up;
@@ -23,9 +27,11 @@ Rounding follows the unfused path where it is cheap (the projection output is ro
 before SiLU, before rotary and before a residual add); the prologue norm is applied in float32 to the
 accumulator instead of rounding the normalised x first, a difference well inside the dtype's tolerance.
 
-Weight layout: the checkpoint's [N, K] (K contiguous) already gives 16-byte loads (8 bf16 along K) when K
-and the row stride are multiples of 8 elements, which holds for every model we load (Triton specialises on
-16-divisible strides); no re-layout at load time is needed.
+Weight layout: the checkpoint's [N, K] (K contiguous) already gives 16-byte loads (8 bf16 along K: ld.global.v4
+on the CUDA-core path, cp.async of 16 bytes on the tl.dot path, checked in the sm_90 PTX) when K and the row
+stride are multiples of 8 elements, which holds for every model we load (Triton specialises on 16-divisible
+strides), so no transposition or tiling re-layout is needed; the one load-time change that pays is folding
+the RMSNorm weight into the next projection (fold_norm_weight).
 """
 from __future__ import annotations
 
@@ -56,8 +62,11 @@ def check_gemv_args(
     norm_residual: torch.Tensor | None,
     silu_mul: bool,
     add: torch.Tensor | None,
+    norm_folded: bool = False,
 ) -> int:
     """Validates shapes and dtypes; returns the output width."""
+    if norm_folded and norm_weight is not None:
+        raise ValueError("gemv: norm_folded means the norm weight is already in `weight`; pass no norm_weight")
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"gemv: x [M, K] and weight [N, K] expected, got {tuple(x.shape)}, {tuple(weight.shape)}")
     if weight.dtype != x.dtype:
@@ -73,7 +82,7 @@ def check_gemv_args(
         raise ValueError(f"gemv: norm_weight must be [{hidden}] {x.dtype}, got "
                          f"{tuple(norm_weight.shape)} {norm_weight.dtype}")
     if norm_residual is not None:
-        if norm_weight is None:
+        if norm_weight is None and not norm_folded:
             raise ValueError("gemv: norm_residual is the residual add before the prologue norm; pass norm_weight")
         if norm_residual.shape != x.shape or norm_residual.dtype != x.dtype:
             raise ValueError(f"gemv: norm_residual must match x ({tuple(x.shape)}, {x.dtype}), got "
@@ -81,6 +90,16 @@ def check_gemv_args(
     if add is not None and (add.shape != (num_rows, n_out) or add.dtype != x.dtype):
         raise ValueError(f"gemv: add must be [{num_rows}, {n_out}] {x.dtype}, got {tuple(add.shape)} {add.dtype}")
     return n_out
+
+
+def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    """Load-time re-layout for the fast prologue norm: W' = W diag(g), in float32 then rounded to W's dtype,
+    so that x @ W'^T / rms(x) = (x / rms(x) * g) @ W^T. Only for a norm whose output feeds this one
+    projection (input_layernorm -> qkv, post_attention_layernorm -> gate_up, norm -> lm_head)."""
+    if weight.dim() != 2 or norm_weight.shape != (weight.shape[1],):
+        raise ValueError(f"fold_norm_weight: weight [N, K] and norm_weight [K] expected, got "
+                         f"{tuple(weight.shape)}, {tuple(norm_weight.shape)}")
+    return (weight.float() * norm_weight.float()[None, :]).to(weight.dtype)
 
 
 def gemv_ref(
@@ -93,14 +112,18 @@ def gemv_ref(
     norm_residual: torch.Tensor | None = None,
     silu_mul: bool = False,
     add: torch.Tensor | None = None,
+    norm_folded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The unfused ops the kernel replaces, in order; returns (out, s).
 
     s = x + norm_residual (rounded to x.dtype) or x; h = rms_norm(s) * norm_weight if norm_weight is given,
     else s; y = F.linear(h, weight, bias); y = silu(y[:, :I]) * y[:, I:] if silu_mul; out = y + add if add.
+    norm_folded: `weight` is fold_norm_weight(W, g): h = rms_norm(s) with a weight of ones.
     """
-    check_gemv_args(x, weight, bias, norm_weight, norm_residual, silu_mul, add)
-    if norm_weight is not None:
+    check_gemv_args(x, weight, bias, norm_weight, norm_residual, silu_mul, add, norm_folded)
+    if norm_folded:
+        h, s = rms_norm_ref(x, torch.ones(x.shape[1], dtype=x.dtype, device=x.device), eps, norm_residual)
+    elif norm_weight is not None:
         h, s = rms_norm_ref(x, norm_weight, eps, norm_residual)
     else:
         h = s = x
@@ -129,11 +152,13 @@ def gemv_rotary_cache_ref(
     norm_residual: torch.Tensor | None = None,
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
+    norm_folded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The QKV block of a Llama decoder layer up to attention: [norm ->] qkv = F.linear(h, W, b) -> (Qwen3)
     per-head RMSNorm of q and k -> rotary of q and k + k/v written into the paged caches. Returns (qkv, s)
     with qkv [M, (Hq + 2 Hkv) D] holding rotated q and k (the decode attention reads q from it)."""
-    qkv, s = gemv_ref(x, weight, bias, norm_weight=norm_weight, eps=eps, norm_residual=norm_residual)
+    qkv, s = gemv_ref(x, weight, bias, norm_weight=norm_weight, eps=eps, norm_residual=norm_residual,
+                      norm_folded=norm_folded)
     num_tokens = x.shape[0]
     head_dim = k_cache.shape[-1]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -175,7 +200,7 @@ def _gemv_step(
     k0, wa, wb, acc_a, acc_b, sumsq,
     x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr, res_out_stride, norm_ptr,
     m, m_mask, ks, K, write_residual,
-    NORM: tl.constexpr, PRO_RESIDUAL: tl.constexpr, PAIRED: tl.constexpr,
+    PRO_RESIDUAL: tl.constexpr, APPLY_G: tl.constexpr, PAIRED: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One BLOCK_K slice: load (and norm-prepare) the x slice of every token, multiply-accumulate."""
@@ -187,11 +212,15 @@ def _gemv_step(
         r = tl.load(hres_ptr + m[:, None] * hres_stride + k[None, :], mask=xm, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # rounded like `x + r`
         tl.store(res_out_ptr + m[:, None] * res_out_stride + k[None, :], x, mask=xm & write_residual)
-    x32 = x.to(tl.float32)
-    if NORM:
-        sumsq += tl.sum(x32 * x32, axis=1)
-        x32 = x32 * tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-    xo = x32.to(wa.dtype) if USE_DOT else x32  # tensor cores take the weight dtype
+    if PRO_RESIDUAL or APPLY_G or not USE_DOT:
+        x32 = x.to(tl.float32)
+        if PRO_RESIDUAL:  # the rms of s = x + residual can only be summed here, slice by slice
+            sumsq += tl.sum(x32 * x32, axis=1)
+        if APPLY_G:  # an unfolded norm weight: scale x by it in the loop (slower, see gemv_config)
+            x32 = x32 * tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        xo = x32.to(wa.dtype) if USE_DOT else x32  # tensor cores take the weight dtype
+    else:
+        xo = x  # straight from the pipelined load into the dot: the fast path
     acc_a = _accumulate(acc_a, xo, wa, USE_DOT, DOT_PRECISION)
     if PAIRED:
         acc_b = _accumulate(acc_b, xo, wb, USE_DOT, DOT_PRECISION)
@@ -207,7 +236,7 @@ def _gemv_kernel(
     NUM_Q_HEADS, NUM_KV_HEADS,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NORM: tl.constexpr, PRO_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr, PRO_RESIDUAL: tl.constexpr, APPLY_G: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr, ADD: tl.constexpr,
     ROTARY: tl.constexpr, QK_NORM: tl.constexpr, HALF: tl.constexpr, SPLITS_PER_HEAD: tl.constexpr,
     PAIRED: tl.constexpr, USE_PDL: tl.constexpr,
@@ -244,17 +273,27 @@ def _gemv_kernel(
         wa, wb = _load_w(wa_ptrs, wb_ptrs, 0, col_mask, ks, K, PAIRED)
         gdc_wait()
         gdc_launch_dependents()
+    if NORM and not PRO_RESIDUAL:
+        # The rms of each x row in a pass of its own (x is M*K elements, read from L2 by every program),
+        # so that the weight loop below stays a plain pipelined GEMV: normalising x inside the loop took
+        # the 8B qkv GEMV from 15 to 35-57 us at M = 8 on the tl.dot path (H200, ops/bench_gemv.py --ablate).
+        for p0 in range(0, K, BLOCK_K):
+            pk = p0 + ks
+            xp = tl.load(x_ptr + m[:, None] * x_stride + pk[None, :], mask=m_mask[:, None] & (pk[None, :] < K),
+                         other=0.0).to(tl.float32)
+            sumsq += tl.sum(xp * xp, axis=1)
+    if USE_PDL:
         acc_a, acc_b, sumsq = _gemv_step(
             0, wa, wb, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
             res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
-            NORM, PRO_RESIDUAL, PAIRED, USE_DOT, DOT_PRECISION)
+            PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         wa, wb = _load_w(wa_ptrs, wb_ptrs, k0, col_mask, ks, K, PAIRED)
         acc_a, acc_b, sumsq = _gemv_step(
             k0, wa, wb, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
             res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
-            NORM, PRO_RESIDUAL, PAIRED, USE_DOT, DOT_PRECISION)
+            PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION)
     if not USE_DOT:
         acc_a = tl.sum(acc_a, axis=2)
         if PAIRED:
@@ -324,16 +363,35 @@ class GemvConfig:
     num_stages: int = 3
 
 
-def gemv_config(num_rows: int, n_out: int, hidden: int, paired: bool, on_gpu: bool) -> GemvConfig:
-    """Block sizes for M tokens. M = 1 (and under the interpreter, M <= 4) multiplies on the CUDA cores;
-    larger M pads to a 16-row tl.dot tile on the tensor cores."""
+def gemv_config(kind: str, num_rows: int, n_out: int, hidden: int, on_gpu: bool) -> GemvConfig:
+    """Block sizes for M tokens; kind is "plain" (also the norm / bias / add variants), "silu" or "rope".
+
+    From the H200 sweeps of ops/bench_gemv.py (--sweep, --ablate; bf16, us per call in CUDA-graph replay):
+    - M = 1, >= 4096 outputs: the tl.dot path with ONE warp and 16 rows per program (8B qkv 14.6 us vs 15.1
+      on the CUDA cores and 16.5 for cuBLAS; o_proj 11.0 vs 12.5 cuBLAS): cp.async-pipelined 16-byte
+      loads, and one warp does not replicate the 16x16 MMA tile four times as 4 warps do;
+    - M = 1, fewer outputs (1B: 2048-3072): the CUDA cores, 4 rows x 1024 per program, for 4x the programs
+      (1B o_proj 4.6 us vs 6.0 cuBLAS, down 11.4 vs 12.7);
+    - SiLU-mul (two weight streams): tl.dot 32 rows x 128, 2 warps, 5 stages (8B gate_up 58.0 us at M = 1,
+      58.6 at M = 8, vs 60.6 cuBLAS + 1.5 SiLU kernel);
+    - rotary: programs own half-heads, so 4-row CUDA-core programs at M = 1 (8B 15.4 us), tl.dot above;
+    - M > 1 pads to the 16-row tl.dot tile; few outputs with a long K (1B down) want 16 x 512 slices.
+    """
     if not on_gpu:  # the interpreter pays per program and numpy op: few wide programs, several K slices
         if num_rows <= 4:
             return GemvConfig(triton.next_power_of_2(num_rows), 32, 64, False, 4, 1)
         return GemvConfig(16, 32, 64, True, 4, 1)
+    if kind == "silu":
+        return GemvConfig(16, 32, 128, True, 2, 5)
+    if kind == "rope":
+        if num_rows == 1:
+            return GemvConfig(1, 4, 512 if 2 * n_out >= 4096 else 1024, False, 4, 3)
+        return GemvConfig(16, 32, 256, True, 4, 4)
+    if n_out >= 4096:
+        return GemvConfig(16, 16, 256, True, 1, 4)
     if num_rows == 1:
-        return GemvConfig(1, 8 if paired else 16, 512, False, 4, 3)
-    return GemvConfig(16, 16, 256, True, 4, 4)
+        return GemvConfig(1, 4, 1024, False, 4, 3)
+    return GemvConfig(16, 16, 512, True, 4, 3) if hidden >= 8192 else GemvConfig(16, 32, 256, True, 4, 4)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -363,6 +421,7 @@ def _launch(
     rotary: tuple[torch.Tensor, ...] | None = None,
     heads: tuple[int, int, int, int] = (0, 0, 1, 1),
     qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
+    norm_folded: bool = False,
 ) -> None:
     num_rows, hidden = x.shape
     if cfg.use_dot and cfg.block_m < 16:
@@ -383,7 +442,8 @@ def _launch(
         num_q_heads, num_kv_heads,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_DOT=cfg.use_dot, DOT_PRECISION=_dot_precision(x.dtype),
-        NORM=norm_weight is not None, PRO_RESIDUAL=norm_residual is not None, HAS_BIAS=bias is not None,
+        NORM=norm_weight is not None or norm_folded, PRO_RESIDUAL=norm_residual is not None,
+        APPLY_G=norm_weight is not None, HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul, ADD=add is not None,
         ROTARY=rotary is not None, QK_NORM=qk_norm is not None, HALF=half, SPLITS_PER_HEAD=splits,
         PAIRED=silu_mul or rotary is not None, USE_PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -403,11 +463,12 @@ def gemv_triton(
     add: torch.Tensor | None = None,
     pdl: bool = False,
     config: GemvConfig | None = None,
+    norm_folded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv_ref's semantics for M <= GEMV_MAX_M in one kernel. pdl: launch with programmatic dependent
     launch (the previous kernel in the stream may still be running when this one starts loading weights).
     config: override the block sizes (tests force both the CUDA-core and the tensor-core paths)."""
-    n_out = check_gemv_args(x, weight, bias, norm_weight, norm_residual, silu_mul, add)
+    n_out = check_gemv_args(x, weight, bias, norm_weight, norm_residual, silu_mul, add, norm_folded)
     tensors = [t for t in (x, weight, bias, norm_weight, norm_residual, add) if t is not None]
     check_launchable(*tensors)
     for name, t in (("x", x), ("weight", weight), ("bias", bias), ("norm_weight", norm_weight),
@@ -420,9 +481,9 @@ def gemv_triton(
     s = x if norm_residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
     if num_rows == 0 or n_out == 0:
         return out, s
-    cfg = config or gemv_config(num_rows, n_out, hidden, silu_mul, x.is_cuda)
+    cfg = config or gemv_config("silu" if silu_mul else "plain", num_rows, n_out, hidden, x.is_cuda)
     _launch(x, weight, out, n_out, triton.cdiv(n_out, cfg.block_n), cfg, bias, norm_weight, eps,
-            norm_residual, s, silu_mul, add, pdl)
+            norm_residual, s, silu_mul, add, pdl, norm_folded=norm_folded)
     return out, s
 
 
@@ -445,10 +506,11 @@ def gemv_rotary_cache_triton(
     k_norm: torch.Tensor | None = None,
     pdl: bool = False,
     config: GemvConfig | None = None,
+    norm_folded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv_rotary_cache_ref in one kernel. With q_norm/k_norm (Qwen3) a program must hold a whole head,
     so the grid is one program per head (fewer, longer programs: slower at batch 1 than without)."""
-    check_gemv_args(x, weight, bias, norm_weight, norm_residual, False, None)
+    check_gemv_args(x, weight, bias, norm_weight, norm_residual, False, None, norm_folded)
     head_dim = k_cache.shape[-1]
     num_rows, hidden = x.shape
     n_total = weight.shape[0]
@@ -484,17 +546,20 @@ def gemv_rotary_cache_triton(
     if num_rows == 0:
         return out, s
     half = head_dim // 2
-    cfg = config or gemv_config(num_rows, n_total // 2, hidden, True, x.is_cuda)
+    cfg = config or gemv_config("rope", num_rows, n_total // 2, hidden, x.is_cuda)
     block_n = min(cfg.block_n, triton.next_power_of_2(half))
     if q_norm is not None:
         block_n = triton.next_power_of_2(half)  # the per-head norm needs the whole head in one program
+    block_k = cfg.block_k
     if cfg.use_dot:
         block_n = max(block_n, 16)
-    cfg = GemvConfig(cfg.block_m, block_n, cfg.block_k, cfg.use_dot, cfg.num_warps, cfg.num_stages)
+    else:  # two [BLOCK_N, BLOCK_K] float32 accumulators live in registers: keep them at <= 4096 elements
+        block_k = min(block_k, max(32, 4096 // block_n))
+    cfg = GemvConfig(cfg.block_m, block_n, block_k, cfg.use_dot, cfg.num_warps, cfg.num_stages)
     splits = triton.cdiv(half, block_n)
     num_total_heads = num_heads + 2 * num_kv_heads
     qk = (q_norm, k_norm) if q_norm is not None and k_norm is not None else None
     _launch(x, weight, out, n_total, num_total_heads * splits, cfg, bias, norm_weight, eps, norm_residual, s,
             False, None, pdl, rotary=(positions, cos_sin, k_cache, v_cache, slot_mapping),
-            heads=(num_heads, num_kv_heads, half, splits), qk_norm=qk)
+            heads=(num_heads, num_kv_heads, half, splits), qk_norm=qk, norm_folded=norm_folded)
     return out, s
