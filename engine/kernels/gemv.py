@@ -13,7 +13,11 @@ constexpr flags of one kernel:
   gemv_config). Optionally with the residual add before it (`norm_residual`, an in-loop variant): s = x +
   residual, rounded to the model dtype like torch; program 0 writes s out exactly once (into a new buffer:
   other programs still read the old residual, so it must never be updated in place). The decode path does
-  not need it: the residual add lives in the o_proj / down epilogue;
+  not need it: the residual add lives in the o_proj / down epilogue.
+  Measured cost (H200, bf16, 2026-12-01): the pre-pass is K / BLOCK_K dependent L2 round trips per program
+  before its weight stream starts, +12 us on the 8B qkv (26.3 vs 14.2 us plain at M = 1) and +21 us on
+  gate_up (78.9 vs 57.7): until it overlaps the weight loop, a separate RMSNorm kernel (~2 us) before the
+  rope / SiLU variants without a prologue norm is faster (see ops/bench_gemv.py and BENCHMARKS.md);
 - bias (Qwen2's q/k/v bias);
 - SiLU-and-mul epilogue (`silu_mul`): weight rows are [gate; up] as in engine/models/llama.py; each program
   streams gate row n and up row I + n and writes silu(gate) * up;
