@@ -4,6 +4,7 @@ plain-torch reference (which defines the semantics) otherwise, or everywhere aft
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from engine.kernels._triton import HAS_TRITON
 from engine.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
@@ -13,10 +14,20 @@ from engine.kernels.attention import (
     paged_decode_attention_ref,
     paged_decode_attention_triton,
 )
+from engine.kernels.gemv import (
+    GEMV_MAX_M,
+    check_gemv_args,
+    gemv_ref,
+    gemv_rotary_cache_ref,
+    gemv_rotary_cache_triton,
+    gemv_triton,
+)
 from engine.kernels.rmsnorm import rms_norm_ref, rms_norm_triton
 from engine.kernels.rotary import rope_cos_sin, rotary_and_cache_ref, rotary_and_cache_triton
 
 __all__ = [
+    "GEMV_MAX_M", "fused_linear", "fused_qkv_rotary_cache", "gemv_ref", "gemv_rotary_cache_ref",
+    "gemv_rotary_cache_triton", "gemv_triton",
     "paged_attention", "paged_attention_ref", "paged_decode_attention", "paged_decode_attention_ref",
     "rms_norm", "rms_norm_ref", "rope_cos_sin", "rotary_and_cache", "rotary_and_cache_ref",
     "silu_and_mul", "silu_and_mul_ref", "use_triton",
@@ -87,3 +98,73 @@ def paged_decode_attention(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_triton(x) if use_triton(x) else silu_and_mul_ref(x)
+
+
+
+def fused_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    norm_residual: torch.Tensor | None = None,
+    silu_mul: bool = False,
+    add: torch.Tensor | None = None,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gemv_ref's semantics: one fused GEMV for M <= GEMV_MAX_M tokens on CUDA, else the unfused kernels
+    (RMSNorm, cuBLAS, SiLU-and-mul, add). M is fixed per CUDA-graph bucket, so the branch is capture-safe."""
+    if use_triton(x) and x.shape[0] <= GEMV_MAX_M:
+        return gemv_triton(x, weight, bias, norm_weight=norm_weight, eps=eps, norm_residual=norm_residual,
+                           silu_mul=silu_mul, add=add, pdl=pdl)
+    check_gemv_args(x, weight, bias, norm_weight, norm_residual, silu_mul, add)
+    h, s = rms_norm(x, norm_weight, eps, norm_residual) if norm_weight is not None else (x, x)
+    y = F.linear(h, weight, bias)
+    if silu_mul:
+        y = silu_and_mul(y)
+    return (y if add is None else y + add), s
+
+
+def fused_qkv_rotary_cache(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    norm_residual: torch.Tensor | None = None,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gemv_rotary_cache_ref's semantics: the fused kernel for M <= GEMV_MAX_M on CUDA, else the unfused
+    kernels (RMSNorm, cuBLAS, per-head RMSNorm, rotary_and_cache)."""
+    if not use_triton(x):
+        return gemv_rotary_cache_ref(
+            x, weight, bias, num_heads=num_heads, num_kv_heads=num_kv_heads, positions=positions, cos_sin=cos_sin,
+            k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, norm_weight=norm_weight, eps=eps,
+            norm_residual=norm_residual, q_norm=q_norm, k_norm=k_norm)
+    if x.shape[0] <= GEMV_MAX_M:
+        return gemv_rotary_cache_triton(
+            x, weight, bias, num_heads=num_heads, num_kv_heads=num_kv_heads, positions=positions, cos_sin=cos_sin,
+            k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, norm_weight=norm_weight, eps=eps,
+            norm_residual=norm_residual, q_norm=q_norm, k_norm=k_norm, pdl=pdl)
+    qkv, s = fused_linear(x, weight, bias, norm_weight=norm_weight, eps=eps, norm_residual=norm_residual)
+    num_tokens, head_dim = x.shape[0], k_cache.shape[-1]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
+    if q_norm is not None and k_norm is not None:
+        q.copy_(rms_norm(q.reshape(-1, head_dim), q_norm, eps)[0].view_as(q))
+        k.copy_(rms_norm(k.reshape(-1, head_dim), k_norm, eps)[0].view_as(k))
+    rotary_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    return qkv, s

@@ -1,0 +1,569 @@
+"""Fused small-M GEMV for the decode path: y = x @ W^T for M = 1..16 tokens, with the ops around a
+projection folded into its prologue and epilogue (cuBLAS stays for larger M).
+
+Row-parallel: each program owns BLOCK_N output columns (weight rows) for all M tokens and streams the full K
+of its rows (no split-K, so no partials and no reduce kernel), accumulating in float32. Variants, all through
+constexpr flags of one kernel:
+
+- prologue RMSNorm: each program sums the squares of its x rows in a short pass of its own (x is M*K
+  elements, an L2 hit for every program after the first), and 1/rms scales the accumulator at the end
+  (sum_k W[n,k] g[k] x[k] / rms). The fast form takes the norm weight folded into W at load time
+  (`fold_norm_weight`, `norm_folded=True`), so the weight loop is exactly the plain GEMV; with `norm_weight`
+  unfolded, x is scaled by g inside the loop, which costs 2-3x on the tl.dot path (measured, see
+  gemv_config). Optionally with the residual add before it (`norm_residual`, an in-loop variant): s = x +
+  residual, rounded to the model dtype like torch; program 0 writes s out exactly once (into a new buffer:
+  other programs still read the old residual, so it must never be updated in place). The decode path does
+  not need it: the residual add lives in the o_proj / down epilogue.
+  Measured cost (H200, bf16, 2026-12-01): the pre-pass is K / BLOCK_K dependent L2 round trips per program
+  before its weight stream starts, +12 us on the 8B qkv (26.3 vs 14.2 us plain at M = 1) and +21 us on
+  gate_up (78.9 vs 57.7): until it overlaps the weight loop, a separate RMSNorm kernel (~2 us) before the
+  rope / SiLU variants without a prologue norm is faster (see ops/bench_gemv.py and BENCHMARKS.md);
+- bias (Qwen2's q/k/v bias);
+- SiLU-and-mul epilogue (`silu_mul`): weight rows are [gate; up] as in engine/models/llama.py; each program
+  streams gate row n and up row I + n and writes silu(gate) * up;
+- residual-add epilogue (`add`): out = x @ W^T + add (o_proj, down);
+- rotary + paged KV-cache write in the QKV epilogue (`gemv_rotary_cache_triton`), optionally with Qwen3's
+  per-head q/k RMSNorm before the rotation: a program owns rows (d, d + D/2) of one head;
+- programmatic dependent launch (`pdl`): the first weight tile is loaded before `griddepcontrol.wait`, so the
+  weight stream starts while the previous kernel drains; off under the CPU interpreter.
+
+Rounding follows the unfused path where it is cheap (the projection output is rounded to the model dtype
+before SiLU, before rotary and before a residual add); the prologue norm is applied in float32 to the
+accumulator instead of rounding the normalised x first, a difference well inside the dtype's tolerance.
+
+Weight layout: the checkpoint's [N, K] (K contiguous) already gives 16-byte loads (8 bf16 along K: ld.global.v4
+on the CUDA-core path, cp.async of 16 bytes on the tl.dot path, checked in the sm_90 PTX) when K and the row
+stride are multiples of 8 elements, which holds for every model we load (Triton specialises on 16-divisible
+strides), so no transposition or tiling re-layout is needed; the one load-time change that pays is folding
+the RMSNorm weight into the next projection (fold_norm_weight).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels._triton import check_launchable, interpreting, tl, triton
+from engine.kernels.activation import silu_and_mul_ref
+from engine.kernels.rmsnorm import rms_norm_ref
+from engine.kernels.rotary import rotary_and_cache_ref
+
+try:  # inline PTX (griddepcontrol.*): only reached when USE_PDL is set, never under the interpreter
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except Exception:  # triton missing or without the extra module: the USE_PDL=False kernels never name them
+    gdc_launch_dependents = gdc_wait = None
+
+GEMV_MAX_M = 16  # above this the unfused path (cuBLAS) is used: the kernel's dot tile is 16 tokens tall
+
+
+# -------------------------------------------------------------------------------------------- reference
+def check_gemv_args(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    norm_residual: torch.Tensor | None,
+    silu_mul: bool,
+    add: torch.Tensor | None,
+    norm_folded: bool = False,
+) -> int:
+    """Validates shapes and dtypes; returns the output width."""
+    if norm_folded and norm_weight is not None:
+        raise ValueError("gemv: norm_folded means the norm weight is already in `weight`; pass no norm_weight")
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"gemv: x [M, K] and weight [N, K] expected, got {tuple(x.shape)}, {tuple(weight.shape)}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"gemv: weight dtype {weight.dtype} differs from x dtype {x.dtype}")
+    num_rows, hidden = x.shape
+    n_total = weight.shape[0]
+    if silu_mul and n_total % 2:
+        raise ValueError(f"gemv: silu_mul needs weight rows [gate; up], got an odd {n_total}")
+    n_out = n_total // 2 if silu_mul else n_total
+    if bias is not None and (bias.shape != (n_total,) or bias.dtype != x.dtype):
+        raise ValueError(f"gemv: bias must be [{n_total}] {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    if norm_weight is not None and (norm_weight.shape != (hidden,) or norm_weight.dtype != x.dtype):
+        raise ValueError(f"gemv: norm_weight must be [{hidden}] {x.dtype}, got "
+                         f"{tuple(norm_weight.shape)} {norm_weight.dtype}")
+    if norm_residual is not None:
+        if norm_weight is None and not norm_folded:
+            raise ValueError("gemv: norm_residual is the residual add before the prologue norm; pass norm_weight")
+        if norm_residual.shape != x.shape or norm_residual.dtype != x.dtype:
+            raise ValueError(f"gemv: norm_residual must match x ({tuple(x.shape)}, {x.dtype}), got "
+                             f"{tuple(norm_residual.shape)}, {norm_residual.dtype}")
+    if add is not None and (add.shape != (num_rows, n_out) or add.dtype != x.dtype):
+        raise ValueError(f"gemv: add must be [{num_rows}, {n_out}] {x.dtype}, got {tuple(add.shape)} {add.dtype}")
+    return n_out
+
+
+def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    """Load-time re-layout for the fast prologue norm: W' = W diag(g), in float32 then rounded to W's dtype,
+    so that x @ W'^T / rms(x) = (x / rms(x) * g) @ W^T. Only for a norm whose output feeds this one
+    projection (input_layernorm -> qkv, post_attention_layernorm -> gate_up, norm -> lm_head)."""
+    if weight.dim() != 2 or norm_weight.shape != (weight.shape[1],):
+        raise ValueError(f"fold_norm_weight: weight [N, K] and norm_weight [K] expected, got "
+                         f"{tuple(weight.shape)}, {tuple(norm_weight.shape)}")
+    return (weight.float() * norm_weight.float()[None, :]).to(weight.dtype)
+
+
+def gemv_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    norm_residual: torch.Tensor | None = None,
+    silu_mul: bool = False,
+    add: torch.Tensor | None = None,
+    norm_folded: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused ops the kernel replaces, in order; returns (out, s).
+
+    s = x + norm_residual (rounded to x.dtype) or x; h = rms_norm(s) * norm_weight if norm_weight is given,
+    else s; y = F.linear(h, weight, bias); y = silu(y[:, :I]) * y[:, I:] if silu_mul; out = y + add if add.
+    norm_folded: `weight` is fold_norm_weight(W, g): h = rms_norm(s) with a weight of ones.
+    """
+    check_gemv_args(x, weight, bias, norm_weight, norm_residual, silu_mul, add, norm_folded)
+    if norm_folded:
+        h, s = rms_norm_ref(x, torch.ones(x.shape[1], dtype=x.dtype, device=x.device), eps, norm_residual)
+    elif norm_weight is not None:
+        h, s = rms_norm_ref(x, norm_weight, eps, norm_residual)
+    else:
+        h = s = x
+    y = F.linear(h, weight, bias)
+    if silu_mul:
+        y = silu_and_mul_ref(y)
+    if add is not None:
+        y = y + add
+    return y, s
+
+
+def gemv_rotary_cache_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    norm_residual: torch.Tensor | None = None,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    norm_folded: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The QKV block of a Llama decoder layer up to attention: [norm ->] qkv = F.linear(h, W, b) -> (Qwen3)
+    per-head RMSNorm of q and k -> rotary of q and k + k/v written into the paged caches. Returns (qkv, s)
+    with qkv [M, (Hq + 2 Hkv) D] holding rotated q and k (the decode attention reads q from it)."""
+    qkv, s = gemv_ref(x, weight, bias, norm_weight=norm_weight, eps=eps, norm_residual=norm_residual,
+                      norm_folded=norm_folded)
+    num_tokens = x.shape[0]
+    head_dim = k_cache.shape[-1]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    if qkv.shape[1] != q_size + 2 * kv_size:
+        raise ValueError(f"gemv_rotary_cache: weight has {qkv.shape[1]} rows, expected (Hq + 2 Hkv) * D = "
+                         f"{q_size + 2 * kv_size}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("gemv_rotary_cache: q_norm and k_norm go together")
+    q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
+    if q_norm is not None and k_norm is not None:
+        q.copy_(rms_norm_ref(q.reshape(-1, head_dim), q_norm, eps)[0].view_as(q))
+        k.copy_(rms_norm_ref(k.reshape(-1, head_dim), k_norm, eps)[0].view_as(k))
+    rotary_and_cache_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    return qkv, s
+
+
+# ----------------------------------------------------------------------------------------------- kernel
+@triton.jit
+def _load_w(wa_ptrs, wb_ptrs, k0, w_mask_rows, ks, K, PAIRED: tl.constexpr):
+    mask = w_mask_rows[:, None] & (k0 + ks[None, :] < K)
+    wa = tl.load(wa_ptrs + k0, mask=mask, other=0.0)
+    wb = tl.load(wb_ptrs + k0, mask=mask, other=0.0) if PAIRED else wa
+    return wa, wb
+
+
+@triton.jit
+def _accumulate(acc, x, w, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    if USE_DOT:  # x [BM, BK] (weight dtype) . w^T [BK, BN] on the tensor cores -> [BM, BN]
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    else:  # [BM, 1, BK] * [1, BN, BK] on the CUDA cores, summed over K once after the loop
+        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+    return acc
+
+
+@triton.jit
+def _gemv_step(
+    k0, wa, wb, acc_a, acc_b, sumsq,
+    x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr, res_out_stride, norm_ptr,
+    m, m_mask, ks, K, write_residual,
+    PRO_RESIDUAL: tl.constexpr, APPLY_G: tl.constexpr, PAIRED: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One BLOCK_K slice: load (and norm-prepare) the x slice of every token, multiply-accumulate."""
+    k = k0 + ks
+    k_mask = k < K
+    xm = m_mask[:, None] & k_mask[None, :]
+    x = tl.load(x_ptr + m[:, None] * x_stride + k[None, :], mask=xm, other=0.0)
+    if PRO_RESIDUAL:
+        r = tl.load(hres_ptr + m[:, None] * hres_stride + k[None, :], mask=xm, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # rounded like `x + r`
+        tl.store(res_out_ptr + m[:, None] * res_out_stride + k[None, :], x, mask=xm & write_residual)
+    if PRO_RESIDUAL or APPLY_G or not USE_DOT:
+        x32 = x.to(tl.float32)
+        if PRO_RESIDUAL:  # the rms of s = x + residual can only be summed here, slice by slice
+            sumsq += tl.sum(x32 * x32, axis=1)
+        if APPLY_G:  # an unfolded norm weight: scale x by it in the loop (slower, see gemv_config)
+            x32 = x32 * tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        xo = x32.to(wa.dtype) if USE_DOT else x32  # tensor cores take the weight dtype
+    else:
+        xo = x  # straight from the pipelined load into the dot: the fast path
+    acc_a = _accumulate(acc_a, xo, wa, USE_DOT, DOT_PRECISION)
+    if PAIRED:
+        acc_b = _accumulate(acc_b, xo, wb, USE_DOT, DOT_PRECISION)
+    return acc_a, acc_b, sumsq
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, out_ptr, bias_ptr, norm_ptr, hres_ptr, res_out_ptr, add_ptr,
+    positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_norm_ptr, k_norm_ptr,
+    M, N_OUT, K, eps,
+    x_stride, w_stride, out_stride, hres_stride, res_out_stride, add_stride,
+    NUM_Q_HEADS, NUM_KV_HEADS,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NORM: tl.constexpr, PRO_RESIDUAL: tl.constexpr, APPLY_G: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr, ADD: tl.constexpr,
+    ROTARY: tl.constexpr, QK_NORM: tl.constexpr, HALF: tl.constexpr, SPLITS_PER_HEAD: tl.constexpr,
+    PAIRED: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    j = tl.arange(0, BLOCK_N)
+    if ROTARY:
+        # Program = (head, slice of its first half): rows d and d + HALF of one head, the rotation's pairs.
+        head = pid // SPLITS_PER_HEAD
+        d = (pid % SPLITS_PER_HEAD) * BLOCK_N + j
+        col_mask = d < HALF
+        rows_a = head * (2 * HALF) + d
+        rows_b = rows_a + HALF
+    else:
+        rows_a = pid * BLOCK_N + j
+        col_mask = rows_a < N_OUT
+        rows_b = rows_a + N_OUT  # SiLU-and-mul: the up row of gate row n is I + n
+    m = tl.arange(0, BLOCK_M)
+    m_mask = m < M
+    ks = tl.arange(0, BLOCK_K)
+    wa_ptrs = w_ptr + rows_a.to(tl.int64)[:, None] * w_stride + ks[None, :]
+    wb_ptrs = w_ptr + rows_b.to(tl.int64)[:, None] * w_stride + ks[None, :]
+    if USE_DOT:
+        acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc_a = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_b = acc_a
+    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    write_residual = pid == 0
+    k_start = 0
+    if USE_PDL:
+        # Weights never depend on the previous kernel: start their stream, then wait for its outputs
+        # (x, the residual) to be visible, and let the next kernel get scheduled.
+        wa, wb = _load_w(wa_ptrs, wb_ptrs, 0, col_mask, ks, K, PAIRED)
+        gdc_wait()
+        gdc_launch_dependents()
+    if NORM and not PRO_RESIDUAL:
+        # The rms of each x row in a pass of its own (x is M*K elements, read from L2 by every program),
+        # so that the weight loop below stays a plain pipelined GEMV: normalising x inside the loop took
+        # the 8B qkv GEMV from 15 to 35-57 us at M = 8 on the tl.dot path (H200, ops/bench_gemv.py --ablate).
+        for p0 in range(0, K, BLOCK_K):
+            pk = p0 + ks
+            xp = tl.load(x_ptr + m[:, None] * x_stride + pk[None, :], mask=m_mask[:, None] & (pk[None, :] < K),
+                         other=0.0).to(tl.float32)
+            sumsq += tl.sum(xp * xp, axis=1)
+    if USE_PDL:
+        acc_a, acc_b, sumsq = _gemv_step(
+            0, wa, wb, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
+            res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
+            PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION)
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
+        wa, wb = _load_w(wa_ptrs, wb_ptrs, k0, col_mask, ks, K, PAIRED)
+        acc_a, acc_b, sumsq = _gemv_step(
+            k0, wa, wb, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
+            res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
+            PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION)
+    if not USE_DOT:
+        acc_a = tl.sum(acc_a, axis=2)
+        if PAIRED:
+            acc_b = tl.sum(acc_b, axis=2)
+    if NORM:
+        inv_rms = tl.rsqrt(sumsq / K + eps)[:, None]
+        acc_a = acc_a * inv_rms
+        if PAIRED:
+            acc_b = acc_b * inv_rms
+    if HAS_BIAS:
+        acc_a += tl.load(bias_ptr + rows_a, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if PAIRED:
+            acc_b += tl.load(bias_ptr + rows_b, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    # The unfused path rounds the projection to the model dtype here; do the same.
+    a = acc_a.to(dtype).to(tl.float32)
+    out_mask = m_mask[:, None] & col_mask[None, :]
+    if SILU_MUL:
+        b = acc_b.to(dtype).to(tl.float32)
+        a = a * tl.sigmoid(a) * b
+    if ADD:
+        r = tl.load(add_ptr + m[:, None] * add_stride + rows_a[None, :], mask=out_mask, other=0.0)
+        a = a.to(dtype).to(tl.float32) + r.to(tl.float32)
+    if ROTARY:
+        b = acc_b.to(dtype).to(tl.float32)
+        is_q = head < NUM_Q_HEADS
+        is_k = (head >= NUM_Q_HEADS) & (head < NUM_Q_HEADS + NUM_KV_HEADS)
+        if QK_NORM:  # Qwen3: RMSNorm over each q / k head (this program holds the whole head), rounded
+            norm_w = tl.where(is_q, q_norm_ptr, k_norm_ptr)
+            inv = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)[:, None]
+            wa_n = tl.load(norm_w + d, mask=col_mask & (is_q | is_k), other=1.0).to(tl.float32)[None, :]
+            wb_n = tl.load(norm_w + HALF + d, mask=col_mask & (is_q | is_k), other=1.0).to(tl.float32)[None, :]
+            na = ((a * inv).to(dtype).to(tl.float32) * wa_n).to(dtype).to(tl.float32)
+            nb = ((b * inv).to(dtype).to(tl.float32) * wb_n).to(dtype).to(tl.float32)
+            a = tl.where(is_q | is_k, na, a)
+            b = tl.where(is_q | is_k, nb, b)
+        pos = tl.load(positions_ptr + m, mask=m_mask, other=0).to(tl.int64)
+        table = cos_sin_ptr + pos[:, None] * (2 * HALF) + d[None, :]
+        cos = tl.load(table, mask=out_mask, other=1.0)
+        sin = tl.load(table + HALF, mask=out_mask, other=0.0)
+        rotate = is_q | is_k
+        ra = tl.where(rotate, a * cos - b * sin, a)
+        rb = tl.where(rotate, b * cos + a * sin, b)
+        out_rows = out_ptr + m[:, None] * out_stride + rows_a[None, :]
+        tl.store(out_rows, ra.to(dtype), mask=out_mask)
+        tl.store(out_rows + HALF, rb.to(dtype), mask=out_mask)
+        # k and v heads also go into the paged caches [slots, Hkv, D] (slot < 0: a padding token).
+        slot = tl.load(slot_ptr + m, mask=m_mask, other=-1).to(tl.int64)
+        kv_head = tl.where(is_k, head - NUM_Q_HEADS, head - NUM_Q_HEADS - NUM_KV_HEADS)
+        cache_off = slot[:, None] * (NUM_KV_HEADS * 2 * HALF) + kv_head * (2 * HALF) + d[None, :]
+        cache_mask = out_mask & (slot[:, None] >= 0) & (head >= NUM_Q_HEADS)
+        cache = tl.where(is_k, k_cache_ptr, v_cache_ptr)
+        tl.store(cache + cache_off, ra.to(dtype), mask=cache_mask)
+        tl.store(cache + cache_off + HALF, rb.to(dtype), mask=cache_mask)
+    else:
+        tl.store(out_ptr + m[:, None] * out_stride + rows_a[None, :], a.to(dtype), mask=out_mask)
+
+
+# ---------------------------------------------------------------------------------------------- launcher
+@dataclass(frozen=True, slots=True)
+class GemvConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    use_dot: bool
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def gemv_config(kind: str, num_rows: int, n_out: int, hidden: int, on_gpu: bool) -> GemvConfig:
+    """Block sizes for M tokens; kind is "plain" (also the norm / bias / add variants), "silu" or "rope".
+
+    From the H200 sweeps of ops/bench_gemv.py (--sweep, --ablate; bf16, us per call in CUDA-graph replay):
+    - M = 1, >= 4096 outputs: the tl.dot path with ONE warp and 16 rows per program (8B qkv 14.6 us vs 15.1
+      on the CUDA cores and 16.5 for cuBLAS; o_proj 11.0 vs 12.5 cuBLAS): cp.async-pipelined 16-byte
+      loads, and one warp does not replicate the 16x16 MMA tile four times as 4 warps do;
+    - M = 1, fewer outputs (1B: 2048-3072): the CUDA cores, 4 rows x 1024 per program, for 4x the programs
+      (1B o_proj 4.6 us vs 6.0 cuBLAS, down 11.4 vs 12.7);
+    - SiLU-mul (two weight streams): tl.dot 32 rows x 128, 2 warps, 5 stages (8B gate_up 58.0 us at M = 1,
+      58.6 at M = 8, vs 60.6 cuBLAS + 1.5 SiLU kernel);
+    - rotary: programs own half-heads, so 4-row CUDA-core programs at M = 1 (8B 15.4 us), tl.dot above;
+    - M > 1 pads to the 16-row tl.dot tile; few outputs with a long K (1B down) want 16 x 512 slices.
+    """
+    if not on_gpu:  # the interpreter pays per program and numpy op: few wide programs, several K slices
+        if num_rows <= 4:
+            return GemvConfig(triton.next_power_of_2(num_rows), 32, 64, False, 4, 1)
+        return GemvConfig(16, 32, 64, True, 4, 1)
+    if kind == "silu":
+        return GemvConfig(16, 32, 128, True, 2, 5)
+    if kind == "rope":
+        if num_rows == 1:
+            return GemvConfig(1, 4, 512 if 2 * n_out >= 4096 else 1024, False, 4, 3)
+        return GemvConfig(16, 32, 256, True, 4, 4)
+    if n_out >= 4096:
+        return GemvConfig(16, 16, 256, True, 1, 4)
+    if num_rows == 1:
+        return GemvConfig(1, 4, 1024, False, 4, 3)
+    return GemvConfig(16, 16, 512, True, 4, 3) if hidden >= 8192 else GemvConfig(16, 32, 256, True, 4, 4)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
+
+
+def _contiguous_last(name: str, t: torch.Tensor | None) -> None:
+    if t is not None and t.stride(-1) != 1:
+        raise ValueError(f"gemv: the last dim of {name} must be contiguous")
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    n_out: int,
+    grid: int,
+    cfg: GemvConfig,
+    bias: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    norm_residual: torch.Tensor | None,
+    s: torch.Tensor,
+    silu_mul: bool,
+    add: torch.Tensor | None,
+    pdl: bool,
+    rotary: tuple[torch.Tensor, ...] | None = None,
+    heads: tuple[int, int, int, int] = (0, 0, 1, 1),
+    qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
+    norm_folded: bool = False,
+) -> None:
+    num_rows, hidden = x.shape
+    if cfg.use_dot and cfg.block_m < 16:
+        raise ValueError("gemv: a tl.dot tile needs block_m >= 16")
+    if cfg.block_m < num_rows:
+        raise ValueError(f"gemv: block_m {cfg.block_m} < M {num_rows}")
+    positions, cos_sin, k_cache, v_cache, slots = rotary if rotary is not None else (x,) * 5
+    q_norm, k_norm = qk_norm if qk_norm is not None else (x, x)
+    hres = norm_residual if norm_residual is not None else x
+    add_t = add if add is not None else x
+    num_q_heads, num_kv_heads, half, splits = heads
+    use_pdl = pdl and not interpreting()
+    _gemv_kernel[(grid,)](
+        x, weight, out, bias if bias is not None else x, norm_weight if norm_weight is not None else x,
+        hres, s, add_t, positions, cos_sin, k_cache, v_cache, slots, q_norm, k_norm,
+        num_rows, n_out, hidden, eps,
+        x.stride(0), weight.stride(0), out.stride(0), hres.stride(0), s.stride(0), add_t.stride(0),
+        num_q_heads, num_kv_heads,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        USE_DOT=cfg.use_dot, DOT_PRECISION=_dot_precision(x.dtype),
+        NORM=norm_weight is not None or norm_folded, PRO_RESIDUAL=norm_residual is not None,
+        APPLY_G=norm_weight is not None, HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul, ADD=add is not None,
+        ROTARY=rotary is not None, QK_NORM=qk_norm is not None, HALF=half, SPLITS_PER_HEAD=splits,
+        PAIRED=silu_mul or rotary is not None, USE_PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if use_pdl else {}),
+    )
+
+
+def gemv_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    norm_residual: torch.Tensor | None = None,
+    silu_mul: bool = False,
+    add: torch.Tensor | None = None,
+    pdl: bool = False,
+    config: GemvConfig | None = None,
+    norm_folded: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gemv_ref's semantics for M <= GEMV_MAX_M in one kernel. pdl: launch with programmatic dependent
+    launch (the previous kernel in the stream may still be running when this one starts loading weights).
+    config: override the block sizes (tests force both the CUDA-core and the tensor-core paths)."""
+    n_out = check_gemv_args(x, weight, bias, norm_weight, norm_residual, silu_mul, add, norm_folded)
+    tensors = [t for t in (x, weight, bias, norm_weight, norm_residual, add) if t is not None]
+    check_launchable(*tensors)
+    for name, t in (("x", x), ("weight", weight), ("bias", bias), ("norm_weight", norm_weight),
+                    ("norm_residual", norm_residual), ("add", add)):
+        _contiguous_last(name, t)
+    num_rows, hidden = x.shape
+    if num_rows > GEMV_MAX_M:
+        raise ValueError(f"gemv: M = {num_rows} > {GEMV_MAX_M}; use F.linear (cuBLAS) for larger batches")
+    out = torch.empty(num_rows, n_out, dtype=x.dtype, device=x.device)
+    s = x if norm_residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    if num_rows == 0 or n_out == 0:
+        return out, s
+    cfg = config or gemv_config("silu" if silu_mul else "plain", num_rows, n_out, hidden, x.is_cuda)
+    _launch(x, weight, out, n_out, triton.cdiv(n_out, cfg.block_n), cfg, bias, norm_weight, eps,
+            norm_residual, s, silu_mul, add, pdl, norm_folded=norm_folded)
+    return out, s
+
+
+def gemv_rotary_cache_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    norm_residual: torch.Tensor | None = None,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    pdl: bool = False,
+    config: GemvConfig | None = None,
+    norm_folded: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gemv_rotary_cache_ref in one kernel. With q_norm/k_norm (Qwen3) a program must hold a whole head,
+    so the grid is one program per head (fewer, longer programs: slower at batch 1 than without)."""
+    check_gemv_args(x, weight, bias, norm_weight, norm_residual, False, None, norm_folded)
+    head_dim = k_cache.shape[-1]
+    num_rows, hidden = x.shape
+    n_total = weight.shape[0]
+    if n_total != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"gemv_rotary_cache: weight has {n_total} rows, expected (Hq + 2 Hkv) * D = "
+                         f"{(num_heads + 2 * num_kv_heads) * head_dim}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("gemv_rotary_cache: q_norm and k_norm go together")
+    for t in (q_norm, k_norm):
+        if t is not None and (t.shape != (head_dim,) or t.dtype != x.dtype):
+            raise ValueError(f"gemv_rotary_cache: q_norm / k_norm must be [{head_dim}] {x.dtype}")
+    if positions.shape != (num_rows,) or slot_mapping.shape != (num_rows,):
+        raise ValueError(f"gemv_rotary_cache: positions and slot_mapping must be [{num_rows}]")
+    if cos_sin.dim() != 2 or cos_sin.shape[1] != head_dim or cos_sin.dtype != torch.float32:
+        raise ValueError(f"gemv_rotary_cache: cos_sin must be float32 [max_pos, {head_dim}]")
+    if (k_cache.dim() != 4 or k_cache.shape[2:] != (num_kv_heads, head_dim) or v_cache.shape != k_cache.shape
+            or k_cache.dtype != x.dtype or v_cache.dtype != x.dtype):
+        raise ValueError(f"gemv_rotary_cache: caches must be [blocks, block_size, {num_kv_heads}, {head_dim}] "
+                         f"{x.dtype}, got {tuple(k_cache.shape)} {k_cache.dtype}, {tuple(v_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos_sin.is_contiguous()):
+        raise ValueError("gemv_rotary_cache: k_cache, v_cache and cos_sin must be contiguous")
+    if head_dim % 2:
+        raise ValueError(f"gemv_rotary_cache: head_dim must be even, got {head_dim}")
+    tensors = [t for t in (x, weight, bias, norm_weight, norm_residual, q_norm, k_norm) if t is not None]
+    check_launchable(*tensors, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    for name, t in (("x", x), ("weight", weight), ("bias", bias), ("norm_weight", norm_weight),
+                    ("norm_residual", norm_residual)):
+        _contiguous_last(name, t)
+    if num_rows > GEMV_MAX_M:
+        raise ValueError(f"gemv: M = {num_rows} > {GEMV_MAX_M}; use F.linear (cuBLAS) for larger batches")
+    out = torch.empty(num_rows, n_total, dtype=x.dtype, device=x.device)
+    s = x if norm_residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    if num_rows == 0:
+        return out, s
+    half = head_dim // 2
+    cfg = config or gemv_config("rope", num_rows, n_total // 2, hidden, x.is_cuda)
+    block_n = min(cfg.block_n, triton.next_power_of_2(half))
+    if q_norm is not None:
+        block_n = triton.next_power_of_2(half)  # the per-head norm needs the whole head in one program
+    block_k = cfg.block_k
+    if cfg.use_dot:
+        block_n = max(block_n, 16)
+    else:  # two [BLOCK_N, BLOCK_K] float32 accumulators live in registers: keep them at <= 4096 elements
+        block_k = min(block_k, max(32, 4096 // block_n))
+    cfg = GemvConfig(cfg.block_m, block_n, block_k, cfg.use_dot, cfg.num_warps, cfg.num_stages)
+    splits = triton.cdiv(half, block_n)
+    num_total_heads = num_heads + 2 * num_kv_heads
+    qk = (q_norm, k_norm) if q_norm is not None and k_norm is not None else None
+    _launch(x, weight, out, n_total, num_total_heads * splits, cfg, bias, norm_weight, eps, norm_residual, s,
+            False, None, pdl, rotary=(positions, cos_sin, k_cache, v_cache, slot_mapping),
+            heads=(num_heads, num_kv_heads, half, splits), qk_norm=qk, norm_folded=norm_folded)
+    return out, s

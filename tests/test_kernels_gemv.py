@@ -1,0 +1,273 @@
+"""The fused small-M GEMV (engine/kernels/gemv.py) against its plain-torch reference, one fusion per case, on
+odd shapes (K and N not powers of two, M in {1, 3, 7}), fresh random inputs, tolerances tied to the dtype.
+
+Runs like tests/test_kernels.py: cases marked gpu run bf16/fp16/fp32 on CUDA; under TRITON_INTERPRET=1 the
+CPU cases run fp32/fp16, and the driver at the bottom re-runs this file in an interpreter subprocess.
+Both of the kernel's multiply paths are exercised (CUDA-core broadcast-and-sum, tensor-core tl.dot).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+triton = pytest.importorskip("triton")
+
+if INTERPRET:
+    import numpy as np
+    from triton.runtime import interpreter as _interpreter
+
+    if tuple(int(p) for p in np.__version__.split(".")[:2]) >= (2, 4):
+        # Same one-line interpreter fix as tests/test_kernels.py (triton-lang/triton#9171, numpy >= 2.4).
+        _original_patch = _interpreter._patch_lang_tensor
+
+        def _patch_lang_tensor(tensor: Any, scope: Any) -> None:
+            _original_patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+        _interpreter._patch_lang_tensor = _patch_lang_tensor
+
+from engine.kernels import fused_linear, rope_cos_sin  # noqa: E402
+from engine.kernels.gemv import (  # noqa: E402
+    GEMV_MAX_M,
+    GemvConfig,
+    fold_norm_weight,
+    gemv_ref,
+    gemv_rotary_cache_ref,
+    gemv_rotary_cache_triton,
+    gemv_triton,
+)
+
+_GPU = pytest.mark.gpu
+_NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+if INTERPRET:
+    CASES = [pytest.param("cpu", torch.float32, id="cpu-fp32"), pytest.param("cpu", torch.float16, id="cpu-fp16")]
+else:
+    CASES = [pytest.param("cuda", dt, id=f"cuda-{name}", marks=[_GPU, _NO_CUDA])
+             for name, dt in [("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)]]
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # atol = rtol, per dtype
+
+# (M, path): "auto" is the launcher's own choice (CUDA cores for small M, tl.dot above), "dot" forces the
+# 16-row tensor-core tile, "cores" forces the CUDA-core path at a small block.
+M_PATHS = [(1, "auto"), (1, "dot"), (3, "auto"), (7, "auto")]
+if not INTERPRET:
+    M_PATHS += [(3, "cores"), (16, "auto")]
+K, N = 200, 72  # neither a power of two; K spans several BLOCK_K slices and a masked tail
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def close_to_truth(actual: torch.Tensor, ref: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype) -> None:
+    """actual within twice the reference's own worst error from the float64 truth (plus the dtype's
+    tolerance): for chains of roundings where the kernel and the reference round at different points."""
+    ref_err = (ref.double() - truth).abs().max().item()
+    torch.testing.assert_close(actual.double(), truth, atol=TOLERANCE[dtype] + 2 * ref_err, rtol=TOLERANCE[dtype])
+
+
+def config(path: str, num_rows: int) -> GemvConfig | None:
+    if path == "dot":
+        return GemvConfig(16, 16, 64, True, 4, 2)
+    if path == "cores":
+        return GemvConfig(triton.next_power_of_2(num_rows), 8, 64, False, 4, 2)
+    return None
+
+
+def rand(*shape: int, device: str, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device=device) * scale).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------ the fusions
+FUSIONS = ["plain", "norm", "norm_residual", "bias", "silu_mul", "add", "norm_residual_silu_mul_add",
+           "norm_folded", "norm_folded_silu_mul"]
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("num_rows,path", M_PATHS)
+@pytest.mark.parametrize("fusion", FUSIONS)
+def test_gemv_fusion(device: str, dtype: torch.dtype, num_rows: int, path: str, fusion: str) -> None:
+    silu_mul = "silu_mul" in fusion
+    n_total = 2 * 45 if silu_mul else N  # I = 45: odd
+    n_out = n_total // 2 if silu_mul else n_total
+    wide = rand(num_rows, K + 24, device=device, dtype=dtype, scale=3.0)
+    x = wide[:, :K]  # a row stride != K must be honoured; rms far from 1 so a missing norm shows
+    weight = rand(n_total, K, device=device, dtype=dtype, scale=K**-0.5)
+    kwargs: dict[str, Any] = {"silu_mul": silu_mul}
+    if "norm" in fusion:
+        kwargs["norm_weight"] = rand(K, device=device, dtype=dtype) + 1
+        kwargs["eps"] = 1e-5
+    if "residual" in fusion:
+        kwargs["norm_residual"] = rand(num_rows, K, device=device, dtype=dtype, scale=3.0)
+    if "bias" in fusion:
+        kwargs["bias"] = rand(n_total, device=device, dtype=dtype)
+    if "add" in fusion:
+        kwargs["add"] = rand(num_rows, n_out, device=device, dtype=dtype)
+    if "folded" in fusion:  # the kernel gets W diag(g), the reference the original W and g
+        fast = {**kwargs, "norm_weight": None, "norm_folded": True}
+        out, s = gemv_triton(x, fold_norm_weight(weight, kwargs["norm_weight"]), **fast,
+                             config=config(path, num_rows))
+    else:
+        out, s = gemv_triton(x, weight, **kwargs, config=config(path, num_rows))
+    ref, ref_s = gemv_ref(x, weight, **kwargs)
+    assert out.shape == (num_rows, n_out) and out.dtype == dtype
+    # bf16 SiLU-mul outputs reach ~10 before the add rounds them (half an ulp: 0.03), so compare against the
+    # float64 truth of the same chain, within twice the reference's own error (see close_to_truth).
+    wide = {k: v.double() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    truth, _ = gemv_ref(x.double(), weight.double(), **wide)
+    close_to_truth(out, ref, truth, dtype)
+    if "residual" in fusion:  # written once, rounded exactly like torch's `x + residual`, into a new buffer
+        torch.testing.assert_close(s, ref_s, rtol=0, atol=0)
+        assert s.data_ptr() not in (x.data_ptr(), kwargs["norm_residual"].data_ptr())
+    else:
+        assert s is x
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_gemv_norm_is_per_row(device: str, dtype: torch.dtype) -> None:
+    # Rows of very different scale: the prologue must normalise each token by its own rms.
+    x = rand(3, K, device=device, dtype=dtype) * torch.tensor([[0.01], [1.0], [30.0]], device=device).to(dtype)
+    weight = rand(N, K, device=device, dtype=dtype, scale=K**-0.5)
+    norm_weight = rand(K, device=device, dtype=dtype)
+    out, _ = gemv_triton(x, weight, norm_weight=norm_weight, eps=1e-6)
+    ref, _ = gemv_ref(x, weight, norm_weight=norm_weight, eps=1e-6)
+    close(out, ref, dtype)
+
+
+# ------------------------------------------------------------------------------ rotary + KV-cache write
+ROPE_SHAPES = [(6, 2, 64, 8), (4, 2, 80, 16)]  # Hq, Hkv, D (D/2 = 40: not a power of two), block_size
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("hq,hkv,head_dim,block_size", ROPE_SHAPES)
+@pytest.mark.parametrize("num_rows", [1, 7])
+@pytest.mark.parametrize("variant", ["llama", "llama_folded", "qwen2_bias_residual", "qwen3_qk_norm"])
+def test_gemv_rotary_cache(
+    device: str, dtype: torch.dtype, hq: int, hkv: int, head_dim: int, block_size: int,
+    num_rows: int, variant: str,
+) -> None:
+    hidden, num_blocks = 136, 4
+    n_total = (hq + 2 * hkv) * head_dim
+    x = rand(num_rows, hidden, device=device, dtype=dtype, scale=2.0)
+    # Qwen3: q/k come out of the projection with rms ~3, so a missing per-head norm shows; its weights ~1.
+    weight_scale = (3.0 if variant == "qwen3_qk_norm" else 1.0) * hidden**-0.5
+    weight = rand(n_total, hidden, device=device, dtype=dtype, scale=weight_scale)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    cos_sin = rope_cos_sin(head_dim, 512, 500000.0, scaling, device=device)
+    positions = torch.randint(1, 512, (num_rows,), device=device)
+    slots = torch.randperm(num_blocks * block_size, device=device)[:num_rows]
+    if num_rows > 1:
+        slots[1] = -1  # a padding token: its k/v must not reach the cache
+    k_cache = rand(num_blocks, block_size, hkv, head_dim, device=device, dtype=dtype)
+    v_cache = rand(num_blocks, block_size, hkv, head_dim, device=device, dtype=dtype)
+    kwargs: dict[str, Any] = {"norm_weight": rand(hidden, device=device, dtype=dtype), "eps": 1e-6}
+    if variant == "qwen2_bias_residual":
+        kwargs["bias"] = rand(n_total, device=device, dtype=dtype)
+        kwargs["norm_residual"] = rand(num_rows, hidden, device=device, dtype=dtype)
+    if variant == "qwen3_qk_norm":
+        kwargs["q_norm"] = rand(head_dim, device=device, dtype=dtype, scale=0.25) + 1
+        kwargs["k_norm"] = rand(head_dim, device=device, dtype=dtype, scale=0.25) + 1
+    common = {"num_heads": hq, "num_kv_heads": hkv, "positions": positions, "cos_sin": cos_sin,
+              "slot_mapping": slots, **kwargs}
+    bias = common.pop("bias", None)
+    ref_k, ref_v, k_cache_init, v_cache_init = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
+    if variant == "llama_folded":  # the norm weight folded into W at load time, as the decode path runs it
+        folded = fold_norm_weight(weight, common["norm_weight"])
+        out, s = gemv_rotary_cache_triton(x, folded, bias, k_cache=k_cache, v_cache=v_cache,
+                                          **{**common, "norm_weight": None, "norm_folded": True})
+    else:
+        out, s = gemv_rotary_cache_triton(x, weight, bias, k_cache=k_cache, v_cache=v_cache, **common)
+    ref, ref_s = gemv_rotary_cache_ref(x, weight, bias, k_cache=ref_k, v_cache=ref_v, **common)
+    # The float64 truth of the same chain: the kernel may round a few ulps differently from the reference
+    # (projection, per-head norm, rotation each round), so it must be as close to the truth as the reference.
+    wide = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "cos_sin" else v
+            for k, v in common.items()}
+    true_k, true_v = k_cache_init.double(), v_cache_init.double()
+    truth, _ = gemv_rotary_cache_ref(x.double(), weight.double(), None if bias is None else bias.double(),
+                                     k_cache=true_k, v_cache=true_v, **wide)
+    close_to_truth(out, ref, truth, dtype)
+    close_to_truth(k_cache, ref_k, true_k, dtype)
+    close_to_truth(v_cache, ref_v, true_v, dtype)
+    if "norm_residual" in kwargs:
+        torch.testing.assert_close(s, ref_s, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------- bad inputs
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_gemv_rejects_bad_inputs(device: str, dtype: torch.dtype) -> None:
+    x = rand(2, 32, device=device, dtype=dtype)
+    w = rand(16, 32, device=device, dtype=dtype)
+    with pytest.raises(ValueError, match="x \\[M, K\\]"):
+        gemv_triton(x, rand(16, 31, device=device, dtype=dtype))
+    with pytest.raises(ValueError, match="odd"):
+        gemv_triton(x, rand(15, 32, device=device, dtype=dtype), silu_mul=True)
+    with pytest.raises(ValueError, match="pass norm_weight"):
+        gemv_triton(x, w, norm_residual=x.clone())
+    with pytest.raises(ValueError, match="add must be"):
+        gemv_triton(x, w, add=rand(2, 8, device=device, dtype=dtype))
+    with pytest.raises(ValueError, match="contiguous"):
+        gemv_triton(x, w.t().contiguous().t())
+    with pytest.raises(ValueError, match="cuBLAS"):
+        gemv_triton(rand(GEMV_MAX_M + 1, 32, device=device, dtype=dtype), w)
+
+
+def test_fused_linear_dispatch_falls_back_on_cpu_and_large_m() -> None:
+    x, w = torch.randn(GEMV_MAX_M + 3, 24), torch.randn(10, 24)
+    g, add = torch.randn(24), torch.randn(GEMV_MAX_M + 3, 5)
+    out, s = fused_linear(x, w, norm_weight=g, eps=1e-6, silu_mul=True, add=add)
+    ref, _ = gemv_ref(x, w, norm_weight=g, eps=1e-6, silu_mul=True, add=add)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert s is x
+
+
+# ------------------------------------------------------------------------------------ GPU only: PDL
+@_GPU
+@_NO_CUDA
+@pytest.mark.parametrize("num_rows", [1, 5])
+def test_gemv_pdl_chain_survives_cuda_graph_capture(num_rows: int) -> None:
+    """A decoder layer's worth of PDL launches (norm+qkv-like, residual-add, norm+gate_up+silu, down+add),
+    captured in a CUDA graph and replayed on new inputs, equals the same chain launched without PDL."""
+    torch.manual_seed(0)
+    dt, hidden, inter = torch.bfloat16, 512, 1376
+    w_o = rand(hidden, hidden, device="cuda", dtype=dt, scale=hidden**-0.5)
+    w_gu = rand(2 * inter, hidden, device="cuda", dtype=dt, scale=hidden**-0.5)
+    w_d = rand(hidden, inter, device="cuda", dtype=dt, scale=inter**-0.5)
+    g1, g2 = rand(hidden, device="cuda", dtype=dt) + 1, rand(hidden, device="cuda", dtype=dt) + 1
+    static_x = rand(num_rows, hidden, device="cuda", dtype=dt)
+
+    def layer(x: torch.Tensor, pdl: bool) -> torch.Tensor:
+        h, _ = gemv_triton(x, w_o, norm_weight=g1, eps=1e-5, pdl=pdl)
+        r, _ = gemv_triton(h, w_o, add=x, pdl=pdl)
+        a, _ = gemv_triton(r, w_gu, norm_weight=g2, eps=1e-5, silu_mul=True, pdl=pdl)
+        return gemv_triton(a, w_d, add=r, pdl=pdl)[0]
+
+    for _ in range(2):  # compile and warm up outside the capture
+        layer(static_x, True)
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        static_out = layer(layer(static_x, True), True)
+    for _ in range(3):
+        static_x.copy_(rand(num_rows, hidden, device="cuda", dtype=dt))
+        graph.replay()
+        expected = layer(layer(static_x, False), False)
+        torch.testing.assert_close(static_out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(INTERPRET, reason="this is the interpreter run itself")
+def test_gemv_under_triton_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"],
+        env=env, capture_output=True, text=True, timeout=280,
+    )
+    assert run.returncode == 0, f"interpreter run failed:\n{run.stdout[-8000:]}\n{run.stderr[-4000:]}"
+    assert " passed" in run.stdout and "failed" not in run.stdout, run.stdout[-2000:]
