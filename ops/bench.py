@@ -77,8 +77,9 @@ def measure_floors() -> dict[str, float]:
 
 
 # ---- the model folder ------------------------------------------------------------------------------------
-def write_model(path: str, shape: dict[str, Any]) -> float:
-    """Random bf16 weights (std 0.02, norms 1) as 4 safetensors shards + index, config and a tokenizer."""
+def write_model(path: str, shape: dict[str, Any], device: str = "cuda") -> float:
+    """Random bf16 weights (std 0.02, norms 1) as 4 safetensors shards + index, config and a tokenizer.
+    `device` draws them (cpu: for dry runs of the tiny shape without a GPU)."""
     from safetensors.torch import save_file
 
     from engine.make_model import write_tokenizer
@@ -107,11 +108,11 @@ def write_model(path: str, shape: dict[str, Any]) -> float:
     )
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
 
     def rand(*s: int) -> torch.Tensor:
         return (
-            (torch.randn(*s, device="cuda", generator=gen, dtype=torch.float32) * 0.02)
+            (torch.randn(*s, device=device, generator=gen, dtype=torch.float32) * 0.02)
             .to(torch.bfloat16)
             .cpu()
         )
@@ -158,29 +159,35 @@ def drop_page_cache() -> bool:
 
 
 # ---- our engine ------------------------------------------------------------------------------------------
-def start_engine(path: str, max_num_seqs: int):
-    from engine import EngineConfig, LLMEngine
+def engine_config(path: str, max_num_seqs: int, device: str = "cuda"):
+    """The bench's engine settings (ops/bench_e2e.py gives the worker the same ones, from this object)."""
+    from engine import EngineConfig
 
     # A/B switches, read here at the edge (the engine itself reads no environment): STOKER_TRITON=0 runs the
     # torch references, STOKER_BLOCKING_SYNC=0 keeps CUDA's default (spinning) host waits.
     use_triton = os.environ.get("STOKER_TRITON", "1") != "0"
     blocking_sync = os.environ.get("STOKER_BLOCKING_SYNC", "1") != "0"
-    t0 = time.perf_counter()
-    eng = LLMEngine(
-        EngineConfig(
-            model_path=path,
-            device="cuda",
-            dtype="bfloat16",
-            max_model_len=1024,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=8192,
-            enable_prefix_caching=False,
-            gpu_memory_utilization=0.9,
-            use_triton=use_triton,
-            blocking_sync=blocking_sync,
-        )
+    return EngineConfig(
+        model_path=path,
+        device=device,
+        dtype="bfloat16" if device.startswith("cuda") else "float32",
+        max_model_len=1024,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=8192,
+        enable_prefix_caching=False,
+        gpu_memory_utilization=0.9,
+        use_triton=use_triton,
+        blocking_sync=blocking_sync,
     )
-    torch.cuda.synchronize()
+
+
+def start_engine(path: str, max_num_seqs: int, device: str = "cuda"):
+    from engine import LLMEngine
+
+    t0 = time.perf_counter()
+    eng = LLMEngine(engine_config(path, max_num_seqs, device))
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
     return eng, time.perf_counter() - t0
 
 
