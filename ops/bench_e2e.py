@@ -32,6 +32,7 @@ import os
 import re
 import resource
 import secrets
+import select
 import signal
 import socket
 import subprocess
@@ -39,6 +40,8 @@ import sys
 import threading
 import time
 import urllib.request
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -144,9 +147,22 @@ class LoadPool:
             for _ in range(procs)
         ]
         for c in self.children:
-            assert c.stdout is not None
-            if c.stdout.readline().strip() != "ready":
-                raise RuntimeError("a load process failed to start (its stderr is above)")
+            while (line := self._line(c)) != "ready":
+                print(f"load process: {line}", file=sys.stderr)
+        self.alive: Callable[[], bool] = lambda: True  # checked while waiting: a dead worker ends the wait
+
+    def _line(self, child: subprocess.Popen[str]) -> str:
+        """The child's next stdout line; raises when it exits or when self.alive() turns false."""
+        assert child.stdout is not None
+        while not select.select([child.stdout], [], [], 1.0)[0]:
+            if child.poll() is not None:
+                raise RuntimeError("a load process exited (its stderr is above)")
+            if not getattr(self, "alive", lambda: True)():
+                raise RuntimeError("the worker exited during a phase")
+        line = child.stdout.readline()
+        if not line:
+            raise RuntimeError("a load process exited (its stderr is above)")
+        return line.strip()
 
     def run(self, n: int, prompt: int, new: int, vocab: int, rate: float = 0.0, procs: int = 1,
             seed: int = 0) -> tuple[list[list[Any]], float]:
@@ -163,10 +179,8 @@ class LoadPool:
         records: list[list[Any]] = []
         cpu = 0.0
         for child in self.children[:procs]:
-            assert child.stdout is not None
-            line = child.stdout.readline()
-            if not line:
-                raise RuntimeError("a load process died (its stderr is above)")
+            while not (line := self._line(child)).startswith("{"):
+                print(f"load process: {line}", file=sys.stderr)
             out = json.loads(line)
             records += out["records"]
             cpu += out["cpu_s"]
@@ -301,6 +315,7 @@ def queue_side(args: argparse.Namespace, path: str, vocab: int, settings: Any, e
     log_path = Path(args.log_dir) / "worker.log"
     log(f"worker starting (log {log_path})")
     worker = Worker(wenv, log_path)
+    pool.alive = lambda: worker.proc.poll() is None
     try:
         r["ready_s"] = worker.wait_ready(args.ready_timeout)
         pid = worker.proc.pid
@@ -312,7 +327,7 @@ def queue_side(args: argparse.Namespace, path: str, vocab: int, settings: Any, e
             records: list[list[Any]] = []
             client_cpu = 0.0
             for i in range(runs):
-                recs, cpu = pool.run(n, prompt, new, vocab, rate, procs, seed=hash(name) % 1000 + i)
+                recs, cpu = pool.run(n, prompt, new, vocab, rate, procs, seed=zlib.crc32(name.encode()) % 1000 + i)
                 records += recs
                 client_cpu += cpu
             wall = time.monotonic() - t0
@@ -340,6 +355,9 @@ def queue_side(args: argparse.Namespace, path: str, vocab: int, settings: Any, e
         r["prefix_cache_queries"] = counter(m, "stoker_prefix_cache_queries")
         r["worker_metrics_excerpt"] = {k: v for k, v in m.items() if k.startswith(
             ("stoker_requests_finished", "stoker_events_published", "stoker_records_failed", "stoker_dead_letters"))}
+    except Exception as e:  # keep what was measured; the table shows the phases that ran
+        r["error"] = f"{type(e).__name__}: {e}"
+        log(f"the queue side stopped: {r['error']}\n{worker.tail()}")
     finally:
         pool.close()
         r["worker_exit"] = worker.stop()
@@ -487,6 +505,11 @@ def table(q: dict[str, Any], e: dict[str, Any], args: argparse.Namespace) -> lis
                         ("steady", f"steady {args.first_n} ({sh})")):
         row(f"{label}: TTFT p50", g(qp, name, "ttft_p50_ms"), g(ep, name, "ttft_p50_ms"), "{:.1f}", " ms")
         row(f"{label}: TTFT max", g(qp, name, "ttft_max_ms"), g(ep, name, "ttft_max_ms"), "{:.1f}", " ms")
+    def ratio(p: dict[str, Any]) -> float | None:
+        a, b = g(p, "first", "ttft_p50_ms"), g(p, "steady", "ttft_p50_ms")
+        return a / b if a is not None and b else None
+
+    row("first / steady TTFT p50 (target <= 2)", ratio(qp), ratio(ep), "{:.2f}", "x")
     w1 = f"W1 (1 x {args.prompt}+{args.new}, {args.w1_runs} runs)"
     row(f"{w1}: TTFT p50", g(qp, "W1", "ttft_p50_ms"), g(ep, "W1", "ttft_p50_ms"), "{:.1f}", " ms")
     row(f"{w1}: inter-token p50", g(qp, "W1", "itl_p50_ms"), g(ep, "W1", "itl_p50_ms"), "{:.2f}", " ms")
@@ -554,7 +577,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rate-seconds", type=float, default=20.0)
     ap.add_argument("--load-procs", type=int, default=4, help="load generator processes for the larger phases")
     ap.add_argument("--procs-from", type=int, default=64, help="phases of this many requests use --load-procs")
-    ap.add_argument("--request-timeout", type=float, default=300.0)
+    ap.add_argument("--request-timeout", type=float, default=120.0)
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     ap.add_argument("--stack", choices=("start", "external"), default="start",
                     help="start: a private broker + Redis (ports below); external: KAFKA_BOOTSTRAP_SERVERS/REDIS_URL")
@@ -662,6 +685,7 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(Exception):
                 stack_thread.join()
                 log(f"stack down: {st.down(cfg, wipe=True)}")
+    save(args, res)  # what the queue side measured survives a cut-off engine side
     if not args.skip_engine:
         rate = res["queue"].get("rate_req_s", args.rate or 1.0)
         log("the engine alone")
@@ -675,11 +699,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"NOTE: engine settings differ between the sides: {d}")
     print(f"prefix-cache queries in the worker: {res['queue'].get('prefix_cache_queries')} (0 when caching is off)")
     print(f"total {res['total_s']:.0f} s")
+    save(args, res)
+    return 0
+
+
+def save(args: argparse.Namespace, res: dict[str, Any]) -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1, default=str)
         log(f"wrote {args.out}")
-    return 0
 
 
 if __name__ == "__main__":
