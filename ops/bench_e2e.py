@@ -6,7 +6,7 @@
 Through the queue: starts a private local stack (`client.stack`, own ports and folder; `--stack external` uses
 KAFKA_BOOTSTRAP_SERVERS / REDIS_URL with a fresh topic, prefix and group), writes or reuses ops/bench.py's
 model folder, starts `python3 -m worker.main` on it as a subprocess with ops/bench.py's engine settings (as
-STOKER_* variables; those the worker does not list in --help are reported), waits for /readyz, then drives it
+STOKER_* variables, checked against `stoker-worker --help`), waits for /readyz, then drives it
 with client/load.py's generator, spread over --load-procs processes for the larger phases:
   first    --first-n requests (prompt + --first-new) sent the moment /readyz answers 200
   W1       one request (--prompt + --new), --w1-runs times one after another
@@ -49,18 +49,28 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "ops"))
 sys.path.insert(0, str(ROOT))
 
-# Engine settings the worker is given as environment variables (the names the worker's flags use or, for the
-# ones still missing there, will use: issue 10). Keyed by EngineConfig field.
-WORKER_ENV = {
-    "max_num_seqs": "STOKER_MAX_NUM_SEQS",
-    "max_model_len": "STOKER_MAX_MODEL_LEN",
-    "kv_cache_memory_bytes": "STOKER_KV_CACHE_MEMORY_BYTES",
-    "dtype": "STOKER_DTYPE",
-    "block_size": "STOKER_BLOCK_SIZE",
-    "enable_prefix_caching": "STOKER_ENABLE_PREFIX_CACHING",
-    "cuda_graphs": "STOKER_ENABLE_CUDA_GRAPHS",
-    "max_num_batched_tokens": "STOKER_MAX_NUM_BATCHED_TOKENS",
-    "gpu_memory_utilization": "STOKER_GPU_MEMORY_UTILIZATION",
+# Each engine setting of ops/bench.py's EngineConfig, as the worker's environment variable and the value it
+# reads there (booleans the worker spells as --no-* switches: "1" turns the feature off). Checked at start
+# against the variables `stoker-worker --help` lists.
+def _off(v: Any) -> str:
+    return "0" if v else "1"
+
+
+WORKER_ENV: dict[str, tuple[str, Callable[[Any], str]]] = {
+    "max_num_seqs": ("STOKER_MAX_NUM_SEQS", str),
+    "max_model_len": ("STOKER_MAX_MODEL_LEN", str),
+    "kv_cache_memory_bytes": ("STOKER_KV_CACHE_MEMORY_BYTES", str),
+    "num_kv_blocks": ("STOKER_NUM_KV_BLOCKS", str),
+    "dtype": ("STOKER_DTYPE", str),
+    "block_size": ("STOKER_BLOCK_SIZE", str),
+    "gpu_memory_utilization": ("STOKER_GPU_MEMORY_UTILIZATION", str),
+    "max_num_batched_tokens": ("STOKER_MAX_NUM_BATCHED_TOKENS", str),
+    "seed": ("STOKER_SEED", str),
+    "enable_prefix_caching": ("STOKER_NO_PREFIX_CACHING", _off),
+    "cuda_graphs": ("STOKER_NO_CUDA_GRAPHS", _off),
+    "async_scheduling": ("STOKER_NO_ASYNC_SCHEDULING", _off),  # None (the default: on for CUDA) not passed
+    "use_triton": ("STOKER_NO_TRITON", _off),
+    "blocking_sync": ("STOKER_NO_BLOCKING_SYNC", _off),
 }
 STAGES = ("polled", "claimed", "engine_added", "first_output", "published")
 
@@ -252,11 +262,11 @@ def worker_env(settings: Any, defaults: Any, accepted: set[str]) -> tuple[dict[s
     """STOKER_* for each engine setting, and the settings the worker will not get (not in its --help) whose
     engine default differs from the bench's value: those make the two sides differ."""
     env, differ = {}, []
-    for field, var in WORKER_ENV.items():
+    for field, (var, spell) in WORKER_ENV.items():
         value = getattr(settings, field)
         if value is None:
             continue
-        env[var] = str(int(value)) if isinstance(value, bool) else str(value)
+        env[var] = spell(value)
         if var not in accepted and getattr(defaults, field) != value:
             differ.append(f"{field}: bench {value}, worker {getattr(defaults, field)} ({var} not accepted)")
     return env, differ
@@ -367,7 +377,7 @@ def queue_side(args: argparse.Namespace, path: str, vocab: int, settings: Any, e
 
 def worker_env_vars(args: argparse.Namespace, path: str, settings: Any, bootstrap: str, redis_url: str,
                     names: dict[str, str], r: dict[str, Any]) -> dict[str, str]:
-    from engine.config import EngineConfig
+    from engine import EngineConfig
 
     accepted = worker_flags()
     defaults = EngineConfig(model_path=path, device=settings.device)  # what the worker gets for a missing flag
@@ -410,7 +420,7 @@ def brief(s: dict[str, Any]) -> str:
 def engine_side(args: argparse.Namespace, path: str, rate: float) -> dict[str, Any]:
     import bench
 
-    from engine.sequence import SamplingParams
+    from engine import EngineRequest, SamplingParams
 
     r: dict[str, Any] = {"phases": {}}
     eng, r["ready_s"] = bench.start_engine(path, args.max_num_seqs, args.device)
@@ -434,7 +444,7 @@ def engine_side(args: argparse.Namespace, path: str, rate: float) -> dict[str, A
                 rid = f"e{seq[0]}"
                 seq[0] += 1
                 recs[rid] = [time.monotonic(), None, None, 0, None, []]
-                eng.add_request(rid, prompt_token_ids=prompts[pending], params=params)
+                eng.add_request(EngineRequest(rid, prompt_token_ids=prompts[pending], params=params))
                 pending += 1
             if not eng.has_unfinished():
                 time.sleep(max(0.0, t0 + arrivals[pending] - time.monotonic()))
