@@ -72,6 +72,7 @@ class RedisProxy:
         self.flowing.set()
         self.server: asyncio.Server | None = None
         self.writers: set[asyncio.StreamWriter] = set()
+        self.handlers: set[asyncio.Task[None]] = set()
 
     async def start(self) -> int:
         self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
@@ -88,6 +89,10 @@ class RedisProxy:
         writer.close()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:  # close() waits for it: a handler cancelled at loop shutdown logs an error
+            self.handlers.add(task)
+            task.add_done_callback(self.handlers.discard)
         if self.cut:
             writer.close()
             return
@@ -107,8 +112,11 @@ class RedisProxy:
 
     async def close(self) -> None:
         self.sever()
+        self.flowing.set()  # held bytes: let the pipes see their closed ends
         if self.server is not None:
             self.server.close()
+        if self.handlers:
+            await asyncio.wait(set(self.handlers), timeout=5)
 
 
 @dataclass
