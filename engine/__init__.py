@@ -16,10 +16,11 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.engine import LLMEngine
+    from engine.warmup import WarmupReport, warm_up
 
 __all__ = [
     "EngineConfig", "EngineRequest", "EngineRequestError", "EngineStats", "LLMEngine", "RequestOutput",
-    "SamplingParams", "TokenLogprob", "TopLogprob",
+    "SamplingParams", "TokenLogprob", "TopLogprob", "WarmupReport", "warm_up",
 ]
 
 
@@ -28,4 +29,8 @@ def __getattr__(name: str) -> Any:
         from engine.engine import LLMEngine
 
         return LLMEngine
+    if name in ("warm_up", "WarmupReport"):
+        from engine import warmup
+
+        return getattr(warmup, name)
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

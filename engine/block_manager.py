@@ -141,6 +141,17 @@ class BlockManager:
             seq.block_table.append(self._take(self._pop_free()))
         return True
 
+    def forget_cached(self) -> None:
+        """Drop every cached block that no sequence holds (they become plain free blocks): the cache then
+        answers no prefix from before, e.g. after the engine's warm-up ran synthetic prompts."""
+        while self._evictable:
+            block_id, _ = self._evictable.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                del self._hash_to_block[block.block_hash]
+            block.block_hash, block.parent_hash, block.token_ids = None, None, ()
+            self._free_uncached.append(block_id)
+
     def _pop_free(self) -> int:
         if self._free_uncached:
             return self._free_uncached.popleft()

@@ -46,6 +46,11 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             problems.append(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        elif self.device.startswith("cuda:") and self.device != "cuda:0":
+            # CUDA graphs, Triton launches and the caching allocator follow the thread's current device, and
+            # the engine is built on one thread and stepped on another: GPU N > 0 is untested, so refused.
+            problems.append(f"device {self.device!r}: pick the GPU with CUDA_VISIBLE_DEVICES=N and device 'cuda' "
+                            "(one worker per GPU); 'cuda:N' with N > 0 is not supported")
         if self.dtype is None:
             self.dtype = "float32" if self.device == "cpu" else "bfloat16"
         if self.dtype not in _DTYPES:

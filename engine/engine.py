@@ -107,6 +107,8 @@ class LLMEngine:
         self._num_history = 0  # live requests whose penalties read the output token values
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self.last_step_tokens = 0  # tokens the latest launched forward carried (warm-up and benches read it)
+        self.last_step_mixed = False
 
     # ---- thread-safe inbox -------------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
@@ -158,6 +160,7 @@ class LLMEngine:
         in N has its N+1 token discarded. Outputs of a step come back from the next step() call. Requests
         with penalties need the token values on the host, so while one runs the engine steps synchronously."""
         self._apply_inbox()
+        self.last_step_tokens, self.last_step_mixed = 0, False
         outputs: list[RequestOutput] = []
         if self._inflight is not None and self._num_history:
             outputs += self._finish_step(self._inflight)
@@ -189,6 +192,9 @@ class LLMEngine:
 
     def _launch(self, out: SchedulerOutput) -> _Launched:
         now_ms = time.time() * 1000
+        self.last_step_tokens = out.num_batched_tokens
+        decodes = sum(c.start >= c.seq.num_prompt_tokens for c in out.chunks)
+        self.last_step_mixed = 0 < decodes < len(out.chunks)  # decodes and prompt chunks in one forward
         requests = self._requests
         sampling: list[ScheduledChunk] = []
         for chunk in out.chunks:
@@ -209,6 +215,8 @@ class LLMEngine:
     ) -> tuple[Any, list[tuple[int, PendingSample | Exception]]]:
         """Sample all rows at once; if that fails, row by row, so one bad request fails alone (its row's
         device token is 0, read by nobody: the request ends when its result is processed)."""
+        if not rows:  # a step of prompt chunks none of which reaches its prompt's end (one long chunked prompt)
+            return torch.empty(0, dtype=torch.int64, device=logits.device), []
         try:
             pending = self.runner.sample_async(logits, rows)
             return pending.device_token_ids, [(0, pending)]

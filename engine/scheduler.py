@@ -306,6 +306,13 @@ class Scheduler:
         """Blocks free or evictable (cached with refcount 0)."""
         return self.block_manager.num_free_blocks
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix and zero the prefix counters. Only with nothing running or waiting."""
+        if self.has_unfinished():
+            raise RuntimeError("reset_prefix_cache needs an idle scheduler: requests are still running or waiting")
+        self.block_manager.forget_cached()
+        self._prefix_queried_tokens = self._prefix_hit_tokens = 0
+
     @property
     def prefix_cache_stats(self) -> tuple[int, int]:
         """(queried prompt tokens, hit tokens) since start, counted at each request's first admission."""

@@ -175,3 +175,48 @@ def test_concurrent_adds_while_stepping(engine):
     assert all(
         outs[-1].completion_tokens == 4 and outs[-1].finish_reason == "length" for outs in results.values()
     )
+
+
+def test_warm_up_runs_every_serving_path_then_leaves_the_engine_as_it_found_it(path):
+    from engine import warm_up
+
+    cold = LLMEngine(EngineConfig(path, device="cpu", num_kv_blocks=32, max_model_len=128,
+                                  max_num_batched_tokens=64, enable_prefix_caching=True))
+    reference = LLMEngine(EngineConfig(path, device="cpu", num_kv_blocks=32, max_model_len=128,
+                                       max_num_batched_tokens=64, enable_prefix_caching=True))
+    report = warm_up(cold)
+    # A full prefill step (the whole token budget in one forward), a chunked prompt, a mixed step.
+    assert report.largest_step_tokens == 64
+    assert report.mixed_steps >= 1
+    assert report.waves == ["short prompt", "full prefill step (1 x 64)", "chunked prefill", "sampler paths",
+                            "mixed step"]
+    assert not cold.has_unfinished()
+    stats = cold.stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total == 32  # every block back, nothing cached
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (0, 0)
+    assert cold.scheduler.block_manager.num_cached_blocks == 0
+    # Serving after the warm-up is what serving without it is.
+    for eng in (cold, reference):
+        for i, ids in enumerate(prompts(11, [5, 40, 17])):
+            eng.add_request(EngineRequest(f"r{i}", prompt_token_ids=ids,
+                                          params=SamplingParams(max_tokens=6, temperature=0)))
+    assert {k: [o.new_token_ids for o in v] for k, v in drain(cold).items()} == \
+        {k: [o.new_token_ids for o in v] for k, v in drain(reference).items()}
+
+
+def test_a_lone_prompt_longer_than_the_step_budget_is_prefilled_in_chunks(path):
+    """No chunk of the first steps reaches the prompt's end, so those steps sample nothing. Before, sampling an
+    empty batch raised and the step failed (in the worker: the engine thread died on one long prompt)."""
+    eng = LLMEngine(EngineConfig(path, device="cpu", num_kv_blocks=32, max_model_len=128, max_num_batched_tokens=16))
+    ref = LLMEngine(EngineConfig(path, device="cpu", num_kv_blocks=32, max_model_len=128))
+    ids = prompts(3, [70])[0]
+    for e in (eng, ref):
+        e.add_request(EngineRequest("long", prompt_token_ids=ids, params=SamplingParams(max_tokens=5, temperature=0)))
+    got, want = drain(eng)["long"], drain(ref)["long"]
+    assert [t for o in got for t in o.new_token_ids] == [t for o in want for t in o.new_token_ids]
+    assert len([t for o in got for t in o.new_token_ids]) == 5 and got[-1].finish_reason == "length"
+
+
+def test_a_gpu_other_than_the_first_is_refused_with_the_way_to_pick_one(path):
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES"):
+        EngineConfig(path, device="cuda:1")

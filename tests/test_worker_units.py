@@ -225,16 +225,22 @@ def test_every_engine_setting_reaches_the_engine_config(tmp_path, monkeypatch):
     env = {"STOKER_MODEL": str(tmp_path), "STOKER_DEVICE": "cpu", "STOKER_DTYPE": "float16",
            "STOKER_BLOCK_SIZE": "32", "STOKER_NO_PREFIX_CACHING": "1", "STOKER_NO_TRITON": "yes",
            "STOKER_MAX_NUM_BATCHED_TOKENS": "2048", "STOKER_SEED": "7", "STOKER_GPU_MEMORY_UTILIZATION": "0.5"}
-    cfg = parse_config(["--no-cuda-graphs", "--no-async-scheduling", "--no-blocking-sync",
+    cfg = parse_config(["--no-cuda-graphs", "--no-async-scheduling", "--no-blocking-sync", "--no-warmup",
                         "--num-kv-blocks", "64", "--max-num-batched-tokens", "1024"], env)
     monkeypatch.setattr("engine.LLMEngine", lambda config: config, raising=False)  # no model load here
+    from engine.warmup import WarmupReport
+
+    warmed: list[object] = []
+    monkeypatch.setattr("engine.warm_up", lambda eng: warmed.append(eng) or WarmupReport(), raising=False)
     ec = build_engine(cfg)
+    assert warmed == []  # --no-warmup
     assert (ec.model_path, ec.device, ec.dtype, ec.block_size, ec.num_kv_blocks) == (str(tmp_path), "cpu", "float16",
                                                                                       32, 64)
     assert ec.max_num_batched_tokens == 1024 and ec.seed == 7 and ec.gpu_memory_utilization == 0.5  # flag beats env
     assert not ec.enable_prefix_caching and not ec.cuda_graphs and ec.async_scheduling is False
     assert not ec.use_triton and not ec.blocking_sync
     defaults = build_engine(parse_config([], {"STOKER_MODEL": str(tmp_path), "STOKER_DEVICE": "cpu"}))
+    assert warmed == [defaults]  # warmed up before the worker serves, by default
     assert defaults.enable_prefix_caching and defaults.cuda_graphs and defaults.async_scheduling is None
     assert defaults.use_triton and defaults.blocking_sync and defaults.block_size == 16
 

@@ -38,6 +38,7 @@ class WorkerConfig:
     no_async_scheduling: bool = False  # step synchronously (no overlap of host work with the GPU's)
     no_triton: bool = False  # the plain-torch kernel references (A/B runs, debugging)
     no_blocking_sync: bool = False  # keep CUDA's spinning host waits (A/B runs)
+    no_warmup: bool = False  # skip running every serving path once before ready (engine/warmup.py)
     # Kafka
     bootstrap_servers: str = "127.0.0.1:9092"
     job_topic: str = JOBS_TOPIC

@@ -41,6 +41,8 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
      "step synchronously: no host work overlapped with the GPU's"),
     ("--no-triton", "STOKER_NO_TRITON", bool, False, "plain-torch kernel references instead of Triton (A/B)"),
     ("--no-blocking-sync", "STOKER_NO_BLOCKING_SYNC", bool, False, "keep CUDA's spinning host waits (A/B)"),
+    ("--no-warmup", "STOKER_NO_WARMUP", bool, False,
+     "skip the warm-up (every prefill, mixed and sampler path run once before ready)"),
     ("--bootstrap-servers", "KAFKA_BOOTSTRAP_SERVERS", str, "127.0.0.1:9092", "Kafka bootstrap servers"),
     ("--job-topic", "STOKER_JOB_TOPIC", str, "stoker.jobs", "job topic"),
     ("--dlq-topic", "STOKER_DLQ_TOPIC", str, "", "dead-letter topic (default: job topic + .dlq)"),
@@ -159,7 +161,15 @@ def build_engine(cfg: WorkerConfig) -> Any:
         kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
     if cfg.max_model_len:
         kwargs["max_model_len"] = cfg.max_model_len
-    return LLMEngine(EngineConfig(**kwargs))
+    engine = LLMEngine(EngineConfig(**kwargs))
+    if not cfg.no_warmup:
+        from engine import warm_up
+
+        report = warm_up(engine)
+        logging.getLogger("stoker.worker").info(
+            "event=engine_warmed_up seconds=%.2f requests=%d steps=%d largest_step_tokens=%d mixed_steps=%d",
+            report.seconds, report.requests, report.steps, report.largest_step_tokens, report.mixed_steps)
+    return engine
 
 
 async def serve(cfg: WorkerConfig) -> None:
