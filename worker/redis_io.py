@@ -39,9 +39,12 @@ T = TypeVar("T")
 
 # A claim's value names its worker and attempt: "<worker token> <attempt>" (worker ids hold no whitespace).
 #
-# KEYS per request group: channel, stream, result, claim, attempts. ARGV: cap, ttl_s, token, claim_ttl_ms,
-# attempts_ttl_s, then per group: mode, attempt, n, and n pairs (kind, payload); kind 0 = chunk, 1 = the
-# attempt's first event (sets the stream's TTL), 2 = terminal (TTL, result key, our claim released).
+# ARGV: cap, ttl_s, token, claim_ttl_ms, attempts_ttl_s, then per request group a header "<mode> <attempt>
+# <kinds>" and one payload per event; kinds has one digit per event: 0 = chunk, 1 = the attempt's first event
+# (sets the stream's TTL), 2 = terminal (TTL, result key, our claim released). KEYS per group: channel,
+# stream, claim, attempts, and the result key only when the group writes or checks it (a terminal event, or
+# mode 'u'). Fewer arguments per event matter: redis-py packs each one in Python (10 per one-chunk group cost
+# the worker ~20% of its events per CPU-second on ops/bench_transport.py; this layout has 6).
 # Mode 'c' (a claimed request): the group is written only while the claim still names this worker and
 # attempt; a claim that expired with nobody taking over is taken back only if the attempt counter still
 # equals our attempt (or is gone with the claim). Otherwise nothing of the group is written and its index is
@@ -55,8 +58,11 @@ local lost = {}
 local k, a, group = 1, 6, 0
 while a <= #ARGV do
   group = group + 1
-  local mode, attempt, n = ARGV[a], ARGV[a + 1], tonumber(ARGV[a + 2])
-  local channel, stream, result, claim, attempts = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4]
+  local mode, attempt, kinds = string.match(ARGV[a], '^(%a) (%d+) (%d+)$')
+  local n = #kinds
+  local with_result = mode == 'u' or string.find(kinds, '2', 1, true) ~= nil
+  local channel, stream, claim, attempts = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
+  local result = KEYS[k + 4]
   local ok
   if mode == 'c' then
     local mine = token .. ' ' .. attempt
@@ -76,8 +82,8 @@ while a <= #ARGV do
     ok = redis.call('EXISTS', result) == 0 and redis.call('EXISTS', claim) == 0
   end
   if ok then
-    for i = 0, n - 1 do
-      local kind, payload = ARGV[a + 3 + 2 * i], ARGV[a + 4 + 2 * i]
+    for i = 1, n do
+      local kind, payload = string.sub(kinds, i, i), ARGV[a + i]
       redis.call('PUBLISH', channel, payload)
       redis.call('XADD', stream, 'MAXLEN', '~', cap, '*', 'FIELD', payload)
       if kind ~= '0' then redis.call('EXPIRE', stream, ttl) end
@@ -87,8 +93,8 @@ while a <= #ARGV do
       end
     end
   end
-  k = k + 5
-  a = a + 3 + 2 * n
+  k = k + (with_result and 5 or 4)
+  a = a + 1 + n
 end
 return lost
 """.replace("FIELD", STREAM_FIELD)
@@ -160,6 +166,9 @@ return 0
 """
 
 
+_KIND_DIGIT = ("0", "1", "2", "2")  # OutEvent.kind -> the script's digit (3 is a terminal, in a 'u' group)
+
+
 class RedisAccessError(RuntimeError):
     """Redis answers but refuses us (wrong password, missing ACL permission): fatal, never retried."""
 
@@ -190,6 +199,20 @@ class RedisIO:
         self._release = client.register_script(_RELEASE_LUA)
         self.stopping = False  # set at shutdown so retries give up instead of waiting forever
         self.down_since: float | None = None  # monotonic time of the first failure of the current outage
+        self._key_cache: dict[str, tuple[str, str, str, str, str]] = {}
+
+    def _request_keys(self, request_id: str) -> tuple[str, str, str, str, str]:
+        """The publish script's five keys of a request (channel, stream, claim, attempts, result), kept while
+        it streams: a request publishes once per engine step, and each key checks the id when built."""
+        keys = self._key_cache.get(request_id)
+        if keys is None:
+            if len(self._key_cache) >= 16_384:
+                self._key_cache.clear()
+            names = self.names
+            keys = (names.events_channel(request_id), names.stream(request_id), names.claim(request_id),
+                    self.attempts_key(request_id), names.result(request_id))
+            self._key_cache[request_id] = keys
+        return keys
 
     def attempts_key(self, request_id: str) -> str:
         return f"{self.names.redis_prefix}:attempts:{request_id}"
@@ -234,19 +257,23 @@ class RedisIO:
         # Group by request and attempt (order kept within a group): one claim check per group.
         groups: dict[tuple[str, int, bool], list[OutEvent]] = {}
         for ev in events:
-            groups.setdefault((ev.request_id, ev.attempt, ev.kind == 3), []).append(ev)
-        names = self.names
+            group_key = (ev.request_id, ev.attempt, ev.kind == 3)
+            group = groups.get(group_key)
+            if group is None:
+                groups[group_key] = [ev]
+            else:
+                group.append(ev)
         keys: list[str] = []
         args: list[bytes | str | int] = [self.stream_maxlen, self.ttl_s, self.token, self.claim_ttl_ms,
                                          self.attempts_ttl_s]
         order = list(groups)
-        for rid, attempt, unclaimed in order:
-            keys += [names.events_channel(rid), names.stream(rid), names.result(rid), names.claim(rid),
-                     self.attempts_key(rid)]
-            group = groups[(rid, attempt, unclaimed)]
-            args += ["u" if unclaimed else "c", attempt, len(group)]
-            for ev in group:
-                args += [2 if ev.kind == 3 else ev.kind, ev.payload]
+        for (rid, attempt, unclaimed), group in groups.items():
+            # one event of a request per batch is the common case: no join
+            kinds = _KIND_DIGIT[group[0].kind] if len(group) == 1 else "".join([_KIND_DIGIT[e.kind] for e in group])
+            request_keys = self._request_keys(rid)
+            keys.extend(request_keys if unclaimed or "2" in kinds else request_keys[:4])
+            args.append(f"{'u' if unclaimed else 'c'} {attempt} {kinds}")
+            args.extend([ev.payload for ev in group])
 
         async def go() -> list[int]:
             return [int(x) for x in await self._publish(keys=keys, args=args)]
