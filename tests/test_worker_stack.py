@@ -501,7 +501,7 @@ async def test_duplicate_record_read_while_the_terminal_event_is_unpublished_doe
         w.rio.publish = slow_terminals  # type: ignore[method-assign]
         await produce(space.bootstrap, names.jobs_topic, [job("again", max_tokens=3)])
         for _ in range(300):  # finished in the engine, terminal event held back
-            if w.tracker.in_flight_count() == 1 and "again" not in w.active and await r.exists(names.stream("again")):
+            if w.tracker.in_flight_count() == 1 and w.requests.running("again") is None and await r.exists(names.stream("again")):
                 break
             await asyncio.sleep(0.02)
         await produce(space.bootstrap, names.jobs_topic, [job("again", max_tokens=3)])
@@ -591,12 +591,12 @@ async def test_claims_are_renewed_while_kafka_metadata_calls_hang(space, r):
         w.consumer.end_offsets = hanging_end_offsets  # type: ignore[method-assign]
         await produce(space.bootstrap, names.jobs_topic, [job("long", max_tokens=400)])
         for _ in range(300):
-            if "long" in w.active:
+            if w.requests.running("long") is not None:
                 break
             await asyncio.sleep(0.02)
         await asyncio.sleep(4.5)  # claim_ttl_s is 3: only renewals keep the claim alive this long
         owner = await r.get(names.claim("long"))
-        assert "long" in w.active
+        assert w.requests.running("long") is not None
         assert owner == f"{w.cfg.worker_id} 1".encode()  # worker and attempt
 
 
@@ -661,10 +661,10 @@ async def test_job_handed_back_before_any_event_keeps_its_attempt_number(space, 
             await asyncio.sleep(0.02)
         await produce(space.bootstrap, names.jobs_topic, [job("queued", max_tokens=3)])
         for _ in range(300):
-            if "queued" in w.active and await r.exists(names.stream("first")):
+            if w.requests.running("queued") is not None and await r.exists(names.stream("first")):
                 break
             await asyncio.sleep(0.02)
-        assert "queued" in w.active and await r.exists(names.stream("queued")) == 0
+        assert w.requests.running("queued") is not None and await r.exists(names.stream("queued")) == 0
     assert int(await r.get(f"{names.redis_prefix}:attempts:queued") or 0) == 0
     assert int(await r.get(f"{names.redis_prefix}:attempts:first") or 0) == 1
 

@@ -20,6 +20,7 @@ permission is not an outage: it raises RedisAccessError at once.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import random
 import time
@@ -160,6 +161,32 @@ return 0
 """
 
 
+class EventKind(enum.IntEnum):
+    """What an event is to the publish script (its `kind` argument, 0-2; 3 is sent as 2 in an unclaimed group)."""
+
+    CHUNK = 0
+    FIRST = 1  # the attempt's first event: sets the stream's TTL
+    TERMINAL = 2  # TTL, result key, our claim released
+    UNCLAIMED_TERMINAL = 3  # the answer to a rejected record, which claims nothing (the script's mode 'u')
+
+
+class Admission(enum.StrEnum):
+    """The admit script's status for one job."""
+
+    DONE = "done"  # a result exists: nothing to run, commit
+    BUSY = "busy"  # another worker's live claim: park the job
+    RUN = "run"  # claimed for us under a new attempt
+    CANCELLED = "cancelled"  # claimed, but its cancel key is set: answer `cancelled` without running
+
+
+class Renewal(enum.IntEnum):
+    """The renew script's code for one running request."""
+
+    RENEWED = 0
+    LOST = 1  # another worker or attempt holds the claim, or a result exists: stop, let theirs stand
+    CANCELLED = 2  # renewed, but its cancel key is set
+
+
 class RedisAccessError(RuntimeError):
     """Redis answers but refuses us (wrong password, missing ACL permission): fatal, never retried."""
 
@@ -168,7 +195,7 @@ class RedisAccessError(RuntimeError):
 class OutEvent:
     request_id: str
     payload: bytes
-    kind: int  # 0 chunk, 1 first event of the attempt, 2 terminal, 3 terminal of a rejected record (no claim)
+    kind: EventKind
     attempt: int  # the attempt the event belongs to: published only while the claim names it
 
 
@@ -234,7 +261,7 @@ class RedisIO:
         # Group by request and attempt (order kept within a group): one claim check per group.
         groups: dict[tuple[str, int, bool], list[OutEvent]] = {}
         for ev in events:
-            groups.setdefault((ev.request_id, ev.attempt, ev.kind == 3), []).append(ev)
+            groups.setdefault((ev.request_id, ev.attempt, ev.kind == EventKind.UNCLAIMED_TERMINAL), []).append(ev)
         names = self.names
         keys: list[str] = []
         args: list[bytes | str | int] = [self.stream_maxlen, self.ttl_s, self.token, self.claim_ttl_ms,
@@ -246,7 +273,8 @@ class RedisIO:
             group = groups[(rid, attempt, unclaimed)]
             args += ["u" if unclaimed else "c", attempt, len(group)]
             for ev in group:
-                args += [2 if ev.kind == 3 else ev.kind, ev.payload]
+                # int(): redis-py encodes an int by its repr, which an IntEnum's is not
+                args += [int(EventKind.TERMINAL if ev.kind == EventKind.UNCLAIMED_TERMINAL else ev.kind), ev.payload]
 
         async def go() -> list[int]:
             return [int(x) for x in await self._publish(keys=keys, args=args)]
@@ -254,7 +282,7 @@ class RedisIO:
         lost = await self.retry("publish", go)
         return {(order[i - 1][0], order[i - 1][1]) for i in lost}
 
-    async def admit(self, request_ids: list[str]) -> list[tuple[str, int]]:
+    async def admit(self, request_ids: list[str]) -> list[tuple[Admission, int]]:
         """Claim each request unless it has a result or another worker's live claim."""
         if not request_ids:
             return []
@@ -263,21 +291,21 @@ class RedisIO:
         for rid in request_ids:
             keys += [names.result(rid), names.cancelled(rid), names.claim(rid), self.attempts_key(rid)]
 
-        async def go() -> list[tuple[str, int]]:
+        async def go() -> list[tuple[Admission, int]]:
             flat = await self._admit(keys=keys, args=[self.token, self.claim_ttl_ms, self.attempts_ttl_s])
-            return [(_s(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
+            return [(Admission(_s(flat[i])), int(flat[i + 1])) for i in range(0, len(flat), 2)]
 
         return await self.retry("admit", go)
 
-    async def renew(self, running: list[tuple[str, int]], heartbeat: tuple[str, bytes, int] | None) -> list[int]:
-        """Renew our claims on (request id, attempt) pairs in one round trip, and the heartbeat key; see
-        _RENEW_LUA for the codes."""
+    async def renew(self, running: list[tuple[str, int]],
+                    heartbeat: tuple[str, bytes, int] | None) -> list[Renewal]:
+        """Renew our claims on (request id, attempt) pairs in one round trip, and the heartbeat key."""
         names = self.names
         keys: list[str] = []
         for rid, _ in running:
             keys += [names.claim(rid), names.cancelled(rid), names.result(rid), self.attempts_key(rid)]
 
-        async def go() -> list[int]:
+        async def go() -> list[Renewal]:
             pipe = self.client.pipeline(transaction=False)
             if heartbeat is not None:
                 key, value, ttl = heartbeat
@@ -286,7 +314,7 @@ class RedisIO:
                 await self._renew(keys=keys, args=[self.token, self.claim_ttl_ms, *(a for _, a in running)],
                                   client=pipe)
             replies = await pipe.execute()
-            return [int(x) for x in replies[-1]] if keys else []
+            return [Renewal(int(x)) for x in replies[-1]] if keys else []
 
         return await self.retry("renew", go)
 
