@@ -193,7 +193,7 @@ async def _load(args: argparse.Namespace) -> int:
 
 
 def _stack(args: argparse.Namespace) -> int:
-    from client import stack  # standard library only; imported here so the other commands never need it
+    from devstack import stack  # standard library only; imported here so the other commands never need it
 
     return int(stack.main([args.action, *args.stack_args]) or 0)
 

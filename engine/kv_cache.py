@@ -1,4 +1,5 @@
-"""The paged KV cache: per layer k/v tensors [num_blocks, block_size, num_kv_heads, head_dim] (kernel_api.md)."""
+"""The paged KV cache: per layer k/v tensors [num_blocks, block_size, num_kv_heads, head_dim], the layout
+engine/kernels/attention.py reads."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What the engine hands back each step, and the error it raises for a request it cannot take.
 
-INTERFACE FIXED BY THE LEAD: the worker (and its stand-in engine for transport benchmarks) relies on it.
+A stable interface: the worker (and its stand-in engine, worker/fake_engine.py) relies on it.
 Pure Python, no torch.
 
 The engine API (`from engine import ...`: LLMEngine, EngineConfig, EngineRequest, SamplingParams and the

@@ -90,7 +90,7 @@ def test_load_config_rejects_nonsense() -> None:
 
 
 def test_stack_subcommand_calls_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
-    from client import stack
+    from devstack import stack
 
     seen: list[list[str]] = []
     def fake_main(argv: list[str]) -> int:

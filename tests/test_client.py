@@ -107,7 +107,7 @@ def test_client_imports_without_torch() -> None:
         "        if name == 'torch' or name.startswith(('torch.', 'engine', 'triton')):\n"
         "            raise ImportError('blocked: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import client, client.client, client.cli, client.load, client.gateway\n"
+        "import client, client.client, client.cli, client.load, gateway.app, client.demo\n"
         "assert not any(m == 'torch' or m.startswith(('torch.', 'engine')) for m in sys.modules), sorted(sys.modules)\n"
         "from client.cli import build_parser\n"
         "for argv in (['submit', 'x'], ['tail', 'r'], ['load', '-n', '2'], ['workers']):\n"

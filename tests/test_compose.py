@@ -1,4 +1,4 @@
-"""docker-compose.yml and Dockerfile agree with the local stack (client/stack.py) and the worker's settings.
+"""docker-compose.yml and Dockerfile agree with the local stack (devstack/stack.py) and the worker's settings.
 
 There is no Docker engine here, so these read the files; `docker compose config` in CI would be the next step.
 """
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from client import stack
+from devstack import stack
 from schemas.names import Names
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,7 +23,7 @@ import uvicorn
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from client.client import Client, WorkerInfo
-from client.gateway import create_app
+from gateway.app import create_app
 from schemas import Done
 
 ROOT = Path(__file__).resolve().parents[1]

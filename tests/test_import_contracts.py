@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("importlinter")
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("schemas", "engine", "worker", "client")
+PACKAGES = ("schemas", "engine", "worker", "client", "gateway", "devstack")
 
 
 def lint_imports(tree: Path) -> subprocess.CompletedProcess[str]:

@@ -37,7 +37,7 @@ from worker_harness import (
     wait_results,
 )
 
-from client import stack
+from devstack import stack
 from engine import EngineRequest, SamplingParams
 from schemas import DLQ_HEADERS, Cancel, Chunk, Done, Error, encode_cancel
 from worker.config import WorkerConfig

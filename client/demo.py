@@ -1,6 +1,6 @@
 """The README's demo, after the worker is up: produce a few jobs and print their tokens as they arrive.
 
-    python -m worker.demo [--bootstrap-servers ...] [--redis-url ...]
+    python -m client.demo [--bootstrap-servers ...] [--redis-url ...]   (ops/demo runs it)
 
 Uses client.Client (subscribe before produce, so no token is missed); the jobs run concurrently and each
 line of output is tagged with its request, so the interleaving shows the continuous batching.
