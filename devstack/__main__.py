@@ -1,7 +1,7 @@
-"""`python3 -m devstack up | down [--wipe] | status` (what `ops/stack` and `stoker stack` run)."""
+"""`python3 -m stoker.devstack up | down [--wipe] | status` (what `ops/stack` and `stoker stack` run)."""
 
 import sys
 
-from devstack.stack import main
+from stoker.devstack.stack import main
 
 sys.exit(main())

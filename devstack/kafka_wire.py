@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
-from devstack import StackError
+from stoker.devstack import StackError
 
 API_CREATE_TOPICS, API_METADATA, API_VERSIONS = 19, 3, 18
 ERR_TOPIC_ALREADY_EXISTS = 36

@@ -1,8 +1,8 @@
 """A local stack for development and tests: a real Apache Kafka broker and a real Redis server, no Docker.
 
-Standard library only, so `python3 -m devstack up` works on a fresh clone before any venv exists.
+Standard library only, so `python3 -m stoker.devstack up` works on a fresh clone before any venv exists.
 
-    python3 -m devstack up | down [--wipe] | status     (or ops/stack ..., or stoker stack ...)
+    python3 -m stoker.devstack up | down [--wipe] | status     (or ops/stack ..., or stoker stack ...)
 
 - Kafka: the broker's jars come from Maven Central (a generated pom, `mvn dependency:copy-dependencies`) into
   a cache outside the repo, once. One node in KRaft combined mode (broker+controller) on loopback, started
@@ -34,8 +34,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from devstack import StackError
-from devstack.kafka_wire import ensure_topics, kafka_topics
+from stoker.devstack import StackError
+from stoker.devstack.kafka_wire import ensure_topics, kafka_topics
 
 DEFAULT_KAFKA_VERSION = "4.4.0"  # newest 4.x on Maven Central when written; its POM still uses slf4j 1.7
 LOG4J_VERSION = "2.24.3"  # Kafka's own log4j2 line; log4j-slf4j-impl is the slf4j 1.x binding

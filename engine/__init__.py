@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.config import EngineConfig
-from engine.outputs import EngineRequestError, EngineStats, RequestOutput, TokenLogprob, TopLogprob
-from engine.request import EngineRequest
-from engine.sampling_params import SamplingParams
+from stoker.engine.config import EngineConfig
+from stoker.engine.outputs import EngineRequestError, EngineStats, RequestOutput, TokenLogprob, TopLogprob
+from stoker.engine.request import EngineRequest
+from stoker.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.engine import LLMEngine
+    from stoker.engine.engine import LLMEngine
 
 __all__ = [
     "EngineConfig", "EngineRequest", "EngineRequestError", "EngineStats", "LLMEngine", "RequestOutput",
@@ -25,7 +25,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "LLMEngine":  # torch and the model code load here, on first use
-        from engine.engine import LLMEngine
+        from stoker.engine.engine import LLMEngine
 
         return LLMEngine
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

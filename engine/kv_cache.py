@@ -4,9 +4,8 @@ engine/kernels/attention.py reads."""
 from __future__ import annotations
 
 import torch
-
-from engine.config import EngineConfig
-from engine.model_config import ModelConfig
+from stoker.engine.config import EngineConfig
+from stoker.engine.model_config import ModelConfig
 
 CPU_DEFAULT_KV_BYTES = 256 * 2**20
 

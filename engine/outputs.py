@@ -3,7 +3,7 @@
 A stable interface: the worker (and its stand-in engine, worker/fake_engine.py) relies on it.
 Pure Python, no torch.
 
-The engine API (`from engine import ...`: LLMEngine, EngineConfig, EngineRequest, SamplingParams and the
+The engine API (`from stoker.engine import ...`: LLMEngine, EngineConfig, EngineRequest, SamplingParams and the
 types below) that the worker drives:
     engine = LLMEngine(EngineConfig(model_path=..., ...))       # loads the model folder
     engine.model_name: str; engine.max_model_len: int; engine.tokenizer (encode/decode/chat template)

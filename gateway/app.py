@@ -30,9 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
-
-import schemas
-from client.client import (
+from stoker.client.client import (
     DEFAULT_BOOTSTRAP,
     DEFAULT_REDIS_URL,
     Client,
@@ -41,8 +39,10 @@ from client.client import (
     TextAssembler,
     WorkerInfo,
 )
-from gateway.mapping import APIError, Shape, job_fields, shape_for, sse, status_for
-from schemas import Chunk, ContractError, Done
+from stoker.gateway.mapping import APIError, Shape, job_fields, shape_for, sse, status_for
+from stoker.schemas import Chunk, ContractError, Done
+
+from stoker import schemas
 
 WORKER_CACHE_S = 2.0  # heartbeats are re-read at most this often; a worker's TTL is longer than this
 
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timeout", type=float, default=float(env("STOKER_GATEWAY_TIMEOUT", "300")),
                    help="seconds a request may take; also sent to the worker as the job's deadline")
     args = p.parse_args(argv)
-    import uvicorn  # the gateway extra; imported here so `import gateway.app` works for tests without it
+    import uvicorn  # the gateway extra; imported here so `import stoker.gateway.app` works for tests without it
 
     def factory() -> Client:
         return Client(args.bootstrap, args.redis_url, prefix=args.prefix, topic=args.topic, timeout=args.timeout)

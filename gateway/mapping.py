@@ -14,8 +14,7 @@ import time
 from typing import Any
 
 import msgspec
-
-from schemas import Done
+from stoker.schemas import Done
 
 # Contract error codes -> HTTP status: the caller's fault, a missing model, or ours.
 STATUS_FOR_CODE = {"invalid_job": 400, "context_length_exceeded": 400, "unsupported_version": 400,

@@ -38,9 +38,8 @@ import msgspec
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-
-from devstack import stack
-from schemas import Chunk, Done, Error, Names, decode_event
+from stoker.devstack import stack
+from stoker.schemas import Chunk, Done, Error, Names, decode_event
 
 ROOT = Path(__file__).resolve().parents[1]
 CLAIM_TTL_S = 3.0
@@ -210,7 +209,7 @@ class Chaos:
                    STOKER_FAKE_STEP_DELAY_S=str(self.step_delay_s), STOKER_CLAIM_TTL_S=str(CLAIM_TTL_S),
                    STOKER_DRAIN_TIMEOUT_S="5", PYTHONUNBUFFERED="1")
         with open(self.work_dir / f"worker-{self.worker_count}.log", "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "worker.main"], cwd=ROOT, env=env, stdout=out,
+            proc = subprocess.Popen([sys.executable, "-m", "stoker.worker.main"], cwd=ROOT, env=env, stdout=out,
                                     stderr=subprocess.STDOUT)
         self.workers.append(proc)
         self.proxies[proc.pid] = proxy

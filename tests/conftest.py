@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-from devstack import stack
+from stoker.devstack import stack
 
 JOB_TOPIC, DLQ_TOPIC = stack.DEFAULT_JOB_TOPIC, stack.DEFAULT_DLQ_TOPIC
 

@@ -8,11 +8,10 @@ import time
 
 import pytest
 from engine_models import build_hf_model, prompts
-
-from engine import EngineRequest, SamplingParams
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.outputs import EngineRequestError, RequestOutput
+from stoker.engine import EngineRequest, SamplingParams
+from stoker.engine.config import EngineConfig
+from stoker.engine.engine import LLMEngine
+from stoker.engine.outputs import EngineRequestError, RequestOutput
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +127,7 @@ def test_abort_and_deadline(engine):
 
 
 def test_one_failing_request_does_not_fail_the_engine(engine, monkeypatch):
-    from engine import sampler
+    from stoker.engine import sampler
 
     original = sampler.SamplingBatch.build
 

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from gateway.mapping import APIError, job_fields, shape_for, sse, status_for
-from schemas import Done, Timings, Usage
+from stoker.gateway.mapping import APIError, job_fields, shape_for, sse, status_for
+from stoker.schemas import Done, Timings, Usage
 
 
 def test_a_chat_body_maps_to_messages_and_sampling_fields():

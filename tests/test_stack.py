@@ -17,8 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from conftest import Endpoints, unique_name
-
-from devstack import stack
+from stoker.devstack import stack
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,9 +52,9 @@ def test_config_from_env_reads_ports_dirs_and_topics(tmp_path: Path) -> None:
 
 def test_the_launcher_needs_only_the_standard_library(tmp_path: Path) -> None:
     """`ops/stack` runs before any venv exists: plain python3 without site-packages imports and runs it."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import devstack.stack, devstack.kafka_wire; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import stoker.devstack.stack, stoker.devstack.kafka_wire; "
             "import runpy; sys.argv = ['devstack', 'status', '--stack-dir', sys.argv[2], '--kafka-port', '59091', '--controller-port', '59093', '--redis-port', '59092']; "
-            "runpy.run_module('devstack', run_name='__main__')")
+            "runpy.run_module('stoker.devstack', run_name='__main__')")
     run = subprocess.run([sys.executable, "-S", "-I", "-c", code, str(ROOT), str(tmp_path)], capture_output=True,
                          text=True, timeout=60)
     assert run.returncode == 3, run.stderr  # LSB 3: not running (no stack in this dir)
@@ -64,7 +63,7 @@ def test_the_launcher_needs_only_the_standard_library(tmp_path: Path) -> None:
 
 def test_default_dead_letter_topic_is_one_rule_for_stack_worker_and_client(tmp_path: Path) -> None:
     """The launcher stays standard-library only (schemas needs msgspec), so it repeats the rule: both agree."""
-    from schemas.names import Names, default_dlq_topic
+    from stoker.schemas.names import Names, default_dlq_topic
 
     for topic in ("stoker.jobs", "x", "a-b_c.9"):
         ours = stack.StackConfig(stack_dir=tmp_path, job_topic=topic).dlq_topic

@@ -3,7 +3,7 @@ then smaller forms whose message says what was left out."""
 
 from __future__ import annotations
 
-from schemas import (
+from stoker.schemas import (
     DLQ_ATTEMPTS,
     DLQ_ERROR_CODE,
     DLQ_ERROR_MESSAGE,
@@ -12,7 +12,7 @@ from schemas import (
     DLQ_WORKER,
     dlq_headers,
 )
-from worker.dead_letters import DeadLetter, stub
+from stoker.worker.dead_letters import DeadLetter, stub
 
 ORIGINAL = [("content-type", b"application/json"), ("trace", b"t-1")]
 

@@ -6,13 +6,22 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
-from engine import EngineRequest, RequestOutput, SamplingParams
-from engine.outputs import TokenLogprob as EngineTokenLogprob
-from engine.outputs import TopLogprob as EngineTopLogprob
-from schemas import ChatMessage, Chunk, Done, Error, Job, TokenLogprob, TopLogprob, decode_event, encode_event
-from worker import events
-from worker.requests import Request, RequestState, RequestTable, engine_request
+from stoker.engine import EngineRequest, RequestOutput, SamplingParams
+from stoker.engine.outputs import TokenLogprob as EngineTokenLogprob
+from stoker.engine.outputs import TopLogprob as EngineTopLogprob
+from stoker.schemas import (
+    ChatMessage,
+    Chunk,
+    Done,
+    Error,
+    Job,
+    TokenLogprob,
+    TopLogprob,
+    decode_event,
+    encode_event,
+)
+from stoker.worker import events
+from stoker.worker.requests import Request, RequestState, RequestTable, engine_request
 
 RECORD_MS = 1_000_000.0
 

@@ -21,6 +21,12 @@ from pathlib import Path
 import msgspec
 import pytest
 import redis.asyncio as aioredis
+from stoker.devstack import stack
+from stoker.engine import EngineRequest, SamplingParams
+from stoker.schemas import DLQ_HEADERS, Cancel, Chunk, Done, Error, encode_cancel
+from stoker.worker.config import WorkerConfig
+from stoker.worker.fake_engine import FAIL_MARKER, FakeEngine
+from stoker.worker.service import Worker
 from worker_harness import (
     Space,
     check_sequence,
@@ -36,13 +42,6 @@ from worker_harness import (
     stop_process,
     wait_results,
 )
-
-from devstack import stack
-from engine import EngineRequest, SamplingParams
-from schemas import DLQ_HEADERS, Cancel, Chunk, Done, Error, encode_cancel
-from worker.config import WorkerConfig
-from worker.fake_engine import FAIL_MARKER, FakeEngine
-from worker.service import Worker
 
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(120)]
 
@@ -458,7 +457,7 @@ async def _wait_all_committed(space: Space, expected: int, timeout: float = 20) 
 
 
 async def _terminals(r: aioredis.Redis, names: object, rid: str) -> list[Done | Error]:
-    from schemas import decode_event
+    from stoker.schemas import decode_event
     entries = await r.xrange(names.stream(rid))  # type: ignore[attr-defined]
     return [e for e in (decode_event(f[b"data"]) for _, f in entries) if isinstance(e, Done | Error)]
 
@@ -769,8 +768,7 @@ async def test_dead_letter_send_that_keeps_failing_turns_healthz_unhealthy(space
     """A dead letter refused at run time (the topic deleted since the start) is retried, and said loudly:
     an error log naming the topic, /healthz 503, back to healthy once a send succeeds."""
     from aiokafka.errors import KafkaTimeoutError
-
-    from worker import service
+    from stoker.worker import service
 
     monkeypatch.setattr(service, "DLQ_UNHEALTHY_AFTER_S", 0.0)  # at once: the test need not wait 10 s
     names = space.names
@@ -869,7 +867,7 @@ async def test_jobs_outside_the_version_1_1_bounds_get_invalid_job_naming_the_fi
 async def test_the_stacks_default_dead_letter_topic_is_the_one_worker_and_client_use(space):
     """STOKER_JOB_TOPIC=x ops/stack up made `x` and `stoker.jobs.dlq`; the worker wanted `x.dlq` and refused to
     start. One rule now: the stack makes x.dlq, the worker starts on x alone and dead-letters there."""
-    from client.client import Client
+    from stoker.client.client import Client
 
     topic = f"own.{space.tag}"
     cfg = stack.StackConfig.from_env({"STOKER_JOB_TOPIC": topic})

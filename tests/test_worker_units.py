@@ -8,15 +8,14 @@ import threading
 import time
 
 import pytest
-
-from engine import EngineRequest, SamplingParams
-from engine.outputs import EngineRequestError, RequestOutput
-from worker.config import WorkerConfig
-from worker.driver import EngineDriver
-from worker.fake_engine import FAIL_MARKER, FakeEngine, fake_token_id, fake_token_text
-from worker.main import parse_config
-from worker.metrics import TenantLabels
-from worker.offsets import OffsetTracker
+from stoker.engine import EngineRequest, SamplingParams
+from stoker.engine.outputs import EngineRequestError, RequestOutput
+from stoker.worker.config import WorkerConfig
+from stoker.worker.driver import EngineDriver
+from stoker.worker.fake_engine import FAIL_MARKER, FakeEngine, fake_token_id, fake_token_text
+from stoker.worker.main import parse_config
+from stoker.worker.metrics import TenantLabels
+from stoker.worker.offsets import OffsetTracker
 
 
 # -- offsets ------------------------------------------------------------------------------------------------
@@ -220,7 +219,7 @@ def test_config_from_env_and_flags():
 
 
 def test_every_engine_setting_reaches_the_engine_config(tmp_path, monkeypatch):
-    from worker.main import build_engine
+    from stoker.worker.main import build_engine
 
     env = {"STOKER_MODEL": str(tmp_path), "STOKER_DEVICE": "cpu", "STOKER_DTYPE": "float16",
            "STOKER_BLOCK_SIZE": "32", "STOKER_NO_PREFIX_CACHING": "1", "STOKER_NO_TRITON": "yes",
@@ -264,7 +263,7 @@ def test_bad_env_value_is_named(capsys):
 
 
 def test_stream_cap_fits_the_longest_request_and_keeps_the_flag_as_a_floor():
-    from worker.service import Worker
+    from stoker.worker.service import Worker
 
     small = Worker(WorkerConfig(fake_engine=True, stream_maxlen=50, max_attempts=3), FakeEngine(max_model_len=1000))
     assert small.stream_cap() == 3 * 1001 + 1  # 3 attempts of 1000 chunks + a terminal each, + the poison error

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas import dlq_headers
+from stoker.schemas import dlq_headers
 
 Headers = list[tuple[str, bytes]]
 MAX_MESSAGE_CHARS = 1000  # of the error message in the header of a whole record

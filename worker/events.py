@@ -7,9 +7,9 @@ highest attempt, seqs run 0, 1, 2 ... within it). Latencies start at the Kafka r
 
 from __future__ import annotations
 
-from engine import RequestOutput
-from schemas import Chunk, Done, Error, Timings, TokenLogprob, TopLogprob, Usage
-from worker.requests import Request
+from stoker.engine import RequestOutput
+from stoker.schemas import Chunk, Done, Error, Timings, TokenLogprob, TopLogprob, Usage
+from stoker.worker.requests import Request
 
 
 def logprobs(out: RequestOutput) -> list[TokenLogprob] | None:

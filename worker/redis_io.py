@@ -32,8 +32,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-
-from schemas.names import STREAM_FIELD, Names
+from stoker.schemas.names import STREAM_FIELD, Names
 
 log = logging.getLogger("stoker.worker.redis")
 T = TypeVar("T")

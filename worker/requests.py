@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import EngineRequest, SamplingParams
-from schemas import Job
+from stoker.engine import EngineRequest, SamplingParams
+from stoker.schemas import Job
 
 Record = tuple[Any, int]  # (partition, offset); the partition is aiokafka's TopicPartition in the worker
 RawRecord = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]  # key, value, headers (for the DLQ)

@@ -31,9 +31,8 @@ from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-
-from engine import EngineRequestError, EngineStats, RequestOutput
-from schemas import (
+from stoker.engine import EngineRequestError, EngineStats, RequestOutput
+from stoker.schemas import (
     ContractError,
     Done,
     Error,
@@ -46,14 +45,14 @@ from schemas import (
     is_msgpack,
     is_valid_request_id,
 )
-from worker import events
-from worker.config import WorkerConfig
-from worker.dead_letters import DeadLetter
-from worker.driver import EngineDriver, EngineLike
-from worker.metrics import HealthServer, WorkerMetrics
-from worker.offsets import OffsetTracker
-from worker.redis_io import Admission, EventKind, OutEvent, RedisIO, Renewal
-from worker.requests import Record, Request, RequestState, RequestTable, engine_request
+from stoker.worker import events
+from stoker.worker.config import WorkerConfig
+from stoker.worker.dead_letters import DeadLetter
+from stoker.worker.driver import EngineDriver, EngineLike
+from stoker.worker.metrics import HealthServer, WorkerMetrics
+from stoker.worker.offsets import OffsetTracker
+from stoker.worker.redis_io import Admission, EventKind, OutEvent, RedisIO, Renewal
+from stoker.worker.requests import Record, Request, RequestState, RequestTable, engine_request
 
 log = logging.getLogger("stoker.worker")
 VERSION = "0.1.0"

@@ -4,17 +4,16 @@ plain-torch reference (which defines the semantics) otherwise, or everywhere aft
 from __future__ import annotations
 
 import torch
-
-from engine.kernels._triton import HAS_TRITON
-from engine.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from engine.kernels.attention import (
+from stoker.engine.kernels._triton import HAS_TRITON
+from stoker.engine.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from stoker.engine.kernels.attention import (
     paged_attention_ref,
     paged_attention_triton,
     paged_decode_attention_ref,
     paged_decode_attention_triton,
 )
-from engine.kernels.rmsnorm import rms_norm_ref, rms_norm_triton
-from engine.kernels.rotary import rope_cos_sin, rotary_and_cache_ref, rotary_and_cache_triton
+from stoker.engine.kernels.rmsnorm import rms_norm_ref, rms_norm_triton
+from stoker.engine.kernels.rotary import rope_cos_sin, rotary_and_cache_ref, rotary_and_cache_triton
 
 __all__ = [
     "paged_attention", "paged_attention_ref", "paged_decode_attention", "paged_decode_attention_ref",
