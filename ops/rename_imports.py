@@ -16,7 +16,8 @@ re-sort the imports. What it rewrites, for each package P:
                                                               modules: importlib, monkeypatch, `-m` argv)
     -m P[.sub]                 ->  -m stoker.P[.sub]          (shell scripts, docs, YAML)
 
-Standard library only. --check rewrites nothing and exits 1 if any file would change (ops/lint runs it,
+Files given by name are always read; the default set leaves out a file that says `rename-imports: skip-file`
+(one showing old imports on purpose). Standard library only. --check rewrites nothing and exits 1 if any file would change (ops/lint runs it,
 beside ruff's banned-api rule, which sees imports but not strings or shell lines).
 """
 
@@ -33,6 +34,8 @@ PACKAGES = ("schemas", "engine", "worker", "client", "gateway", "devstack")
 _P = "|".join(PACKAGES)
 _SUFFIXES = {".py", ".md", ".yml", ".yaml", ".toml", ".txt", ".sh", ".cfg", ".ini"}
 _SKIP = {"pyproject.toml"}  # its package map and contracts name the folders on purpose: edited by hand
+_FILE_SUFFIXES = {"py", "pyi", "json", "toml", "md", "txt", "yml", "yaml", "log", "so", "cfg", "ini"}
+_MARKER = "rename-imports: " + "skip-file"  # a file that shows old imports on purpose (its tests) says so
 
 _FROM = re.compile(rf"^(\s*)from\s+({_P})((?:\.\w+)*)(\s+import\b)", re.M)
 _IMPORT_TOP = re.compile(rf"^(\s*)import\s+({_P})(\s+as\s+\w+)?[ \t]*(#.*)?$", re.M)
@@ -43,13 +46,17 @@ _QUOTED = re.compile(rf"([\"'])(({_P})(?:\.[A-Za-z_]\w*)+)(:[A-Za-z_]\w*)?\1")
 
 
 def _is_module(dotted: str, root: Path) -> bool:
-    """Whether some prefix of `dotted` with at least two parts is a module or package of the tree."""
+    """Whether `dotted` starts with a module or package of the tree ("engine.LLMEngine" names the engine
+    package's attribute, as monkeypatch targets do)."""
     parts = dotted.split(".")
     for n in range(len(parts), 1, -1):
         base = root.joinpath(*parts[:n])
         if base.with_suffix(".py").is_file() or (base / "__init__.py").is_file():
             return True
-    return False
+    # "package.name": only a name the package's __init__ defines or imports, never a file ("schemas.py").
+    init = root / parts[0] / "__init__.py"
+    return (parts[1] not in _FILE_SUFFIXES and init.is_file()
+            and re.search(rf"\b{re.escape(parts[1])}\b", init.read_text()) is not None)
 
 
 def rewrite(text: str, python: bool, root: Path = ROOT) -> tuple[str, list[str]]:
@@ -78,7 +85,7 @@ def _default_paths(root: Path) -> list[Path]:
     out = []
     for name in listed.splitlines():
         path = root / name
-        if path.resolve() == own or path.name in _SKIP or not path.is_file():
+        if path.resolve() == own or path.name in _SKIP or not path.is_file() or _MARKER in path.read_text():
             continue
         shell = name.startswith("ops/") and path.suffix == "" and path.read_bytes()[:2] == b"#!"
         if path.suffix in _SUFFIXES or shell or path.name == "Dockerfile":

@@ -75,11 +75,12 @@ def test_stop_token_ids_beyond_the_vocabulary_are_refused_at_admission(engine):
     # device-side assert on a GPU). The vocabulary here is 384.
     for stop_ids in ([384], [3, 10**6], [True]):
         with pytest.raises(EngineRequestError, match=r"stop_token_ids .* not token ids") as info:
-            engine.add_request("r", prompt="hi", params=SamplingParams(max_tokens=4, min_tokens=2,
-                                                                       stop_token_ids=stop_ids))
+            engine.add_request(EngineRequest("r", prompt="hi", params=SamplingParams(max_tokens=4, min_tokens=2,
+                                                                                     stop_token_ids=stop_ids)))
         assert info.value.code == "invalid_job"
     assert not engine.has_unfinished()
-    engine.add_request("ok", prompt="hi", params=SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=(383,)))
+    engine.add_request(EngineRequest("ok", prompt="hi", params=SamplingParams(max_tokens=4, min_tokens=2,
+                                                                              stop_token_ids=(383,))))
     assert drain(engine)["ok"][-1].completion_tokens >= 2
 
 

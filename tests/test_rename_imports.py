@@ -1,4 +1,7 @@
-"""ops/rename_imports.py: a branch written before the namespace move is fixed mechanically at merge."""
+"""ops/rename_imports.py: a branch written before the namespace move is fixed mechanically at merge.
+
+rename-imports: skip-file (the old imports below are this test's input)
+"""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import engine.kernels.attention
 monkeypatch.setattr("engine.kernels._triton_enabled", False)
 cmd = [sys.executable, "-m", "worker.main"]
 ARCH = {"LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM"}
-log.info("worker.stats are %s", "client.nothing_here")
+log.info("worker.stats are %s", "clients.x", "engine.LLMEngine")
 from stokerish import engine
 from .names import x
 '''
@@ -37,7 +40,7 @@ import stoker.engine.kernels.attention
 monkeypatch.setattr("stoker.engine.kernels._triton_enabled", False)
 cmd = [sys.executable, "-m", "stoker.worker.main"]
 ARCH = {"LlamaForCausalLM": "stoker.engine.models.llama:LlamaForCausalLM"}
-log.info("worker.stats are %s", "client.nothing_here")
+log.info("worker.stats are %s", "clients.x", "stoker.engine.LLMEngine")
 from stokerish import engine
 from .names import x
 '''

@@ -226,7 +226,7 @@ def test_every_engine_setting_reaches_the_engine_config(tmp_path, monkeypatch):
            "STOKER_MAX_NUM_BATCHED_TOKENS": "2048", "STOKER_SEED": "7", "STOKER_GPU_MEMORY_UTILIZATION": "0.5"}
     cfg = parse_config(["--no-cuda-graphs", "--no-async-scheduling", "--no-blocking-sync",
                         "--num-kv-blocks", "64", "--max-num-batched-tokens", "1024"], env)
-    monkeypatch.setattr("engine.LLMEngine", lambda config: config, raising=False)  # no model load here
+    monkeypatch.setattr("stoker.engine.LLMEngine", lambda config: config, raising=False)  # no model load here
     ec = build_engine(cfg)
     assert (ec.model_path, ec.device, ec.dtype, ec.block_size, ec.num_kv_blocks) == (str(tmp_path), "cpu", "float16",
                                                                                       32, 64)

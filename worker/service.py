@@ -11,6 +11,8 @@ Tasks on one asyncio loop, each owned by Worker and cancelled in stop():
   cancels   listens on the cancel channel
 Life of a record: read -> tracked in flight -> (claimed -> engine -> chunks -> terminal event in Redis) or
 (answered at once: already done, cancelled, past deadline, bad input -> DLQ) -> finished -> committed.
+Every job held is one entry of the request table (worker.requests: claiming, parked, running, finishing);
+the events and dead letters themselves are built in worker.events and worker.dead_letters.
 """
 
 from __future__ import annotations
