@@ -19,9 +19,7 @@ from typing import Any
 import msgspec
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
-
-import schemas
-from client.client import (
+from stoker.client.client import (
     DEFAULT_BOOTSTRAP,
     DEFAULT_REDIS_URL,
     Client,
@@ -29,9 +27,11 @@ from client.client import (
     RequestFailed,
     RequestTimeout,
 )
-from client.load import LoadConfig, plot_latency, run_load
-from schemas import Chunk, Done
-from schemas import Error as ErrorEvent
+from stoker.client.load import LoadConfig, plot_latency, run_load
+from stoker.schemas import Chunk, Done
+from stoker.schemas import Error as ErrorEvent
+
+from stoker import schemas
 
 EXIT_FAILED, EXIT_TIMEOUT, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 1, 3, 4, 130
 
@@ -193,7 +193,9 @@ async def _load(args: argparse.Namespace) -> int:
 
 
 def _stack(args: argparse.Namespace) -> int:
-    from client import stack  # standard library only; imported here so the other commands never need it
+    from stoker.devstack import (
+        stack,  # standard library only; imported here so the other commands never need it
+    )
 
     return int(stack.main([args.action, *args.stack_args]) or 0)
 

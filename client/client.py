@@ -28,10 +28,10 @@ import redis.asyncio as aioredis
 import redis.exceptions
 from aiokafka import AIOKafkaProducer
 from redis.asyncio.client import PubSub
+from stoker.schemas import Cancel, Chunk, ContractError, Done, ErrorCode, Job, Names
+from stoker.schemas import Error as ErrorEvent
 
-import schemas
-from schemas import Cancel, Chunk, ContractError, Done, ErrorCode, Job, Names
-from schemas import Error as ErrorEvent
+from stoker import schemas
 
 Event = Chunk | Done | ErrorEvent
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"

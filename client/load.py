@@ -17,8 +17,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from client.client import Client, RequestFailed, RequestTimeout
-from schemas import Chunk, Done
+from stoker.client.client import Client, RequestFailed, RequestTimeout
+from stoker.schemas import Chunk, Done
 
 
 @dataclass(slots=True)

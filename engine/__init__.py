@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.config import EngineConfig
-from engine.outputs import EngineRequestError, EngineStats, RequestOutput, TokenLogprob, TopLogprob
-from engine.request import EngineRequest
-from engine.sampling_params import SamplingParams
+from stoker.engine.config import EngineConfig
+from stoker.engine.outputs import EngineRequestError, EngineStats, RequestOutput, TokenLogprob, TopLogprob
+from stoker.engine.request import EngineRequest
+from stoker.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.engine import LLMEngine
-    from engine.warmup import WarmupReport, warm_up
+    from stoker.engine.engine import LLMEngine
+    from stoker.engine.warmup import WarmupReport, warm_up
 
 __all__ = [
     "EngineConfig", "EngineRequest", "EngineRequestError", "EngineStats", "LLMEngine", "RequestOutput",
@@ -26,11 +26,11 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "LLMEngine":  # torch and the model code load here, on first use
-        from engine.engine import LLMEngine
+        from stoker.engine.engine import LLMEngine
 
         return LLMEngine
     if name in ("warm_up", "WarmupReport"):
-        from engine import warmup
+        from stoker.engine import warmup
 
         return getattr(warmup, name)
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

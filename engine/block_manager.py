@@ -18,7 +18,7 @@ from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from engine.sequence import Sequence
+from stoker.engine.sequence import Sequence
 
 BlockHash = bytes  # 16-byte blake2b digest
 

@@ -17,9 +17,8 @@ import bisect
 import time
 
 import torch
-
-from engine.batch import AttentionMetadata, ModelInput
-from engine.models.base import CausalLM
+from stoker.engine.batch import AttentionMetadata, ModelInput
+from stoker.engine.models.base import CausalLM
 
 
 def bucket_sizes(max_batch: int) -> list[int]:

@@ -16,19 +16,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from engine.config import EngineConfig
-from engine.input_processor import InputProcessor
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner, PendingSample
-from engine.output_processor import OutputProcessor, RequestState, SampleResult
-from engine.outputs import EngineRequestError, EngineStats, RequestOutput
-from engine.request import EngineRequest
-from engine.sampler import SamplingRequest
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledToken, ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
-from engine.sequence import FinishReason, Sequence
-from engine.tokenizer import Tokenizer
+from stoker.engine.config import EngineConfig
+from stoker.engine.input_processor import InputProcessor
+from stoker.engine.model_config import ModelConfig
+from stoker.engine.model_runner import ModelRunner, PendingSample
+from stoker.engine.output_processor import OutputProcessor, RequestState, SampleResult
+from stoker.engine.outputs import EngineRequestError, EngineStats, RequestOutput
+from stoker.engine.request import EngineRequest
+from stoker.engine.sampler import SamplingRequest
+from stoker.engine.sampling_params import SamplingParams
+from stoker.engine.scheduler import SampledToken, ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from stoker.engine.sequence import FinishReason, Sequence
+from stoker.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

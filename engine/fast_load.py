@@ -27,8 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from engine.loader import WeightMap, safetensors_files
+from stoker.engine.loader import WeightMap, safetensors_files
 
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,

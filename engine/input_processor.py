@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.outputs import EngineRequestError
-from engine.request import EngineRequest
-from engine.sequence import Sequence
-from engine.tokenizer import Tokenizer
+from stoker.engine.outputs import EngineRequestError
+from stoker.engine.request import EngineRequest
+from stoker.engine.sequence import Sequence
+from stoker.engine.tokenizer import Tokenizer
 
 
 class InputProcessor:

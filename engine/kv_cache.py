@@ -1,11 +1,11 @@
-"""The paged KV cache: per layer k/v tensors [num_blocks, block_size, num_kv_heads, head_dim] (kernel_api.md)."""
+"""The paged KV cache: per layer k/v tensors [num_blocks, block_size, num_kv_heads, head_dim], the layout
+engine/kernels/attention.py reads."""
 
 from __future__ import annotations
 
 import torch
-
-from engine.config import EngineConfig
-from engine.model_config import ModelConfig
+from stoker.engine.config import EngineConfig
+from stoker.engine.model_config import ModelConfig
 
 CPU_DEFAULT_KV_BYTES = 256 * 2**20
 

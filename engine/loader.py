@@ -13,9 +13,8 @@ from __future__ import annotations
 import os
 
 import torch
-
-from engine.layers.weights import WeightModule, WeightShapeError
-from engine.model_config import read_json
+from stoker.engine.layers.weights import WeightModule, WeightShapeError
+from stoker.engine.model_config import read_json
 
 
 def safetensors_files(path: str) -> list[str]:

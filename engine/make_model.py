@@ -1,6 +1,6 @@
 """Make a small random Llama model folder with our runtime deps only (no transformers).
 
-    python -m engine.make_model OUT_DIR [--preset tiny|small] [--seed N]
+    python -m stoker.engine.make_model OUT_DIR [--preset tiny|small] [--seed N]
 
 Writes config.json, model.safetensors (safetensors.torch.save_file), a byte-level BPE tokenizer trained
 with `tokenizers` on the built-in corpus below, tokenizer_config.json with a jinja2 chat template, and
@@ -190,7 +190,7 @@ def make_model(out_dir: str, preset: str = "tiny", seed: int = 0) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m engine.make_model", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m stoker.engine.make_model", description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--seed", type=int, default=0)

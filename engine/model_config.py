@@ -14,10 +14,10 @@ from typing import Any
 # by engine.models.model_class), so that this module stays free of torch. A new architecture is a line here,
 # its config normalisation below (when it differs) and its model file under engine/models/.
 ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM",
-    "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",
-    "Qwen2ForCausalLM": "engine.models.llama:LlamaForCausalLM",
-    "Qwen3ForCausalLM": "engine.models.llama:LlamaForCausalLM",
+    "LlamaForCausalLM": "stoker.engine.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "stoker.engine.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "stoker.engine.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "stoker.engine.models.llama:LlamaForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 

@@ -14,17 +14,16 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from engine import kernels
-from engine.batch import AttentionMetadata, ModelInput
-from engine.config import EngineConfig
-from engine.kv_cache import allocate_kv_cache, num_kv_blocks
-from engine.loader import load_weights
-from engine.model_config import ModelConfig
-from engine.models import model_class
-from engine.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRequest
-from engine.scheduler import SchedulerOutput
-from engine.sequence import Sequence
+from stoker.engine import kernels
+from stoker.engine.batch import AttentionMetadata, ModelInput
+from stoker.engine.config import EngineConfig
+from stoker.engine.kv_cache import allocate_kv_cache, num_kv_blocks
+from stoker.engine.loader import load_weights
+from stoker.engine.model_config import ModelConfig
+from stoker.engine.models import model_class
+from stoker.engine.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRequest
+from stoker.engine.scheduler import SchedulerOutput
+from stoker.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +43,7 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = model_class(model_config.architecture)(model_config, self.dtype, max_model_len)
         if self.device.type == "cuda":
-            from engine.fast_load import load_weights_fast
+            from stoker.engine.fast_load import load_weights_fast
 
             self.startup |= load_weights_fast(self.model, config.model_path, self.device)
         else:
@@ -58,7 +57,7 @@ class ModelRunner:
         self._tables = _BlockTables(-(-max_model_len // self.block_size))
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs:
-            from engine.cuda_graphs import DecodeGraphs
+            from stoker.engine.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(
                 self.model, self.kv_caches, self.device, self.block_size, config.max_num_seqs, max_model_len

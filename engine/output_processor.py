@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.detokenizer import Decoder, IncrementalDetokenizer
-from engine.outputs import RequestOutput, TokenLogprob, TopLogprob
-from engine.sampler import SamplerOutput
-from engine.sequence import Sequence
+from stoker.engine.detokenizer import Decoder, IncrementalDetokenizer
+from stoker.engine.outputs import RequestOutput, TokenLogprob, TopLogprob
+from stoker.engine.sampler import SamplerOutput
+from stoker.engine.sequence import Sequence
 
 
 @dataclass(slots=True)

@@ -1,9 +1,9 @@
 """What the engine hands back each step, and the error it raises for a request it cannot take.
 
-INTERFACE FIXED BY THE LEAD: the worker (and its stand-in engine for transport benchmarks) relies on it.
+A stable interface: the worker (and its stand-in engine, worker/fake_engine.py) relies on it.
 Pure Python, no torch.
 
-The engine API (`from engine import ...`: LLMEngine, EngineConfig, EngineRequest, SamplingParams and the
+The engine API (`from stoker.engine import ...`: LLMEngine, EngineConfig, EngineRequest, SamplingParams and the
 types below) that the worker drives:
     engine = LLMEngine(EngineConfig(model_path=..., ...))       # loads the model folder
     engine.model_name: str; engine.max_model_len: int; engine.tokenizer (encode/decode/chat template)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from stoker.engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from engine.sampling_params import SamplingParams
+from stoker.engine.sampling_params import SamplingParams
 
 LOGPROB_FLOOR = -9999.0
 _M32 = 0xFFFFFFFF

@@ -27,8 +27,8 @@ from bisect import insort
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from stoker.engine.block_manager import BlockManager
+from stoker.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

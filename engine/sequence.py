@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from stoker.engine.sampling_params import SamplingParams
 
 PENDING_TOKEN = -1  # placeholder for a sampled token still on the device (see Sequence.num_pending)
 

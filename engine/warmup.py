@@ -22,9 +22,9 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from engine.engine import LLMEngine
-from engine.request import EngineRequest
-from engine.sampling_params import SamplingParams
+from stoker.engine.engine import LLMEngine
+from stoker.engine.request import EngineRequest
+from stoker.engine.sampling_params import SamplingParams
 
 _PREFIX = "__stoker_warmup__"
 

@@ -81,8 +81,7 @@ def write_model(path: str, shape: dict[str, Any], device: str = "cuda") -> float
     """Random bf16 weights (std 0.02, norms 1) as 4 safetensors shards + index, config and a tokenizer.
     `device` draws them (cpu: for dry runs of the tiny shape without a GPU)."""
     from safetensors.torch import save_file
-
-    from engine.make_model import write_tokenizer
+    from stoker.engine.make_model import write_tokenizer
 
     if os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
         return 0.0
@@ -161,7 +160,7 @@ def drop_page_cache() -> bool:
 # ---- our engine ------------------------------------------------------------------------------------------
 def engine_config(path: str, max_num_seqs: int, device: str = "cuda"):
     """The bench's engine settings (ops/bench_e2e.py gives the worker the same ones, from this object)."""
-    from engine import EngineConfig
+    from stoker.engine import EngineConfig
 
     # A/B switches, read here at the edge (the engine itself reads no environment): STOKER_TRITON=0 runs the
     # torch references, STOKER_BLOCKING_SYNC=0 keeps CUDA's default (spinning) host waits.
@@ -182,7 +181,7 @@ def engine_config(path: str, max_num_seqs: int, device: str = "cuda"):
 
 
 def start_engine(path: str, max_num_seqs: int, device: str = "cuda"):
-    from engine import LLMEngine
+    from stoker.engine import LLMEngine
 
     t0 = time.perf_counter()
     eng = LLMEngine(engine_config(path, max_num_seqs, device))
@@ -274,7 +273,7 @@ def run_requests(
 ) -> dict[str, Any]:
     """Runs the prompts to the end. With a probe: also splits wall and process CPU at the step that ran the
     last prefill (mixed) forward: the prefill phase (adds included) vs the pure-decode phase."""
-    from engine import EngineRequest, SamplingParams
+    from stoker.engine import EngineRequest, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
@@ -330,10 +329,10 @@ def _phases(t0: float, ru0: Any, stamps: list[float], cpu: list[float], k: int) 
 
 def triton_variants() -> dict[str, int]:
     """Compiled variants per Triton kernel of the engine (each specialization is a host-side compile)."""
-    import engine.kernels.activation as act
-    import engine.kernels.attention as att
-    import engine.kernels.rmsnorm as rms
-    import engine.kernels.rotary as rot
+    import stoker.engine.kernels.activation as act
+    import stoker.engine.kernels.attention as att
+    import stoker.engine.kernels.rmsnorm as rms
+    import stoker.engine.kernels.rotary as rot
 
     out = {}
     for mod in (act, att, rms, rot):
@@ -351,9 +350,8 @@ def _out_file(name: str) -> str:
 def profile_w1(eng, vocab: int, prompt: int) -> None:
     """torch.profiler over 32 batch-1 decode steps: the GPU kernel table (time per kernel), to see where a
     step's time goes against the bandwidth floor. Written to $OUT/w1_profile.txt."""
+    from stoker.engine import EngineRequest, SamplingParams
     from torch.profiler import ProfilerActivity, profile
-
-    from engine import EngineRequest, SamplingParams
 
     eng.add_request(EngineRequest(
         "prof",

@@ -3,9 +3,9 @@
     source ops/gpu_stack_env && PYTHONPATH=. python3 ops/bench_e2e.py --out $OUT/e2e.json   # the H200
     PYTHONPATH=. python3 ops/bench_e2e.py --dry-run          # a CPU machine, against a running stack
 
-Through the queue: starts a private local stack (`client.stack`, own ports and folder; `--stack external` uses
+Through the queue: starts a private local stack (`stoker.devstack`, own ports and folder; `--stack external` uses
 KAFKA_BOOTSTRAP_SERVERS / REDIS_URL with a fresh topic, prefix and group), writes or reuses ops/bench.py's
-model folder, starts `python3 -m worker.main` on it as a subprocess with ops/bench.py's engine settings (as
+model folder, starts `python3 -m stoker.worker.main` on it as a subprocess with ops/bench.py's engine settings (as
 STOKER_* variables, checked against `stoker-worker --help`), waits for /readyz, then drives it
 with client/load.py's generator, spread over --load-procs processes for the larger phases:
   first    --first-n requests (prompt + --first-new) sent the moment /readyz answers 200
@@ -119,8 +119,8 @@ def summarize(records: list[list[Any]]) -> dict[str, Any]:
 async def _child_main(spec: dict[str, Any]) -> None:
     """One load process: connects, warms its producer, says `ready`; then per stdin line (a JSON command)
     runs client/load.py's run_load and answers one JSON line (records, CPU seconds)."""
-    from client.client import Client
-    from client.load import LoadConfig, run_load
+    from stoker.client.client import Client
+    from stoker.client.load import LoadConfig, run_load
 
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
@@ -253,7 +253,7 @@ def free_port() -> int:
 
 def worker_flags() -> set[str]:
     """The environment variables `stoker-worker --help` lists (what it accepts today)."""
-    out = subprocess.run([sys.executable, "-m", "worker.main", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "stoker.worker.main", "--help"], capture_output=True, text=True,
                          cwd=ROOT, env=os.environ | {"COLUMNS": "200"})
     return set(re.findall(r"\[env ([A-Z0-9_]+)\]", out.stdout))
 
@@ -277,7 +277,7 @@ class Worker:
         self.log_path = log_path
         self.port = int(env["STOKER_METRICS_PORT"])
         self.t0 = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "worker.main"], env=env, cwd=ROOT,
+        self.proc = subprocess.Popen([sys.executable, "-m", "stoker.worker.main"], env=env, cwd=ROOT,
                                      stdout=open(log_path, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
 
     def ready(self) -> bool:
@@ -377,7 +377,7 @@ def queue_side(args: argparse.Namespace, path: str, vocab: int, settings: Any, e
 
 def worker_env_vars(args: argparse.Namespace, path: str, settings: Any, bootstrap: str, redis_url: str,
                     names: dict[str, str], r: dict[str, Any]) -> dict[str, str]:
-    from engine import EngineConfig
+    from stoker.engine import EngineConfig
 
     accepted = worker_flags()
     defaults = EngineConfig(model_path=path, device=settings.device)  # what the worker gets for a missing flag
@@ -419,8 +419,7 @@ def brief(s: dict[str, Any]) -> str:
 # ---- the engine alone (the one place that touches the engine's API: keep it small) ---------------------
 def engine_side(args: argparse.Namespace, path: str, rate: float) -> dict[str, Any]:
     import bench
-
-    from engine import EngineRequest, SamplingParams
+    from stoker.engine import EngineRequest, SamplingParams
 
     r: dict[str, Any] = {"phases": {}}
     eng, r["ready_s"] = bench.start_engine(path, args.max_num_seqs, args.device)
@@ -639,8 +638,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import bench
     import torch
-
-    from client import stack as st
+    from stoker.devstack import stack as st
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 

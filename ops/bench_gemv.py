@@ -33,14 +33,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout too
 
-from engine.kernels import gemv as gemv_mod  # noqa: E402
-from engine.kernels import (  # noqa: E402
+from stoker.engine.kernels import gemv as gemv_mod  # noqa: E402
+from stoker.engine.kernels import (  # noqa: E402
     rms_norm_triton,
     rope_cos_sin,
     rotary_and_cache_triton,
     silu_and_mul_triton,
 )
-from engine.kernels.gemv import (  # noqa: E402
+from stoker.engine.kernels.gemv import (  # noqa: E402
     GemvConfig,
     fold_norm_weight,
     gemv_rotary_cache_triton,

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout too
 
-from engine.kernels import (  # noqa: E402
+from stoker.engine.kernels import (  # noqa: E402
     paged_attention_ref,
     paged_attention_triton,
     paged_decode_attention_ref,

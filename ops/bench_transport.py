@@ -87,7 +87,7 @@ class WorkerProc:
         finally:
             await admin.close()
         log = Path(tempfile.gettempdir()) / f"stoker-bench-worker-{tag}.log"
-        argv = [sys.executable, "-m", "worker.main", "--fake-engine", "--bootstrap-servers", bootstrap,
+        argv = [sys.executable, "-m", "stoker.worker.main", "--fake-engine", "--bootstrap-servers", bootstrap,
                 "--redis-url", redis_url, "--job-topic", topic, "--prefix", prefix, "--group-id", f"bench-{tag}",
                 "--metrics-host", "127.0.0.1", "--metrics-port", str(port), "--max-num-seqs", str(max_num_seqs),
                 "--max-waiting", str(max_num_seqs), "--max-model-len", "2000000", "--max-poll-records", "500",

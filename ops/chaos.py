@@ -3,7 +3,7 @@ claim TTL and resumed, Redis is killed and restarted, and the broker is killed a
 must have exactly one terminal event under its result key, from its highest attempt, no event of a lower
 attempt after a higher attempt's first event in its stream, and the group's consumer lag must be 0.
 
-Everything runs on loopback: a private Kafka broker (client.stack, own ports and data dir), a private
+Everything runs on loopback: a private Kafka broker (devstack, own ports and data dir), a private
 redis-server with AOF (`appendfsync always`, so a killed Redis keeps what it acknowledged), and the workers
 as real `stoker-worker` processes on the stand-in engine, each reaching Redis through a loopback proxy of
 its own (so that one worker's link can stall while the others' flow). Bounded in time: each wait has a deadline.
@@ -38,9 +38,8 @@ import msgspec
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-
-from client import stack
-from schemas import Chunk, Done, Error, Names, decode_event
+from stoker.devstack import stack
+from stoker.schemas import Chunk, Done, Error, Names, decode_event
 
 ROOT = Path(__file__).resolve().parents[1]
 CLAIM_TTL_S = 3.0
@@ -222,7 +221,7 @@ class Chaos:
                    STOKER_FAKE_STEP_DELAY_S=str(self.step_delay_s), STOKER_CLAIM_TTL_S=str(CLAIM_TTL_S),
                    STOKER_DRAIN_TIMEOUT_S="5", PYTHONUNBUFFERED="1")
         with open(self.work_dir / f"worker-{self.worker_count}.log", "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "worker.main"], cwd=ROOT, env=env, stdout=out,
+            proc = subprocess.Popen([sys.executable, "-m", "stoker.worker.main"], cwd=ROOT, env=env, stdout=out,
                                     stderr=subprocess.STDOUT)
         self.workers.append(proc)
         self.proxies[proc.pid] = proxy

@@ -91,7 +91,7 @@ def pack_jre(work: Path, out: Path) -> dict[str, int]:
 # ---- Kafka -------------------------------------------------------------------------------------------
 def kafka_lib() -> tuple[str, Path]:
     sys.path.insert(0, str(ROOT))
-    from client.stack import StackConfig, fetch_kafka  # standard library only
+    from stoker.devstack.stack import StackConfig, fetch_kafka  # standard library only
 
     cfg = StackConfig.from_env()
     return cfg.kafka_version, fetch_kafka(cfg)  # a no-op when the cache is complete; else Maven once
@@ -249,8 +249,8 @@ set -euo pipefail
 source "$ROOT/ops/gpu_stack_env"
 case "$(command -v java)" in "$GPU_STACK_DIR"/*) ;; *) echo "java is not the packed one" >&2; exit 1;; esac
 case "$(command -v redis-server)" in "$GPU_STACK_DIR"/*) ;; *) echo "redis is not the packed one" >&2; exit 1;; esac
-trap 'python3 -m client.stack down --wipe' EXIT
-python3 -m client.stack up
+trap 'python3 -m stoker.devstack down --wipe' EXIT
+python3 -m stoker.devstack up
 kafka_exe=$(readlink "/proc/$(cat "$STOKER_STACK_DIR/kafka/kafka.pid")/exe")
 redis_exe=$(readlink "/proc/$(cat "$STOKER_STACK_DIR/redis/redis.pid")/exe")
 echo "broker runs $kafka_exe; redis runs $redis_exe"

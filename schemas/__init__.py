@@ -1,7 +1,7 @@
 """Stoker's wire contract (see CONTRACT.md): msgspec Structs, codecs and names. Needs msgspec and nothing else
 of ours, so producers and subscribers in Python install it without torch."""
 
-from .codec import (
+from stoker.schemas.codec import (
     DEFAULT_MAX_MESSAGE_BYTES,
     content_type_for,
     content_type_of,
@@ -14,8 +14,8 @@ from .codec import (
     encode_job,
     is_msgpack,
 )
-from .errors import ContractError, ErrorCode
-from .messages import (
+from stoker.schemas.errors import ContractError, ErrorCode
+from stoker.schemas.messages import (
     CONTRACT_VERSION,
     MAX_LOGPROBS,
     MAX_METADATA_BYTES,
@@ -37,7 +37,7 @@ from .messages import (
     TopLogprob,
     Usage,
 )
-from .names import (
+from stoker.schemas.names import (
     CONTENT_TYPE_HEADER,
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_TTL_S,

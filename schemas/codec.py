@@ -10,10 +10,14 @@ from collections.abc import Iterable
 from typing import Any, TypeVar
 
 import msgspec
-
-from .errors import ContractError, ErrorCode
-from .messages import CONTRACT_VERSION, MAX_METADATA_BYTES, Cancel, Event, Job
-from .names import CONTENT_TYPE_HEADER, JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, is_valid_request_id
+from stoker.schemas.errors import ContractError, ErrorCode
+from stoker.schemas.messages import CONTRACT_VERSION, MAX_METADATA_BYTES, Cancel, Event, Job
+from stoker.schemas.names import (
+    CONTENT_TYPE_HEADER,
+    JSON_CONTENT_TYPE,
+    MSGPACK_CONTENT_TYPE,
+    is_valid_request_id,
+)
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20  # 1 MiB, the contract's default limit on a whole encoded job
 _MSGPACK_ALIASES = frozenset({MSGPACK_CONTENT_TYPE, "application/x-msgpack", "application/vnd.msgpack"})

@@ -1,4 +1,4 @@
-"""Write the JSON Schemas of the wire contract next to this file: `python -m schemas.generate [--check]`.
+"""Write the JSON Schemas of the wire contract next to this file: `python -m stoker.schemas.generate [--check]`.
 
 The committed copies are what producers in other languages validate against; a test keeps them equal to a
 fresh generation, so change the Structs and rerun this together.
@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-
-from .messages import Cancel, Event, Job
+from stoker.schemas.messages import Cancel, Event, Job
 
 SCHEMA_DIR = Path(__file__).parent
 _DRAFT = "https://json-schema.org/draft/2020-12/schema"
@@ -46,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             path.write_text(text)
     if stale:
-        print(f"stale: {', '.join(stale)}; run `python -m schemas.generate`", file=sys.stderr)
+        print(f"stale: {', '.join(stale)}; run `python -m stoker.schemas.generate`", file=sys.stderr)
     return 1 if stale else 0
 
 

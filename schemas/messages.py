@@ -11,9 +11,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
-
-from .errors import ContractError, ErrorCode
-from .names import is_valid_request_id
+from stoker.schemas.errors import ContractError, ErrorCode
+from stoker.schemas.names import is_valid_request_id
 
 CONTRACT_VERSION = 1  # the highest `v` this code understands
 MAX_STOP_STRINGS = 16

@@ -28,7 +28,7 @@ _KAFKA_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 
 
 def default_dlq_topic(jobs_topic: str) -> str:
-    """The dead-letter topic of a job topic when none is configured. client/stack.py (standard library only,
+    """The dead-letter topic of a job topic when none is configured. devstack/stack.py (standard library only,
     so it cannot import this package) repeats this one line; tests/test_stack.py checks that both agree."""
     return jobs_topic + DLQ_SUFFIX
 

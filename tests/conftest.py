@@ -3,7 +3,7 @@
 Where Kafka and Redis come from, first that applies:
 1. `KAFKA_BOOTSTRAP_SERVERS` / `REDIS_URL` in the environment (CI services, a stack you started yourself);
 2. testcontainers, when a Docker engine answers a ping;
-3. the local stack of `client/stack.py` (real Kafka + Redis processes, no Docker). `up` is idempotent, so a
+3. the local stack of `devstack/stack.py` (real Kafka + Redis processes, no Docker). `up` is idempotent, so a
    running stack is reused. A stack that a test session started is stopped by the last session to finish
    (sessions hold a shared lock on a file in the stack dir); one started by hand is left running.
 """
@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-from client import stack
+from stoker.devstack import stack
 
 JOB_TOPIC, DLQ_TOPIC = stack.DEFAULT_JOB_TOPIC, stack.DEFAULT_DLQ_TOPIC
 

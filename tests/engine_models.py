@@ -11,8 +11,7 @@ import os
 from typing import Any
 
 import torch
-
-from engine.make_model import write_tokenizer
+from stoker.engine.make_model import write_tokenizer
 
 VOCAB = 384  # make_model's tokenizer fills exactly this many ids at vocab_size=384
 COMMON: dict[str, Any] = dict(

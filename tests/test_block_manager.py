@@ -5,11 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
-
-import engine.block_manager as block_manager_module
-from engine.block_manager import BlockManager, hash_block
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+import stoker.engine.block_manager as block_manager_module
+from stoker.engine.block_manager import BlockManager, hash_block
+from stoker.engine.sampling_params import SamplingParams
+from stoker.engine.sequence import Sequence
 
 
 def make_seq(request_id: str, prompt: list[int], output: list[int] | None = None) -> Sequence:

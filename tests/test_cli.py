@@ -13,10 +13,9 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from stoker.client import cli
+from stoker.client.load import LoadConfig, LoadReport, RequestRecord, percentile, plot_latency
 from test_gateway import Live
-
-from client import cli
-from client.load import LoadConfig, LoadReport, RequestRecord, percentile, plot_latency
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,7 +27,7 @@ class Block(importlib.abc.MetaPathFinder):
         if name in ('torch', 'triton') or name.startswith(('torch.', 'triton.', 'engine')):
             raise ImportError('blocked for this test: ' + name)
 sys.meta_path.insert(0, Block())
-from client.cli import main
+from stoker.client.cli import main
 code = main(sys.argv[1:])
 assert 'torch' not in sys.modules
 sys.exit(code)
@@ -90,7 +89,7 @@ def test_load_config_rejects_nonsense() -> None:
 
 
 def test_stack_subcommand_calls_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
-    from client import stack
+    from stoker.devstack import stack
 
     seen: list[list[str]] = []
     def fake_main(argv: list[str]) -> int:
@@ -115,9 +114,8 @@ async def test_load_counts_client_failures_instead_of_aborting() -> None:
     """A fault outside the contract's errors (here Redis failing for every third request) is counted per
     kind in the report; the other requests still run and are measured."""
     from redis.exceptions import ConnectionError as RedisConnectionError
-
-    from client.load import run_load
-    from schemas import Chunk, Done, Timings, Usage
+    from stoker.client.load import run_load
+    from stoker.schemas import Chunk, Done, Timings, Usage
 
     calls = 0
 

@@ -24,9 +24,7 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from redis.exceptions import ConnectionError as RedisConnectionError
-
-import schemas
-from client.client import (
+from stoker.client.client import (
     Client,
     ClientError,
     EventSequencer,
@@ -35,8 +33,10 @@ from client.client import (
     SyncClient,
     TextAssembler,
 )
-from schemas import Chunk, Done, Job, Names, Timings, Usage
-from schemas import Error as ErrorEvent
+from stoker.schemas import Chunk, Done, Job, Names, Timings, Usage
+from stoker.schemas import Error as ErrorEvent
+
+from stoker import schemas
 
 WORDS = ["alpha ", "beta ", "gamma ", "delta ", "epsilon "]
 
@@ -104,12 +104,13 @@ def test_client_imports_without_torch() -> None:
         "import sys, importlib.abc\n"
         "class Block(importlib.abc.MetaPathFinder):\n"
         "    def find_spec(self, name, path, target=None):\n"
-        "        if name == 'torch' or name.startswith(('torch.', 'engine', 'triton')):\n"
+        "        if name == 'torch' or name.startswith(('torch.', 'engine', 'stoker.engine', 'stoker.worker', 'triton')):\n"
         "            raise ImportError('blocked: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import client, client.client, client.cli, client.load, client.gateway\n"
-        "assert not any(m == 'torch' or m.startswith(('torch.', 'engine')) for m in sys.modules), sorted(sys.modules)\n"
-        "from client.cli import build_parser\n"
+        "import stoker.client, stoker.client.client, stoker.client.cli, stoker.client.load, stoker.client.demo\n"
+        "import stoker.gateway.app, stoker.gateway.mapping\n"
+        "assert not any(m == 'torch' or m.startswith(('torch.', 'engine', 'stoker.engine', 'stoker.worker')) for m in sys.modules), sorted(sys.modules)\n"
+        "from stoker.client.cli import build_parser\n"
         "for argv in (['submit', 'x'], ['tail', 'r'], ['load', '-n', '2'], ['workers']):\n"
         "    build_parser().parse_args(argv)\n"
         "print('ok')\n"

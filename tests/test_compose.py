@@ -1,4 +1,4 @@
-"""docker-compose.yml and Dockerfile agree with the local stack (client/stack.py) and the worker's settings.
+"""docker-compose.yml and Dockerfile agree with the local stack (devstack/stack.py) and the worker's settings.
 
 There is no Docker engine here, so these read the files; `docker compose config` in CI would be the next step.
 """
@@ -12,9 +12,8 @@ from typing import Any
 
 import pytest
 import yaml
-
-from client import stack
-from schemas.names import Names
+from stoker.devstack import stack
+from stoker.schemas.names import Names
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULTS = stack.StackConfig(stack_dir=ROOT / "var" / "unused")  # defaults only; nothing is started
@@ -30,7 +29,7 @@ def compose() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def worker_env_defaults() -> dict[str, Any]:
     """{env var: default} of every setting stoker-worker reads (worker/main.py's option table)."""
-    from worker import main
+    from stoker.worker import main
 
     return {env: default for _flag, env, _type, default, _help in main._OPTIONS}
 
@@ -149,7 +148,7 @@ def test_topics_agree_with_the_contract_stack_and_init(compose: dict[str, Any]) 
 def test_dockerfile_installs_the_worker_and_runs_it() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["stoker-worker"] == "worker.main:main"
+    assert scripts["stoker-worker"] == "stoker.worker.main:main"
     assert re.search(r'^ENTRYPOINT \["stoker-worker"\]$', dockerfile, re.M)
     assert re.search(r'pip install .*"\.\[worker\]"', dockerfile)
     assert re.search(r"^FROM nvidia/cuda:\S+", dockerfile, re.M)

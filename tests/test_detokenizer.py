@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 from engine_models import build_hf_model, prompts
-
-from engine import EngineRequest, SamplingParams
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.engine import LLMEngine
-from engine.make_model import write_tokenizer
-from engine.tokenizer import Tokenizer
+from stoker.engine import EngineRequest, SamplingParams
+from stoker.engine.config import EngineConfig
+from stoker.engine.detokenizer import IncrementalDetokenizer
+from stoker.engine.engine import LLMEngine
+from stoker.engine.make_model import write_tokenizer
+from stoker.engine.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +129,8 @@ def test_byte_table_fast_path_equals_tokenizer_decode(tmp_path):
     # ids that split UTF-8 characters, special tokens (skipped) and ids outside the vocabulary (nothing).
     import random
 
-    from engine.make_model import write_tokenizer
-    from engine.tokenizer import Tokenizer
+    from stoker.engine.make_model import write_tokenizer
+    from stoker.engine.tokenizer import Tokenizer
 
     write_tokenizer(str(tmp_path), 384)
     tok = Tokenizer(str(tmp_path))

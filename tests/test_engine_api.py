@@ -8,11 +8,10 @@ import time
 
 import pytest
 from engine_models import build_hf_model, prompts
-
-from engine import EngineRequest, SamplingParams
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.outputs import EngineRequestError, RequestOutput
+from stoker.engine import EngineRequest, SamplingParams
+from stoker.engine.config import EngineConfig
+from stoker.engine.engine import LLMEngine
+from stoker.engine.outputs import EngineRequestError, RequestOutput
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +128,7 @@ def test_abort_and_deadline(engine):
 
 
 def test_one_failing_request_does_not_fail_the_engine(engine, monkeypatch):
-    from engine import sampler
+    from stoker.engine import sampler
 
     original = sampler.SamplingBatch.build
 
@@ -178,7 +177,7 @@ def test_concurrent_adds_while_stepping(engine):
 
 
 def test_warm_up_runs_every_serving_path_then_leaves_the_engine_as_it_found_it(path):
-    from engine import warm_up
+    from stoker.engine import warm_up
 
     cold = LLMEngine(EngineConfig(path, device="cpu", num_kv_blocks=32, max_model_len=128,
                                   max_num_batched_tokens=64, enable_prefix_caching=True))

@@ -9,11 +9,10 @@ from collections.abc import Callable
 
 import pytest
 from engine_models import ARCHS, build_hf_model, hf_greedy, prompts
-
-from engine import EngineRequest, SamplingParams
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.outputs import RequestOutput
+from stoker.engine import EngineRequest, SamplingParams
+from stoker.engine.config import EngineConfig
+from stoker.engine.engine import LLMEngine
+from stoker.engine.outputs import RequestOutput
 
 MAX_NEW = 10
 PROMPTS = prompts(1, [3, 17, 9, 26, 1])  # shared by most tests so the HF references are computed once

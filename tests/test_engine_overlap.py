@@ -8,11 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from engine_models import build_hf_model, prompts
-
-from engine import EngineRequest, SamplingParams
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.sequence import PENDING_TOKEN
+from stoker.engine import EngineRequest, SamplingParams
+from stoker.engine.config import EngineConfig
+from stoker.engine.engine import LLMEngine
+from stoker.engine.sequence import PENDING_TOKEN
 
 
 @pytest.fixture(scope="module")
@@ -172,8 +171,8 @@ def test_prefix_cache_under_overlap_hashes_only_known_tokens(path):
 
 
 def test_host_block_table_mirror_appends_rewrites_after_preemption_and_grows():
-    from engine.model_runner import _BlockTables
-    from engine.sequence import Sequence
+    from stoker.engine.model_runner import _BlockTables
+    from stoker.engine.sequence import Sequence
 
     tables = _BlockTables(max_blocks=8)
     seqs = [Sequence(f"s{i}", [1]) for i in range(100)]  # more live sequences than the initial 64 rows
@@ -197,7 +196,7 @@ def test_host_block_table_mirror_appends_rewrites_after_preemption_and_grows():
 def test_prepare_starts_every_device_part_16_byte_aligned(path):
     """Triton compiles a kernel variant per 16-byte-alignment class of each pointer: the parts of the packed
     uploads must start aligned whatever the batch's token and sequence counts, and hold the right values."""
-    from engine.model_runner import _pack
+    from stoker.engine.model_runner import _pack
 
     engine = make(path, False)
     seen: list = []

@@ -21,10 +21,9 @@ import openai
 import pytest
 import uvicorn
 from redis.exceptions import ConnectionError as RedisConnectionError
-
-from client.client import Client, WorkerInfo
-from client.gateway import create_app
-from schemas import Done
+from stoker.client.client import Client, WorkerInfo
+from stoker.gateway.app import create_app
+from stoker.schemas import Done
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP_DELAY_S = 0.02  # the stand-in engine's step time: slow enough to disconnect mid-stream, fast enough for CI
@@ -88,7 +87,7 @@ class Live:
                    STOKER_JOB_TOPIC=self.topic, STOKER_PREFIX=self.prefix, STOKER_GROUP_ID=f"g-{self.prefix}",
                    STOKER_METRICS_PORT="-1", **engine)
         with self.log.open("wb") as out:
-            self.worker = subprocess.Popen([sys.executable, "-m", "worker.main"], cwd=ROOT, env=env,
+            self.worker = subprocess.Popen([sys.executable, "-m", "stoker.worker.main"], cwd=ROOT, env=env,
                                            stdout=out, stderr=subprocess.STDOUT)
 
     def _serve(self) -> None:
@@ -348,7 +347,7 @@ async def test_hangup_before_the_first_event_cancels_the_job(kafka_bootstrap: st
 def real_live(kafka_bootstrap: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     """A worker on the real engine with the small random model (engine.make_model), on CPU."""
     model = tmp_path_factory.mktemp("model") / "tiny"
-    subprocess.run([sys.executable, "-m", "engine.make_model", str(model)], cwd=ROOT, check=True,
+    subprocess.run([sys.executable, "-m", "stoker.engine.make_model", str(model)], cwd=ROOT, check=True,
                    capture_output=True, timeout=120)
     stack = Live(kafka_bootstrap, redis_url)
     try:

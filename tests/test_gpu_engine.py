@@ -12,14 +12,13 @@ import struct
 
 import pytest
 import torch
-
-from engine.config import EngineConfig
-from engine.cuda_graphs import bucket_sizes, pick_bucket
-from engine.fast_load import load_weights_fast, read_header
-from engine.loader import load_weights
-from engine.make_model import write_tokenizer
-from engine.model_config import ModelConfig
-from engine.models import model_class
+from stoker.engine.config import EngineConfig
+from stoker.engine.cuda_graphs import bucket_sizes, pick_bucket
+from stoker.engine.fast_load import load_weights_fast, read_header
+from stoker.engine.loader import load_weights
+from stoker.engine.make_model import write_tokenizer
+from stoker.engine.model_config import ModelConfig
+from stoker.engine.models import model_class
 
 CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
@@ -134,7 +133,7 @@ def test_fast_load_rejects_bad_files(tmp_path, llama) -> None:
 
 # ---- GPU: logits and tokens against transformers ---------------------------------------------------------
 def _engine(path: str, dtype: str, **kw):
-    from engine.engine import LLMEngine
+    from stoker.engine.engine import LLMEngine
 
     return LLMEngine(
         EngineConfig(
@@ -160,7 +159,7 @@ def _input(
     samples: list[int],
     decode_only: bool,
 ):
-    from engine.batch import AttentionMetadata, ModelInput
+    from stoker.engine.batch import AttentionMetadata, ModelInput
 
     width = max(len(t) for t in tables)
     tables = [t + [0] * (width - len(t)) for t in tables]
@@ -245,7 +244,7 @@ def test_bf16_logits_match_transformers_prefill_and_graph_decode(llama_smooth) -
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
 def test_fp32_greedy_tokens_match_transformers(llama, cuda_graphs: bool) -> None:
-    from engine import EngineRequest, SamplingParams
+    from stoker.engine import EngineRequest, SamplingParams
 
     path, hf = llama
     hf = hf.to("cuda")
@@ -278,8 +277,8 @@ def test_mixed_steps_compile_no_new_triton_variants_and_waits_sleep(llama) -> No
     """After one warm-up request, mixed prefill/decode steps of other token and sequence counts reuse the
     compiled kernels: a variant compiled mid-run costs ~1 s of host time while the GPU idles. And the
     engine switched the GPU's waits to blocking sync (sleep, not spin)."""
-    from engine import EngineRequest, SamplingParams
-    from engine.kernels import activation, attention, rmsnorm, rotary
+    from stoker.engine import EngineRequest, SamplingParams
+    from stoker.engine.kernels import activation, attention, rmsnorm, rotary
 
     path, _ = llama
     engine = _engine(path, "bfloat16")

@@ -14,23 +14,23 @@ import pytest
 pytest.importorskip("importlinter")
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("schemas", "engine", "worker", "client")
 
 
 def lint_imports(tree: Path) -> subprocess.CompletedProcess[str]:
     exe = Path(sys.executable).with_name("lint-imports")
     command = [str(exe)] if exe.exists() else [shutil.which("lint-imports") or "lint-imports"]
     # PYTHONPATH=tree: the copy's packages, not an editable install of another checkout.
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    return subprocess.run(command + ["--no-cache"], cwd=tree, env=env, capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "PYTHONPATH": str(tree.parent)}
+    return subprocess.run(command + ["--no-cache"], cwd=tree.parent, env=env, capture_output=True, text=True, timeout=120)
 
 
 @pytest.fixture
 def tree(tmp_path: Path) -> Path:
-    for package in PACKAGES:
-        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    """A copy of the packages laid out as installed (tmp/stoker/engine, ...), as ops/lint checks them."""
+    subprocess.run([sys.executable, str(ROOT / "ops" / "namespace_view.py"), str(tmp_path), "--copy"], check=True,
+                   capture_output=True, timeout=60)
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    return tmp_path
+    return tmp_path / "stoker"
 
 
 def inject(path: Path, after: str, lines: str) -> None:
@@ -49,29 +49,44 @@ def test_a_type_checking_import_of_the_runner_by_the_model_breaks_two_contracts(
     # The cycle this layout removed: the model importing the runner (for types) that imports the model.
     inject(
         tree / "engine/models/llama.py",
-        "from engine.models.base import CausalLM\n",
-        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from engine.model_runner import ModelRunner\n",
+        "from stoker.engine.models.base import CausalLM\n",
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from stoker.engine.model_runner import ModelRunner\n",
     )
     run = lint_imports(tree)
     assert run.returncode != 0
     out = run.stdout
     assert "No import cycles among the modules of any package BROKEN" in out
-    assert "No cycles are allowed in engine." in out and ".models -> .model_runner" in out
-    assert "engine.models is not allowed to import engine.model_runner" in out
-    assert "engine.models.llama -> engine.model_runner" in out
+    assert "No cycles are allowed in stoker.engine." in out and ".models -> .model_runner" in out
+    assert "stoker.engine.models is not allowed to import stoker.engine.model_runner" in out
+    assert "stoker.engine.models.llama -> stoker.engine.model_runner" in out
 
 
 def test_the_worker_reaching_past_the_public_engine_api_breaks_its_contract(tree: Path) -> None:
-    inject(tree / "worker/driver.py", "from engine import EngineRequest, EngineStats, RequestOutput\n",
-           "from engine.sequence import Sequence  # noqa: F401\n")
+    inject(tree / "worker/driver.py", "from stoker.engine import EngineRequest, EngineStats, RequestOutput\n",
+           "from stoker.engine.sequence import Sequence  # noqa: F401\n")
     run = lint_imports(tree)
     assert run.returncode != 0
-    assert "worker uses only the engine's public names (from engine import ...) BROKEN" in run.stdout
-    assert "worker.driver -> engine.sequence" in run.stdout
+    assert "worker uses only the engine's public names (from stoker.engine import ...) BROKEN" in run.stdout
+    assert "stoker.worker.driver -> stoker.engine.sequence" in run.stdout
 
 
 def test_torch_in_the_wire_schemas_breaks_its_contract(tree: Path) -> None:
     inject(tree / "schemas/messages.py", "import math\n", "import torch  # noqa: F401\n")
     run = lint_imports(tree)
     assert run.returncode != 0
-    assert "schemas.messages -> torch" in run.stdout
+    assert "stoker.schemas.messages -> torch" in run.stdout
+
+
+def test_the_launcher_importing_msgspec_breaks_its_contract(tree: Path) -> None:
+    inject(tree / "devstack/kafka_wire.py", "import time\n", "import msgspec  # noqa: F401\n")
+    run = lint_imports(tree)
+    assert run.returncode != 0
+    assert "the local-stack launcher needs nothing beyond the standard library" in run.stdout
+    assert "stoker.devstack.kafka_wire -> msgspec" in run.stdout
+
+
+def test_the_gateway_importing_the_engine_breaks_its_contract(tree: Path) -> None:
+    inject(tree / "gateway/mapping.py", "import msgspec\n", "from stoker.engine import SamplingParams  # noqa: F401\n")
+    run = lint_imports(tree)
+    assert run.returncode != 0
+    assert "stoker.gateway.mapping -> stoker.engine" in run.stdout

@@ -37,7 +37,7 @@ if INTERPRET:
 
         _interpreter._patch_lang_tensor = _patch_lang_tensor
 
-from engine.kernels import (  # noqa: E402  (after the interpreter fix above)
+from stoker.engine.kernels import (  # noqa: E402  (after the interpreter fix above)
     paged_attention,
     paged_attention_ref,
     paged_attention_triton,
@@ -53,7 +53,7 @@ from engine.kernels import (  # noqa: E402  (after the interpreter fix above)
     silu_and_mul_ref,
     silu_and_mul_triton,
 )
-from engine.kernels.attention import decode_num_splits  # noqa: E402
+from stoker.engine.kernels.attention import decode_num_splits  # noqa: E402
 
 _GPU = pytest.mark.gpu
 _NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -238,7 +238,7 @@ def test_dispatch_uses_triton_on_cuda_and_reference_with_stoker_triton_0(monkeyp
     mixed = paged_attention(q, k_cache, v_cache, block_tables, qsl, context_lens, 0.1)
     torch.testing.assert_close(fast, paged_decode_attention_triton(q, k_cache, v_cache, block_tables,
                                                                    context_lens, 0.1), rtol=0, atol=0)
-    monkeypatch.setattr("engine.kernels._triton_enabled", False)  # EngineConfig(use_triton=False)
+    monkeypatch.setattr("stoker.engine.kernels._triton_enabled", False)  # EngineConfig(use_triton=False)
     slow = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.1)
     x = torch.randn(3, 48, device="cuda", dtype=torch.float16)
     torch.testing.assert_close(rms_norm(x, torch.ones(48, device="cuda", dtype=torch.float16), 1e-6)[0],

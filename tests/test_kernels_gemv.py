@@ -32,8 +32,8 @@ if INTERPRET:
 
         _interpreter._patch_lang_tensor = _patch_lang_tensor
 
-from engine.kernels import fused_linear, rope_cos_sin  # noqa: E402
-from engine.kernels.gemv import (  # noqa: E402
+from stoker.engine.kernels import fused_linear, rope_cos_sin  # noqa: E402
+from stoker.engine.kernels.gemv import (  # noqa: E402
     GEMV_MAX_M,
     GemvConfig,
     fold_norm_weight,

@@ -7,8 +7,7 @@ import math
 
 import pytest
 import torch
-
-from engine.kernels import (
+from stoker.engine.kernels import (
     paged_attention,
     paged_attention_ref,
     paged_decode_attention_ref,

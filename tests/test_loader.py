@@ -10,12 +10,11 @@ import shutil
 import pytest
 import torch
 from engine_models import build_hf_model, hf_greedy, prompts
-
-from engine import EngineRequest, SamplingParams
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.make_model import make_model
-from engine.model_config import ModelConfig
+from stoker.engine import EngineRequest, SamplingParams
+from stoker.engine.config import EngineConfig
+from stoker.engine.engine import LLMEngine
+from stoker.engine.make_model import make_model
+from stoker.engine.model_config import ModelConfig
 
 
 def greedy_tokens(engine: LLMEngine, ids: list[int], n: int) -> list[int]:

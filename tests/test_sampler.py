@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_models import build_hf_model, hf_logits, prompts
-
-from engine import EngineRequest, SamplingParams
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.sampler import (
+from stoker.engine import EngineRequest, SamplingParams
+from stoker.engine.config import EngineConfig
+from stoker.engine.engine import LLMEngine
+from stoker.engine.sampler import (
     LOGPROB_FLOOR,
     Sampler,
     SamplingBatch,
@@ -208,7 +207,7 @@ def test_seeded_request_same_alone_and_in_a_mixed_batch(llama):
 
 
 def test_greedy_argmax_two_stage_keeps_the_first_maximum():
-    from engine.sampler import greedy_argmax
+    from stoker.engine.sampler import greedy_argmax
 
     gen = torch.Generator().manual_seed(3)
     for n, v in [(1, 128256), (5, 64 * 256), (2, 64 * 257), (3, 384), (70, 64 * 256)]:

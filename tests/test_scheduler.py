@@ -12,10 +12,9 @@ import random
 from collections import Counter
 
 import pytest
-
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
-from engine.sequence import PENDING_TOKEN, FinishReason, Sequence, SequenceStatus
+from stoker.engine.sampling_params import SamplingParams
+from stoker.engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
+from stoker.engine.sequence import PENDING_TOKEN, FinishReason, Sequence, SequenceStatus
 
 
 class Clock:

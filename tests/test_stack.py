@@ -17,8 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from conftest import Endpoints, unique_name
-
-from client import stack
+from stoker.devstack import stack
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,9 +50,20 @@ def test_config_from_env_reads_ports_dirs_and_topics(tmp_path: Path) -> None:
         stack.StackConfig.from_env({"STOKER_REDIS_PORT": "six"})
 
 
+def test_the_launcher_needs_only_the_standard_library(tmp_path: Path) -> None:
+    """`ops/stack` runs before any venv exists: plain python3 without site-packages imports and runs it."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import stoker.devstack.stack, stoker.devstack.kafka_wire; "
+            "import runpy; sys.argv = ['devstack', 'status', '--stack-dir', sys.argv[2], '--kafka-port', '59091', '--controller-port', '59093', '--redis-port', '59092']; "
+            "runpy.run_module('stoker.devstack', run_name='__main__')")
+    run = subprocess.run([sys.executable, "-S", "-I", "-c", code, str(ROOT), str(tmp_path)], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 3, run.stderr  # LSB 3: not running (no stack in this dir)
+    assert "kafka" in run.stderr and "Traceback" not in run.stderr
+
+
 def test_default_dead_letter_topic_is_one_rule_for_stack_worker_and_client(tmp_path: Path) -> None:
     """The launcher stays standard-library only (schemas needs msgspec), so it repeats the rule: both agree."""
-    from schemas.names import Names, default_dlq_topic
+    from stoker.schemas.names import Names, default_dlq_topic
 
     for topic in ("stoker.jobs", "x", "a-b_c.9"):
         ours = stack.StackConfig(stack_dir=tmp_path, job_topic=topic).dlq_topic
@@ -164,7 +174,7 @@ async def test_redis_pubsub_and_stream_round_trip(redis_url: str) -> None:
 @pytest.mark.stack
 def test_status_reports_up_and_up_again_changes_nothing(stack_services: Endpoints) -> None:
     if stack_services.source != "stack":
-        pytest.skip(f"Kafka/Redis came from {stack_services.source}, not client.stack")
+        pytest.skip(f"Kafka/Redis came from {stack_services.source}, not devstack")
     cfg = stack.StackConfig.from_env()
     before = stack.status(cfg)
     assert before.up and before.kafka.pid and before.redis.pid

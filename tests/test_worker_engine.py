@@ -9,12 +9,11 @@ import sys
 
 import pytest
 import redis.asyncio as aioredis
+from stoker.engine import EngineRequest, SamplingParams
+from stoker.schemas import Done, Error
+from stoker.worker.config import WorkerConfig
+from stoker.worker.service import Worker
 from worker_harness import ROOT, check_sequence, job, make_space, produce, scrape, wait_results
-
-from engine import EngineRequest, SamplingParams
-from schemas import Done, Error
-from worker.config import WorkerConfig
-from worker.service import Worker
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -22,13 +21,13 @@ pytestmark = [pytest.mark.stack, pytest.mark.slow, pytest.mark.timeout(240)]
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     out = tmp_path_factory.mktemp("model") / "tiny"
-    subprocess.run([sys.executable, "-m", "engine.make_model", str(out), "--preset", "tiny"], cwd=ROOT, check=True,
+    subprocess.run([sys.executable, "-m", "stoker.engine.make_model", str(out), "--preset", "tiny"], cwd=ROOT, check=True,
                    capture_output=True)
     return str(out)
 
 
 def _engine(model: str):  # noqa: ANN202 -- LLMEngine is imported lazily
-    from engine import EngineConfig, LLMEngine
+    from stoker.engine import EngineConfig, LLMEngine
 
     return LLMEngine(EngineConfig(model_path=model, device="cpu", kv_cache_memory_bytes=32 << 20, max_num_seqs=16))
 

@@ -21,6 +21,8 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
+from stoker.schemas import Cancel, Done, encode_cancel
+from stoker.worker.fake_engine import FakeEngine
 from worker_harness import (
     Space,
     check_attempt_order,
@@ -35,9 +37,6 @@ from worker_harness import (
     stop_process,
     wait_results,
 )
-
-from schemas import Cancel, Done, encode_cancel
-from worker.fake_engine import FakeEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops"))
 from chaos import RedisProxy  # noqa: E402

@@ -21,6 +21,12 @@ from pathlib import Path
 import msgspec
 import pytest
 import redis.asyncio as aioredis
+from stoker.devstack import stack
+from stoker.engine import EngineRequest, SamplingParams
+from stoker.schemas import DLQ_HEADERS, Cancel, Chunk, Done, Error, encode_cancel
+from stoker.worker.config import WorkerConfig
+from stoker.worker.fake_engine import FAIL_MARKER, FakeEngine
+from stoker.worker.service import Worker
 from worker_harness import (
     Space,
     check_sequence,
@@ -36,13 +42,6 @@ from worker_harness import (
     stop_process,
     wait_results,
 )
-
-from client import stack
-from engine import EngineRequest, SamplingParams
-from schemas import DLQ_HEADERS, Cancel, Chunk, Done, Error, encode_cancel
-from worker.config import WorkerConfig
-from worker.fake_engine import FAIL_MARKER, FakeEngine
-from worker.service import Worker
 
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(120)]
 
@@ -458,7 +457,7 @@ async def _wait_all_committed(space: Space, expected: int, timeout: float = 20) 
 
 
 async def _terminals(r: aioredis.Redis, names: object, rid: str) -> list[Done | Error]:
-    from schemas import decode_event
+    from stoker.schemas import decode_event
     entries = await r.xrange(names.stream(rid))  # type: ignore[attr-defined]
     return [e for e in (decode_event(f[b"data"]) for _, f in entries) if isinstance(e, Done | Error)]
 
@@ -501,7 +500,7 @@ async def test_duplicate_record_read_while_the_terminal_event_is_unpublished_doe
         w.rio.publish = slow_terminals  # type: ignore[method-assign]
         await produce(space.bootstrap, names.jobs_topic, [job("again", max_tokens=3)])
         for _ in range(300):  # finished in the engine, terminal event held back
-            if w.tracker.in_flight_count() == 1 and "again" not in w.active and await r.exists(names.stream("again")):
+            if w.tracker.in_flight_count() == 1 and w.requests.running("again") is None and await r.exists(names.stream("again")):
                 break
             await asyncio.sleep(0.02)
         await produce(space.bootstrap, names.jobs_topic, [job("again", max_tokens=3)])
@@ -591,12 +590,12 @@ async def test_claims_are_renewed_while_kafka_metadata_calls_hang(space, r):
         w.consumer.end_offsets = hanging_end_offsets  # type: ignore[method-assign]
         await produce(space.bootstrap, names.jobs_topic, [job("long", max_tokens=400)])
         for _ in range(300):
-            if "long" in w.active:
+            if w.requests.running("long") is not None:
                 break
             await asyncio.sleep(0.02)
         await asyncio.sleep(4.5)  # claim_ttl_s is 3: only renewals keep the claim alive this long
         owner = await r.get(names.claim("long"))
-        assert "long" in w.active
+        assert w.requests.running("long") is not None
         assert owner == f"{w.cfg.worker_id} 1".encode()  # worker and attempt
 
 
@@ -661,10 +660,10 @@ async def test_job_handed_back_before_any_event_keeps_its_attempt_number(space, 
             await asyncio.sleep(0.02)
         await produce(space.bootstrap, names.jobs_topic, [job("queued", max_tokens=3)])
         for _ in range(300):
-            if "queued" in w.active and await r.exists(names.stream("first")):
+            if w.requests.running("queued") is not None and await r.exists(names.stream("first")):
                 break
             await asyncio.sleep(0.02)
-        assert "queued" in w.active and await r.exists(names.stream("queued")) == 0
+        assert w.requests.running("queued") is not None and await r.exists(names.stream("queued")) == 0
     assert int(await r.get(f"{names.redis_prefix}:attempts:queued") or 0) == 0
     assert int(await r.get(f"{names.redis_prefix}:attempts:first") or 0) == 1
 
@@ -769,8 +768,7 @@ async def test_dead_letter_send_that_keeps_failing_turns_healthz_unhealthy(space
     """A dead letter refused at run time (the topic deleted since the start) is retried, and said loudly:
     an error log naming the topic, /healthz 503, back to healthy once a send succeeds."""
     from aiokafka.errors import KafkaTimeoutError
-
-    from worker import service
+    from stoker.worker import service
 
     monkeypatch.setattr(service, "DLQ_UNHEALTHY_AFTER_S", 0.0)  # at once: the test need not wait 10 s
     names = space.names
@@ -869,7 +867,7 @@ async def test_jobs_outside_the_version_1_1_bounds_get_invalid_job_naming_the_fi
 async def test_the_stacks_default_dead_letter_topic_is_the_one_worker_and_client_use(space):
     """STOKER_JOB_TOPIC=x ops/stack up made `x` and `stoker.jobs.dlq`; the worker wanted `x.dlq` and refused to
     start. One rule now: the stack makes x.dlq, the worker starts on x alone and dead-letters there."""
-    from client.client import Client
+    from stoker.client.client import Client
 
     topic = f"own.{space.tag}"
     cfg = stack.StackConfig.from_env({"STOKER_JOB_TOPIC": topic})

@@ -8,15 +8,14 @@ import threading
 import time
 
 import pytest
-
-from engine import EngineRequest, SamplingParams
-from engine.outputs import EngineRequestError, RequestOutput
-from worker.config import WorkerConfig
-from worker.driver import EngineDriver
-from worker.fake_engine import FAIL_MARKER, FakeEngine, fake_token_id, fake_token_text
-from worker.main import parse_config
-from worker.metrics import TenantLabels
-from worker.offsets import OffsetTracker
+from stoker.engine import EngineRequest, SamplingParams
+from stoker.engine.outputs import EngineRequestError, RequestOutput
+from stoker.worker.config import WorkerConfig
+from stoker.worker.driver import EngineDriver
+from stoker.worker.fake_engine import FAIL_MARKER, FakeEngine, fake_token_id, fake_token_text
+from stoker.worker.main import parse_config
+from stoker.worker.metrics import TenantLabels
+from stoker.worker.offsets import OffsetTracker
 
 
 # -- offsets ------------------------------------------------------------------------------------------------
@@ -220,18 +219,18 @@ def test_config_from_env_and_flags():
 
 
 def test_every_engine_setting_reaches_the_engine_config(tmp_path, monkeypatch):
-    from worker.main import build_engine
+    from stoker.worker.main import build_engine
 
     env = {"STOKER_MODEL": str(tmp_path), "STOKER_DEVICE": "cpu", "STOKER_DTYPE": "float16",
            "STOKER_BLOCK_SIZE": "32", "STOKER_NO_PREFIX_CACHING": "1", "STOKER_NO_TRITON": "yes",
            "STOKER_MAX_NUM_BATCHED_TOKENS": "2048", "STOKER_SEED": "7", "STOKER_GPU_MEMORY_UTILIZATION": "0.5"}
     cfg = parse_config(["--no-cuda-graphs", "--no-async-scheduling", "--no-blocking-sync", "--no-warmup",
                         "--num-kv-blocks", "64", "--max-num-batched-tokens", "1024"], env)
-    monkeypatch.setattr("engine.LLMEngine", lambda config: config, raising=False)  # no model load here
-    from engine.warmup import WarmupReport
+    monkeypatch.setattr("stoker.engine.LLMEngine", lambda config: config, raising=False)  # no model load here
+    from stoker.engine.warmup import WarmupReport
 
     warmed: list[object] = []
-    monkeypatch.setattr("engine.warm_up", lambda eng: warmed.append(eng) or WarmupReport(), raising=False)
+    monkeypatch.setattr("stoker.engine.warm_up", lambda eng: warmed.append(eng) or WarmupReport(), raising=False)
     ec = build_engine(cfg)
     assert warmed == []  # --no-warmup
     assert (ec.model_path, ec.device, ec.dtype, ec.block_size, ec.num_kv_blocks) == (str(tmp_path), "cpu", "float16",
@@ -270,7 +269,7 @@ def test_bad_env_value_is_named(capsys):
 
 
 def test_stream_cap_fits_the_longest_request_and_keeps_the_flag_as_a_floor():
-    from worker.service import Worker
+    from stoker.worker.service import Worker
 
     small = Worker(WorkerConfig(fake_engine=True, stream_maxlen=50, max_attempts=3), FakeEngine(max_model_len=1000))
     assert small.stream_cap() == 3 * 1001 + 1  # 3 attempts of 1000 chunks + a terminal each, + the poison error

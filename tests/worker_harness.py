@@ -23,11 +23,10 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import ConsumerRecord
-
-from schemas import Chunk, Done, Error, Names, decode_event
-from worker.config import WorkerConfig
-from worker.fake_engine import FakeEngine
-from worker.service import Worker
+from stoker.schemas import Chunk, Done, Error, Names, decode_event
+from stoker.worker.config import WorkerConfig
+from stoker.worker.fake_engine import FakeEngine
+from stoker.worker.service import Worker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -208,10 +207,10 @@ def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
 
 def start_worker_process(env: dict[str, str], *args: str, log_path: Path | None = None) -> subprocess.Popen[bytes]:
     if log_path is None:
-        return subprocess.Popen([sys.executable, "-m", "worker.main", *args], cwd=ROOT, env=env,
+        return subprocess.Popen([sys.executable, "-m", "stoker.worker.main", *args], cwd=ROOT, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(log_path, "ab") as out:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen([sys.executable, "-m", "worker.main", *args], cwd=ROOT, env=env, stdout=out,
+        return subprocess.Popen([sys.executable, "-m", "stoker.worker.main", *args], cwd=ROOT, env=env, stdout=out,
                                 stderr=subprocess.STDOUT)
 
 

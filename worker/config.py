@@ -8,8 +8,8 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 
-from schemas.codec import DEFAULT_MAX_MESSAGE_BYTES
-from schemas.names import DEFAULT_MAX_ATTEMPTS, DEFAULT_TTL_S, JOBS_TOPIC, REDIS_PREFIX, Names
+from stoker.schemas.codec import DEFAULT_MAX_MESSAGE_BYTES
+from stoker.schemas.names import DEFAULT_MAX_ATTEMPTS, DEFAULT_TTL_S, JOBS_TOPIC, REDIS_PREFIX, Names
 
 
 def default_worker_id() -> str:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from engine import EngineRequest, EngineStats, RequestOutput
+from stoker.engine import EngineRequest, EngineStats, RequestOutput
 
 log = logging.getLogger("stoker.worker.driver")
 

@@ -18,7 +18,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
-from engine import EngineRequest, EngineRequestError, EngineStats, RequestOutput, SamplingParams
+from stoker.engine import EngineRequest, EngineRequestError, EngineStats, RequestOutput, SamplingParams
 
 FAIL_MARKER = "__stoker_fail__"
 _BLOCK_SIZE = 16

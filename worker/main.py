@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from worker.config import WorkerConfig, default_worker_id
+from stoker.worker.config import WorkerConfig, default_worker_id
 
 # (flag, env var, type, default, help). bool flags are switches; env accepts 1/true/yes.
 _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
@@ -139,11 +139,11 @@ def setup_logging(level: str, fmt: str) -> None:
 
 def build_engine(cfg: WorkerConfig) -> Any:
     if cfg.fake_engine:
-        from worker.fake_engine import FakeEngine
+        from stoker.worker.fake_engine import FakeEngine
 
         return FakeEngine(cfg.served_model_name or "fake", max_num_seqs=cfg.max_num_seqs,
                           max_model_len=cfg.max_model_len or 4096, step_delay_s=cfg.fake_step_delay_s)
-    from engine import EngineConfig, LLMEngine
+    from stoker.engine import EngineConfig, LLMEngine
 
     kwargs: dict[str, Any] = {
         "model_path": cfg.model, "max_num_seqs": cfg.max_num_seqs, "dtype": cfg.dtype, "block_size": cfg.block_size,
@@ -163,7 +163,7 @@ def build_engine(cfg: WorkerConfig) -> Any:
         kwargs["max_model_len"] = cfg.max_model_len
     engine = LLMEngine(EngineConfig(**kwargs))
     if not cfg.no_warmup:
-        from engine import warm_up
+        from stoker.engine import warm_up
 
         report = warm_up(engine)
         logging.getLogger("stoker.worker").info(
@@ -178,7 +178,7 @@ async def serve(cfg: WorkerConfig) -> None:
     # produce -> first event p99 measured 18-21 ms (ops/bench_transport.py, 2-core box); at 1 ms 10.5 ms,
     # at 0.2 ms 9.2 ms. Hand-offs cost microseconds, so a short interval is cheap.
     sys.setswitchinterval(cfg.switch_interval_s)
-    from worker.service import Worker
+    from stoker.worker.service import Worker
 
     log = logging.getLogger("stoker.worker")
     started = time.monotonic()

@@ -20,6 +20,7 @@ permission is not an outage: it raises RedisAccessError at once.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import random
 import time
@@ -31,8 +32,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-
-from schemas.names import STREAM_FIELD, Names
+from stoker.schemas.names import STREAM_FIELD, Names
 
 log = logging.getLogger("stoker.worker.redis")
 T = TypeVar("T")
@@ -166,7 +166,34 @@ return 0
 """
 
 
-_KIND_DIGIT = ("0", "1", "2", "2")  # OutEvent.kind -> the script's digit (3 is a terminal, in a 'u' group)
+class EventKind(enum.IntEnum):
+    """What an event is to the publish script (its `kind` argument, 0-2; 3 is sent as 2 in an unclaimed group)."""
+
+    CHUNK = 0
+    FIRST = 1  # the attempt's first event: sets the stream's TTL
+    TERMINAL = 2  # TTL, result key, our claim released
+    UNCLAIMED_TERMINAL = 3  # the answer to a rejected record, which claims nothing (the script's mode 'u')
+
+
+class Admission(enum.StrEnum):
+    """The admit script's status for one job."""
+
+    DONE = "done"  # a result exists: nothing to run, commit
+    BUSY = "busy"  # another worker's live claim: park the job
+    RUN = "run"  # claimed for us under a new attempt
+    CANCELLED = "cancelled"  # claimed, but its cancel key is set: answer `cancelled` without running
+
+
+class Renewal(enum.IntEnum):
+    """The renew script's code for one running request."""
+
+    RENEWED = 0
+    LOST = 1  # another worker or attempt holds the claim, or a result exists: stop, let theirs stand
+    CANCELLED = 2  # renewed, but its cancel key is set
+
+
+# EventKind -> the script's digit (an unclaimed terminal is a terminal in a 'u' group)
+_KIND_DIGIT = ("0", "1", "2", "2")
 
 
 class RedisAccessError(RuntimeError):
@@ -177,7 +204,7 @@ class RedisAccessError(RuntimeError):
 class OutEvent:
     request_id: str
     payload: bytes
-    kind: int  # 0 chunk, 1 first event of the attempt, 2 terminal, 3 terminal of a rejected record (no claim)
+    kind: EventKind
     attempt: int  # the attempt the event belongs to: published only while the claim names it
 
 
@@ -257,7 +284,7 @@ class RedisIO:
         # Group by request and attempt (order kept within a group): one claim check per group.
         groups: dict[tuple[str, int, bool], list[OutEvent]] = {}
         for ev in events:
-            group_key = (ev.request_id, ev.attempt, ev.kind == 3)
+            group_key = (ev.request_id, ev.attempt, ev.kind == EventKind.UNCLAIMED_TERMINAL)
             group = groups.get(group_key)
             if group is None:
                 groups[group_key] = [ev]
@@ -281,7 +308,7 @@ class RedisIO:
         lost = await self.retry("publish", go)
         return {(order[i - 1][0], order[i - 1][1]) for i in lost}
 
-    async def admit(self, request_ids: list[str]) -> list[tuple[str, int]]:
+    async def admit(self, request_ids: list[str]) -> list[tuple[Admission, int]]:
         """Claim each request unless it has a result or another worker's live claim."""
         if not request_ids:
             return []
@@ -290,21 +317,21 @@ class RedisIO:
         for rid in request_ids:
             keys += [names.result(rid), names.cancelled(rid), names.claim(rid), self.attempts_key(rid)]
 
-        async def go() -> list[tuple[str, int]]:
+        async def go() -> list[tuple[Admission, int]]:
             flat = await self._admit(keys=keys, args=[self.token, self.claim_ttl_ms, self.attempts_ttl_s])
-            return [(_s(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
+            return [(Admission(_s(flat[i])), int(flat[i + 1])) for i in range(0, len(flat), 2)]
 
         return await self.retry("admit", go)
 
-    async def renew(self, running: list[tuple[str, int]], heartbeat: tuple[str, bytes, int] | None) -> list[int]:
-        """Renew our claims on (request id, attempt) pairs in one round trip, and the heartbeat key; see
-        _RENEW_LUA for the codes."""
+    async def renew(self, running: list[tuple[str, int]],
+                    heartbeat: tuple[str, bytes, int] | None) -> list[Renewal]:
+        """Renew our claims on (request id, attempt) pairs in one round trip, and the heartbeat key."""
         names = self.names
         keys: list[str] = []
         for rid, _ in running:
             keys += [names.claim(rid), names.cancelled(rid), names.result(rid), self.attempts_key(rid)]
 
-        async def go() -> list[int]:
+        async def go() -> list[Renewal]:
             pipe = self.client.pipeline(transaction=False)
             if heartbeat is not None:
                 key, value, ttl = heartbeat
@@ -313,7 +340,7 @@ class RedisIO:
                 await self._renew(keys=keys, args=[self.token, self.claim_ttl_ms, *(a for _, a in running)],
                                   client=pipe)
             replies = await pipe.execute()
-            return [int(x) for x in replies[-1]] if keys else []
+            return [Renewal(int(x)) for x in replies[-1]] if keys else []
 
         return await self.retry("renew", go)
 

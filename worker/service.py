@@ -11,6 +11,8 @@ Tasks on one asyncio loop, each owned by Worker and cancelled in stop():
   cancels   listens on the cancel channel
 Life of a record: read -> tracked in flight -> (claimed -> engine -> chunks -> terminal event in Redis) or
 (answered at once: already done, cancelled, past deadline, bad input -> DLQ) -> finished -> committed.
+Every job held is one entry of the request table (worker.requests: claiming, parked, running, finishing);
+the events and dead letters themselves are built in worker.events and worker.dead_letters.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,36 +33,33 @@ from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-
-from engine import EngineRequest, EngineRequestError, EngineStats, RequestOutput, SamplingParams
-from schemas import (
-    Chunk,
+from stoker.engine import EngineRequestError, EngineStats, RequestOutput
+from stoker.schemas import (
     ContractError,
     Done,
     Error,
     ErrorCode,
     Job,
-    Timings,
-    TokenLogprob,
-    TopLogprob,
-    Usage,
     content_type_of,
     decode_cancel,
     decode_job,
-    dlq_headers,
     encode_event,
     is_msgpack,
     is_valid_request_id,
 )
-from worker.config import WorkerConfig
-from worker.driver import EngineDriver, EngineLike
-from worker.metrics import HealthServer, WorkerMetrics
-from worker.offsets import OffsetTracker
-from worker.redis_io import OutEvent, RedisIO
+from stoker.worker import events
+from stoker.worker.config import WorkerConfig
+from stoker.worker.dead_letters import DeadLetter
+from stoker.worker.driver import EngineDriver, EngineLike
+from stoker.worker.metrics import HealthServer, WorkerMetrics
+from stoker.worker.offsets import OffsetTracker
+from stoker.worker.redis_io import Admission, EventKind, OutEvent, RedisIO, Renewal
+from stoker.worker.requests import Record, Request, RequestState, RequestTable, engine_request
 
 log = logging.getLogger("stoker.worker")
 VERSION = "0.1.0"
-Record = tuple[TopicPartition, int]
+CLAIMING, PARKED, RUNNING, FINISHING = (RequestState.CLAIMING, RequestState.PARKED, RequestState.RUNNING,
+                                        RequestState.FINISHING)
 _CLOSE_TIMEOUT_S = 10.0  # at shutdown, how long the last commit and each Kafka client's close may take
 # A dead letter refused this long turns /healthz unhealthy: its record (and its partition's commits) is stuck
 # until an operator acts. Not at once: a broker restart refuses sends for a few seconds and heals by itself.
@@ -70,33 +70,26 @@ def now_ms() -> float:
     return time.time() * 1000
 
 
-@dataclass(slots=True)
-class Request:
-    """A job this worker has claimed (running in the engine, or answered without running)."""
-
-    job: Job
-    msgpack: bool
-    attempt: int
-    record_ms: float  # the Kafka record's timestamp: the start of every latency we report
-    records: list[Record]
-    raw: tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]
-    seq: int = 0
-    text: list[str] = field(default_factory=list)
-    first_token_ms: float | None = None
-    last_chunk_ms: float | None = None
-    first_scheduled_ms: float | None = None
-    lost: bool = False  # our claim went to another worker: stop publishing
+@contextlib.contextmanager
+def _stop_step(step: str, request_id: str | None = None) -> Iterator[None]:
+    """One step of stop() that may fail (Kafka or Redis away, a client already closed): logged, and stop()
+    goes on with the next step, so one failure never keeps the rest from closing."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 -- logged: the shutdown must go on
+        log.warning("event=stop_step_failed step=%s request_id=%s error_type=%s error=%r", step, request_id,
+                    type(exc).__name__, str(exc))
 
 
-@dataclass(slots=True)
-class Parked:
-    """A decoded job not running here (yet): being claimed, or waiting on another worker's claim."""
-
-    job: Job
-    msgpack: bool
-    record_ms: float
-    records: list[Record]
-    raw: tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]  # the record's key, value, headers (DLQ)
+async def _reaped(task: asyncio.Task[Any]) -> None:
+    """Await a cancelled task of ours; an error it ended with is logged, not raised."""
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    except Exception as exc:  # noqa: BLE001 -- logged: the shutdown must go on
+        log.warning("event=stop_step_failed step=task:%s error_type=%s error=%r", task.get_name(),
+                    type(exc).__name__, str(exc))
 
 
 @dataclass(slots=True)
@@ -130,11 +123,7 @@ class Worker:
         self._stage = {name: self.metrics.stage.labels(name)
                        for name in ("polled", "claimed", "engine_added", "first_output", "published")}
         self.tracker = OffsetTracker()
-        self.active: dict[str, Request] = {}
-        self.parked: dict[str, Parked] = {}
-        # Requests whose terminal event is queued but not yet in Redis -> records of theirs read meanwhile
-        # (a duplicate, a re-delivery): finished with that event, never run again under a fresh attempt.
-        self._finishing: dict[str, list[Record]] = {}
+        self.requests = RequestTable()  # every job we hold, by id: claiming, parked, running, finishing
         # Cancels for ids we have not met yet (the pub/sub message may beat the Kafka record).
         self._early_cancels: OrderedDict[str, None] = OrderedDict()
         self._outbox: asyncio.Queue[Batch] = asyncio.Queue()
@@ -282,27 +271,26 @@ class Worker:
             # middle of a claim round trip, Redis would hold claims (and attempts) nobody here knows of.
             await asyncio.wait({poll}, timeout=_CLOSE_TIMEOUT_S)
             poll.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):  # one that failed is in self.fatal
-                await poll
+            await _reaped(poll)  # one that failed is in self.fatal (and logged by _on_task_done)
         if self._side_tasks:
             await asyncio.wait(self._side_tasks, timeout=self.cfg.drain_timeout_s)
             # A dead letter Kafka still refuses: give it up (its job is handed back below, unanswered and
             # uncommitted, so the next worker dead-letters it) rather than retry past our own end.
             for task in list(self._side_tasks):
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+                await _reaped(task)
         deadline = time.monotonic() + self.cfg.drain_timeout_s
-        while (self.active or not self._outbox.empty()) and time.monotonic() < deadline and self.fatal is None:
+        while (self.requests.count(RUNNING) or not self._outbox.empty()) and time.monotonic() < deadline \
+                and self.fatal is None:
             await asyncio.sleep(0.05)
         # Hand back what still runs. Its claim is released below (with the attempt we counted), so the next
         # worker runs it under the same attempt number: none of our events for it may follow the release.
         # Stop them at the source, then let the publisher flush what is already queued.
-        for rid, req in self.active.items():
+        for req in self.requests.of(RUNNING):
             req.lost = True
             if self.driver is not None and self.driver.fatal is None:
-                with contextlib.suppress(Exception):
-                    self.driver.abort(rid)
+                with _stop_step("engine_abort", req.request_id):
+                    self.driver.abort(req.request_id)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._outbox.join(), 2.0)
         # Bounded: with the broker away a commit (and the clients' close) waits for it without end. What is
@@ -310,30 +298,32 @@ class Worker:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._commit_now(), _CLOSE_TIMEOUT_S)
         if self.rio is not None:
-            for rid, req in list(self.active.items()):
-                with contextlib.suppress(Exception):  # seq 0: no event of this attempt was ever made
-                    await asyncio.wait_for(self.rio.release(rid, req.attempt, give_back_attempt=req.seq == 0), 2)
+            for req in self.requests.of(RUNNING):
+                with _stop_step("claim_release", req.request_id):  # seq 0: no event of this attempt was made
+                    await asyncio.wait_for(self.rio.release(req.request_id, req.attempt,
+                                                            give_back_attempt=req.seq == 0), 2)
             self.rio.stopping = True
         for task in self._tasks[1:]:
             task.cancel()
         for task in self._tasks[1:]:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await _reaped(task)
         if self.driver is not None:
             await asyncio.to_thread(self.driver.stop)
         if self.consumer is not None:
-            with contextlib.suppress(Exception):
+            with _stop_step("consumer_close"):
                 await asyncio.wait_for(self.consumer.stop(), _CLOSE_TIMEOUT_S)
         if self.producer is not None:
-            with contextlib.suppress(Exception):
+            with _stop_step("producer_close"):
                 await asyncio.wait_for(self.producer.stop(), _CLOSE_TIMEOUT_S)
         if self.redis is not None:
-            with contextlib.suppress(Exception):
-                await self.redis.delete(self.rio.worker_key(self.cfg.worker_id)) if self.rio else None
+            if self.rio is not None:
+                with _stop_step("heartbeat_delete"):
+                    await self.redis.delete(self.rio.worker_key(self.cfg.worker_id))
             await self.redis.aclose()
         if self.health is not None:
             await self.health.stop()
-        log.info("event=worker_stopped worker=%s left_running=%d", self.cfg.worker_id, len(self.active))
+        log.info("event=worker_stopped worker=%s left_running=%d", self.cfg.worker_id,
+                 self.requests.count(RUNNING))
 
     def _healthy(self) -> bool:
         """Every loop runs (none before start() finished), no dead letter is stuck, and we are in the group
@@ -367,7 +357,7 @@ class Worker:
         self._stage[stage].observe(max(0.0, at_ms - record_ms) / 1000)
 
     async def _intake(self, records: list[ConsumerRecord[Any, Any]], polled_ms: float) -> None:
-        claims: dict[str, Parked] = {}  # request_id -> what to claim, in read order
+        claims: list[Request] = []  # this round's new ids (CLAIMING), in read order
         for rec in records:
             tp = TopicPartition(rec.topic, rec.partition)
             if tp not in self._assigned:
@@ -382,21 +372,31 @@ class Worker:
                 await self._record_failed(rec, record, exc, claims)
         if claims:
             assert self.rio is not None
-            outcomes = await self.rio.admit(list(claims))
+            outcomes = await self.rio.admit([entry.request_id for entry in claims])
             claimed_ms = now_ms()
-            for (rid, parked), (status, attempt) in zip(claims.items(), outcomes, strict=True):
-                self._observe("claimed", parked.record_ms, claimed_ms)
+            for entry, (status, attempt) in zip(claims, outcomes, strict=True):
+                self._observe("claimed", entry.record_ms, claimed_ms)
                 try:
-                    self._admitted(rid, parked, status, attempt)
+                    self._admitted(entry, status, attempt)
                 except Exception as exc:  # noqa: BLE001 -- one job's failure must not stop the intake
-                    log.exception("event=admit_failed request_id=%s", rid)
+                    log.exception("event=admit_failed request_id=%s", entry.request_id)
                     self.metrics.records_failed.inc()
-                    req = self.active.get(rid) or Request(parked.job, parked.msgpack, attempt, parked.record_ms,
-                                                          parked.records, parked.raw)
+                    req = self.requests.running(entry.request_id) or entry.next_attempt(attempt)
                     self._fail(req, ErrorCode.INTERNAL, f"the worker failed to start this job: {exc}")
 
+    def _join(self, rid: str, record: Record) -> bool:
+        """A record of an id we hold joins its entry: its records finish together. False when new."""
+        entry = self.requests.get(rid)
+        if entry is None:
+            return False
+        if entry.state is FINISHING:
+            entry.late_records.append(record)
+        else:  # RUNNING: delivered again while we run it (a rebalance came back to us); PARKED; CLAIMING
+            entry.records.append(record)
+        return True
+
     async def _take(self, rec: ConsumerRecord[Any, Any], record: Record, record_ms: float,
-                    claims: dict[str, Parked]) -> None:
+                    claims: list[Request]) -> None:
         """One record: decode it and route it (to the request it duplicates, or to this round's claims)."""
         ctype = content_type_of(rec.headers)
         try:
@@ -406,21 +406,15 @@ class Worker:
             await self._reject(rec, record, exc, claims)
             return
         rid = job.request_id
-        if rid in self.active:  # delivered again while we run it (a rebalance came back to us)
-            self.active[rid].records.append(record)
-        elif rid in self.parked:
-            self.parked[rid].records.append(record)
-        elif rid in self._finishing:
-            self._finishing[rid].append(record)
-        elif rid in claims:
-            claims[rid].records.append(record)
-        else:
-            claims[rid] = Parked(job, msgpack, record_ms, [record], (rec.key, rec.value, list(rec.headers or ())))
+        if not self._join(rid, record):
+            entry = Request(job, msgpack, record_ms, [record], (rec.key, rec.value, list(rec.headers or ())))
+            self.requests.put(entry, CLAIMING)
+            claims.append(entry)
             if self.cfg.log_prompts:
                 log.info("event=job_read request_id=%s prompt=%r", rid, job.prompt or job.messages)
 
     async def _record_failed(self, rec: ConsumerRecord[Any, Any], record: Record, exc: Exception,
-                             claims: dict[str, Parked]) -> None:
+                             claims: list[Request]) -> None:
         """A record whose handling raised what nobody expected (a bug, a client refusing it): dead-letter it
         as `internal`; if even that raises, log it loudly, count it and let it be committed, so one record
         can never stall its partition or kill the worker."""
@@ -434,31 +428,33 @@ class Worker:
                          rec.offset, exc_info=True)
             self._finish_records([record])
 
-    def _admitted(self, rid: str, job: Parked, status: str, attempt: int) -> None:
-        """Act on the claim script's answer for one job."""
-        if status == "done":  # a result stands: nothing to republish, just commit
-            self._finish_records(job.records)
+    def _admitted(self, entry: Request, status: Admission, attempt: int) -> None:
+        """Act on the claim script's answer for one job (CLAIMING, or taken out of PARKED)."""
+        rid = entry.request_id
+        if status == Admission.DONE:  # a result stands: nothing to republish, just commit
+            self.requests.remove(entry)
+            self._finish_records(entry.records)
             return
-        if status == "busy":  # another worker's live claim: wait for its result or its claim's expiry
-            self.parked[rid] = job
-            self.metrics.parked.set(len(self.parked))
+        if status == Admission.BUSY:  # another worker's live claim: wait for its result or its claim's expiry
+            self.requests.put(entry, PARKED)
+            self.metrics.parked.set(self.requests.count(PARKED))
             return
-        req = Request(job.job, job.msgpack, attempt, job.record_ms, job.records, job.raw)
-        self.active[rid] = req
+        req = entry.next_attempt(attempt)
+        self.requests.put(req, RUNNING)
         if attempt > self.cfg.max_attempts:
             task = asyncio.create_task(self._poison(req))  # a Kafka send: don't hold up the other jobs
             self._side_tasks.add(task)
             task.add_done_callback(self._side_tasks.discard)
             return
-        if status == "cancelled" or rid in self._early_cancels:
+        if status == Admission.CANCELLED or rid in self._early_cancels:
             self._end_without_running(req, "cancelled")
             return
-        if job.job.deadline_ms is not None and now_ms() >= job.job.deadline_ms:
+        if req.job.deadline_ms is not None and now_ms() >= req.job.deadline_ms:
             self._end_without_running(req, "deadline")
             return
-        if job.job.model is not None and job.job.model != self.model_name:
+        if req.job.model is not None and req.job.model != self.model_name:
             self._fail(req, ErrorCode.UNKNOWN_MODEL, f"this worker serves model {self.model_name!r}, the job "
-                       f"asked for {job.job.model!r}: send it to a topic served by that model, or omit `model`")
+                       f"asked for {req.job.model!r}: send it to a topic served by that model, or omit `model`")
             return
         try:
             self._submit(req)
@@ -471,25 +467,14 @@ class Worker:
             self._fail(req, ErrorCode.INTERNAL, f"the engine could not take the request: {exc}")
 
     def _submit(self, req: Request) -> None:
-        job = req.job
         assert self.driver is not None
-        params = SamplingParams(
-            max_tokens=job.max_tokens, min_tokens=job.min_tokens, temperature=job.temperature, top_p=job.top_p,
-            top_k=job.top_k, min_p=job.min_p, seed=job.seed, presence_penalty=job.presence_penalty,
-            frequency_penalty=job.frequency_penalty, repetition_penalty=job.repetition_penalty,
-            stop=tuple(job.stop), stop_token_ids=tuple(job.stop_token_ids), ignore_eos=job.ignore_eos,
-            include_stop_str_in_output=job.include_stop_str_in_output, logprobs=job.logprobs,
-        )
-        messages = [{"role": m.role, "content": m.content} for m in job.messages] if job.messages else None
-        self.driver.add_request(EngineRequest(job.request_id, prompt=job.prompt, messages=messages,
-                                              prompt_token_ids=job.prompt_token_ids, params=params,
-                                              priority=job.priority, deadline_ms=job.deadline_ms))
+        self.driver.add_request(engine_request(req.job))
 
     def _apply_backpressure(self) -> None:
         """Pause every assigned partition while the engine has enough queued (or too little KV left)."""
         assert self.consumer is not None and self.cfg.max_waiting is not None
         stats = self.driver.last_stats if self.driver else None
-        queued = len(self.active) + len(self.parked)
+        queued = self.requests.count(RUNNING) + self.requests.count(PARKED)
         limit = self.cfg.max_num_seqs + self.cfg.max_waiting
         low_kv = stats is not None and stats.kv_blocks_total > 0 and (
             stats.kv_blocks_free / stats.kv_blocks_total < self.cfg.min_free_kv_fraction and stats.num_waiting > 0)
@@ -504,70 +489,50 @@ class Worker:
             self._paused = False
 
     # -- answers that need no engine ----------------------------------------------------------------------
-    def _event_bytes(self, req: Request, event: Chunk | Done | Error) -> bytes:
-        return encode_event(event, req.msgpack)
-
     def _end_without_running(self, req: Request, reason: str) -> None:
-        t = now_ms()
-        total = t - req.record_ms
-        done = Done(request_id=req.job.request_id, attempt=req.attempt, seq=req.seq, finish_reason=reason,  # type: ignore[arg-type]
-                    text="", usage=Usage(prompt_tokens=0, completion_tokens=0, cached_tokens=0),
-                    timings=Timings(queue_ms=total, ttft_ms=total, total_ms=total), model=self.model_name,
-                    worker=self.cfg.worker_id, tenant=req.job.tenant, metadata=req.job.metadata)
+        done = events.ended_without_running(req, reason, now_ms(), self.model_name, self.cfg.worker_id)
         self._send_terminal(req, done, reason)
 
     def _fail(self, req: Request, code: str, message: str, unless_ended: bool = False) -> None:
-        err = Error(request_id=req.job.request_id, attempt=req.attempt, seq=req.seq, code=str(code), message=message)
-        self._send_terminal(req, err, str(code), kind=3 if unless_ended else 2)
+        kind = EventKind.UNCLAIMED_TERMINAL if unless_ended else EventKind.TERMINAL
+        self._send_terminal(req, events.error(req, code, message), str(code), kind=kind)
 
-    def _send_terminal(self, req: Request, event: Done | Error, reason: str, kind: int = 2) -> None:
-        rid = req.job.request_id
-        if self.active.get(rid) is req:  # only this request: never another one running under the same id
-            del self.active[rid]
+    def _send_terminal(self, req: Request, event: Done | Error, reason: str,
+                       kind: EventKind = EventKind.TERMINAL) -> None:
+        rid = req.request_id
         self.metrics.finished.labels(reason, self.metrics.tenant_label(req.job.tenant)).inc()
-        self._finishing.setdefault(rid, [])
-        self._outbox.put_nowait(Batch([OutEvent(rid, self._event_bytes(req, event), kind, req.attempt)],
+        current = self.requests.get(rid)
+        # Its id's entry is now this terminal event's, unless another request holds the id (running or parked
+        # under it, or its terminal event queued): records of the id keep joining that one.
+        if current is None or current is req or current.state is CLAIMING:
+            self.requests.put(req, FINISHING)
+        self._outbox.put_nowait(Batch([OutEvent(rid, encode_event(event, req.msgpack), kind, req.attempt)],
                                       terminals=[req]))
 
     async def _dead_letter(self, rec_key: bytes | None, rec_value: bytes | None,
                            headers: list[tuple[str, bytes]], code: str, message: str, attempts: int) -> None:
         assert self.producer is not None
-        extra = dlq_headers(code, message[:1000], int(now_ms()), self.cfg.worker_id, attempts)
+        letter = DeadLetter.of(rec_key, rec_value, headers, code=code, message=message, attempts=attempts,
+                               worker=self.cfg.worker_id, now_ms=int(now_ms()))
         token = object()  # this send, in _dlq_failing while Kafka refuses it
         try:
-            await self._send_dead_letter(token, rec_key, rec_value, headers, code, message, attempts, extra)
+            await self._send_dead_letter(token, letter)
         finally:
             self._dlq_failing.pop(token, None)
 
-    async def _send_dead_letter(self, token: object, rec_key: bytes | None, rec_value: bytes | None,
-                                headers: list[tuple[str, bytes]], code: str, message: str, attempts: int,
-                                extra: list[tuple[str, bytes]]) -> None:
+    async def _send_dead_letter(self, token: object, letter: DeadLetter) -> None:
         """Send until stored. A dead letter that can never be sent (too large for the topic with our
-        headers, or refused by the client outright) is sent again smaller: the key and headers with a short
-        stub value, then our headers alone, then without the key; past that it is given up, loudly (log and
-        metric): its record is committed rather than held, since it would stall the partition forever."""
+        headers, or refused by the client outright) is sent again smaller (worker.dead_letters); past the
+        smallest form it is given up, loudly (log and metric): its record is committed rather than held,
+        since it would stall the partition forever."""
         assert self.producer is not None
-        value_bytes = len(rec_value or b"")
-        stub = f"stoker: the dead-lettered record's value ({value_bytes} bytes) is left out".encode()
-        # Each a (key, value, headers, what was dropped) to try in turn.
-        forms: list[tuple[bytes | None, bytes | None, list[tuple[str, bytes]], str]] = [
-            (rec_key, rec_value, list(headers), ""),
-            (rec_key, stub, list(headers), "value"),
-            (rec_key, stub, [], "value and headers"),
-            (None, stub, [], "key, value and headers"),
-        ]
-        if rec_value is None:  # nothing to stub: keep what came (a record may lack a value, not both)
-            forms[0] = (rec_key, rec_value if rec_key is not None else stub, list(headers), "")
+        code, value_bytes = letter.code, letter.value_bytes
+        forms = letter.forms
         form = 0
         while True:
-            key, value, hdrs, dropped = forms[form]
-            note = message if not dropped else (
-                f"{message[:800]}; the record's {dropped} made the dead letter too large to send and are left out "
-                f"(value {value_bytes} bytes, key {len(rec_key or b'')} bytes)")
-            those = extra if not dropped else dlq_headers(code, note, int(now_ms()), self.cfg.worker_id, attempts)
+            key, value, headers = letter.record(forms[form], int(now_ms()))
             try:
-                await self.producer.send_and_wait(self.names.dlq_topic, value=value, key=key,
-                                                  headers=hdrs + those)
+                await self.producer.send_and_wait(self.names.dlq_topic, value=value, key=key, headers=headers)
                 break
             except (KafkaError, OSError, TimeoutError) as exc:
                 if not isinstance(exc, MessageSizeTooLargeError):  # keep the record in flight until stored
@@ -582,7 +547,7 @@ class Worker:
                              value_bytes, "the record is committed without a dead letter; see the log above")
                 self.metrics.dlq_dropped.labels(code).inc()
                 return
-            log.error("event=dlq_part_dropped code=%s dropped=%s error=%r value_bytes=%d", code, forms[form][3],
+            log.error("event=dlq_part_dropped code=%s dropped=%s error=%r value_bytes=%d", code, forms[form].dropped,
                       str(failure), value_bytes)
         self.metrics.dlq.labels(code).inc()
 
@@ -597,7 +562,7 @@ class Worker:
         await asyncio.sleep(0.5)
 
     async def _reject(self, rec: ConsumerRecord[Any, Any], record: Record, exc: ContractError,
-                      claims: dict[str, Parked]) -> None:
+                      claims: list[Request]) -> None:
         """A record that breaks the contract: to the DLQ, and an error event when a request id is readable."""
         key = rec.key.decode("utf-8", "replace") if isinstance(rec.key, bytes) else None
         rid = exc.request_id or (key if is_valid_request_id(key) else None)
@@ -607,20 +572,16 @@ class Worker:
         if rid is None:
             self._finish_records([record])
             return
-        # The id is live here (running, parked or its terminal event queued): that request's own terminal
-        # event is the one its id gets; this record is done (dead-lettered) once that event is stored.
-        live = self.active.get(rid) or self.parked.get(rid) or claims.get(rid)
-        if live is not None:
-            live.records.append(record)
-            return
-        if rid in self._finishing:
-            self._finishing[rid].append(record)
+        # The id is live here (claiming, running, parked or its terminal event queued): that request's own
+        # terminal event is the one its id gets; this record is done (dead-lettered) once that event is stored.
+        if self._join(rid, record):
             return
         msgpack = False
         with contextlib.suppress(ContractError):
             msgpack = is_msgpack(content_type_of(rec.headers))
         # A stand-in Job only to carry the id into the Request; it is never run.
-        req = Request(Job(request_id=rid, prompt_token_ids=[0]), msgpack, 1, now_ms(), [record], (None, None, []))
+        req = Request(Job(request_id=rid, prompt_token_ids=[0]), msgpack, now_ms(), [record], (None, None, []),
+                      attempt=1)
         # Published only if the id has no result yet (checked in the publish script, atomically): a bad
         # record reusing a finished request's id is a dead letter alone, never a second terminal event.
         self._fail(req, exc.code, exc.message, unless_ended=True)
@@ -629,7 +590,7 @@ class Worker:
         """Started max_attempts times without finishing: never again. DLQ (the job as we read it) + error."""
         code, msg = ErrorCode.POISON_JOB, (f"the job was started {req.attempt - 1} times without finishing "
                                           f"(limit {self.cfg.max_attempts}); it will not be run again")
-        log.error("event=poison_job request_id=%s attempts=%d", req.job.request_id, req.attempt - 1)
+        log.error("event=poison_job request_id=%s attempts=%d", req.request_id, req.attempt - 1)
         key, value, headers = req.raw
         await self._dead_letter(key, value, headers, code, msg, req.attempt - 1)
         if req.lost:  # another worker took the claim while the send waited: its answer stands
@@ -649,7 +610,7 @@ class Worker:
         prompt_tokens: dict[str, int] = {}  # tenant label -> tokens this step, counted once per tenant below
         generated: dict[str, int] = {}
         for out in outputs:
-            req = self.active.get(out.request_id)
+            req = self.requests.running(out.request_id)
             if req is None or req.lost:
                 continue
             tenant = m.tenant_label(req.job.tenant)
@@ -670,36 +631,22 @@ class Worker:
                     m.itl.observe(max(0.0, step_ms - req.last_chunk_ms) / 1000)
                 req.last_chunk_ms = step_ms
                 req.text.append(out.text_delta)
-                chunk = Chunk(request_id=rid, attempt=req.attempt, seq=req.seq, text=out.text_delta,
-                              token_ids=out.new_token_ids, logprobs=_logprobs(out))
-                batch.events.append(OutEvent(rid, encode_event(chunk, req.msgpack), 1 if req.seq == 0 else 0,
+                kind = EventKind.FIRST if req.seq == 0 else EventKind.CHUNK
+                batch.events.append(OutEvent(rid, encode_event(events.chunk(req, out), req.msgpack), kind,
                                              req.attempt))
                 req.seq += 1
             if not out.finished:
                 continue
-            del self.active[rid]
-            if out.error_code is not None:
-                event: Done | Error = Error(request_id=rid, attempt=req.attempt, seq=req.seq, code=out.error_code,
-                                            message=out.error_message or "the engine failed this request")
-                reason = out.error_code
+            event = events.finished(req, out, step_ms, self.model_name, self.cfg.worker_id)
+            if isinstance(event, Error):
+                reason = event.code
             else:
-                first = req.first_scheduled_ms if req.first_scheduled_ms is not None else step_ms
-                event = Done(
-                    request_id=rid, attempt=req.attempt, seq=req.seq, finish_reason=out.finish_reason or "stop",  # type: ignore[arg-type]
-                    text="".join(req.text),
-                    usage=Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-                                cached_tokens=out.cached_tokens),
-                    timings=Timings(queue_ms=max(0.0, first - req.record_ms),
-                                    ttft_ms=max(0.0, (req.first_token_ms or step_ms) - req.record_ms),
-                                    total_ms=max(0.0, step_ms - req.record_ms)),
-                    model=self.model_name, worker=self.cfg.worker_id, tenant=req.job.tenant,
-                    metadata=req.job.metadata)
-                reason = out.finish_reason or "stop"
+                reason = event.finish_reason
                 m.e2e.observe(max(0.0, step_ms - req.record_ms) / 1000)
             m.finished.labels(reason, tenant).inc()
-            batch.events.append(OutEvent(rid, encode_event(event, req.msgpack), 2, req.attempt))
+            batch.events.append(OutEvent(rid, encode_event(event, req.msgpack), EventKind.TERMINAL, req.attempt))
             batch.terminals.append(req)
-            self._finishing.setdefault(rid, [])
+            self.requests.put(req, FINISHING)
         m.add_tokens(prompt_tokens, generated)
         if stats is not None:
             m.running.set(stats.num_running)
@@ -726,13 +673,17 @@ class Worker:
                 self._observe("published", record_ms, published_ms)
             self.metrics.events.inc(len(batch.events))
             for rid, attempt in lost:
-                req = self.active.get(rid)
+                req = self.requests.running(rid)
                 if req is not None and req.attempt == attempt:
                     self._claim_lost(req, "publish")
             finished: list[Record] = []
             for req in batch.terminals:
-                rid = req.job.request_id
-                records = req.records + self._finishing.pop(rid, [])
+                rid = req.request_id
+                records = req.records
+                entry = self.requests.get(rid, FINISHING)
+                if entry is not None:
+                    self.requests.remove(entry)
+                    records = records + entry.late_records
                 if (rid, req.attempt) in lost:  # another attempt owns the request: wait for its answer
                     self._park(req, records)
                 else:
@@ -783,14 +734,16 @@ class Worker:
         self._assigned -= revoked
         for tp in revoked:
             self.tracker.forget(tp)
-        for rid, parked in list(self.parked.items()):
+        # Not CLAIMING ones (the intake, mid claim round trip, settles them) nor the records a FINISHING
+        # request was read in (they finish with its terminal event, a no-op on a partition forgotten here).
+        for parked in self.requests.of(PARKED):
             parked.records = [r for r in parked.records if r[0] not in revoked]
             if not parked.records:
-                del self.parked[rid]
-        for req in self.active.values():
+                self.requests.remove(parked)
+        for req in self.requests.of(RUNNING):
             req.records = [r for r in req.records if r[0] not in revoked]
-        for rid, records in self._finishing.items():
-            self._finishing[rid] = [r for r in records if r[0] not in revoked]
+        for req in self.requests.of(FINISHING):
+            req.late_records = [r for r in req.late_records if r[0] not in revoked]
         log.info("event=partitions_revoked partitions=%s", sorted(f"{tp.topic}-{tp.partition}" for tp in revoked))
 
     def on_assigned(self, assigned: set[TopicPartition]) -> None:
@@ -804,43 +757,46 @@ class Worker:
         """Another worker (or a newer attempt) holds the request's claim: we were presumed dead (paused,
         cut off). Stop at once: nothing more of ours may be published for it (the publish script drops it
         anyway), its KV blocks are freed, and its records wait for the new owner's answer."""
-        rid = req.job.request_id
+        rid = req.request_id
         log.warning("event=claim_lost request_id=%s attempt=%d found_by=%s", rid, req.attempt, found_by)
         req.lost = True
-        if self.active.get(rid) is req:
-            del self.active[rid]
+        self.requests.remove(req)
         if self.driver is not None:
             self.driver.abort(rid)
         self._park(req, req.records)
 
     def _park(self, req: Request, records: list[Record]) -> None:
+        """Wait on the new owner's answer for these records: commit once its result exists, run the job
+        again if its claim expires."""
         if not records:
             return
-        rid = req.job.request_id
-        if rid in self.parked:
-            self.parked[rid].records.extend(records)
-        else:
-            self.parked[rid] = Parked(req.job, req.msgpack, req.record_ms, list(records), req.raw)
-        self.metrics.parked.set(len(self.parked))
+        holder = self.requests.get(req.request_id)
+        if holder is None:
+            self.requests.put(Request(req.job, req.msgpack, req.record_ms, list(records), req.raw), PARKED)
+        elif holder.state is FINISHING:
+            holder.late_records.extend(records)
+        else:  # parked already (or held by another request of the id): the records finish with it
+            holder.records.extend(records)
+        self.metrics.parked.set(self.requests.count(PARKED))
 
     async def _renew_loop(self) -> None:
         assert self.rio is not None and self.driver is not None
         interval = self.cfg.claim_ttl_s / 3
         key = self.rio.worker_key(self.cfg.worker_id)
         while True:
-            running = [(rid, req.attempt) for rid, req in self.active.items() if not req.lost]
+            running = [(req.request_id, req.attempt) for req in self.requests.of(RUNNING) if not req.lost]
             ids = [rid for rid, _ in running]
             beat = json.dumps({"worker": self.cfg.worker_id, "model": self.model_name,
                                "capacity": self.cfg.max_num_seqs, "running": len(ids), "version": VERSION,
                                "started_at": self._started_at}).encode()
             codes = await self.rio.renew(running, (key, beat, max(3, int(self.cfg.claim_ttl_s))))
             for (rid, attempt), code in zip(running, codes, strict=True):
-                req = self.active.get(rid)
+                req = self.requests.running(rid)
                 if req is None or req.attempt != attempt:
                     continue
-                if code == 1:  # another worker runs it now (we were presumed dead): stop, let theirs stand
+                if code == Renewal.LOST:  # another worker runs it now (we were presumed dead): let theirs stand
                     self._claim_lost(req, "renew")
-                elif code == 2:
+                elif code == Renewal.CANCELLED:
                     self.driver.abort(rid)
             # Bounded: with a broker away Kafka's offset calls wait up to their request timeout (40 s), and
             # the claims must not wait behind a gauge (they expire after claim_ttl_s).
@@ -867,17 +823,16 @@ class Worker:
         assert self.rio is not None
         while True:
             await asyncio.sleep(min(0.5, self.cfg.claim_ttl_s / 5))
-            if not self.parked:
+            if not self.requests.count(PARKED):
                 continue
-            ids = list(self.parked)
+            ids = self.requests.ids(PARKED)
             outcomes = await self.rio.admit(ids)
             for rid, (status, attempt) in zip(ids, outcomes, strict=True):
-                parked = self.parked.get(rid)
-                if parked is None or status == "busy":
+                parked = self.requests.get(rid, PARKED)
+                if parked is None or status == Admission.BUSY:
                     continue
-                del self.parked[rid]
-                self._admitted(rid, parked, status, attempt)
-            self.metrics.parked.set(len(self.parked))
+                self._admitted(parked, status, attempt)
+            self.metrics.parked.set(self.requests.count(PARKED))
 
     async def _cancel_loop(self) -> None:
         assert self.rio is not None
@@ -911,9 +866,9 @@ class Worker:
 
     async def _apply_cancel_keys(self) -> None:
         assert self.rio is not None
-        ids = [rid for rid, req in self.active.items() if not req.lost]
+        ids = [req.request_id for req in self.requests.of(RUNNING) if not req.lost]
         for rid in await self.rio.cancelled_among(ids):
-            if rid in self.active and self.driver is not None:
+            if self.requests.running(rid) is not None and self.driver is not None:
                 log.info("event=cancel_from_key request_id=%s", rid)
                 self.driver.abort(rid)
 
@@ -943,18 +898,18 @@ class Worker:
     async def _leave_group(self, down_s: float) -> None:
         assert self.consumer is not None
         log.error("event=group_leave reason=redis_unreachable down_s=%.1f running=%d worker=%s", down_s,
-                  len(self.active), self.cfg.worker_id)
+                  self.requests.count(RUNNING), self.cfg.worker_id)
         self._left_group = True
         self.ready = False
         await self.on_revoked(set(self._assigned))
         self.consumer.unsubscribe()
         # What runs here can't publish; its claims expire and other workers run it again. Free the engine.
-        for rid, req in list(self.active.items()):
+        for req in self.requests.of(RUNNING):
             req.lost = True
             if self.driver is not None:
-                self.driver.abort(rid)
-        self.active.clear()
-        self.parked.clear()
+                self.driver.abort(req.request_id)
+        self.requests.clear(RUNNING)
+        self.requests.clear(PARKED)
         self.metrics.parked.set(0)
 
     def _on_cancel(self, data: bytes) -> None:
@@ -963,18 +918,10 @@ class Worker:
         except ContractError as exc:
             log.warning("event=bad_cancel code=%s message=%r", exc.code, exc.message)
             return
-        if rid in self.active and self.driver is not None:
+        if self.requests.running(rid) is not None and self.driver is not None:
             self.driver.abort(rid)
         else:
             self._early_cancels[rid] = None
             while len(self._early_cancels) > 10_000:
                 self._early_cancels.popitem(last=False)
-
-
-def _logprobs(out: RequestOutput) -> list[TokenLogprob] | None:
-    if not out.logprobs:
-        return None
-    return [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                         top=[TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top])
-            for lp in out.logprobs]
 

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from engine.kernels._triton import HAS_TRITON
-from engine.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from engine.kernels.attention import (
+from stoker.engine.kernels._triton import HAS_TRITON
+from stoker.engine.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from stoker.engine.kernels.attention import (
     paged_attention_ref,
     paged_attention_triton,
     paged_decode_attention_ref,
     paged_decode_attention_triton,
 )
-from engine.kernels.gemv import (
+from stoker.engine.kernels.gemv import (
     GEMV_MAX_M,
     check_gemv_args,
     gemv_ref,
@@ -22,8 +21,8 @@ from engine.kernels.gemv import (
     gemv_rotary_cache_triton,
     gemv_triton,
 )
-from engine.kernels.rmsnorm import rms_norm_ref, rms_norm_triton
-from engine.kernels.rotary import rope_cos_sin, rotary_and_cache_ref, rotary_and_cache_triton
+from stoker.engine.kernels.rmsnorm import rms_norm_ref, rms_norm_triton
+from stoker.engine.kernels.rotary import rope_cos_sin, rotary_and_cache_ref, rotary_and_cache_triton
 
 __all__ = [
     "GEMV_MAX_M", "fused_linear", "fused_qkv_rotary_cache", "gemv_ref", "gemv_rotary_cache_ref",

@@ -7,8 +7,7 @@ h // (Hq // Hkv) (GQA).
 from __future__ import annotations
 
 import torch
-
-from engine.kernels._triton import check_launchable, tl, triton
+from stoker.engine.kernels._triton import check_launchable, tl, triton
 
 
 def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

@@ -43,11 +43,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from engine.kernels._triton import check_launchable, interpreting, tl, triton
-from engine.kernels.activation import silu_and_mul_ref
-from engine.kernels.rmsnorm import rms_norm_ref
-from engine.kernels.rotary import rotary_and_cache_ref
+from stoker.engine.kernels._triton import check_launchable, interpreting, tl, triton
+from stoker.engine.kernels.activation import silu_and_mul_ref
+from stoker.engine.kernels.rmsnorm import rms_norm_ref
+from stoker.engine.kernels.rotary import rotary_and_cache_ref
 
 try:  # inline PTX (griddepcontrol.*): only reached when USE_PDL is set, never under the interpreter
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait

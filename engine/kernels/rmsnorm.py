@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 import torch
-
-from engine.kernels._triton import check_launchable, tl, triton
+from stoker.engine.kernels._triton import check_launchable, tl, triton
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:

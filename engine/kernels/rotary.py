@@ -5,8 +5,7 @@ import math
 from typing import Any
 
 import torch
-
-from engine.kernels._triton import check_launchable, tl, triton
+from stoker.engine.kernels._triton import check_launchable, tl, triton
 
 
 def _inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:

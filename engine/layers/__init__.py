@@ -8,12 +8,12 @@ reads the weights of several of these modules from a decoder layer's forward: th
 loading, not necessarily the kernel that uses them.
 """
 
-from engine.layers.attention import PagedAttention
-from engine.layers.embedding import LMHead, VocabEmbedding
-from engine.layers.linear import GateUpLinear, Linear, MergedLinear, QKVLinear
-from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
-from engine.layers.weights import WeightModule, WeightShapeError
+from stoker.engine.layers.attention import PagedAttention
+from stoker.engine.layers.embedding import LMHead, VocabEmbedding
+from stoker.engine.layers.linear import GateUpLinear, Linear, MergedLinear, QKVLinear
+from stoker.engine.layers.norm import RMSNorm
+from stoker.engine.layers.rotary import RotaryEmbedding
+from stoker.engine.layers.weights import WeightModule, WeightShapeError
 
 __all__ = [
     "GateUpLinear", "LMHead", "Linear", "MergedLinear", "PagedAttention", "QKVLinear", "RMSNorm",

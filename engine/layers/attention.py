@@ -4,10 +4,9 @@ the prefill kernel (chunks and decodes mixed) otherwise."""
 from __future__ import annotations
 
 import torch
+from stoker.engine import kernels
+from stoker.engine.batch import AttentionMetadata
 from torch import nn
-
-from engine import kernels
-from engine.batch import AttentionMetadata
 
 
 class PagedAttention(nn.Module):

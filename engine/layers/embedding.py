@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from engine.layers.weights import WeightModule, empty_param
+from stoker.engine.layers.weights import WeightModule, empty_param
 
 
 class VocabEmbedding(WeightModule):

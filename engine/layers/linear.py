@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from engine.layers.weights import WeightModule, copy_into, empty_param
+from stoker.engine.layers.weights import WeightModule, copy_into, empty_param
 
 
 class Linear(WeightModule):

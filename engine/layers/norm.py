@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-
-from engine import kernels
-from engine.layers.weights import WeightModule, empty_param
+from stoker.engine import kernels
+from stoker.engine.layers.weights import WeightModule, empty_param
 
 
 class RMSNorm(WeightModule):

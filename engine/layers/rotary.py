@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from stoker.engine import kernels
 from torch import nn
-
-from engine import kernels
 
 
 class RotaryEmbedding(nn.Module):

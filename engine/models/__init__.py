@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import importlib
 
-from engine.model_config import ARCHITECTURES
-from engine.models.base import CausalLM
+from stoker.engine.model_config import ARCHITECTURES
+from stoker.engine.models.base import CausalLM
 
 __all__ = ["CausalLM", "model_class"]
 

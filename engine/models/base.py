@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
+from stoker.engine.batch import AttentionMetadata
 from torch import nn
-
-from engine.batch import AttentionMetadata
 
 
 class CausalLM(nn.Module):

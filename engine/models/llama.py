@@ -10,11 +10,9 @@ loop over tokens or sequences and no host sync, so a CUDA graph can capture it.
 from __future__ import annotations
 
 import torch
-from torch import nn
-
-from engine import kernels
-from engine.batch import AttentionMetadata
-from engine.layers import (
+from stoker.engine import kernels
+from stoker.engine.batch import AttentionMetadata
+from stoker.engine.layers import (
     GateUpLinear,
     Linear,
     LMHead,
@@ -24,8 +22,9 @@ from engine.layers import (
     RotaryEmbedding,
     VocabEmbedding,
 )
-from engine.model_config import ModelConfig
-from engine.models.base import CausalLM
+from stoker.engine.model_config import ModelConfig
+from stoker.engine.models.base import CausalLM
+from torch import nn
 
 
 class LlamaAttention(nn.Module):

@@ -8,9 +8,7 @@ cancel): before the first event, in both the streaming and the plain path, a tas
 The job carries deadline_ms = now + the gateway's timeout, so a worker stops spending GPU time on an answer
 nobody waits for any more.
 
-Not supported, answered 400 rather than silently ignored: n > 1, best_of > 1, echo, suffix, logprobs (the
-gateway has no tokenizer to render token strings), tools/functions, response_format other than text,
-logit_bias, non-text content parts. finish_reason passes the contract's `cancelled` and `deadline` through.
+What a request may ask and how it maps to a job is in gateway.mapping; this module is the HTTP side.
 """
 
 from __future__ import annotations
@@ -32,9 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
-
-import schemas
-from client.client import (
+from stoker.client.client import (
     DEFAULT_BOOTSTRAP,
     DEFAULT_REDIS_URL,
     Client,
@@ -43,26 +39,17 @@ from client.client import (
     TextAssembler,
     WorkerInfo,
 )
-from schemas import Chunk, ContractError, Done
+from stoker.gateway.mapping import APIError, Shape, job_fields, shape_for, sse, status_for
+from stoker.schemas import Chunk, ContractError, Done
+
+from stoker import schemas
 
 WORKER_CACHE_S = 2.0  # heartbeats are re-read at most this often; a worker's TTL is longer than this
-# Contract error codes -> HTTP status: the caller's fault, a missing model, or ours.
-STATUS_FOR_CODE = {"invalid_job": 400, "context_length_exceeded": 400, "unsupported_version": 400,
-                   "message_too_large": 413, "unknown_model": 404}
 
 
-class APIError(Exception):
-    """Answered as OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def response(self) -> JSONResponse:
-        kind = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
-                422: "invalid_request_error", 503: "service_unavailable", 504: "timeout"}.get(self.status, "server_error")
-        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+def _respond(error: APIError) -> JSONResponse:
+    """OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
+    return JSONResponse(error.body(), status_code=error.status)
 
 
 T = TypeVar("T")
@@ -131,125 +118,6 @@ def _backend_down(exc: Exception) -> APIError:
     return APIError(503, f"{backend} is unavailable: {type(exc).__name__}: {exc}", code="backend_unavailable")
 
 
-def _typed(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], what: str) -> Any:
-    """The field's value if present and of the right JSON type (bool is not a number here), else 422."""
-    value = body.get(name)
-    if value is None:
-        return None
-    kinds_t = kinds if isinstance(kinds, tuple) else (kinds,)
-    if isinstance(value, bool) and bool not in kinds_t or not isinstance(value, kinds_t):
-        raise APIError(422, f"`{name}` must be {what}, got {type(value).__name__}", param=name, code="invalid_type")
-    return value
-
-
-def _reject_unsupported(body: dict[str, Any], chat: bool) -> None:
-    n = _typed(body, "n", int, "an integer")
-    if n is not None and n != 1:
-        raise APIError(400, "only n=1 is supported: submit several requests instead", param="n", code="unsupported")
-    for name in ("tools", "functions", "tool_choice", "function_call", "logit_bias"):
-        if body.get(name):
-            raise APIError(400, f"`{name}` is not supported by this gateway", param=name, code="unsupported")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise APIError(400, "`response_format` is not supported (only {\"type\": \"text\"})",
-                       param="response_format", code="unsupported")
-    logprob_fields = ("logprobs", "top_logprobs") if chat else ("logprobs",)
-    for name in logprob_fields:
-        if body.get(name):  # chat: logprobs=true; completions: logprobs=N > 0
-            raise APIError(400, f"`{name}` is not supported: the gateway has no tokenizer to render tokens",
-                           param=name, code="unsupported")
-    if not chat:
-        if body.get("echo"):
-            raise APIError(400, "`echo` is not supported", param="echo", code="unsupported")
-        if body.get("suffix"):
-            raise APIError(400, "`suffix` is not supported", param="suffix", code="unsupported")
-        best_of = _typed(body, "best_of", int, "an integer")
-        if best_of is not None and best_of != 1:
-            raise APIError(400, "only best_of=1 is supported", param="best_of", code="unsupported")
-
-
-def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> dict[str, Any]:
-    """OpenAI (and vLLM's extra) sampling fields -> job fields; ranges are checked by schemas."""
-    number, integer = (int, float), int
-    out: dict[str, Any] = {}
-    max_tokens = _typed(body, "max_completion_tokens", integer, "an integer")
-    if max_tokens is None:
-        max_tokens = _typed(body, "max_tokens", integer, "an integer")
-    if max_tokens is None:
-        max_tokens = default_max_tokens
-    if max_tokens is not None:
-        out["max_tokens"] = max_tokens
-    for name, kinds, what in (("temperature", number, "a number"), ("top_p", number, "a number"),
-                              ("presence_penalty", number, "a number"), ("frequency_penalty", number, "a number"),
-                              ("seed", integer, "an integer"), ("top_k", integer, "an integer"),
-                              ("min_p", number, "a number"), ("repetition_penalty", number, "a number"),
-                              ("min_tokens", integer, "an integer"), ("ignore_eos", bool, "a boolean"),
-                              ("priority", integer, "an integer")):
-        value = _typed(body, name, kinds, what)
-        if value is not None:
-            out[name] = value
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        out["stop"] = [stop]
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        out["stop"] = stop
-    elif stop is not None:
-        raise APIError(422, "`stop` must be a string or a list of strings", param="stop", code="invalid_type")
-    user = body.get("user")
-    if isinstance(user, str) and user:
-        out["tenant"] = user
-    return out
-
-
-def _chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "`messages` must be a non-empty list", param="messages", code="invalid_value")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise APIError(400, f"messages[{i}] must be an object with a `role`", param=f"messages[{i}]")
-        role, content = message["role"], message.get("content")
-        role = "system" if role == "developer" else role  # OpenAI's newer name for the system role
-        if isinstance(content, list):  # content parts: text only (the engine is text-only)
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise APIError(400, f"messages[{i}]: only text content parts are supported",
-                                   param=f"messages[{i}].content", code="unsupported")
-                texts.append(part["text"])
-            content = "".join(texts)
-        if not isinstance(content, str):
-            raise APIError(400, f"messages[{i}].content must be a string or text parts",
-                           param=f"messages[{i}].content", code="invalid_value")
-        out.append({"role": role, "content": content})
-    return out
-
-
-def _completion_prompt(body: dict[str, Any]) -> dict[str, Any]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        return {"prompt": prompt}
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return {"prompt_token_ids": prompt}
-    raise APIError(400, "`prompt` must be a string, a list of token ids, or a list of one of those "
-                   "(batches: send one request each)", param="prompt", code="invalid_value")
-
-
-def _usage(done: Done) -> dict[str, Any]:
-    u = done.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
-
-
-def _sse(payload: dict[str, Any] | str) -> bytes:
-    data = payload if isinstance(payload, str) else msgspec.json.encode(payload).decode()
-    return f"data: {data}\n\n".encode()
-
-
 class Gateway:
     def __init__(self, client: Client, *, timeout: float = 300.0):
         self.client, self.timeout = client, timeout
@@ -284,7 +152,7 @@ class Gateway:
         try:
             models = await self.served_models()
         except RedisError as exc:
-            return _backend_down(exc).response()
+            return _respond(_backend_down(exc))
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "stoker"} for m in models]
         return JSONResponse({"object": "list", "data": data})
 
@@ -302,20 +170,14 @@ class Gateway:
                 raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
             if not isinstance(body, dict):
                 raise APIError(400, "the body must be a JSON object")
-            _reject_unsupported(body, chat)
-            fields = ({"messages": _chat_messages(body)} if chat else _completion_prompt(body))
-            fields.update(_sampling(body, default_max_tokens=None if chat else 16))  # OpenAI's legacy default
-            stream = _typed(body, "stream", bool, "a boolean") or False
-            opts = body.get("stream_options") or {}
-            include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
+            fields, stream, include_usage = job_fields(body, chat)
             model = await self._resolve_model(body)
             try:
                 job = self.client.make_job(model=model, deadline_ms=int(time.time() * 1000 + self.timeout * 1000),
                                            **fields)
             except ContractError as exc:
                 raise APIError(400, exc.message, code=exc.code) from None
-            make = _ChatShape if chat else _CompletionShape
-            shape = make(f"{'chatcmpl' if chat else 'cmpl'}-{job.request_id}", model)
+            shape = shape_for(chat, job.request_id, model)
             headers = {"x-request-id": job.request_id}
             hangup = _Hangup(request.receive)
             try:
@@ -329,11 +191,11 @@ class Gateway:
             finally:
                 await hangup.close()  # before Starlette's listener takes over `receive` for the stream
         except APIError as exc:
-            return exc.response()
+            return _respond(exc)
         except ClientGone:  # nobody reads this; 499 is the usual log mark for "client closed request"
             return Response(status_code=499)
         except (RedisError, KafkaError) as exc:
-            return _backend_down(exc).response()
+            return _respond(_backend_down(exc))
 
     async def _collect(self, job: schemas.Job) -> Done:
         try:
@@ -341,7 +203,7 @@ class Gateway:
                 if isinstance(event, Done):
                     return event
         except RequestFailed as exc:
-            raise APIError(STATUS_FOR_CODE.get(exc.code, 500), exc.message, code=exc.code) from None
+            raise APIError(status_for(exc.code), exc.message, code=exc.code) from None
         except RequestTimeout as exc:
             raise APIError(504, str(exc), code="timeout") from None
         raise APIError(500, "the event stream ended without a done event", code="internal")
@@ -351,81 +213,34 @@ class Gateway:
         try:
             return await anext(events)
         except RequestFailed as exc:
-            raise APIError(STATUS_FOR_CODE.get(exc.code, 500), exc.message, code=exc.code) from None
+            raise APIError(status_for(exc.code), exc.message, code=exc.code) from None
         except RequestTimeout as exc:
             raise APIError(504, str(exc), code="timeout") from None
 
-    async def _sse(self, shape: _Shape, first: Chunk | Done, events: AsyncIterator[Chunk | Done],
+    async def _sse(self, shape: Shape, first: Chunk | Done, events: AsyncIterator[Chunk | Done],
                    include_usage: bool) -> AsyncIterator[bytes]:
         text = TextAssembler()
         try:
-            yield _sse(shape.chunk(None, None, first=True))
+            yield sse(shape.chunk(None, None, first=True))
             event: Chunk | Done | None = first
             while event is not None:
                 if isinstance(event, Chunk):
                     delta = text.feed(event)
                     if delta:
-                        yield _sse(shape.chunk(delta, None))
+                        yield sse(shape.chunk(delta, None))
                 else:
-                    yield _sse(shape.chunk(None, event.finish_reason))
+                    yield sse(shape.chunk(None, event.finish_reason))
                     if include_usage:
-                        yield _sse(shape.usage_chunk(event))
+                        yield sse(shape.usage_chunk(event))
                     break
                 event = await anext(events, None)
-            yield _sse("[DONE]")
+            yield sse("[DONE]")
         except (RequestFailed, RequestTimeout) as exc:  # mid-stream: the status is sent; say it in-band
             code = exc.code if isinstance(exc, RequestFailed) else "timeout"
-            yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": code}})
+            yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": code}})
         finally:
             # Closing `events` runs Client.run's finally: the cancel, unless the job had finished.
             await events.aclose()  # type: ignore[attr-defined]
-
-
-class _Shape:
-    object_whole = object_chunk = ""
-
-    def __init__(self, id_: str, model: str):
-        self.id, self.model, self.created = id_, model, int(time.time())
-
-    def _base(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def usage_chunk(self, done: Done) -> dict[str, Any]:
-        return self._base(self.object_chunk) | {"choices": [], "usage": _usage(done)}
-
-    def chunk(self, delta: str | None, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def whole(self, done: Done) -> dict[str, Any]:
-        raise NotImplementedError
-
-
-class _CompletionShape(_Shape):
-    object_whole = object_chunk = "text_completion"
-
-    def chunk(self, delta: str | None, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
-        choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}
-        return self._base(self.object_chunk) | {"choices": [choice]}
-
-    def whole(self, done: Done) -> dict[str, Any]:
-        choice = {"index": 0, "text": done.text, "logprobs": None, "finish_reason": done.finish_reason}
-        return self._base(self.object_whole) | {"choices": [choice], "usage": _usage(done)}
-
-
-class _ChatShape(_Shape):
-    object_whole, object_chunk = "chat.completion", "chat.completion.chunk"
-
-    def chunk(self, delta: str | None, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
-        body: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-        if delta:
-            body["content"] = delta
-        choice = {"index": 0, "delta": body, "logprobs": None, "finish_reason": finish_reason}
-        return self._base(self.object_chunk) | {"choices": [choice]}
-
-    def whole(self, done: Done) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": done.text}, "logprobs": None,
-                  "finish_reason": done.finish_reason}
-        return self._base(self.object_whole) | {"choices": [choice], "usage": _usage(done)}
 
 
 def create_app(client_factory: Callable[[], Client], *, timeout: float = 300.0) -> Starlette:
@@ -444,10 +259,10 @@ def create_app(client_factory: Callable[[], Client], *, timeout: float = 300.0) 
         return endpoint
 
     async def not_found(request: Request, exc: Exception) -> Response:
-        return APIError(404, f"no route {request.method} {request.url.path}", code="not_found").response()
+        return _respond(APIError(404, f"no route {request.method} {request.url.path}", code="not_found"))
 
     async def server_error(request: Request, exc: Exception) -> Response:
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal").response()
+        return _respond(APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal"))
 
     return Starlette(
         routes=[Route("/v1/models", route("list_models"), methods=["GET"]),
@@ -469,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timeout", type=float, default=float(env("STOKER_GATEWAY_TIMEOUT", "300")),
                    help="seconds a request may take; also sent to the worker as the job's deadline")
     args = p.parse_args(argv)
-    import uvicorn  # the gateway extra; imported here so `import client.gateway` works for tests without it
+    import uvicorn  # the gateway extra; imported here so `import stoker.gateway.app` works for tests without it
 
     def factory() -> Client:
         return Client(args.bootstrap, args.redis_url, prefix=args.prefix, topic=args.topic, timeout=args.timeout)

@@ -1,6 +1,6 @@
 """The README's demo, after the worker is up: produce a few jobs and print their tokens as they arrive.
 
-    python -m worker.demo [--bootstrap-servers ...] [--redis-url ...]
+    python -m stoker.client.demo [--bootstrap-servers ...] [--redis-url ...]   (ops/demo runs it)
 
 Uses client.Client (subscribe before produce, so no token is missed); the jobs run concurrently and each
 line of output is tagged with its request, so the interleaving shows the continuous batching.
@@ -14,8 +14,8 @@ import os
 import sys
 import time
 
-from client.client import Client
-from schemas import Chunk
+from stoker.client.client import Client
+from stoker.schemas import Chunk
 
 PROMPTS = [
     ("story", {"prompt": "The stoker keeps the fire", "max_tokens": 24, "temperature": 0.8, "seed": 1}),
