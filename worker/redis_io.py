@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
+from redis.exceptions import AuthenticationError, NoPermissionError, NoScriptError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from stoker.schemas.names import STREAM_FIELD, Names
@@ -42,12 +42,14 @@ T = TypeVar("T")
 # ARGV: cap, ttl_s, token, claim_ttl_ms, attempts_ttl_s, then per request group a header "<mode> <attempt>
 # <kinds>" and one payload per event; kinds has one digit per event: 0 = chunk, 1 = the attempt's first event
 # (sets the stream's TTL), 2 = terminal (TTL, result key, our claim released). KEYS per group: channel,
-# stream, claim, attempts, and the result key only when the group writes or checks it (a terminal event, or
-# mode 'u'). Fewer arguments per event matter: redis-py packs each one in Python (10 per one-chunk group cost
-# the worker ~20% of its events per CPU-second on ops/bench_transport.py; this layout has 6).
+# stream, claim, attempts, result. Arguments per event matter to the worker's CPU: RedisIO packs this one
+# command itself (see _evalsha) rather than through redis-py's generic per-argument packer.
 # Mode 'c' (a claimed request): the group is written only while the claim still names this worker and
-# attempt; a claim that expired with nobody taking over is taken back only if the attempt counter still
-# equals our attempt (or is gone with the claim). Otherwise nothing of the group is written and its index is
+# attempt; a claim that expired with nobody taking over is taken back only if no result exists and the
+# attempt counter still equals our attempt (or is gone with the claim). The result check stops a replay:
+# a publish whose reply was lost (Redis died after applying it) is sent again whole, and its terminal event
+# had already released the claim; without the check the replay took the claim back and wrote the same
+# `done` a second time (seen in the fault run). Otherwise nothing of the group is written and its index is
 # returned: the claim is lost, the caller stops the request. So no event of an older attempt can follow a
 # newer attempt's first event, and the result key always holds the terminal event of the highest attempt.
 # Mode 'u' (the answer to a rejected record, which claims nothing): written only while the id has neither a
@@ -60,7 +62,6 @@ while a <= #ARGV do
   group = group + 1
   local mode, attempt, kinds = string.match(ARGV[a], '^(%a) (%d+) (%d+)$')
   local n = #kinds
-  local with_result = mode == 'u' or string.find(kinds, '2', 1, true) ~= nil
   local channel, stream, claim, attempts = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
   local result = KEYS[k + 4]
   local ok
@@ -69,7 +70,7 @@ while a <= #ARGV do
     local owner = redis.call('GET', claim)
     if owner == mine then
       ok = true
-    elseif not owner then
+    elseif not owner and redis.call('EXISTS', result) == 0 then
       local counter = redis.call('GET', attempts)
       if (not counter) or counter == attempt then
         redis.call('SET', claim, mine, 'PX', claim_ttl)
@@ -93,7 +94,7 @@ while a <= #ARGV do
       end
     end
   end
-  k = k + (with_result and 5 or 4)
+  k = k + 5
   a = a + 1 + n
 end
 return lost
@@ -226,20 +227,44 @@ class RedisIO:
         self._release = client.register_script(_RELEASE_LUA)
         self.stopping = False  # set at shutdown so retries give up instead of waiting forever
         self.down_since: float | None = None  # monotonic time of the first failure of the current outage
-        self._key_cache: dict[str, tuple[str, str, str, str, str]] = {}
+        self._key_cache: dict[str, bytes] = {}
+        self._publish_head = b"".join(_bulk(str(v).encode()) for v in (stream_maxlen, ttl_s, token, claim_ttl_ms,
+                                                                        attempts_ttl_s))
 
-    def _request_keys(self, request_id: str) -> tuple[str, str, str, str, str]:
-        """The publish script's five keys of a request (channel, stream, claim, attempts, result), kept while
-        it streams: a request publishes once per engine step, and each key checks the id when built."""
-        keys = self._key_cache.get(request_id)
-        if keys is None:
+    def _request_keys(self, request_id: str) -> bytes:
+        """The publish script's five keys of a request (channel, stream, claim, attempts, result), packed
+        for the wire and kept while it streams: a request publishes once per engine step, and each key checks
+        the id when built."""
+        packed = self._key_cache.get(request_id)
+        if packed is None:
             if len(self._key_cache) >= 16_384:
                 self._key_cache.clear()
             names = self.names
             keys = (names.events_channel(request_id), names.stream(request_id), names.claim(request_id),
                     self.attempts_key(request_id), names.result(request_id))
-            self._key_cache[request_id] = keys
-        return keys
+            packed = b"".join(_bulk(k.encode()) for k in keys)
+            self._key_cache[request_id] = packed
+        return packed
+
+    async def _evalsha(self, packed: bytes, script: str) -> object:
+        """Send one EVALSHA packed by the caller on a pooled connection and read its reply. A script Redis
+        does not know (restarted, flushed) is loaded and the call sent again."""
+        for _ in range(2):
+            pool = self.client.connection_pool
+            conn = await pool.get_connection()
+            try:
+                await conn.send_packed_command(packed)
+                return await conn.read_response()
+            except NoScriptError:
+                await self.client.script_load(script)
+            except ResponseError:
+                raise  # the whole reply was read: the connection is fine
+            except BaseException:
+                await conn.disconnect()  # a reply half read must not reach the next user of the connection
+                raise
+            finally:
+                await pool.release(conn)
+        raise ResponseError("NOSCRIPT after loading the script")
 
     def attempts_key(self, request_id: str) -> str:
         return f"{self.names.redis_prefix}:attempts:{request_id}"
@@ -290,20 +315,24 @@ class RedisIO:
                 groups[group_key] = [ev]
             else:
                 group.append(ev)
-        keys: list[str] = []
-        args: list[bytes | str | int] = [self.stream_maxlen, self.ttl_s, self.token, self.claim_ttl_ms,
-                                         self.attempts_ttl_s]
+        # The command is packed here (RESP bulk strings), not by redis-py: its generic packer cost ~1/4 of the
+        # worker's event-loop CPU at 512 events per step (py-spy on ops/bench_transport.py).
+        keys: list[bytes] = []
+        args: list[bytes] = [self._publish_head]
         order = list(groups)
         for (rid, attempt, unclaimed), group in groups.items():
             # one event of a request per batch is the common case: no join
             kinds = _KIND_DIGIT[group[0].kind] if len(group) == 1 else "".join([_KIND_DIGIT[e.kind] for e in group])
-            request_keys = self._request_keys(rid)
-            keys.extend(request_keys if unclaimed or "2" in kinds else request_keys[:4])
-            args.append(f"{'u' if unclaimed else 'c'} {attempt} {kinds}")
-            args.extend([ev.payload for ev in group])
+            keys.append(self._request_keys(rid))
+            header = f"{'u' if unclaimed else 'c'} {attempt} {kinds}".encode()
+            args.append(b"$%d\r\n%s\r\n" % (len(header), header))
+            for ev in group:
+                args.append(b"$%d\r\n%s\r\n" % (len(ev.payload), ev.payload))
+        num_keys = 5 * len(order)
+        packed = b"".join([_command_head(self._publish.sha, num_keys, num_keys + 5 + len(args) - 1), *keys, *args])
 
         async def go() -> list[int]:
-            return [int(x) for x in await self._publish(keys=keys, args=args)]
+            return [int(x) for x in await self._evalsha(packed, _PUBLISH_LUA)]
 
         lost = await self.retry("publish", go)
         return {(order[i - 1][0], order[i - 1][1]) for i in lost}
@@ -358,6 +387,16 @@ class RedisIO:
 
     async def result_exists(self, request_id: str) -> bool:
         return bool(await self.retry("exists", lambda: self.client.exists(self.names.result(request_id))))
+
+
+def _bulk(value: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(value), value)
+
+
+def _command_head(sha: str, num_keys: int, num_values: int) -> bytes:
+    """EVALSHA, the sha and the key count, for a command of num_values keys and arguments after them."""
+    count = str(num_keys).encode()
+    return b"*%d\r\n$7\r\nEVALSHA\r\n%s%s" % (3 + num_values, _bulk(sha.encode()), _bulk(count))
 
 
 def _s(value: bytes | str) -> str:
