@@ -119,7 +119,11 @@ def build_fp8_checkpoint(model, out_dir: str, preset: str, calibration: list[lis
     import copy
 
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
     from compressed_tensors.quantization.utils import calculate_qparams
     from safetensors.torch import load_file
 

@@ -17,6 +17,7 @@ from stoker.engine.layers.rotary import RotaryEmbedding
 from stoker.engine.layers.weights import WeightModule, WeightShapeError
 
 __all__ = [
-    "Fp8GateUpLinear", "Fp8Linear", "Fp8QKVLinear", "GateUpLinear", "LMHead", "Linear", "MergedLinear", "PagedAttention", "QKVLinear", "RMSNorm",
+    "Fp8GateUpLinear", "Fp8Linear", "Fp8QKVLinear", "GateUpLinear", "LMHead", "Linear", "MergedLinear",
+    "PagedAttention", "QKVLinear", "RMSNorm",
     "RotaryEmbedding", "VocabEmbedding", "WeightModule", "WeightShapeError", "make_linear",
 ]
