@@ -31,6 +31,9 @@ class EngineConfig:
     # On CUDA: host waits on the GPU sleep (blocking-sync context flag) instead of spinning a core;
     # False keeps CUDA's default scheduling (A/B runs). See model_runner._blocking_sync.
     blocking_sync: bool = True
+    # "fp8": quantize an unquantized checkpoint's linears to FP8 at load (per output row; lm_head stays). An FP8
+    # checkpoint (quantization_config in config.json) runs as FP8 without it. None = as the checkpoint is.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -69,6 +72,8 @@ class EngineConfig:
             problems.append(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             problems.append(f"max_model_len must be >= 2 or None, got {self.max_model_len}")
+        if self.quantization not in (None, "fp8"):
+            problems.append(f"quantization must be 'fp8' or None, got {self.quantization!r}")
         if problems:
             raise ValueError("EngineConfig: " + "; ".join(problems))
 

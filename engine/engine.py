@@ -52,7 +52,7 @@ class _Launched:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.model_config = ModelConfig.from_folder(config.model_path)
+        self.model_config = ModelConfig.from_folder(config.model_path, config.quantization)
         self.tokenizer = Tokenizer(config.model_path)
         self.model_name: str = config.model_name  # type: ignore[assignment]
         mc = self.model_config

@@ -40,6 +40,8 @@ _DTYPES: dict[str, torch.dtype] = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,  # FP8 checkpoints (engine/layers/fp8.py)
+    "F8_E5M2": torch.float8_e5m2,  # read so that an FP8 layer can refuse it by name
 }
 
 

@@ -16,6 +16,8 @@ import torch
 from stoker.engine.layers.weights import WeightModule, WeightShapeError
 from stoker.engine.model_config import read_json
 
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 
 def safetensors_files(path: str) -> list[str]:
     """The weight files: those the index names when there is one, else every *.safetensors."""
@@ -63,6 +65,12 @@ class WeightMap:
         if dest is None:
             raise KeyError(f"weight {name} has no place in this model")
         module_name, module, param, shard = dest
+        target = module._parameters.get(param)
+        if tensor.dtype in _FP8_DTYPES and target is not None and target.dtype not in _FP8_DTYPES:
+            raise ValueError(
+                f"weight {name} in {os.path.basename(file)} is {tensor.dtype} but {module_name} is not an FP8 "
+                "layer: config.json's quantization_config does not cover it (its ignore list names it?)"
+            )
         try:
             module.load_weight(param, tensor, shard)
         except WeightShapeError as e:
@@ -85,6 +93,8 @@ class WeightMap:
                 f"model folder {path!r} lacks weights for: {', '.join(names[:8])}"
                 + (f" ... ({len(names)} in all)" if len(names) > 8 else "")
             )
+        for module in self.modules.values():
+            module.finish_loading()
 
 
 def load_weights(model: torch.nn.Module, path: str) -> None:

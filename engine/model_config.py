@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from stoker.engine.quant_config import Fp8Scheme, parse_quantization
+
 # The architecture registry: config.json's `architectures` name -> the model class, by import path (resolved
 # by engine.models.model_class), so that this module stays free of torch. A new architecture is a line here,
 # its config normalisation below (when it differs) and its model file under engine/models/.
@@ -61,9 +63,11 @@ class ModelConfig:
     eos_token_ids: list[int]  # from config.json and generation_config.json, merged
     bos_token_id: int | None
     sliding_window: int | None  # not implemented: the engine caps max_model_len to it instead
+    quantization: Fp8Scheme | None = None  # the checkpoint's FP8 scheme, or --quantization fp8's; None = plain
 
     @classmethod
-    def from_folder(cls, path: str) -> ModelConfig:
+    def from_folder(cls, path: str, quantization: str | None = None) -> ModelConfig:
+        """quantization: EngineConfig.quantization ("fp8": quantize an unquantized checkpoint at load)."""
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
             raise FileNotFoundError(f"model folder {path!r} has no config.json")
@@ -123,4 +127,5 @@ class ModelConfig:
             eos_token_ids=eos,
             bos_token_id=cfg.get("bos_token_id"),
             sliding_window=int(sliding) if sliding else None,
+            quantization=parse_quantization(cfg, cfg_path, quantization),
         )

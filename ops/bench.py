@@ -3,7 +3,9 @@
     PYTHONPATH=. python ops/bench.py [--shape 8b|tiny] [--w2-requests 1024] [--hf-w2-requests 256]
 
 Writes random bf16 weights once (safetensors, 4 shards) under --model-dir, then:
-  floors  read bandwidth (device copy, bytes read + written / time) and bf16 matmul rate (8192^3);
+  floors  read bandwidth (device copy, bytes read + written / time) and bf16 matmul rate (8192^3); with
+          --dtype fp8 (the bf16 weights quantized at load) also the row-wise FP8 rate, and the W1/W2 floors
+          count the bytes stored (FP8 weights + scales, bf16 lm_head) and the FP8 rate for the linears;
   W3      engine start to ready: first (cold: page cache dropped when the kernel allows) and second (warm);
           weights-on-GPU time and graph-capture time from the engine's startup report;
   W1      1 request, 512 prompt tokens, 256 new (greedy, ignore_eos): TPOT and tok/s;
@@ -54,7 +56,7 @@ def log(msg: str) -> None:
 
 
 # ---- floors ----------------------------------------------------------------------------------------------
-def measure_floors() -> dict[str, float]:
+def measure_floors(fp8: bool = False) -> dict[str, float]:
     def timed(fn, warm: int, reps: int) -> float:
         for _ in range(warm):
             fn()
@@ -73,7 +75,14 @@ def measure_floors() -> dict[str, float]:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     rate = 2 * 8192**3 / timed(lambda: a @ b, 3, 10)
-    return {"bandwidth_Bps": bw, "matmul_flops": rate}
+    floors = {"bandwidth_Bps": bw, "matmul_flops": rate}
+    if fp8:  # the rate the FP8 linears can reach: row-wise scaled _scaled_mm, as engine/kernels/fp8_linear.py
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        sa = torch.ones(8192, 1, device="cuda")
+        sb = torch.ones(1, 8192, device="cuda")
+        mm = lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)  # noqa: E731
+        floors["fp8_matmul_flops"] = 2 * 8192**3 / timed(mm, 3, 10)
+    return floors
 
 
 # ---- the model folder ------------------------------------------------------------------------------------
@@ -158,7 +167,7 @@ def drop_page_cache() -> bool:
 
 
 # ---- our engine ------------------------------------------------------------------------------------------
-def engine_config(path: str, max_num_seqs: int, device: str = "cuda"):
+def engine_config(path: str, max_num_seqs: int, device: str = "cuda", quantization: str | None = None):
     """The bench's engine settings (ops/bench_e2e.py gives the worker the same ones, from this object)."""
     from stoker.engine import EngineConfig
 
@@ -177,14 +186,15 @@ def engine_config(path: str, max_num_seqs: int, device: str = "cuda"):
         gpu_memory_utilization=0.9,
         use_triton=use_triton,
         blocking_sync=blocking_sync,
+        quantization=quantization,
     )
 
 
-def start_engine(path: str, max_num_seqs: int, device: str = "cuda"):
+def start_engine(path: str, max_num_seqs: int, device: str = "cuda", quantization: str | None = None):
     from stoker.engine import LLMEngine
 
     t0 = time.perf_counter()
-    eng = LLMEngine(engine_config(path, max_num_seqs, device))
+    eng = LLMEngine(engine_config(path, max_num_seqs, device, quantization))
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     return eng, time.perf_counter() - t0
@@ -441,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-cold", action="store_true", help="no cold start (page cache drop + first engine)")
     ap.add_argument("--profile", action="store_true", help="W1 kernel table and W2 host cProfile into $OUT")
+    ap.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16",
+                    help="fp8: the bf16 weights quantized to FP8 at load (--quantization fp8; lm_head stays bf16)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("ops/bench.py needs a CUDA GPU", file=sys.stderr)
@@ -456,9 +468,11 @@ def main(argv: list[str] | None = None) -> int:
         "shape": args.shape,
         "argv": sys.argv[1:],
         "torch": torch.__version__,
+        "dtype": args.dtype,
     }
+    quantization = "fp8" if args.dtype == "fp8" else None
     log("floors")
-    r["floors"] = measure_floors()
+    r["floors"] = measure_floors(fp8=quantization is not None)
     torch.cuda.empty_cache()
     bw, rate = r["floors"]["bandwidth_Bps"], r["floors"]["matmul_flops"]
     log(f"bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s; writing weights")
@@ -468,19 +482,27 @@ def main(argv: list[str] | None = None) -> int:
         log(
             f"weights written in {r['write_s']:.1f} s; cold start (page cache dropped: {r['page_cache_dropped']})"
         )
-        eng, r["cold_ready_s"] = start_engine(path, args.max_num_seqs)
+        eng, r["cold_ready_s"] = start_engine(path, args.max_num_seqs, quantization=quantization)
         r["cold_startup"] = {k: v for k, v in eng.runner.startup.items()}
         del eng
         gc.collect()
         torch.cuda.empty_cache()
     log("warm start")
-    eng, r["warm_ready_s"] = start_engine(path, args.max_num_seqs)
+    eng, r["warm_ready_s"] = start_engine(path, args.max_num_seqs, quantization=quantization)
     r["warm_startup"] = dict(eng.runner.startup)
     log(f"startup: {r['warm_startup']}")
     mc = eng.model_config
-    weight_bytes = sum(p.numel() * p.element_size() for p in eng.runner.model.parameters())
-    weight_bytes -= mc.vocab_size * mc.hidden_size * 2  # the embedding is gathered, not streamed
-    params_active = weight_bytes // 2
+    # Bytes each decode step streams, as stored: FP8 weights (1 byte) and their float32 scales, the bf16
+    # lm_head and norms; the embedding is gathered, not streamed.
+    weight_bytes = sum(p.numel() * p.element_size() for p in eng.runner.model.parameters() if p is not None)
+    weight_bytes -= mc.vocab_size * mc.hidden_size * 2
+    params_active = sum(p.numel() for n, p in eng.runner.model.named_parameters()
+                        if p.dtype != torch.float32 and "embed_tokens" not in n)  # scales are not multiplied
+    lm_head_params = mc.vocab_size * mc.hidden_size
+    # The linears run at the FP8 rate under --dtype fp8 (lm_head and attention at bf16's).
+    linear_rate = r["floors"].get("fp8_matmul_flops", rate)
+    gemm_s = lambda tokens: 2 * tokens * ((params_active - lm_head_params) / linear_rate  # noqa: E731
+                                          + lm_head_params / rate)
     kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2
     vocab = mc.vocab_size
 
@@ -512,13 +534,12 @@ def main(argv: list[str] | None = None) -> int:
     r["w2"] = w2
     n, p_len, new = args.w2_requests, args.prompt, args.new
     attn = lambda ctx_sq: 2 * ctx_sq * mc.num_heads * mc.head_dim * mc.num_layers  # noqa: E731 (QK^T + PV)
-    prefill_flops = n * (2 * params_active * p_len + attn(p_len * p_len))
+    prefill_s = gemm_s(n * p_len) + n * attn(p_len * p_len) / rate
     decode_s = 0.0
     for step in range(new - 1):  # the first new token comes from the prefill
         ctx = p_len + step + 1
-        flops = n * (2 * params_active + 2 * attn(ctx))
-        decode_s += max(flops / rate, (weight_bytes + n * ctx * kv_per_token) / bw)
-    r["w2"]["floor_s"] = prefill_flops / rate + decode_s
+        decode_s += max(gemm_s(n) + n * 2 * attn(ctx) / rate, (weight_bytes + n * ctx * kv_per_token) / bw)
+    r["w2"]["floor_s"] = prefill_s + decode_s
     r["w2"]["floor_note"] = f"all {n} sequences in every decode step (ideal batching)"
     log(f"W2 {r['w2']} gpu {r['w2_gpu']}")
     log(f"Triton variants {r['triton_variants']}")
@@ -564,6 +585,8 @@ def print_table(r: dict[str, Any], args: argparse.Namespace) -> None:
     rows = [
         ("floor: read bandwidth", f"{r['floors']['bandwidth_Bps'] / 1e12:.2f} TB/s", "", "", ""),
         ("floor: bf16 matmul 8192^3", f"{r['floors']['matmul_flops'] / 1e12:.0f} TFLOP/s", "", "", ""),
+        *([("floor: fp8 matmul 8192^3 (row-wise)", f"{r['floors']['fp8_matmul_flops'] / 1e12:.0f} TFLOP/s", "", "",
+            "")] if "fp8_matmul_flops" in r["floors"] else []),
         (
             "W1 TPOT (bs 1, 512+256)",
             f"{w1['tpot_ms']:.2f} ms",

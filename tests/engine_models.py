@@ -100,3 +100,87 @@ def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
     """Random prompts of ordinary (non-special) token ids."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(10, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+# FP8 checkpoints (issue 14). Dimensions multiples of 128 so that the block scheme's 128 x 128 tiles divide
+# every projection (kv rows = 2 heads x 64); otherwise COMMON's model.
+FP8_DIMS: dict[str, Any] = dict(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2,
+                                 head_dim=64)
+FP8_PRESETS = ("FP8", "FP8_DYNAMIC", "FP8_BLOCK")  # compressed-tensors' names: tensor+static, channel+token, block
+
+
+def build_fp8_checkpoint(model, out_dir: str, preset: str, calibration: list[list[int]]):
+    """Quantize a copy of `model` (a float32 build_hf_model model) with the compressed-tensors library's
+    preset scheme and save it in the format's layout (FP8 weights, weight_scale, input_scale for the static
+    preset; config.json's quantization_config written by the library's ModelCompressor). Weight scales are
+    min-max (llm-compressor's default observer); static input scales the min-max of the `calibration` prompts'
+    activations. Returns the plain-torch reference: a copy of `model` whose linears hold the dequantized FP8
+    weights read back from the saved files. The caller copies the tokenizer files."""
+    import copy
+
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file
+
+    def linears(m: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+        return {n: x for n, x in m.named_modules() if isinstance(x, torch.nn.Linear) and n != "lm_head"}
+
+    input_amax: dict[str, float] = {}
+    hooks = [
+        lin.register_forward_pre_hook(
+            lambda _m, args, n=name: input_amax.__setitem__(n, max(input_amax.get(n, 0.0), args[0].abs().max().item()))
+        )
+        for name, lin in linears(model).items()
+    ]
+    with torch.no_grad():
+        for prompt in calibration:
+            model(torch.tensor([prompt]))
+    for h in hooks:
+        h.remove()
+    quantized = copy.deepcopy(model)
+    config = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])},
+                                ignore=["lm_head"])
+    apply_quantization_config(quantized, config, show_progress=False)
+    with torch.no_grad():
+        for name, lin in linears(quantized).items():
+            args = lin.quantization_scheme.weights
+            w = lin.weight.float()
+            if args.strategy == "tensor":
+                lo, hi = w.min().reshape(1), w.max().reshape(1)
+            elif args.strategy == "channel":
+                lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+            else:  # block 128 x 128
+                tiles = w.reshape(w.shape[0] // 128, 128, w.shape[1] // 128, 128)
+                lo, hi = tiles.amin(dim=(1, 3)), tiles.amax(dim=(1, 3))
+            lin.weight_scale.data.copy_(calculate_qparams(lo, hi, args)[0].reshape(lin.weight_scale.shape))
+            if getattr(lin, "input_scale", None) is not None:
+                amax = torch.tensor([input_amax[name]])
+                scale = calculate_qparams(-amax, amax, lin.quantization_scheme.input_activations)[0]
+                lin.input_scale.data.copy_(scale.reshape(lin.input_scale.shape))
+    compressor = ModelCompressor.from_pretrained_model(quantized, "float-quantized")
+    compressor.compress_model(quantized)
+    quantized.save_pretrained(out_dir)
+    compressor.update_config(out_dir)
+    saved: dict[str, torch.Tensor] = {}
+    for file in os.listdir(out_dir):
+        if file.endswith(".safetensors"):
+            saved.update(load_file(os.path.join(out_dir, file)))
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, lin in linears(reference).items():
+            lin.weight.copy_(dequantize_saved(saved[f"{name}.weight"], saved[f"{name}.weight_scale"]))
+    return reference
+
+
+def dequantize_saved(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's FP8 weight [N, K] times its weight_scale (tensor [1] or [], channel [N, 1], block
+    [N/128, K/128]) in float32: the semantics the engine must reproduce, written independently of it."""
+    w, s = weight.float(), scale.float()
+    if s.dim() == 2 and tuple(s.shape) != (w.shape[0], 1):  # block: repeat each tile's scale over its tile
+        s = s.repeat_interleave(w.shape[0] // s.shape[0], 0).repeat_interleave(w.shape[1] // s.shape[1], 1)
+    return w * s  # [N, 1] and [1] / [] broadcast

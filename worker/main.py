@@ -28,6 +28,8 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
     ("--max-num-seqs", "STOKER_MAX_NUM_SEQS", int, 256, "max concurrent requests in the batch"),
     ("--max-model-len", "STOKER_MAX_MODEL_LEN", int, None, "context length cap"),
     ("--dtype", "STOKER_DTYPE", str, None, "float32|float16|bfloat16 (default: bfloat16 on CUDA, float32 on CPU)"),
+    ("--quantization", "STOKER_QUANTIZATION", str, None,
+     "fp8: quantize an unquantized checkpoint's linears to FP8 at load (FP8 checkpoints need no flag)"),
     ("--block-size", "STOKER_BLOCK_SIZE", int, 16, "tokens per KV block (a power of two)"),
     ("--num-kv-blocks", "STOKER_NUM_KV_BLOCKS", int, None, "KV blocks (default: as many as the budget allows)"),
     ("--gpu-memory-utilization", "STOKER_GPU_MEMORY_UTILIZATION", float, 0.9,
@@ -151,7 +153,7 @@ def build_engine(cfg: WorkerConfig) -> Any:
         "max_num_batched_tokens": cfg.max_num_batched_tokens, "seed": cfg.seed,
         "enable_prefix_caching": not cfg.no_prefix_caching, "cuda_graphs": not cfg.no_cuda_graphs,
         "async_scheduling": False if cfg.no_async_scheduling else None, "use_triton": not cfg.no_triton,
-        "blocking_sync": not cfg.no_blocking_sync,
+        "blocking_sync": not cfg.no_blocking_sync, "quantization": cfg.quantization,
     }
     if cfg.served_model_name:
         kwargs["model_name"] = cfg.served_model_name

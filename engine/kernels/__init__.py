@@ -13,6 +13,12 @@ from stoker.engine.kernels.attention import (
     paged_decode_attention_ref,
     paged_decode_attention_triton,
 )
+from stoker.engine.kernels.fp8_linear import (
+    FP8_GEMV_MAX_M,
+    fp8_linear_ref,
+    gemv_fp8_triton,
+    scaled_mm_fp8,
+)
 from stoker.engine.kernels.gemv import (
     GEMV_MAX_M,
     check_gemv_args,
@@ -25,7 +31,8 @@ from stoker.engine.kernels.rmsnorm import rms_norm_ref, rms_norm_triton
 from stoker.engine.kernels.rotary import rope_cos_sin, rotary_and_cache_ref, rotary_and_cache_triton
 
 __all__ = [
-    "GEMV_MAX_M", "fused_linear", "fused_qkv_rotary_cache", "gemv_ref", "gemv_rotary_cache_ref",
+    "FP8_GEMV_MAX_M", "GEMV_MAX_M", "fp8_linear", "fp8_linear_ref", "gemv_fp8_triton", "scaled_mm_fp8",
+    "fused_linear", "fused_qkv_rotary_cache", "gemv_ref", "gemv_rotary_cache_ref",
     "gemv_rotary_cache_triton", "gemv_triton",
     "paged_attention", "paged_attention_ref", "paged_decode_attention", "paged_decode_attention_ref",
     "rms_norm", "rms_norm_ref", "rope_cos_sin", "rotary_and_cache", "rotary_and_cache_ref",
@@ -167,3 +174,24 @@ def fused_qkv_rotary_cache(
         k.copy_(rms_norm(k.reshape(-1, head_dim), k_norm, eps)[0].view_as(k))
     rotary_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
     return qkv, s
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    block: tuple[int, int] | None,
+    input_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """fp8_linear_ref's semantics (engine/kernels/fp8_linear.py). On CUDA: the W8A16 GEMV for M <= 16; above,
+    torch._scaled_mm with FP8 activations (per token, or the static input_scale) for row scales in bfloat16
+    with N and K multiples of 16; block-scaled weights above M = 16 still dequantize (no block GEMM yet). M is
+    fixed per CUDA-graph bucket, so the branch is capture-safe."""
+    if not use_triton(x):
+        return fp8_linear_ref(x, weight, scale, bias, block)
+    if x.shape[0] <= FP8_GEMV_MAX_M:
+        return gemv_fp8_triton(x.contiguous(), weight, scale, bias, block)
+    if block is None and x.dtype == torch.bfloat16 and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0:
+        return scaled_mm_fp8(x.contiguous(), weight, scale, bias, input_scale)
+    return fp8_linear_ref(x, weight, scale, bias, block)

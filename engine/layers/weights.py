@@ -44,6 +44,10 @@ class WeightModule(nn.Module):
             raise ValueError(f"{type(self).__name__}.{param_name} has no shard {shard!r}")
         copy_into(self._parameters[param_name].data, loaded)  # type: ignore[union-attr]
 
+    def finish_loading(self) -> None:
+        """Called once every tensor is in (after the completeness check): derive what depends on several
+        tensors (an FP8 layer's one activation scale from its shards' input_scales)."""
+
     def expected_shards(self) -> list[tuple[str, str]]:
         """Every (parameter, shard) a complete checkpoint fills: the loaders check them all."""
         return [(name, "") for name, p in self._parameters.items() if p is not None]

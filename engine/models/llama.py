@@ -21,6 +21,7 @@ from stoker.engine.layers import (
     RMSNorm,
     RotaryEmbedding,
     VocabEmbedding,
+    make_linear,
 )
 from stoker.engine.model_config import ModelConfig
 from stoker.engine.models.base import CausalLM
@@ -28,14 +29,17 @@ from torch import nn
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, rotary: RotaryEmbedding, prefix: str):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = QKVLinear(
-            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bias=cfg.attention_bias, dtype=dtype
+        quant = cfg.quantization  # make_linear: the plain linear, or its FP8 twin (engine/layers/fp8.py)
+        self.qkv_proj = make_linear(
+            QKVLinear, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bias=cfg.attention_bias,
+            dtype=dtype, quant=quant, names=[f"{prefix}.{p}" for p in ("q_proj", "k_proj", "v_proj")],
         )
-        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, dtype=dtype)
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.o_proj = make_linear(Linear, self.q_size, cfg.hidden_size, dtype=dtype, quant=quant,
+                                  names=[f"{prefix}.o_proj"])
         # Qwen3: RMSNorm over each head's vector of q and k, before rotary.
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
@@ -65,10 +69,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, prefix: str):
         super().__init__()
-        self.gate_up_proj = GateUpLinear(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, dtype=dtype)
+        quant = cfg.quantization
+        self.gate_up_proj = make_linear(GateUpLinear, cfg.hidden_size, cfg.intermediate_size, dtype=dtype,
+                                        quant=quant, names=[f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        self.down_proj = make_linear(Linear, cfg.intermediate_size, cfg.hidden_size, dtype=dtype, quant=quant,
+                                     names=[f"{prefix}.down_proj"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
@@ -79,12 +86,12 @@ class LlamaDecoderLayer(nn.Module):
     next norm. A fused decode path would replace this forward (not the modules): e.g. one kernel that takes
     post_attention_layernorm.weight and mlp.gate_up_proj.weight."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, rotary: RotaryEmbedding, prefix: str):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = LlamaAttention(cfg, dtype, rotary)
+        self.self_attn = LlamaAttention(cfg, dtype, rotary, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = LlamaMLP(cfg, dtype)
+        self.mlp = LlamaMLP(cfg, dtype, f"{prefix}.mlp")
 
     def forward(
         self,
@@ -106,7 +113,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, dtype, rotary, f"model.layers.{i}") for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
     def forward(

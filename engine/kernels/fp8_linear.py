@@ -1,0 +1,171 @@
+"""FP8 (E4M3) linear: y = x @ (W * scale)^T (+ b), W stored as float8_e4m3fn [N, K] with float32 scales.
+
+Scales are either one per output row (`weight_scale` [N]: per-channel checkpoints, and per-tensor ones whose
+scalar per fused shard is repeated over that shard's rows, so q | k | v with three scales needs no
+requantization) or one per 128 x 128 tile (`weight_scale` [ceil(N/128), ceil(K/128)], block checkpoints).
+
+- `fp8_linear_ref`: dequantize W to the activation dtype (float32 products, rounded once) and F.linear. This
+  defines the semantics: the CPU runs it, the tests compare the GPU paths with it.
+- `gemv_fp8_triton` (M <= 16, the decode path): W8A16, the FP8 weight tile converted to the activation dtype
+  in registers, row scales applied once to the float32 accumulator in the epilogue (block scales per K tile
+  inside the loop, since they change along K). Reads 1 byte per weight: the batch-1 floor halves.
+- `scaled_mm_fp8` (M > 16 on CUDA, bfloat16): activations quantized per token (dynamic) or with the
+  checkpoint's per-tensor input_scale (static), then `torch._scaled_mm` with row-wise scales (scale_a [M, 1],
+  scale_b [1, N]) on the FP8 tensor cores; 1.3-1.9x bf16 from M = 512 up on the H200
+  (shared/notes/h200-gemm-facts.md). Activation quantization adds the FP8 rounding of x to the reference.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from stoker.engine.kernels._triton import check_launchable, tl, triton
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite E4M3 value
+FP8_GEMV_MAX_M = 16  # the dot tile is 16 tokens tall; above it the tensor-core GEMM wins (h200-gemm-facts)
+
+
+# -------------------------------------------------------------------------------------------- reference
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (float8 [N, K], float32 scale [N]) with scale = amax(|row|) / 448 (zero rows: scale 1)."""
+    w32 = w.float()
+    amax = w32.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (w32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor:
+    """float8 [N, K] and its scales (row [N] or block [ceil(N/bn), ceil(K/bk)]) -> [N, K] in `dtype`."""
+    w32 = weight.float()
+    if block is None:
+        return (w32 * scale.float()[:, None]).to(dtype)
+    bn, bk = block
+    n, k = weight.shape
+    full = scale.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return (w32 * full).to(dtype)
+
+
+def check_fp8_args(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"fp8_linear: x [M, K] and weight [N, K] expected, got {tuple(x.shape)}, {tuple(weight.shape)}")
+    if weight.dtype != FP8_DTYPE or scale.dtype != torch.float32:
+        raise ValueError(f"fp8_linear: weight float8_e4m3fn and float32 scales expected, got {weight.dtype}, {scale.dtype}")
+    n, k = weight.shape
+    if block is None:
+        expected: tuple[int, ...] = (n,)
+    else:
+        expected = (-(-n // block[0]), -(-k // block[1]))
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"fp8_linear: scale shape {tuple(scale.shape)}, expected {expected}")
+
+
+def fp8_linear_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """[M, K] -> [M, N] in x.dtype: F.linear(x, dequantize(W, scale) in x.dtype, bias)."""
+    check_fp8_args(x, weight, scale, block)
+    return F.linear(x, dequantize(weight, scale, block, x.dtype), bias)
+
+
+# --------------------------------------------------------------------------- tensor cores (M > 16, CUDA)
+def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (float8 [M, K], float32 [M, 1]): per token (amax / 448) when input_scale is None, else the
+    checkpoint's static per-tensor scale [1]. Values past +-448 saturate, as in the checkpoints' calibration."""
+    x32 = x.float()
+    if input_scale is None:
+        scale = (x32.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    else:
+        scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
+    return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def scaled_mm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+    input_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """Row-wise scaled FP8 GEMM (bfloat16 out): x quantized per token or per tensor, W's row scales."""
+    xq, x_scale = quantize_activations(x, input_scale)
+    # weight [N, K] row-major is the column-major [K, N] operand _scaled_mm wants; scales float32.
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+    return out if bias is None else out + bias
+
+
+# ------------------------------------------------------------------------------------- W8A16 GEMV kernel
+@triton.jit
+def _gemv_fp8_kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
+    M, N, K, x_stride, w_stride, out_stride, scale_stride,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    m = tl.arange(0, BLOCK_M)
+    m_mask = m < M
+    ks = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + n.to(tl.int64)[:, None] * w_stride + ks[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        k_mask = kk < K
+        x = tl.load(x_ptr + m[:, None] * x_stride + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)  # FP8 -> x dtype in registers
+        if BLOCK_SCALES:  # one scale per (128-row, 128-col) tile; BLOCK_K divides SCALE_BK
+            s = tl.load(scale_ptr + (n // SCALE_BN) * scale_stride + k0 // SCALE_BK, mask=n_mask, other=0.0)
+            acc += part * s[None, :]
+        else:
+            acc += part
+    if not BLOCK_SCALES:
+        acc = acc * tl.load(scale_ptr + n, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    tl.store(out_ptr + m[:, None] * out_stride + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def gemv_fp8_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+    *,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """fp8_linear_ref's semantics for M <= 16 tokens, weights read once as FP8.
+
+    block_n (rows per program): 32 up to N = 8192 (more programs for the small projections: qkv 6144 rows
+    makes 192 programs on 132 SMs), 64 above. A starting guess, not yet measured on the H200."""
+    check_fp8_args(x, weight, scale, block)
+    num_tokens, k = x.shape
+    n = weight.shape[0]
+    if num_tokens > FP8_GEMV_MAX_M:
+        raise ValueError(f"gemv_fp8: M = {num_tokens} > {FP8_GEMV_MAX_M}; use scaled_mm_fp8")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
+        raise ValueError(f"gemv_fp8: bias must be [{n}] {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("gemv_fp8: x and weight need unit stride along K")
+    check_launchable(x, weight, scale)
+    block_k = 128
+    if block is not None and block[1] % block_k:
+        raise ValueError(f"gemv_fp8: weight block {block} must be a multiple of {block_k} along K")
+    if block_n is None:
+        block_n = 32 if n <= 8192 else 64
+    out = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, block_n),)
+    _gemv_fp8_kernel[grid](
+        x, weight, scale, bias if bias is not None else scale, out,
+        num_tokens, n, k, x.stride(0), weight.stride(0), out.stride(0), scale.stride(0),
+        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_SCALES=block is not None, SCALE_BN=block[0] if block else 1, SCALE_BK=block[1] if block else 1,
+        HAS_BIAS=bias is not None, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=4,
+    )
+    return out

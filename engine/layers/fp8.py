@@ -1,0 +1,153 @@
+"""FP8 twins of the linear layers (engine.layers.linear), and `make_linear`, the one factory the model calls.
+
+Parameters: `weight` float8_e4m3fn [N, K]; `weight_scale` float32, one per output row [N] (per-channel
+checkpoints; per-tensor checkpoints repeat each shard's scalar over its rows, so fused q | k | v or gate | up
+with a scale per shard keep it exactly, without requantizing) or one per 128 x 128 tile
+[ceil(N/128), ceil(K/128)]; `input_scale` float32 [shards] for static activations (the GEMM uses their max,
+as vLLM does: one scale must quantize the shared input); `bias` in the model dtype. The checkpoint's tensor
+names: `<module>.weight`, `.weight_scale` (`.weight_scale_inv` in the older fp8 block form), `.input_scale`.
+With `--quantization fp8` a bf16/fp32 `weight` is quantized per row as it is copied in.
+"""
+
+from __future__ import annotations
+
+import torch
+from stoker.engine import kernels
+from stoker.engine.kernels.fp8_linear import FP8_DTYPE, quantize_rows
+from stoker.engine.layers.linear import GateUpLinear, Linear, QKVLinear
+from stoker.engine.layers.weights import WeightModule, WeightShapeError, copy_into, empty_param
+from stoker.engine.quant_config import Fp8Scheme
+from torch import nn
+
+
+class Fp8Linear(WeightModule):
+    """[T, in] -> [T, out] with FP8 weights; `shard_sizes` {"": out} for a plain linear, else the fused shards."""
+
+    def __init__(
+        self, input_size: int, output_size: int, *, bias: bool = False, dtype: torch.dtype, scheme: Fp8Scheme,
+        shard_sizes: dict[str, int] | None = None,
+    ):
+        super().__init__()
+        self.input_size, self.output_size, self.scheme = input_size, output_size, scheme
+        self.shard_rows: dict[str, slice] = {}
+        start = 0
+        for name, size in (shard_sizes or {"": output_size}).items():
+            self.shard_rows[name] = slice(start, start + size)
+            start += size
+        self.block = scheme.block_size
+        self.weight = empty_param(output_size, input_size, dtype=FP8_DTYPE)
+        if self.block is None:
+            self.weight_scale = empty_param(output_size, dtype=torch.float32)
+        else:
+            bn, bk = self.block
+            bad = [name for name, rows in self.shard_rows.items() if rows.start % bn]
+            if bad:
+                raise ValueError(f"{type(self).__name__}: shard {bad[0]!r} starts at a row that is not a multiple of "
+                                 f"the weight block {bn}; block-quantized fused layers need block-aligned shards")
+            self.weight_scale = empty_param(-(-output_size // bn), -(-input_size // bk), dtype=torch.float32)
+        static = scheme.activations == "static"
+        self.input_scale = empty_param(len(self.shard_rows), dtype=torch.float32) if static else None
+        self.bias = empty_param(output_size, dtype=dtype) if bias else None
+        self.register_buffer("act_scale", torch.ones(1) if static else None, persistent=False)
+
+    def _param(self, checkpoint_name: str) -> str:
+        return "weight_scale" if checkpoint_name == self.scheme.weight_scale_name else checkpoint_name
+
+    def owns(self, param_name: str) -> bool:
+        return self._parameters.get(self._param(param_name)) is not None
+
+    def load_weight(self, param_name: str, loaded: torch.Tensor, shard: str = "") -> None:
+        rows = self.shard_rows.get(shard)
+        if rows is None:
+            raise ValueError(f"{type(self).__name__}.{param_name}: unknown shard {shard!r} "
+                             f"(have {', '.join(map(repr, self.shard_rows))})")
+        name = self._param(param_name)
+        if name == "weight":
+            self._load_fp8_weight(loaded, rows)
+        elif name == "weight_scale":
+            self._load_weight_scale(loaded, rows)
+        elif name == "input_scale":
+            if loaded.numel() != 1:
+                raise WeightShapeError(tuple(loaded.shape), (1,))
+            self.input_scale.data[list(self.shard_rows).index(shard)] = loaded.reshape(()).float()  # type: ignore[union-attr]
+        else:
+            copy_into(self._parameters[name].data[rows], loaded)  # type: ignore[union-attr]
+
+    def _load_fp8_weight(self, loaded: torch.Tensor, rows: slice) -> None:
+        if loaded.dtype == FP8_DTYPE:
+            copy_into(self.weight.data[rows], loaded)
+        elif self.scheme.quantize_at_load and loaded.is_floating_point() and loaded.element_size() >= 2:
+            if tuple(loaded.shape) != tuple(self.weight.data[rows].shape):
+                raise WeightShapeError(tuple(loaded.shape), tuple(self.weight.data[rows].shape))
+            weight, scale = quantize_rows(loaded.to(self.weight.device))
+            self.weight.data[rows].copy_(weight)
+            self.weight_scale.data[rows].copy_(scale)
+        else:
+            raise ValueError(f"weight dtype {loaded.dtype}: the checkpoint's quantization_config "
+                             f"({self.scheme.method}) says this layer's weights are float8_e4m3fn")
+
+    def _load_weight_scale(self, loaded: torch.Tensor, rows: slice) -> None:
+        if self.block is not None:
+            bn = self.block[0]
+            target = self.weight_scale.data[rows.start // bn : -(-rows.stop // bn)]
+            copy_into(target, loaded.float())
+            return
+        target = self.weight_scale.data[rows]
+        if loaded.numel() == 1:  # per tensor (per shard): the scalar over the shard's rows
+            target.fill_(loaded.reshape(()).float().item())
+        elif loaded.numel() == target.numel() and loaded.dim() <= 2 and loaded.shape[0] == target.numel():
+            target.copy_(loaded.reshape(-1))  # per channel: [rows, 1] in compressed-tensors, [rows] too
+        else:
+            raise WeightShapeError(tuple(loaded.shape), (target.numel(), 1))
+
+    def expected_shards(self) -> list[tuple[str, str]]:
+        names = [n for n, p in self._parameters.items() if p is not None]
+        if self.scheme.quantize_at_load:  # the scales come with the weight
+            names.remove("weight_scale")
+        return [(name, shard) for name in names for shard in self.shard_rows]
+
+    def finish_loading(self) -> None:
+        if self.input_scale is not None:
+            self.act_scale = self.input_scale.data.max().reshape(1).clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, in] -> [T, out]"""
+        return kernels.fp8_linear(x, self.weight, self.weight_scale, self.bias, self.block, self.act_scale)
+
+
+class Fp8QKVLinear(Fp8Linear):
+    """QKVLinear's FP8 twin: q | k | v rows, the shard names the loader's packed_modules use."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, bias: bool,
+                 dtype: torch.dtype, scheme: Fp8Scheme):
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        sizes = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
+        super().__init__(hidden_size, sum(sizes.values()), bias=bias, dtype=dtype, scheme=scheme, shard_sizes=sizes)
+
+
+class Fp8GateUpLinear(Fp8Linear):
+    """GateUpLinear's FP8 twin: gate | up rows."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype, scheme: Fp8Scheme):
+        sizes = {"gate": intermediate_size, "up": intermediate_size}
+        super().__init__(hidden_size, 2 * intermediate_size, dtype=dtype, scheme=scheme, shard_sizes=sizes)
+
+
+_FP8_TWINS: dict[type[Linear], type[Fp8Linear]] = {
+    Linear: Fp8Linear, QKVLinear: Fp8QKVLinear, GateUpLinear: Fp8GateUpLinear,
+}
+
+
+def make_linear(cls: type[Linear], *args: object, quant: Fp8Scheme | None, names: list[str],
+                **kwargs: object) -> nn.Module:
+    """`cls(*args, **kwargs)`, or its FP8 twin when the model is quantized and the scheme does not ignore the
+    checkpoint modules `names` it holds (q_proj, k_proj, v_proj for a fused qkv_proj)."""
+    if quant is None:
+        return cls(*args, **kwargs)  # type: ignore[arg-type]
+    ignored = [quant.ignores(name) for name in names]
+    if all(ignored):
+        return cls(*args, **kwargs)  # type: ignore[arg-type]
+    if any(ignored):
+        raise ValueError(f"quantization_config ignores only some of {names} (a fused layer is quantized whole "
+                         "or not at all)")
+    return _FP8_TWINS[cls](*args, scheme=quant, **kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,128 @@
+"""The FP8 linear kernels (engine/kernels/fp8_linear.py) against their plain-torch reference on odd shapes.
+
+The W8A16 GEMV: cases marked gpu run bf16/fp16 on CUDA; under TRITON_INTERPRET=1 (it handles float8 loads
+and the conversion in registers, checked with Triton 3.6) the CPU cases run fp32/fp16, and the driver at the
+bottom re-runs this file in an interpreter subprocess, as tests/test_kernels_gemv.py does. The _scaled_mm
+path needs FP8 tensor cores: gpu only.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+triton = pytest.importorskip("triton")
+
+if INTERPRET:
+    import numpy as np
+    from triton.runtime import interpreter as _interpreter
+
+    if tuple(int(p) for p in np.__version__.split(".")[:2]) >= (2, 4):
+        # The one-line interpreter fix tests/test_kernels.py carries (triton-lang/triton#9171, numpy >= 2.4).
+        _original_patch = _interpreter._patch_lang_tensor
+
+        def _patch_lang_tensor(tensor: Any, scope: Any) -> None:
+            _original_patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+        _interpreter._patch_lang_tensor = _patch_lang_tensor
+
+from stoker.engine.kernels import fp8_linear  # noqa: E402
+from stoker.engine.kernels.fp8_linear import (  # noqa: E402
+    FP8_DTYPE,
+    fp8_linear_ref,
+    gemv_fp8_triton,
+    quantize_rows,
+    scaled_mm_fp8,
+)
+
+_GPU = pytest.mark.gpu
+_NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+if INTERPRET:
+    CASES = [pytest.param("cpu", torch.float32, id="cpu-fp32"), pytest.param("cpu", torch.float16, id="cpu-fp16")]
+else:
+    CASES = [pytest.param("cuda", dt, id=f"cuda-{name}", marks=[_GPU, _NO_CUDA])
+             for name, dt in [("bf16", torch.bfloat16), ("fp16", torch.float16)]]
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # atol = rtol, per dtype
+
+
+def weights(n: int, k: int, block: bool, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    weight, scale = quantize_rows(torch.randn(n, k, device=device))
+    if block:  # random per-tile scales, so that a misplaced tile shows
+        scale = torch.rand(-(-n // 128), -(-k // 128), device=device) * 0.02 + 0.005
+    return weight, scale
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("num_rows", [1, 3, 16])
+@pytest.mark.parametrize("block", [False, True], ids=["rows", "block"])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+def test_gemv_fp8_matches_reference(device: str, dtype: torch.dtype, num_rows: int, block: bool, bias: bool) -> None:
+    n, k = 200, 300  # neither a power of two nor a multiple of the 128 tile: masked tails in N, K and scales
+    weight, scale = weights(n, k, block, device)
+    x = torch.randn(num_rows, k, device=device).to(dtype)
+    b = torch.randn(n, device=device).to(dtype) if bias else None
+    blk = (128, 128) if block else None
+    out = gemv_fp8_triton(x, weight, scale, b, blk)
+    ref = fp8_linear_ref(x, weight, scale, b, blk)
+    scale_of = ref.float().abs().max().item()
+    torch.testing.assert_close(out.float() / scale_of, ref.float() / scale_of, atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])
+
+
+def test_gemv_fp8_rejects_bad_inputs() -> None:
+    weight, scale = weights(64, 64, False, "cpu")
+    with pytest.raises(ValueError, match="M = 17"):
+        gemv_fp8_triton(torch.randn(17, 64), weight, scale)
+    with pytest.raises(ValueError, match="scale shape"):
+        fp8_linear_ref(torch.randn(2, 64), weight, scale[:10])
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_linear_ref(torch.randn(2, 64), weight.float(), scale)
+
+
+def test_quantize_rows_round_trip() -> None:
+    w = torch.randn(37, 91) * torch.logspace(-3, 2, 37)[:, None]  # rows of very different magnitude
+    w[5] = 0
+    q, s = quantize_rows(w)
+    assert q.dtype == FP8_DTYPE and s.shape == (37,)
+    back = q.float() * s[:, None]
+    # E4M3: 3 mantissa bits, relative rounding error <= 2^-4 for normal values; the row max is exact-ish.
+    assert ((back - w).abs() <= w.abs() * 2**-4 + s[:, None] * 2**-9).all()
+    assert back[5].eq(0).all()
+
+
+@_GPU
+@_NO_CUDA
+@pytest.mark.parametrize("num_rows", [1, 16, 17, 64, 301])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_dispatch_on_cuda_matches_reference(num_rows: int, static: bool) -> None:
+    """fp8_linear on CUDA: the GEMV up to 16 rows, _scaled_mm (FP8 activations) above. The tolerance of the
+    latter includes activation quantization: relative Frobenius error under 4% (E4M3 rounding is <= 6.25%
+    per element, averaging down over K = 512)."""
+    n, k = 384, 512
+    weight, scale = weights(n, k, False, "cuda")
+    x = torch.randn(num_rows, k, device="cuda", dtype=torch.bfloat16)
+    input_scale = (x.float().abs().max() / 448).reshape(1) if static else None
+    out = fp8_linear(x, weight, scale, None, None, input_scale)
+    ref = fp8_linear_ref(x, weight, scale)
+    rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < (0.01 if num_rows <= 16 else 0.04), rel
+    if num_rows > 16:
+        torch.testing.assert_close(out, scaled_mm_fp8(x, weight, scale, None, input_scale))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(INTERPRET, reason="this is the interpreter run itself")
+def test_gemv_fp8_under_triton_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"],
+        env=env, capture_output=True, text=True, timeout=280,
+    )
+    assert run.returncode == 0, f"interpreter run failed:\n{run.stdout[-8000:]}\n{run.stderr[-4000:]}"
+    assert " passed" in run.stdout and "failed" not in run.stdout, run.stdout[-2000:]
