@@ -167,7 +167,8 @@ def drop_page_cache() -> bool:
 
 
 # ---- our engine ------------------------------------------------------------------------------------------
-def engine_config(path: str, max_num_seqs: int, device: str = "cuda", quantization: str | None = None):
+def engine_config(path: str, max_num_seqs: int, device: str = "cuda", quantization: str | None = None,
+                  max_num_batched_tokens: int = 8192):
     """The bench's engine settings (ops/bench_e2e.py gives the worker the same ones, from this object)."""
     from stoker.engine import EngineConfig
 
@@ -181,7 +182,7 @@ def engine_config(path: str, max_num_seqs: int, device: str = "cuda", quantizati
         dtype="bfloat16" if device.startswith("cuda") else "float32",
         max_model_len=1024,
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=8192,
+        max_num_batched_tokens=max_num_batched_tokens,
         enable_prefix_caching=False,
         gpu_memory_utilization=0.9,
         use_triton=use_triton,

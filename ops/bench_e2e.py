@@ -574,6 +574,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model-dir", default=None, help="default /tmp/stoker-bench-<shape> (ops/bench.py's)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--max-num-seqs", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                    help="the step's token budget (trades W2's inter-token p99 against throughput)")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--w1-runs", type=int, default=5)
@@ -682,7 +684,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise box["error"]
             res["stack_up_s"] = box["info"].elapsed_s
         log(f"weights ready ({res['write_s']:.1f} s to write); stack up ({res.get('stack_up_s', 0):.1f} s)")
-        settings = bench.engine_config(path, args.max_num_seqs, args.device)
+        settings = bench.engine_config(path, args.max_num_seqs, args.device,
+                                       max_num_batched_tokens=args.max_num_batched_tokens)
         res["engine_settings"] = {f: getattr(settings, f) for f in WORKER_ENV}
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
