@@ -26,7 +26,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, NoPermissionError, NoScriptError, ResponseError
@@ -246,7 +246,7 @@ class RedisIO:
             self._key_cache[request_id] = packed
         return packed
 
-    async def _evalsha(self, packed: bytes, script: str) -> object:
+    async def _evalsha(self, packed: bytes, script: str) -> Any:
         """Send one EVALSHA packed by the caller on a pooled connection and read its reply. A script Redis
         does not know (restarted, flushed) is loaded and the call sent again."""
         for _ in range(2):
