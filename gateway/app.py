@@ -24,7 +24,7 @@ import contextlib
 import hmac
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -118,7 +118,7 @@ class _EventStream(StreamingResponse):
     cancels the body but never closes it: a generator left suspended at a `yield` would cancel its job
     only when the garbage collector finalised it."""
 
-    def __init__(self, body: AsyncIterator[bytes], streams: list[AsyncIterator[Chunk | Done]],
+    def __init__(self, body: AsyncIterator[bytes], streams: Sequence[AsyncIterator[Chunk | Done]],
                  headers: dict[str, str]):
         super().__init__(body, media_type="text/event-stream", headers=headers)
         self._body, self._streams = body, streams
@@ -131,7 +131,7 @@ class _EventStream(StreamingResponse):
             await _close_all(self._streams)
 
 
-async def _close_all(streams: list[AsyncIterator[Chunk | Done]]) -> None:
+async def _close_all(streams: Sequence[AsyncIterator[Chunk | Done]]) -> None:
     """Closing a job's event iterator runs Client.run's finally: the cancel, unless the job had finished."""
     for events in streams:
         await events.aclose()  # type: ignore[attr-defined]
@@ -355,7 +355,7 @@ class Gateway:
             raise APIError(504, str(exc), code="timeout") from None
 
     async def _sse(self, shape: Shape, plan: Plan, firsts: list[Chunk | Done],
-                   streams: list[AsyncIterator[Chunk | Done]]) -> AsyncIterator[bytes]:
+                   streams: Sequence[AsyncIterator[Chunk | Done]]) -> AsyncIterator[bytes]:
         """One SSE stream of every choice's chunks, in the order their events arrive; one pump task per job
         feeds a queue (None from a pump: that job's events ended)."""
         queue: asyncio.Queue[tuple[int, Chunk | Done | Exception | None]] = asyncio.Queue()
