@@ -184,9 +184,8 @@ class _Edge:
     def _authorized(self, scope: Scope) -> bool:
         if self.api_key is None or scope.get("path") == "/health":
             return True
-        headers = dict(scope.get("headers") or [])
-        given = headers.get(b"authorization", b"").decode("latin-1")
-        return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
+        given = dict(scope.get("headers") or []).get(b"authorization", b"")
+        return hmac.compare_digest(given, f"Bearer {self.api_key}".encode())  # constant time: no key oracle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
