@@ -8,7 +8,8 @@ query (`vllm:num_requests_running`, `vllm:time_to_first_token_seconds`, ...; VLL
 `model_name` label. They are views, not second metrics: `VllmView` reads our metrics' current values at
 scrape time and exposes them again under vLLM's names, so the per-token path still makes one observation
 (a Histogram.observe costs 1-2 us, and the decode loop runs about 10,000 tokens/s per worker). Histograms
-keep our buckets, which histogram_quantile reads as well as vLLM's.
+keep our buckets, which histogram_quantile reads as well as vLLM's. The view costs about 5 ms a scrape with
+100 tenant labels (the whole render about 20 ms; a 2-core development box), on the loop, once per scrape.
 """
 
 from __future__ import annotations
