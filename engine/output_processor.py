@@ -31,6 +31,16 @@ SampleResult = tuple[int, TokenLogprob | None] | Exception
 class OutputProcessor:
     def __init__(self, tokenizer: Decoder):
         self.tokenizer = tokenizer
+        # token id -> the token decoded alone, for logprob entries (contract 1.1). Bounded by the vocabulary;
+        # filled only by requests that ask for logprobs, so the plain decode path pays nothing.
+        self._token_texts: dict[int, str] = {}
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded alone, special tokens included; a partial UTF-8 character shows as U+FFFD."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def new_request(self, seq: Sequence) -> RequestState:
         params = seq.params
@@ -48,8 +58,7 @@ class OutputProcessor:
         text = state.detokenizer.add_token(token_id, past_min)
         return text, state.detokenizer.stopped
 
-    @staticmethod
-    def unpack(out: SamplerOutput, seqs: list[Sequence]) -> list[SampleResult]:
+    def unpack(self, out: SamplerOutput, seqs: list[Sequence]) -> list[SampleResult]:
         """The sampler's host tensors -> one result per row (row i is seqs[i])."""
         token_ids = out.token_ids.tolist()
         if out.logprobs is None or out.top_ids is None or out.top_logprobs is None:
@@ -58,8 +67,12 @@ class OutputProcessor:
         results: list[SampleResult] = []
         for i, (seq, token) in enumerate(zip(seqs, token_ids, strict=True)):
             n = seq.params.logprobs
-            top = [TopLogprob(t, lp) for t, lp in zip(top_ids[i][:n], top_lps[i][:n], strict=True)]
-            results.append((token, TokenLogprob(token, lps[i], top) if n else None))
+            if not n:
+                results.append((token, None))
+                continue
+            text = self.token_text
+            top = [TopLogprob(t, lp, text(t)) for t, lp in zip(top_ids[i][:n], top_lps[i][:n], strict=True)]
+            results.append((token, TokenLogprob(token, lps[i], top, text(token))))
         return results
 
     @staticmethod

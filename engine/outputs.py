@@ -35,6 +35,7 @@ class EngineRequestError(ValueError):
 class TopLogprob:
     token_id: int
     logprob: float
+    text: str = ""  # the token decoded alone (a partial UTF-8 character shows as U+FFFD)
 
 
 @dataclass(slots=True)
@@ -45,6 +46,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[TopLogprob] = field(default_factory=list)
+    text: str = ""  # the token decoded alone, as in TopLogprob
 
 
 @dataclass(slots=True)

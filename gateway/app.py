@@ -8,7 +8,12 @@ cancel): before the first event, in both the streaming and the plain path, a tas
 The job carries deadline_ms = now + the gateway's timeout, so a worker stops spending GPU time on an answer
 nobody waits for any more.
 
-What a request may ask and how it maps to a job is in gateway.mapping; this module is the HTTP side.
+A request with n choices (or a batch of prompts) fans out to one job per choice, each with its own request
+id, so they land on different partitions and usually on different workers: a prompt shared by the choices
+is not served from one prefix cache across them.
+
+What a request may ask and how it maps to a job is in gateway.mapping; this module is the HTTP side: the
+routes, the API key (`--api-key`, every route but /health) and the gateway's own Prometheus metrics.
 """
 
 from __future__ import annotations
@@ -16,30 +21,43 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hmac
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import msgspec
 from aiokafka.errors import KafkaError
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from stoker.client.client import (
     DEFAULT_BOOTSTRAP,
     DEFAULT_REDIS_URL,
     Client,
     RequestFailed,
     RequestTimeout,
-    TextAssembler,
     WorkerInfo,
 )
-from stoker.gateway.mapping import APIError, Shape, job_fields, shape_for, sse, status_for
+from stoker.gateway.mapping import (
+    APIError,
+    Choice,
+    Plan,
+    Shape,
+    plan_request,
+    shape_for,
+    sse,
+    status_for,
+    total_usage,
+)
 from stoker.schemas import Chunk, ContractError, Done
 
 from stoker import schemas
@@ -100,16 +118,97 @@ class _EventStream(StreamingResponse):
     cancels the body but never closes it: a generator left suspended at a `yield` would cancel its job
     only when the garbage collector finalised it."""
 
-    def __init__(self, body: AsyncIterator[bytes], events: AsyncIterator[Chunk | Done], headers: dict[str, str]):
+    def __init__(self, body: AsyncIterator[bytes], streams: Sequence[AsyncIterator[Chunk | Done]],
+                 headers: dict[str, str]):
         super().__init__(body, media_type="text/event-stream", headers=headers)
-        self._body, self._events = body, events
+        self._body, self._streams = body, streams
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self._body.aclose()  # type: ignore[attr-defined]
-            await self._events.aclose()  # type: ignore[attr-defined]
+            await _close_all(self._streams)
+
+
+async def _close_all(streams: Sequence[AsyncIterator[Chunk | Done]]) -> None:
+    """Closing a job's event iterator runs Client.run's finally: the cancel, unless the job had finished."""
+    for events in streams:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+async def _all(works: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Every result, or the first failure with the rest cancelled (so their jobs are cancelled too)."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(w) for w in works]
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    return [t.result() for t in tasks]
+
+
+# Route label values: the routes below, and one value for everything else, so a scan of random paths
+# cannot grow the metrics without bound.
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/models/{model}", "/v1/completions", "/v1/chat/completions")
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class GatewayMetrics:
+    """The gateway's own Prometheus metrics (the workers serve the engine's)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("stoker_gateway_requests", "HTTP requests answered, by route and status",
+                                ["route", "status"], registry=r)
+        self.latency = Histogram("stoker_gateway_request_duration_seconds", "request start to the last byte "
+                                 "of the answer (a stream's end)", ["route"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.errors = Counter("stoker_gateway_errors", "error answers, by route and OpenAI error code",
+                              ["route", "code"], registry=r)
+        self.jobs = Counter("stoker_gateway_jobs", "jobs produced (one per choice)", registry=r)
+
+    @staticmethod
+    def route_of(scope: Scope) -> str:
+        path = scope.get("path", "")
+        if path.startswith("/v1/models/"):
+            return "/v1/models/{model}"
+        return path if path in ROUTES else "other"
+
+
+class _Edge:
+    """ASGI middleware around every route: the API key (as vLLM: `Authorization: Bearer KEY`, every route
+    but /health), and the request, latency and error metrics."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, api_key: str | None):
+        self.app, self.metrics, self.api_key = app, metrics, api_key
+
+    def _authorized(self, scope: Scope) -> bool:
+        if self.api_key is None or scope.get("path") == "/health":
+            return True
+        given = dict(scope.get("headers") or []).get(b"authorization", b"")
+        return hmac.compare_digest(given, f"Bearer {self.api_key}".encode())  # constant time: no key oracle
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route, start, status = self.metrics.route_of(scope), time.perf_counter(), 500
+
+        async def send_noting_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if self._authorized(scope):
+                await self.app(scope, receive, send_noting_status)
+            else:
+                self.metrics.errors.labels(route, "invalid_api_key").inc()
+                await _respond(APIError(401, "invalid or missing API key: send `Authorization: Bearer <key>`",
+                                        code="invalid_api_key"))(scope, receive, send_noting_status)
+        finally:
+            self.metrics.requests.labels(route, str(status)).inc()
+            self.metrics.latency.labels(route).observe(time.perf_counter() - start)
 
 
 def _backend_down(exc: Exception) -> APIError:
@@ -119,8 +218,9 @@ def _backend_down(exc: Exception) -> APIError:
 
 
 class Gateway:
-    def __init__(self, client: Client, *, timeout: float = 300.0):
+    def __init__(self, client: Client, *, timeout: float = 300.0, metrics: GatewayMetrics | None = None):
         self.client, self.timeout = client, timeout
+        self.metrics = metrics or GatewayMetrics()
         self._workers: list[WorkerInfo] = []
         self._workers_at = float("-inf")
 
@@ -147,14 +247,41 @@ class Gateway:
                            param="model", code="model_not_found")
         return str(model)
 
+    def _error(self, request: Request, error: APIError) -> JSONResponse:
+        route = self.metrics.route_of(request.scope)
+        self.metrics.errors.labels(route, error.code or str(error.status)).inc()
+        return _respond(error)
+
     # ---- endpoints -------------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        """The process answers (as vLLM's /health): liveness, not whether workers are up (see /v1/models)."""
+        return PlainTextResponse("ok\n")
+
+    async def render_metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @staticmethod
+    def _model_card(model: str) -> dict[str, Any]:
+        return {"id": model, "object": "model", "created": 0, "owned_by": "stoker"}
+
     async def list_models(self, request: Request) -> Response:
         try:
             models = await self.served_models()
         except RedisError as exc:
-            return _respond(_backend_down(exc))
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "stoker"} for m in models]
-        return JSONResponse({"object": "list", "data": data})
+            return self._error(request, _backend_down(exc))
+        return JSONResponse({"object": "list", "data": [self._model_card(m) for m in models]})
+
+    async def get_model(self, request: Request) -> Response:
+        model = request.path_params["model"]
+        try:
+            models = await self.served_models()
+        except RedisError as exc:
+            return self._error(request, _backend_down(exc))
+        if model not in models:
+            return self._error(request, APIError(404, f"model {model!r} is not served by any live worker; "
+                                                 f"served: {', '.join(models) or 'none'}", param="model",
+                                                 code="model_not_found"))
+        return JSONResponse(self._model_card(model))
 
     async def completions(self, request: Request) -> Response:
         return await self._handle(request, chat=False)
@@ -170,38 +297,47 @@ class Gateway:
                 raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
             if not isinstance(body, dict):
                 raise APIError(400, "the body must be a JSON object")
-            fields, stream, include_usage = job_fields(body, chat)
+            plan = plan_request(body, chat)
             model = await self._resolve_model(body)
+            deadline_ms = int(time.time() * 1000 + self.timeout * 1000)
             try:
-                job = self.client.make_job(model=model, deadline_ms=int(time.time() * 1000 + self.timeout * 1000),
-                                           **fields)
+                jobs = [self.client.make_job(model=model, deadline_ms=deadline_ms, **fields) for fields in plan.jobs()]
             except ContractError as exc:
                 raise APIError(400, exc.message, code=exc.code) from None
-            shape = shape_for(chat, job.request_id, model)
-            headers = {"x-request-id": job.request_id}
+            self.metrics.jobs.inc(len(jobs))
+            shape = shape_for(chat, jobs[0].request_id, model, plan.top_logprobs)
+            headers = {"x-request-id": jobs[0].request_id}
+            if len(jobs) > 1:
+                headers["x-request-ids"] = ",".join(job.request_id for job in jobs)
             hangup = _Hangup(request.receive)
             try:
-                if stream:
-                    events = self.client.run(job, timeout=self.timeout)
-                    # errors before the first event still get a status code
-                    first = await hangup.race(self._first(events))
-                    return _EventStream(self._sse(shape, first, events, include_usage), events, headers)
-                done = await hangup.race(self._collect(job))
-                return JSONResponse(shape.whole(done), headers=headers)
+                if plan.stream:
+                    streams = [self.client.run(job, timeout=self.timeout) for job in jobs]
+                    try:  # errors before the first events still get a status code
+                        firsts = await hangup.race(_all([self._first(events) for events in streams]))
+                    except BaseException:
+                        await _close_all(streams)
+                        raise
+                    return _EventStream(self._sse(shape, plan, firsts, streams), streams, headers)
+                choices = await hangup.race(_all([self._collect(i, job) for i, job in enumerate(jobs)]))
+                return JSONResponse(shape.whole(choices, plan.n), headers=headers)
             finally:
                 await hangup.close()  # before Starlette's listener takes over `receive` for the stream
         except APIError as exc:
-            return _respond(exc)
+            return self._error(request, exc)
         except ClientGone:  # nobody reads this; 499 is the usual log mark for "client closed request"
             return Response(status_code=499)
         except (RedisError, KafkaError) as exc:
-            return _respond(_backend_down(exc))
+            return self._error(request, _backend_down(exc))
 
-    async def _collect(self, job: schemas.Job) -> Done:
+    async def _collect(self, index: int, job: schemas.Job) -> Choice:
+        choice = Choice(index)
         try:
             async for event in self.client.run(job, timeout=self.timeout):
                 if isinstance(event, Done):
-                    return event
+                    choice.done = event
+                    return choice
+                choice.logprobs.feed(event)
         except RequestFailed as exc:
             raise APIError(status_for(exc.code), exc.message, code=exc.code) from None
         except RequestTimeout as exc:
@@ -217,40 +353,68 @@ class Gateway:
         except RequestTimeout as exc:
             raise APIError(504, str(exc), code="timeout") from None
 
-    async def _sse(self, shape: Shape, first: Chunk | Done, events: AsyncIterator[Chunk | Done],
-                   include_usage: bool) -> AsyncIterator[bytes]:
-        text = TextAssembler()
+    async def _sse(self, shape: Shape, plan: Plan, firsts: list[Chunk | Done],
+                   streams: Sequence[AsyncIterator[Chunk | Done]]) -> AsyncIterator[bytes]:
+        """One SSE stream of every choice's chunks, in the order their events arrive; one pump task per job
+        feeds a queue (None from a pump: that job's events ended)."""
+        queue: asyncio.Queue[tuple[int, Chunk | Done | Exception | None]] = asyncio.Queue()
+
+        async def pump(index: int, event: Chunk | Done | None, events: AsyncIterator[Chunk | Done]) -> None:
+            try:
+                while event is not None:
+                    queue.put_nowait((index, event))
+                    if isinstance(event, Done):
+                        break
+                    event = await anext(events, None)
+            except (RequestFailed, RequestTimeout) as exc:
+                queue.put_nowait((index, exc))
+            finally:
+                queue.put_nowait((index, None))
+
+        choices = [Choice(i) for i in range(len(streams))]
+        pumps = [asyncio.create_task(pump(i, first, events))
+                 for i, (first, events) in enumerate(zip(firsts, streams, strict=True))]
         try:
-            yield sse(shape.chunk(None, None, first=True))
-            event: Chunk | Done | None = first
-            while event is not None:
-                if isinstance(event, Chunk):
-                    delta = text.feed(event)
-                    if delta:
-                        yield sse(shape.chunk(delta, None))
+            for choice in choices:
+                yield sse(shape.chunk(choice, None, None, first=True))
+            running = len(pumps)
+            while running:
+                index, event = await queue.get()
+                choice = choices[index]
+                if event is None:
+                    running -= 1
+                elif isinstance(event, Exception):  # mid-stream: the status is sent; say it in-band
+                    code = event.code if isinstance(event, RequestFailed) else "timeout"
+                    yield sse({"error": {"message": str(event), "type": "server_error", "param": None, "code": code}})
+                    return
+                elif isinstance(event, Chunk):
+                    delta, entries = choice.text.feed(event), choice.logprobs.feed(event)
+                    if delta or entries:
+                        yield sse(shape.chunk(choice, delta, None, entries=entries))
                 else:
-                    yield sse(shape.chunk(None, event.finish_reason))
-                    if include_usage:
-                        yield sse(shape.usage_chunk(event))
-                    break
-                event = await anext(events, None)
+                    choice.done = event
+                    yield sse(shape.chunk(choice, None, event.finish_reason))
+            if plan.include_usage:
+                yield sse(shape.usage_chunk(total_usage([c.done for c in choices if c.done], plan.n)))
             yield sse("[DONE]")
-        except (RequestFailed, RequestTimeout) as exc:  # mid-stream: the status is sent; say it in-band
-            code = exc.code if isinstance(exc, RequestFailed) else "timeout"
-            yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": code}})
         finally:
-            # Closing `events` runs Client.run's finally: the cancel, unless the job had finished.
-            await events.aclose()  # type: ignore[attr-defined]
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            await _close_all(streams)
 
 
-def create_app(client_factory: Callable[[], Client], *, timeout: float = 300.0) -> Starlette:
-    """The ASGI app; the client starts and stops with it (lifespan)."""
+def create_app(client_factory: Callable[[], Client], *, timeout: float = 300.0,
+               api_key: str | None = None) -> Starlette:
+    """The ASGI app; the client starts and stops with it (lifespan). With `api_key`, every route but
+    /health answers 401 unless the request sends `Authorization: Bearer <api_key>`."""
     holder: dict[str, Gateway] = {}
+    metrics = GatewayMetrics()
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with client_factory() as client:
-            holder["gw"] = Gateway(client, timeout=timeout)
+            holder["gw"] = Gateway(client, timeout=timeout, metrics=metrics)
             yield
 
     def route(name: str) -> Callable[[Request], Any]:
@@ -258,16 +422,24 @@ def create_app(client_factory: Callable[[], Client], *, timeout: float = 300.0) 
             return await getattr(holder["gw"], name)(request)
         return endpoint
 
+    def counted(error: APIError, request: Request) -> Response:
+        metrics.errors.labels(metrics.route_of(request.scope), error.code or str(error.status)).inc()
+        return _respond(error)
+
     async def not_found(request: Request, exc: Exception) -> Response:
-        return _respond(APIError(404, f"no route {request.method} {request.url.path}", code="not_found"))
+        return counted(APIError(404, f"no route {request.method} {request.url.path}", code="not_found"), request)
 
     async def server_error(request: Request, exc: Exception) -> Response:
-        return _respond(APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal"))
+        return counted(APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal"), request)
 
     return Starlette(
-        routes=[Route("/v1/models", route("list_models"), methods=["GET"]),
+        routes=[Route("/health", route("health"), methods=["GET"]),
+                Route("/metrics", route("render_metrics"), methods=["GET"]),
+                Route("/v1/models", route("list_models"), methods=["GET"]),
+                Route("/v1/models/{model:path}", route("get_model"), methods=["GET"]),
                 Route("/v1/completions", route("completions"), methods=["POST"]),
                 Route("/v1/chat/completions", route("chat_completions"), methods=["POST"])],
+        middleware=[Middleware(_Edge, metrics=metrics, api_key=api_key)],
         lifespan=lifespan, exception_handlers={404: not_found, 500: server_error},
     )
 
@@ -283,13 +455,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--topic", default=env("STOKER_JOB_TOPIC", schemas.JOBS_TOPIC))
     p.add_argument("--timeout", type=float, default=float(env("STOKER_GATEWAY_TIMEOUT", "300")),
                    help="seconds a request may take; also sent to the worker as the job's deadline")
+    p.add_argument("--api-key", default=env("STOKER_API_KEY") or None,
+                   help="require `Authorization: Bearer KEY` on every route but /health (env STOKER_API_KEY)")
     args = p.parse_args(argv)
     import uvicorn  # the gateway extra; imported here so `import stoker.gateway.app` works for tests without it
 
     def factory() -> Client:
         return Client(args.bootstrap, args.redis_url, prefix=args.prefix, topic=args.topic, timeout=args.timeout)
 
-    uvicorn.run(create_app(factory, timeout=args.timeout), host=args.host, port=args.port, log_level="info")
+    uvicorn.run(create_app(factory, timeout=args.timeout, api_key=args.api_key), host=args.host, port=args.port, log_level="info")
 
 
 if __name__ == "__main__":

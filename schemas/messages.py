@@ -115,6 +115,7 @@ class Cancel(_Message, tag="cancel"):
 class TopLogprob(_Struct):
     token_id: int
     logprob: float
+    text: str | None = None  # since 1.1: the token decoded alone (a partial character shows as U+FFFD)
 
 
 class TokenLogprob(_Struct):
@@ -123,6 +124,7 @@ class TokenLogprob(_Struct):
     token_id: int
     logprob: float
     top: list[TopLogprob]
+    text: str | None = None  # since 1.1: the token decoded alone, so a consumer without the tokenizer can render it
 
 
 class Usage(_Struct):

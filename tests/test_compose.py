@@ -145,8 +145,15 @@ def test_topics_agree_with_the_contract_stack_and_init(compose: dict[str, Any]) 
     assert worker_env["STOKER_PREFIX"] == names.redis_prefix
 
 
+def stages(dockerfile: str) -> dict[str, str]:
+    """{stage name: its text from FROM to the next FROM}."""
+    parts = re.split(r"^(?=FROM )", dockerfile, flags=re.M)
+    return {re.match(r"FROM \S+ AS (\S+)", part).group(1): part  # type: ignore[union-attr]
+            for part in parts if part.startswith("FROM ")}
+
+
 def test_dockerfile_installs_the_worker_and_runs_it() -> None:
-    dockerfile = (ROOT / "Dockerfile").read_text()
+    dockerfile = stages((ROOT / "Dockerfile").read_text())["worker"]
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["stoker-worker"] == "stoker.worker.main:main"
     assert re.search(r'^ENTRYPOINT \["stoker-worker"\]$', dockerfile, re.M)
@@ -166,3 +173,79 @@ def test_redis_persistence_choices_match_the_local_stack(compose: dict[str, Any]
     assert sorted("|".join(choices).split("|")) == sorted(stack.REDIS_PERSISTENCE)
     assert '--appendonly yes --appendfsync "$$STOKER_REDIS_PERSISTENCE"' in script
     assert "redis-data:/data" in redis["volumes"] and "redis-data" in compose["volumes"]
+
+
+def test_dockerfile_builds_the_worker_by_default_and_the_gateway_without_torch() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert list(stages(text)) == ["gateway", "worker"]  # the last stage is what a plain `docker build` makes
+    gateway = stages(text)["gateway"]
+    assert re.search(r"^FROM python:3\.\d+-slim AS gateway$", gateway, re.M)
+    assert re.search(r'^ENTRYPOINT \["stoker-gateway"\]$', gateway, re.M)
+    assert re.search(r'pip install .*"\.\[gateway\]"', gateway) and "['gateway']" in gateway
+    assert "worker" not in re.findall(r"optional-dependencies'\]\['(\w+)'\]", gateway)  # no torch here
+
+
+def _torch_cuda(requirements: list[str]) -> tuple[int, int] | None:
+    """The CUDA (major, minor) a torch wheel's Requires-Dist pins: cuda-toolkit==13.0.2 (torch >= 2.10) or
+    nvidia-cuda-runtime-cu12==12.8.90 (older wheels)."""
+    for req in requirements:
+        found = re.match(r"(?:cuda-toolkit(?:\[[^]]*\])?|nvidia-cuda-runtime(?:-cu\d+)?)\s*==\s*(\d+)\.(\d+)", req)
+        if found:
+            return int(found.group(1)), int(found.group(2))
+    return None
+
+
+def test_the_worker_base_image_has_the_cuda_of_the_pinned_torch_wheel() -> None:
+    """A CUDA base older than the wheel's CUDA needs a driver the image does not promise, and its user-space
+    libraries do not match the ones torch loads. Read from the installed torch's metadata (the same wheel
+    pyproject pins), since nothing here can reach PyPI."""
+    from importlib import metadata
+
+    pin = next(d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"][
+        "worker"] if d.startswith("torch"))
+    try:
+        installed = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        pytest.skip("torch is not installed")
+    assert re.fullmatch(r"torch==(\d+\.\d+)\.\*", pin) and installed.startswith(pin[7:-1]), (pin, installed)
+    if "+cpu" in installed:
+        pytest.skip(f"torch {installed} is a CPU build: no CUDA pin to compare")
+    wheel_cuda = _torch_cuda(metadata.requires("torch") or [])
+    assert wheel_cuda is not None, "no CUDA pin found in torch's Requires-Dist"
+    base = re.search(r"^FROM nvidia/cuda:(\d+)\.(\d+)\.\d+-\S+ AS worker$", (ROOT / "Dockerfile").read_text(), re.M)
+    assert base is not None
+    assert (int(base.group(1)), int(base.group(2))) == wheel_cuda, (
+        f"the worker's base image is CUDA {base.group(1)}.{base.group(2)}, torch {installed} brings CUDA "
+        f"{wheel_cuda[0]}.{wheel_cuda[1]}")
+    assert _torch_cuda(["nvidia-cuda-runtime-cu12==12.8.90; platform_system == 'Linux'"]) == (12, 8)
+
+
+def test_gateway_service_reaches_the_workers_topic_and_redis(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    gateway, worker = services["gateway"], services["worker"]
+    assert gateway["build"]["target"] == "gateway" and worker["build"]["target"] == "worker"
+    assert gateway["depends_on"]["kafka-init"]["condition"] == "service_completed_successfully"
+    assert gateway["depends_on"]["redis"]["condition"] == "service_healthy"
+    env, worker_env = env_of(gateway), env_of(worker)
+    for name in ("KAFKA_BOOTSTRAP_SERVERS", "REDIS_URL", "STOKER_JOB_TOPIC", "STOKER_PREFIX"):
+        assert env[name] == worker_env[name], name
+    # Every variable set is one the gateway reads (its option table in gateway/app.py names each).
+    source = (ROOT / "gateway" / "app.py").read_text()
+    assert all(f'"{name}"' in source for name in env), [n for n in env if f'"{name}"' not in source]
+    assert env["STOKER_GATEWAY_HOST"] == "0.0.0.0"  # inside the container; published on loopback only
+    assert published(gateway)[int(env["STOKER_GATEWAY_PORT"])] == ("127.0.0.1", 8000)
+    assert env["STOKER_API_KEY"] == "${STOKER_API_KEY:-}"
+    assert "/health" in " ".join(gateway["healthcheck"]["test"])
+
+
+def test_the_triton_cache_is_on_a_volume_and_port_clashes_are_said(compose: dict[str, Any]) -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    cache_dir = re.search(r"TRITON_CACHE_DIR=(\S+)", dockerfile)
+    assert cache_dir is not None
+    assert f"triton-cache:{cache_dir.group(1)}" in compose["services"]["worker"]["volumes"]
+    assert "triton-cache" in compose["volumes"]
+    assert 'mkdir -p "$TRITON_CACHE_DIR"' in stages(dockerfile)["worker"]  # the volume starts owned by stoker
+    header = (ROOT / "docker-compose.yml").read_text().split("\nname:")[0]
+    for port in (DEFAULTS.kafka_port, DEFAULTS.redis_port):
+        assert str(port) in header
+    assert "ops/stack up" in header and "cannot" in header

@@ -43,6 +43,19 @@ def test_multibyte_characters_split_across_tokens(tokenizer):
     assert "".join(deltas) == TEXT
 
 
+def test_logprob_token_text_is_each_token_decoded_alone(tokenizer):
+    """Contract 1.1: logprob entries carry the token decoded alone, a split character as U+FFFD."""
+    from stoker.engine.output_processor import OutputProcessor
+
+    outputs = OutputProcessor(tokenizer)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    texts = [outputs.token_text(t) for t in ids]
+    assert texts == [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert any("\ufffd" in t for t in texts)  # a character split across tokens
+    assert texts[0] and "\ufffd" not in texts[0] and TEXT.startswith(texts[0])
+    assert [outputs.token_text(t) for t in ids] == texts  # cached: the same answer again
+
+
 @pytest.mark.parametrize(
     ("stop", "include", "expected"),
     [

@@ -198,7 +198,9 @@ async def test_completion_streaming_and_stop_as_string(oai: openai.AsyncOpenAI) 
 
 
 @pytest.mark.parametrize(("kwargs", "status", "param"), [
-    ({"n": 2}, 400, "n"),
+    ({"n": 0}, 400, "n"),
+    ({"top_logprobs": 3}, 400, "top_logprobs"),  # without logprobs: true
+    ({"extra_body": {"guided_regex": "a+"}}, 400, "guided_regex"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),
     ({"response_format": {"type": "json_object"}}, 400, "response_format"),
     ({"logit_bias": {"1": 5}}, 400, "logit_bias"),
@@ -206,6 +208,7 @@ async def test_completion_streaming_and_stop_as_string(oai: openai.AsyncOpenAI) 
 ])
 async def test_unsupported_or_bad_params_get_openai_errors(oai: openai.AsyncOpenAI, kwargs: dict, status: int,
                                                            param: str | None) -> None:
+    """Every field the gateway does not support is a 400 naming it, never silently dropped."""
     with pytest.raises(openai.APIStatusError) as info:
         await oai.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], **kwargs)
     assert info.value.status_code == status
@@ -215,6 +218,99 @@ async def test_unsupported_or_bad_params_get_openai_errors(oai: openai.AsyncOpen
         assert body["param"] == param
     else:
         assert "temperature" in body["message"]
+
+
+async def test_n_choices_with_logprobs_not_streaming(oai: openai.AsyncOpenAI, live: Live) -> None:
+    raw = await oai.chat.completions.with_raw_response.create(
+        model="fake", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=4, logprobs=True,
+        top_logprobs=3, store=False, extra_body={"ignore_eos": True})
+    r = raw.parse()
+    assert [c.index for c in r.choices] == [0, 1]
+    ids = raw.headers["x-request-ids"].split(",")
+    assert len(ids) == 2 and ids[0] == raw.headers["x-request-id"]
+    async with live.client() as c:
+        dones = [await c.result(rid) for rid in ids]
+    for choice, done in zip(r.choices, dones, strict=True):
+        assert isinstance(done, Done) and choice.message.content == done.text
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        entries = choice.logprobs.content
+        assert len(entries) == 4 and "".join(e.token for e in entries) == done.text  # each token's own text
+        for entry in entries:
+            assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+            assert entry.bytes == list(entry.token.encode()) and entry.logprob <= 0
+    assert r.choices[0].message.content != r.choices[1].message.content  # two jobs, two answers
+    assert r.usage is not None and r.usage.completion_tokens == 8
+
+
+async def test_n_choices_with_logprobs_streaming(oai: openai.AsyncOpenAI) -> None:
+    stream = await oai.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=5, logprobs=True,
+        top_logprobs=3, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    texts, tokens, finish, usage = ["", ""], [[], []], [None, None], None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+            continue
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.logprobs is not None and choice.logprobs.content:
+                assert all(len(e.top_logprobs) == 3 for e in choice.logprobs.content)
+                tokens[choice.index] += [e.token for e in choice.logprobs.content]
+            finish[choice.index] = choice.finish_reason or finish[choice.index]
+    assert finish == ["length", "length"] and usage is not None and usage.completion_tokens == 10
+    assert [len(t) for t in tokens] == [5, 5] and ["".join(t) for t in tokens] == texts
+
+
+async def test_completion_batch_of_prompts_with_logprobs(oai: openai.AsyncOpenAI) -> None:
+    r = await oai.completions.create(model="fake", prompt=["one", "two", "three"], max_tokens=3, logprobs=2,
+                                     extra_body={"ignore_eos": True, "stop_token_ids": [0],
+                                                 "include_stop_str_in_output": False})
+    assert [c.index for c in r.choices] == [0, 1, 2] and len({c.text for c in r.choices}) == 3
+    for choice in r.choices:
+        lp = choice.logprobs
+        assert lp is not None and lp.tokens is not None and "".join(lp.tokens) == choice.text
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(3)]
+        assert lp.top_logprobs is not None and all(len(alts) == 2 for alts in lp.top_logprobs)
+    stream = await oai.completions.create(model="fake", prompt=["one", "two"], n=2, max_tokens=2, logprobs=0,
+                                          stream=True, extra_body={"ignore_eos": True})
+    seen: dict[int, list[str]] = {}
+    async for chunk in stream:
+        for choice in chunk.choices:
+            if choice.logprobs is not None and choice.logprobs.tokens:
+                seen.setdefault(choice.index, []).extend(choice.logprobs.tokens)
+    assert sorted(seen) == [0, 1, 2, 3] and all(len(t) == 2 for t in seen.values())
+
+
+async def test_health_metrics_and_one_model(oai: openai.AsyncOpenAI, live: Live) -> None:
+    model = await oai.models.retrieve("fake")
+    assert (model.id, model.object) == ("fake", "model")
+    with pytest.raises(openai.NotFoundError):
+        await oai.models.retrieve("gpt-9")
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{live.port}") as h:
+        assert (await h.get("/health")).status_code == 200
+        metrics = (await h.get("/metrics")).text
+    assert 'stoker_gateway_requests_total{route="/v1/chat/completions",status="200"}' in metrics
+    assert 'stoker_gateway_errors_total{code="model_not_found",route="/v1/models/{model}"}' in metrics
+    assert "stoker_gateway_request_duration_seconds_bucket" in metrics
+
+
+async def test_api_key_is_checked_on_every_route_but_health(live: Live) -> None:
+    app = create_app(lambda: live.client(), timeout=30.0, api_key="sk-right")
+    async with app.router.lifespan_context(app):
+        for key, ok in (("sk-wrong", False), ("sk-right", True)):
+            http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw/v1")
+            async with openai.AsyncOpenAI(base_url="http://gw/v1", api_key=key, http_client=http, max_retries=0) as oai:
+                if ok:
+                    assert [m.id for m in (await oai.models.list()).data] == ["fake"]
+                    continue
+                with pytest.raises(openai.AuthenticationError) as info:
+                    await oai.chat.completions.create(model="fake", messages=[{"role": "user", "content": "x"}])
+                assert info.value.status_code == 401 and "API key" in info.value.message
+                with pytest.raises(openai.AuthenticationError):
+                    await oai.models.list()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as h:
+            assert (await h.get("/health")).status_code == 200
+            assert (await h.get("/metrics")).status_code == 401
 
 
 async def test_unknown_model_is_404_and_bad_json_400_and_bad_type_422(oai: openai.AsyncOpenAI, live: Live) -> None:
@@ -367,6 +463,16 @@ async def test_real_small_engine_completes_and_streams_chat(real_live: Live) -> 
         again = await oai.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0,
                                              extra_body={"ignore_eos": True})
         assert again.choices[0].text == r.choices[0].text  # greedy on the real engine: deterministic
+        with_logprobs = await oai.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=6, temperature=0, n=2,
+            logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+        for choice in with_logprobs.choices:  # the worker decoded each token alone with the model's tokenizer
+            assert choice.logprobs is not None and choice.logprobs.content is not None
+            content = choice.logprobs.content
+            assert len(content) == 6 and all(e.token and len(e.top_logprobs) == 3 for e in content)
+            assert all(e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob for e in content)
+            assert content[0].token == content[0].top_logprobs[0].token  # greedy: the likeliest was taken
+        assert with_logprobs.choices[0].message.content == with_logprobs.choices[1].message.content  # greedy
 
         raw = await oai.chat.completions.with_raw_response.create(
             model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=10, temperature=0,

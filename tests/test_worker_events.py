@@ -48,12 +48,13 @@ def test_a_chunk_carries_the_attempt_the_seq_and_the_steps_tokens():
 
 
 def test_logprobs_map_one_entry_per_token_with_their_alternatives():
-    out = output(logprobs=[EngineTokenLogprob(5, -0.5, [EngineTopLogprob(5, -0.5), EngineTopLogprob(9, -1.5)]),
-                           EngineTokenLogprob(6, -0.25, [])])
-    assert events.logprobs(out) == [
-        TokenLogprob(token_id=5, logprob=-0.5, top=[TopLogprob(token_id=5, logprob=-0.5),
-                                                     TopLogprob(token_id=9, logprob=-1.5)]),
-        TokenLogprob(token_id=6, logprob=-0.25, top=[]),
+    out = output(logprobs=[EngineTokenLogprob(5, -0.5, [EngineTopLogprob(5, -0.5, " a"),
+                                                        EngineTopLogprob(9, -1.5, "\ufffd")], " a"),
+                           EngineTokenLogprob(6, -0.25, [], "b")])
+    assert events.logprobs(out) == [  # each token's text travels (contract 1.1)
+        TokenLogprob(token_id=5, logprob=-0.5, text=" a", top=[TopLogprob(token_id=5, logprob=-0.5, text=" a"),
+                                                                TopLogprob(token_id=9, logprob=-1.5, text="\ufffd")]),
+        TokenLogprob(token_id=6, logprob=-0.25, text="b", top=[]),
     ]
     assert events.logprobs(output(logprobs=[])) is None  # none asked: the field stays absent
     assert events.chunk(request(), out).logprobs is not None

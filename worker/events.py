@@ -15,8 +15,8 @@ from stoker.worker.requests import Request
 def logprobs(out: RequestOutput) -> list[TokenLogprob] | None:
     if not out.logprobs:
         return None
-    return [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                         top=[TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top])
+    return [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, text=lp.text,
+                         top=[TopLogprob(token_id=t.token_id, logprob=t.logprob, text=t.text) for t in lp.top])
             for lp in out.logprobs]
 
 

@@ -18,7 +18,15 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
-from stoker.engine import EngineRequest, EngineRequestError, EngineStats, RequestOutput, SamplingParams
+from stoker.engine import (
+    EngineRequest,
+    EngineRequestError,
+    EngineStats,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+    TopLogprob,
+)
 
 FAIL_MARKER = "__stoker_fail__"
 _BLOCK_SIZE = 16
@@ -32,6 +40,14 @@ def fake_token_text(token_id: int) -> str:
     return f" w{token_id}"
 
 
+def fake_logprob(token_id: int, alternatives: int, vocab_size: int) -> TokenLogprob:
+    """A made-up but well-formed entry: the sampled token is the likeliest, then the ids after it, each
+    alternative half as likely as the one before (log 0.5 apart), with each token's text."""
+    top = [TopLogprob((token_id + k) % vocab_size, -0.5 - 0.6931 * k, fake_token_text((token_id + k) % vocab_size))
+           for k in range(alternatives)]
+    return TokenLogprob(token_id, -0.5, top, fake_token_text(token_id))
+
+
 class FakeTokenizer:
     """Whitespace 'tokenizer' with the encode/decode shape of the real one."""
 
@@ -41,7 +57,7 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return [zlib.crc32(word.encode()) % self.vocab_size for word in text.split()] or [0]
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(fake_token_text(t) for t in token_ids)
 
 
@@ -215,7 +231,8 @@ class FakeEngine:
             request_id=req.request_id,
             new_token_ids=new_ids,
             text_delta=delta,
-            logprobs=None,
+            logprobs=[fake_logprob(t, req.params.logprobs, self.vocab_size) for t in new_ids]
+            if req.params.logprobs and new_ids else None,
             finished=finished,
             finish_reason=reason,
             prompt_tokens=req.num_prompt_tokens,

@@ -119,7 +119,7 @@ class Worker:
         self.engine = engine
         self.model_name = config.served_model_name or engine.model_name
         self.names = config.names
-        self.metrics = WorkerMetrics(config.max_tenant_labels)
+        self.metrics = WorkerMetrics(config.max_tenant_labels, self.model_name)
         self._stage = {name: self.metrics.stage.labels(name)
                        for name in ("polled", "claimed", "engine_added", "first_output", "published")}
         self.tracker = OffsetTracker()
@@ -807,17 +807,18 @@ class Worker:
     async def _update_lag(self) -> None:
         consumer = self.consumer
         if consumer is None or not self._assigned:
+            self.metrics.set_lag({})  # none held: no partition's series stays behind
             return
         with contextlib.suppress(Exception):
             parts = list(self._assigned)
             ends = await consumer.end_offsets(parts)
-            lag = 0
+            lag: dict[tuple[str, int], int] = {}
             for tp in parts:
                 mark = self.tracker.watermark(tp)
                 if mark is None:
                     mark = await consumer.committed(tp) or 0
-                lag += max(0, ends.get(tp, 0) - mark)
-            self.metrics.lag.set(lag)
+                lag[tp.topic, tp.partition] = max(0, ends.get(tp, 0) - mark)
+            self.metrics.set_lag(lag)
 
     async def _parked_loop(self) -> None:
         assert self.rio is not None
