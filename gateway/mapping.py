@@ -4,8 +4,7 @@ A request body becomes job fields (`job_fields`), or an APIError that says what 
 become OpenAI's completion and chat-completion objects and SSE chunks (`CompletionShape`, `ChatShape`).
 
 Not supported, answered 400 rather than silently ignored: n > 1, best_of > 1, echo, suffix, logprobs (the
-gateway has no tokenizer to render token strings), tools/functions, response_format other than text,
-logit_bias, non-text content parts. finish_reason passes the contract's `cancelled` and `deadline` through.
+gateway has no tokenizer to render token strings), tools/functions, guided_grammar, logit_bias, non-text content parts. finish_reason passes the contract's `cancelled` and `deadline` through.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from stoker.schemas import Done
 
 # Contract error codes -> HTTP status: the caller's fault, a missing model, or ours.
 STATUS_FOR_CODE = {"invalid_job": 400, "context_length_exceeded": 400, "unsupported_version": 400,
+                   "invalid_response_format": 400,
                    "message_too_large": 413, "unknown_model": 404}
 
 
@@ -58,10 +58,10 @@ def reject_unsupported(body: dict[str, Any], chat: bool) -> None:
     for name in ("tools", "functions", "tool_choice", "function_call", "logit_bias"):
         if body.get(name):
             raise APIError(400, f"`{name}` is not supported by this gateway", param=name, code="unsupported")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise APIError(400, "`response_format` is not supported (only {\"type\": \"text\"})",
-                       param="response_format", code="unsupported")
+    for name in ("guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern"):
+        if body.get(name) is not None:
+            raise APIError(400, f"`{name}` is not supported: use response_format, guided_json, guided_regex or "
+                           "guided_choice", param=name, code="unsupported")
     logprob_fields = ("logprobs", "top_logprobs") if chat else ("logprobs",)
     for name in logprob_fields:
         if body.get(name):  # chat: logprobs=true; completions: logprobs=N > 0
@@ -159,11 +159,67 @@ def sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+def response_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    """OpenAI's `response_format` (json_schema, json_object; text = none) and vLLM's extensions (`guided_json`,
+    `guided_regex`, `guided_choice`, or `structured_outputs: {json | regex | choice}`) -> the job's
+    `response_format`, or None. At most one of them; the contract checks the shape (a bad one is a 400)."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise APIError(400, "`response_format` must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
+                           param="response_format", code="unsupported")
+        if fmt["type"] == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise APIError(400, "`response_format.json_schema.schema` must be a JSON Schema object",
+                               param="response_format", code="invalid_type")
+            found.append(("response_format", {"type": "json_schema", "json_schema": {
+                k: spec[k] for k in ("name", "schema", "strict") if spec.get(k) is not None}}))
+        elif fmt["type"] == "json_object":
+            found.append(("response_format", {"type": "json_object"}))
+    structured = body.get("structured_outputs")
+    if structured is not None and not isinstance(structured, dict):
+        raise APIError(422, "`structured_outputs` must be an object", param="structured_outputs", code="invalid_type")
+    sources = [(f"guided_{k}", body.get(f"guided_{k}")) for k in ("json", "regex", "choice")]
+    sources += [(f"structured_outputs.{k}", (structured or {}).get(k)) for k in ("json", "regex", "choice")]
+    for name in ("grammar", "json_object", "structural_tag"):
+        if (structured or {}).get(name) is not None:
+            raise APIError(400, f"`structured_outputs.{name}` is not supported", param="structured_outputs",
+                           code="unsupported")
+    for name, value in sources:
+        if value is None:
+            continue
+        if name.endswith("json"):
+            try:
+                schema = msgspec.json.decode(value) if isinstance(value, str) else value
+            except msgspec.DecodeError as exc:
+                raise APIError(400, f"`{name}` is not valid JSON: {exc}", param=name, code="invalid_json") from None
+            if not isinstance(schema, dict):
+                raise APIError(422, f"`{name}` must be a JSON Schema object", param=name, code="invalid_type")
+            found.append((name, {"type": "json_schema", "json_schema": {"schema": schema}}))
+        elif name.endswith("regex"):
+            if not isinstance(value, str):
+                raise APIError(422, f"`{name}` must be a string", param=name, code="invalid_type")
+            found.append((name, {"type": "regex", "pattern": value}))
+        else:
+            if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+                raise APIError(422, f"`{name}` must be a list of strings", param=name, code="invalid_type")
+            found.append((name, {"type": "choice", "choices": value}))
+    if len(found) > 1:
+        raise APIError(400, f"give at most one output constraint, got {', '.join(n for n, _ in found)}",
+                       param=found[1][0], code="unsupported")
+    return found[0][1] if found else None
+
+
 def job_fields(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], bool, bool]:
     """A request body (already a JSON object) -> (job fields but the model, stream?, include usage?)."""
     reject_unsupported(body, chat)
     fields = {"messages": chat_messages(body)} if chat else completion_prompt(body)
     fields.update(sampling(body, default_max_tokens=None if chat else 16))  # OpenAI's legacy default
+    constraint = response_format(body)
+    if constraint is not None:
+        fields.update(response_format=constraint, v=2)
     stream = typed(body, "stream", bool, "a boolean") or False
     opts = body.get("stream_options") or {}
     include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))

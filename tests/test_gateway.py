@@ -200,7 +200,9 @@ async def test_completion_streaming_and_stop_as_string(oai: openai.AsyncOpenAI) 
 @pytest.mark.parametrize(("kwargs", "status", "param"), [
     ({"n": 2}, 400, "n"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),
-    ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"response_format": {"type": "grammar"}}, 400, "response_format"),
+    ({"extra_body": {"guided_grammar": "root ::= x"}}, 400, "guided_grammar"),
+    ({"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a+"}}, 400, "guided_regex"),
     ({"logit_bias": {"1": 5}}, 400, "logit_bias"),
     ({"temperature": -1.0}, 400, None),
 ])

@@ -79,7 +79,7 @@ def assert_valid_job(job: Job) -> None:
     assert type(job.logprobs) is int and 0 <= job.logprobs <= 20
     assert type(job.ignore_eos) is bool and type(job.include_stop_str_in_output) is bool
     assert job.metadata is None or isinstance(job.metadata, dict)
-    assert job.v == 1
+    assert job.v == (2 if job.response_format is not None else 1)
 
 
 # ---- examples, defaults, round trips -------------------------------------------------------------------------
