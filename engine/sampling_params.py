@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 GUIDED_KINDS = ("json_schema", "json_object", "regex", "choice")
 
 

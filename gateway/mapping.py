@@ -215,7 +215,7 @@ def response_format(body: dict[str, Any]) -> dict[str, Any] | None:
 def job_fields(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], bool, bool]:
     """A request body (already a JSON object) -> (job fields but the model, stream?, include usage?)."""
     reject_unsupported(body, chat)
-    fields = {"messages": chat_messages(body)} if chat else completion_prompt(body)
+    fields: dict[str, Any] = {"messages": chat_messages(body)} if chat else completion_prompt(body)
     fields.update(sampling(body, default_max_tokens=None if chat else 16))  # OpenAI's legacy default
     constraint = response_format(body)
     if constraint is not None:

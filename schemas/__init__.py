@@ -18,8 +18,8 @@ from stoker.schemas.errors import ContractError, ErrorCode
 from stoker.schemas.messages import (
     CONTRACT_VERSION,
     MAX_LOGPROBS,
-    MAX_RESPONSE_FORMAT_BYTES,
     MAX_METADATA_BYTES,
+    MAX_RESPONSE_FORMAT_BYTES,
     MAX_STOP_STRINGS,
     MAX_TENANT_CHARS,
     Cancel,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stoker.engine import EngineRequest, GuidedDecoding, SamplingParams
-from stoker.schemas import ChoiceFormat, JsonObjectFormat, JsonSchemaFormat, Job, RegexFormat, ResponseFormat
+from stoker.schemas import ChoiceFormat, Job, JsonObjectFormat, JsonSchemaFormat, RegexFormat, ResponseFormat
 
 Record = tuple[Any, int]  # (partition, offset); the partition is aiokafka's TopicPartition in the worker
 RawRecord = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]  # key, value, headers (for the DLQ)

@@ -19,7 +19,7 @@ def _check(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> N
             f"{tuple(bitmask.shape)}, {tuple(rows.shape)}"
         )
     if bitmask.dtype != torch.int32 or bitmask.shape[0] != rows.shape[0]:
-        raise ValueError(f"apply_token_bitmask: bitmask must be int32 with one row per entry of rows")
+        raise ValueError("apply_token_bitmask: bitmask must be int32 with one row per entry of rows")
     if bitmask.shape[1] * 32 < logits.shape[1]:
         raise ValueError(
             f"apply_token_bitmask: bitmask width {bitmask.shape[1]} covers fewer than V={logits.shape[1]} tokens"
