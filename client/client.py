@@ -404,13 +404,15 @@ class Client:
         request_id: str | None = None,
         timeout: float | None = None,
         cancel_on_exit: bool = True,
+        response_format: dict[str, Any] | schemas.ResponseFormat | None = None,
         **params: Any,
     ) -> AsyncGenerator[Chunk | Done, None]:
         """Submits a job and yields its `chunk` events in order, then its `done` event (last). An `error`
         event raises RequestFailed. If the caller stops iterating early (break, task cancelled, client
-        disconnect in the gateway), the job is cancelled unless cancel_on_exit=False."""
+        disconnect in the gateway), the job is cancelled unless cancel_on_exit=False. response_format: see
+        make_job."""
         job = self.make_job(prompt, messages=messages, prompt_token_ids=prompt_token_ids,
-                            request_id=request_id, **params)
+                            request_id=request_id, response_format=response_format, **params)
         async for event in self.run(job, timeout=timeout, cancel_on_exit=cancel_on_exit):
             yield event
 
