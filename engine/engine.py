@@ -187,7 +187,8 @@ class LLMEngine:
         in output_token_ids as PENDING_TOKEN until then). So while the GPU runs N+1 the host appends N's
         tokens, detokenizes, checks stops and builds the outputs; a sequence that turns out to have finished
         in N has its N+1 token discarded. Outputs of a step come back from the next step() call. Requests
-        with penalties need the token values on the host, so while one runs the engine steps synchronously."""
+        with penalties or a grammar (structured output: step N+1's mask needs N's token in the matcher) need
+        the token values on the host, so while one runs the engine steps synchronously."""
         self._apply_inbox()
         self.last_step_tokens, self.last_step_mixed = 0, False
         outputs: list[RequestOutput] = []
