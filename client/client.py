@@ -369,10 +369,16 @@ class Client:
         messages: list[dict[str, Any]] | None = None,
         prompt_token_ids: list[int] | None = None,
         request_id: str | None = None,
+        response_format: dict[str, Any] | schemas.ResponseFormat | None = None,
         **params: Any,
     ) -> Job:
-        """Builds and validates a job (ContractError names any bad field) before anything is sent."""
-        fields = {"prompt": prompt, "messages": messages, "prompt_token_ids": prompt_token_ids, **params}
+        """Builds and validates a job (ContractError names any bad field) before anything is sent.
+        response_format (a dict in the contract's shape, e.g. {"type": "json_schema", "json_schema": {"name": ...,
+        "schema": {...}}}, or a schemas struct) constrains the output; the job then carries `v: 2`."""
+        if response_format is not None:
+            params.setdefault("v", 2)
+        fields = {"prompt": prompt, "messages": messages, "prompt_token_ids": prompt_token_ids,
+                  "response_format": response_format, **params}
         raw = {"type": "job", "request_id": request_id or new_request_id(),
                **{k: v for k, v in fields.items() if v is not None}}
         try:
@@ -400,13 +406,15 @@ class Client:
         request_id: str | None = None,
         timeout: float | None = None,
         cancel_on_exit: bool = True,
+        response_format: dict[str, Any] | schemas.ResponseFormat | None = None,
         **params: Any,
     ) -> AsyncGenerator[Chunk | Done, None]:
         """Submits a job and yields its `chunk` events in order, then its `done` event (last). An `error`
         event raises RequestFailed. If the caller stops iterating early (break, task cancelled, client
-        disconnect in the gateway), the job is cancelled unless cancel_on_exit=False."""
+        disconnect in the gateway), the job is cancelled unless cancel_on_exit=False. response_format: see
+        make_job."""
         job = self.make_job(prompt, messages=messages, prompt_token_ids=prompt_token_ids,
-                            request_id=request_id, **params)
+                            request_id=request_id, response_format=response_format, **params)
         async for event in self.run(job, timeout=timeout, cancel_on_exit=cancel_on_exit):
             yield event
 

@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Any
 from stoker.engine.config import EngineConfig
 from stoker.engine.outputs import EngineRequestError, EngineStats, RequestOutput, TokenLogprob, TopLogprob
 from stoker.engine.request import EngineRequest
-from stoker.engine.sampling_params import SamplingParams
+from stoker.engine.sampling_params import GuidedDecoding, SamplingParams
 
 if TYPE_CHECKING:
     from stoker.engine.engine import LLMEngine
     from stoker.engine.warmup import WarmupReport, warm_up
 
 __all__ = [
-    "EngineConfig", "EngineRequest", "EngineRequestError", "EngineStats", "LLMEngine", "RequestOutput",
-    "SamplingParams", "TokenLogprob", "TopLogprob", "WarmupReport", "warm_up",
+    "EngineConfig", "EngineRequest", "EngineRequestError", "EngineStats", "GuidedDecoding", "LLMEngine",
+    "RequestOutput", "SamplingParams", "TokenLogprob", "TopLogprob", "WarmupReport", "warm_up",
 ]
 
 

@@ -9,6 +9,7 @@ the finished) -> build the outputs. Input processing (engine/input_processor.py)
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 from stoker.engine.config import EngineConfig
+from stoker.engine.grammar import GrammarCompiler, GrammarError, GrammarState
 from stoker.engine.input_processor import InputProcessor
 from stoker.engine.model_config import ModelConfig
 from stoker.engine.model_runner import ModelRunner, PendingSample
@@ -89,6 +91,8 @@ class LLMEngine:
         self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, max_len, self.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer)
         self._lock = threading.Lock()
+        self._grammars: GrammarCompiler | None = None  # built on the first constrained request
+        self._grammars_lock = threading.Lock()
         self._inbox: list[tuple[str, Any]] = []  # ("add", _Request) | ("abort", request_id), in call order
         self._pending_ids: set[str] = set()  # added, not yet applied: catches duplicates across threads
         # Applied and unfinished, touched only by step(): entries leave only in _forget, for the sequences the
@@ -103,7 +107,7 @@ class LLMEngine:
             else self.runner.device.type == "cuda"
         )
         self._inflight: _Launched | None = None
-        self._num_history = 0  # live requests whose penalties read the output token values
+        self._num_history = 0  # live requests whose penalties or grammar read the output token values
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self.last_step_tokens = 0  # tokens the latest launched forward carried (warm-up and benches read it)
@@ -113,6 +117,7 @@ class LLMEngine:
     def add_request(self, request: EngineRequest) -> None:
         """Validates synchronously (EngineRequestError); the request joins the batch at the next step()."""
         seq = self.inputs.process(request)
+        grammar = self._grammar_state(seq.request_id, seq.params) if seq.params.guided is not None else None
         state = self.outputs.new_request(seq)
         with self._lock:
             if seq.request_id in self._pending_ids or seq.request_id in self._requests:
@@ -123,9 +128,34 @@ class LLMEngine:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             self._pending_ids.add(seq.request_id)
             row = SamplingRequest(
-                params, seed, seq.prompt_token_ids, seq.output_token_ids, tuple(seq.stop_token_ids)
+                params, seed, seq.prompt_token_ids, seq.output_token_ids, tuple(seq.stop_token_ids), grammar
             )
             self._inbox.append(("add", _Request(state, row)))
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The model's grammar compiler, built on first use (about 0.5 s for a 128K vocabulary: warm_up calls
+        this so that serving does not). GrammarError when llguidance cannot read this tokenizer."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                try:
+                    with open(os.path.join(self.config.model_path, "tokenizer.json"), encoding="utf-8") as f:
+                        self._grammars = GrammarCompiler(
+                            f.read(), self.model_config.vocab_size, sorted(self.eos_token_ids)
+                        )
+                except (ValueError, RuntimeError, TypeError) as e:
+                    raise GrammarError(f"this model's tokenizer cannot be used for structured output: {e}") from e
+            return self._grammars
+
+    def _grammar_state(self, request_id: str, params: SamplingParams) -> GrammarState:
+        """Compile (or fetch from the cache) on the caller's thread, never the engine's."""
+        assert params.guided is not None
+        try:
+            return self.grammar_compiler().new_state(params.guided)
+        except GrammarError as e:
+            raise EngineRequestError(
+                "invalid_response_format",
+                f"{request_id}: response_format ({params.guided.kind}) cannot be compiled: {e}",
+            ) from e
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -157,7 +187,8 @@ class LLMEngine:
         in output_token_ids as PENDING_TOKEN until then). So while the GPU runs N+1 the host appends N's
         tokens, detokenizes, checks stops and builds the outputs; a sequence that turns out to have finished
         in N has its N+1 token discarded. Outputs of a step come back from the next step() call. Requests
-        with penalties need the token values on the host, so while one runs the engine steps synchronously."""
+        with penalties or a grammar (structured output: step N+1's mask needs N's token in the matcher) need
+        the token values on the host, so while one runs the engine steps synchronously."""
         self._apply_inbox()
         self.last_step_tokens, self.last_step_mixed = 0, False
         outputs: list[RequestOutput] = []
@@ -257,6 +288,8 @@ class LLMEngine:
             if not isinstance(result, Exception):
                 try:
                     text, stop_string = self.outputs.detokenize(req.state, result[0])
+                    if req.row.grammar is not None and req.row.grammar.advance(result[0]):
+                        stop_string = True  # the grammar is complete: end `stop` now
                     sampled.append(SampledToken(seq, result[0], stop_string))
                 except Exception as e:
                     result = e
@@ -293,5 +326,12 @@ class LLMEngine:
 
 
 def _needs_history(params: SamplingParams) -> bool:
-    """Penalties read the output token values, which overlapped steps do not have on the host in time."""
-    return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1)
+    """Penalties and grammars read the output token values, which overlapped steps do not have on the host
+    in time: while such a request runs, every step is synchronous (the batch's other requests lose the
+    overlap); with none running, nothing changes for anyone."""
+    return bool(
+        params.presence_penalty
+        or params.frequency_penalty
+        or params.repetition_penalty != 1
+        or params.guided is not None
+    )

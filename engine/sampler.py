@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from stoker.engine.grammar import GrammarState
+from stoker.engine.kernels.token_bitmask import apply_token_bitmask
 from stoker.engine.sampling_params import SamplingParams
 
 LOGPROB_FLOOR = -9999.0
@@ -45,6 +47,7 @@ class SamplingRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     stop_ids: tuple[int, ...]  # eos (unless ignore_eos) + stop_token_ids: banned until min_tokens
+    grammar: GrammarState | None = None  # structured output: its matcher masks this row's logits
 
 
 @dataclass(slots=True)
@@ -65,6 +68,8 @@ class SamplingBatch:
     output_counts: torch.Tensor | None  # [N, V] float32 counts of output tokens (when a penalty is on)
     prompt_mask: torch.Tensor | None  # [N, V] bool: token in the prompt (when repetition_penalty != 1)
     banned: torch.Tensor | None  # [N, V] bool: stop ids masked until min_tokens
+    grammar_rows: torch.Tensor | None  # [R] int64: the rows with a grammar (None when no row has one)
+    grammar_bitmask: torch.Tensor | None  # [R, ceil(V/32)] int32 packed allowed tokens of those rows
     num_logprobs: int  # max top-N asked in the batch; 0 = skip
     all_greedy: bool
     any_top_k: bool
@@ -116,6 +121,17 @@ class SamplingBatch:
                 ],
                 torch.int64,
             )
+        grammar_rows = grammar_bitmask = None
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if constrained:  # unconstrained batches skip this entirely
+            states = [rows[i].grammar for i in constrained]
+            bitmask = torch.zeros(len(states), (vocab_size + 31) // 32, dtype=torch.int32)
+            states[0].compiler.fill_bitmasks([s.matcher for s in states], bitmask)  # type: ignore[union-attr]
+            index = torch.tensor(constrained, dtype=torch.int64)
+            if cuda:
+                bitmask, index = bitmask.pin_memory(), index.pin_memory()
+            grammar_bitmask = bitmask.to(device, non_blocking=True)
+            grammar_rows = index.to(device, non_blocking=True)
         presence = frequency = repetition = None
         if want_counts:
             presence, frequency, repetition = columns(
@@ -134,6 +150,8 @@ class SamplingBatch:
             output_counts=id_mask([r.output_token_ids for r in rows], counts=True) if want_counts else None,
             prompt_mask=id_mask([r.prompt_token_ids for r in rows], counts=False) if want_prompt else None,
             banned=id_mask(bans, counts=False) if any(bans) else None,
+            grammar_rows=grammar_rows,
+            grammar_bitmask=grammar_bitmask,
             num_logprobs=max(p.logprobs for p in ps),
             all_greedy=all_greedy,
             any_top_k=any(0 < p.top_k < vocab_size and not p.greedy for p in ps),
@@ -198,6 +216,9 @@ class Sampler:
         logits = apply_penalties(logits, b)
         if b.banned is not None:
             logits = logits.masked_fill(b.banned, float("-inf"))
+        if b.grammar_rows is not None:  # after the logprobs: those report the model's own distribution
+            assert b.grammar_bitmask is not None
+            apply_token_bitmask(logits, b.grammar_bitmask, b.grammar_rows)
         token_ids = greedy_argmax(logits)
         if not b.all_greedy:
             assert b.temperature is not None and b.min_p is not None

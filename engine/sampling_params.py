@@ -8,6 +8,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+GUIDED_KINDS = ("json_schema", "json_object", "regex", "choice")
+
+
+@dataclass(frozen=True, slots=True)
+class GuidedDecoding:
+    """Constrain the output to a grammar (engine/grammar.py compiles it). spec: the JSON Schema as JSON text
+    (json_schema), "" (json_object: any JSON object), the pattern (regex), or a JSON list of strings (choice).
+    An equal (kind, spec) reuses the compiled grammar."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GUIDED_KINDS:
+            raise ValueError(f"guided decoding kind must be one of {', '.join(GUIDED_KINDS)}, got {self.kind!r}")
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -28,6 +44,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int = 0  # top-N alternatives per token, 0 = none
+    guided: GuidedDecoding | None = None  # structured output; None = unconstrained
 
     def __post_init__(self) -> None:
         problems = []

@@ -12,19 +12,26 @@ What runs, in waves, each drained before the next:
     prompt is longer than the budget);
   - a mixed step: a long prompt arriving while shorter requests decode;
   - the sampler's paths: temperature with top-k/top-p/min-p, seeded sampling, logprobs, penalties (which
-    step synchronously).
+    step synchronously);
+  - structured output: the grammar compiler reads the vocabulary (about 0.5 s for 128K tokens), and one
+    constrained request runs the token-bitmask path (skipped, with a log line, for a tokenizer llguidance
+    cannot read: such a model answers response_format with invalid_response_format).
 Then the prefix cache forgets the synthetic prompts and its counters start from zero.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass, field
 
 from stoker.engine.engine import LLMEngine
+from stoker.engine.grammar import GrammarError
 from stoker.engine.request import EngineRequest
-from stoker.engine.sampling_params import SamplingParams
+from stoker.engine.sampling_params import GuidedDecoding, SamplingParams
+
+log = logging.getLogger(__name__)
 
 _PREFIX = "__stoker_warmup__"
 
@@ -69,6 +76,12 @@ def warm_up(engine: LLMEngine, seed: int = 0) -> WarmupReport:
                                         frequency_penalty=0.5, repetition_penalty=1.1, ignore_eos=True)),
         ]),
     ]
+    try:
+        engine.grammar_compiler()
+        waves.append(("structured output", [(prompt(16), SamplingParams(
+            max_tokens=2, temperature=0.0, guided=GuidedDecoding("json_object")))]))
+    except GrammarError as e:
+        log.warning("warm-up: structured output unavailable for this model: %s", e)
     for name, requests in waves:
         if requests:
             _run(engine, report, name, requests)

@@ -9,7 +9,7 @@ which carries its token's text (contract 1.1), so the gateway needs no tokenizer
 
 Every field is either used, one of IGNORED_FIELDS (sent by stock SDKs, changing nothing here), at a value
 in NO_OP_VALUES, or answered 400 naming it: nothing is silently dropped. Not supported: best_of > 1, echo,
-suffix, tools/functions, logit_bias, response_format other than text, non-text content parts.
+suffix, tools/functions, logit_bias, guided_grammar, non-text content parts.
 finish_reason passes the contract's `cancelled` and `deadline` through.
 """
 
@@ -25,6 +25,7 @@ from stoker.schemas import Chunk, Done, TokenLogprob
 
 # Contract error codes -> HTTP status: the caller's fault, a missing model, or ours.
 STATUS_FOR_CODE = {"invalid_job": 400, "context_length_exceeded": 400, "unsupported_version": 400,
+                   "invalid_response_format": 400,
                    "message_too_large": 413, "unknown_model": 404}
 
 
@@ -75,6 +76,8 @@ _SAMPLING_FIELDS = frozenset({
     # vLLM's extra sampling parameters
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "priority", "stop_token_ids",
     "include_stop_str_in_output",
+    # output constraints (OpenAI's response_format above; vLLM's extensions), mapped by response_format()
+    "guided_json", "guided_regex", "guided_choice", "structured_outputs",
 })
 SUPPORTED_FIELDS = {True: _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"},
                     False: _SAMPLING_FIELDS | {"prompt"}}
@@ -91,10 +94,6 @@ def reject_unsupported(body: dict[str, Any], chat: bool) -> None:
         raise APIError(400, f"`{name}` is not supported by this gateway" + (
             f" (only {', '.join(msgspec.json.encode(v).decode() for v in NO_OP_VALUES[name])} is accepted)"
             if name in NO_OP_VALUES else ""), param=name, code="unsupported")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise APIError(400, "`response_format` is not supported (only {\"type\": \"text\"})",
-                       param="response_format", code="unsupported")
 
 
 def choices_per_prompt(body: dict[str, Any]) -> int:
@@ -214,6 +213,59 @@ def sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+def response_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    """OpenAI's `response_format` (json_schema, json_object; text = none) and vLLM's extensions (`guided_json`,
+    `guided_regex`, `guided_choice`, or `structured_outputs: {json | regex | choice}`) -> the job's
+    `response_format`, or None. At most one of them; the contract checks the shape (a bad one is a 400)."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise APIError(400, "`response_format` must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
+                           param="response_format", code="unsupported")
+        if fmt["type"] == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise APIError(400, "`response_format.json_schema.schema` must be a JSON Schema object",
+                               param="response_format", code="invalid_type")
+            found.append(("response_format", {"type": "json_schema", "json_schema": {
+                k: spec[k] for k in ("name", "schema", "strict") if spec.get(k) is not None}}))
+        elif fmt["type"] == "json_object":
+            found.append(("response_format", {"type": "json_object"}))
+    structured = body.get("structured_outputs")
+    if structured is not None and not isinstance(structured, dict):
+        raise APIError(422, "`structured_outputs` must be an object", param="structured_outputs", code="invalid_type")
+    sources = [(f"guided_{k}", body.get(f"guided_{k}")) for k in ("json", "regex", "choice")]
+    sources += [(f"structured_outputs.{k}", (structured or {}).get(k)) for k in ("json", "regex", "choice")]
+    for name in ("grammar", "json_object", "structural_tag"):
+        if (structured or {}).get(name) is not None:
+            raise APIError(400, f"`structured_outputs.{name}` is not supported", param="structured_outputs",
+                           code="unsupported")
+    for name, value in sources:
+        if value is None:
+            continue
+        if name.endswith("json"):
+            try:
+                schema = msgspec.json.decode(value) if isinstance(value, str) else value
+            except msgspec.DecodeError as exc:
+                raise APIError(400, f"`{name}` is not valid JSON: {exc}", param=name, code="invalid_json") from None
+            if not isinstance(schema, dict):
+                raise APIError(422, f"`{name}` must be a JSON Schema object", param=name, code="invalid_type")
+            found.append((name, {"type": "json_schema", "json_schema": {"schema": schema}}))
+        elif name.endswith("regex"):
+            if not isinstance(value, str):
+                raise APIError(422, f"`{name}` must be a string", param=name, code="invalid_type")
+            found.append((name, {"type": "regex", "pattern": value}))
+        else:
+            if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+                raise APIError(422, f"`{name}` must be a list of strings", param=name, code="invalid_type")
+            found.append((name, {"type": "choice", "choices": value}))
+    if len(found) > 1:
+        raise APIError(400, f"give at most one output constraint, got {', '.join(n for n, _ in found)}",
+                       param=found[1][0], code="unsupported")
+    return found[0][1] if found else None
+
+
 @dataclass(slots=True)
 class Plan:
     """What one OpenAI request asks: the prompt of each group, n choices per group, shared sampling fields."""
@@ -242,6 +294,9 @@ def plan_request(body: dict[str, Any], chat: bool) -> Plan:
     top = logprobs_asked(body, chat)
     if top is not None:
         fields["logprobs"] = max(1, top)  # the job's 0 means none; the sampled token's entry needs >= 1
+    constraint = response_format(body)
+    if constraint is not None:
+        fields.update(response_format=constraint, v=2)
     stream = typed(body, "stream", bool, "a boolean") or False
     opts = body.get("stream_options") or {}
     include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))

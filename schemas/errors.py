@@ -15,6 +15,7 @@ class ErrorCode(StrEnum):
     # Raised by the worker, not by schemas (they need the model), listed here so every part shares one spelling.
     UNKNOWN_MODEL = "unknown_model"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    INVALID_RESPONSE_FORMAT = "invalid_response_format"  # the grammar compiler rejected the schema or pattern
     POISON_JOB = "poison_job"
     INTERNAL = "internal"
 

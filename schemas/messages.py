@@ -14,7 +14,9 @@ from msgspec import Meta
 from stoker.schemas.errors import ContractError, ErrorCode
 from stoker.schemas.names import is_valid_request_id
 
-CONTRACT_VERSION = 1  # the highest `v` this code understands
+CONTRACT_VERSION = 2  # the highest `v` this code understands
+BASE_VERSION = 1  # the default `v`: a job needs 2 only when it uses a field of version 2 (response_format)
+MAX_RESPONSE_FORMAT_BYTES = 64 * 1024  # `response_format` encoded as compact JSON
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
 MAX_TENANT_CHARS = 64
@@ -57,6 +59,40 @@ class ChatMessage(_Struct):
     content: str
 
 
+class JsonSchemaSpec(_Struct):
+    """OpenAI's `json_schema` object. `strict` is accepted and ignored: the output always follows the schema."""
+
+    schema: dict[str, Any]
+    name: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(_Message, tag="json_schema"):
+    """Output is JSON valid against `json_schema.schema` (compact: no whitespace between tokens)."""
+
+    json_schema: JsonSchemaSpec
+
+
+class JsonObjectFormat(_Message, tag="json_object"):
+    """Output is one JSON object (compact)."""
+
+
+class RegexFormat(_Message, tag="regex"):
+    """Output matches `pattern` as a whole (Rust `regex` syntax: no lookaround, no backreferences)."""
+
+    pattern: Annotated[str, Meta(min_length=1)]
+
+
+class ChoiceFormat(_Message, tag="choice"):
+    """Output is exactly one of `choices`."""
+
+    choices: Annotated[list[str], Meta(min_length=1)]
+
+
+ResponseFormat = JsonSchemaFormat | JsonObjectFormat | RegexFormat | ChoiceFormat
+_compact_json = msgspec.json.Encoder()
+
+
 class Job(_Message, tag="job"):
     """A generation request, produced to the `stoker.jobs` topic with record key = request_id."""
 
@@ -87,10 +123,16 @@ class Job(_Message, tag="job"):
     metadata: Annotated[dict[str, Any], Meta(description=f"opaque object, echoed in `done`; at most "
                                              f"{MAX_METADATA_BYTES} bytes encoded (compact JSON, or MessagePack "
                                              "for a MessagePack job)")] | None = None
-    v: Annotated[int, Meta(ge=1)] = CONTRACT_VERSION
+    response_format: Annotated[ResponseFormat, Meta(
+        description="constrain the output (needs v: 2); at most 64 KiB as compact JSON; a schema or pattern "
+                    "that cannot be compiled ends with error `invalid_response_format`; output cut by "
+                    "max_tokens ends `length` and may be incomplete")] | None = None
+    v: Annotated[int, Meta(ge=1)] = BASE_VERSION
 
     def __post_init__(self) -> None:
         _check_request_id(self.request_id)
+        if self.response_format is not None:
+            _check_response_format(self.response_format, self.v)
         given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(self, name) is not None]
         if len(given) != 1:
             raise ContractError(ErrorCode.INVALID_JOB, "a job needs exactly one of `prompt`, `messages`, "
@@ -102,11 +144,21 @@ class Job(_Message, tag="job"):
             raise ContractError(ErrorCode.INVALID_JOB, f"`temperature` must be a finite number >= 0, got {self.temperature}")
 
 
+def _check_response_format(response_format: ResponseFormat, version: int) -> None:
+    if version < 2:
+        raise ContractError(ErrorCode.INVALID_JOB, "a job with `response_format` must carry `v: 2` (so that an older "
+                            "worker rejects it instead of answering unconstrained)")
+    size = len(_compact_json.encode(response_format))
+    if size > MAX_RESPONSE_FORMAT_BYTES:
+        raise ContractError(ErrorCode.INVALID_JOB, f"`response_format` is {size} bytes as compact JSON; at most "
+                            f"{MAX_RESPONSE_FORMAT_BYTES} are allowed: simplify the schema")
+
+
 class Cancel(_Message, tag="cancel"):
     """Ends a request with finish_reason `cancelled`; published on `stoker:cancel` (and the cancelled key)."""
 
     request_id: RequestId
-    v: Annotated[int, Meta(ge=1)] = CONTRACT_VERSION
+    v: Annotated[int, Meta(ge=1)] = BASE_VERSION
 
     def __post_init__(self) -> None:
         _check_request_id(self.request_id)

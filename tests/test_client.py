@@ -87,6 +87,17 @@ def test_bad_job_is_refused_before_anything_is_sent() -> None:
     assert len(c.make_job("hi").request_id) == 32  # uuid4 hex by default
 
 
+def test_response_format_sets_v2() -> None:
+    c = Client("127.0.0.1:1", "redis://127.0.0.1:1/0")
+    job = c.make_job("hi", response_format={"type": "regex", "pattern": "[a-z]+"})
+    assert job.v == 2 and job.response_format == schemas.RegexFormat(pattern="[a-z]+")
+    job = c.make_job("hi", response_format=schemas.ChoiceFormat(choices=["a", "b"]))
+    assert job.v == 2 and job.response_format == schemas.ChoiceFormat(choices=["a", "b"])
+    assert c.make_job("hi").v == 1
+    with pytest.raises(schemas.ContractError, match="response_format"):
+        c.make_job("hi", response_format={"type": "choice", "choices": "ab"})
+
+
 def test_a_failed_start_raises_and_leaves_nothing_open() -> None:
     """`with SyncClient(...)` against a Redis that is not there: the connection error comes out, and the
     event loop SyncClient made is closed (no __exit__ follows a failed __enter__; a loop left open is a

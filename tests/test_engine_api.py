@@ -188,7 +188,8 @@ def test_warm_up_runs_every_serving_path_then_leaves_the_engine_as_it_found_it(p
     assert report.largest_step_tokens == 64
     assert report.mixed_steps >= 1
     assert report.waves == ["short prompt", "full prefill step (1 x 64)", "chunked prefill", "sampler paths",
-                            "mixed step"]
+                            "structured output", "mixed step"]
+    assert cold._grammars is not None  # the vocabulary was read before serving
     assert not cold.has_unfinished()
     stats = cold.stats()
     assert stats.kv_blocks_free == stats.kv_blocks_total == 32  # every block back, nothing cached

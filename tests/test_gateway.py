@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import uvicorn
@@ -202,7 +203,9 @@ async def test_completion_streaming_and_stop_as_string(oai: openai.AsyncOpenAI) 
     ({"top_logprobs": 3}, 400, "top_logprobs"),  # without logprobs: true
     ({"extra_body": {"guided_regex": "a+"}}, 400, "guided_regex"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),
-    ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"response_format": {"type": "grammar"}}, 400, "response_format"),
+    ({"extra_body": {"guided_grammar": "root ::= x"}}, 400, "guided_grammar"),
+    ({"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a+"}}, 400, "guided_regex"),
     ({"logit_bias": {"1": 5}}, 400, "logit_bias"),
     ({"temperature": -1.0}, 400, None),
 ])
@@ -487,3 +490,29 @@ async def test_real_small_engine_completes_and_streams_chat(real_live: Live) -> 
     async with real_live.client() as c:
         done = await c.result(raw.headers["x-request-id"])
     assert isinstance(done, Done) and "".join(pieces) == done.text and done.model == model
+
+
+@pytest.mark.slow
+async def test_real_small_engine_structured_output(real_live: Live) -> None:
+    """The official client's response_format (json_schema) returns schema-valid JSON; vLLM's guided_choice
+    picks a choice; a schema the compiler rejects is a 400 with code invalid_response_format."""
+    schema = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 12},
+                                               "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
+                                               "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+              "required": ["title", "year", "tags"], "additionalProperties": False}
+    async with openai.AsyncOpenAI(base_url=real_live.base_url, api_key="unused", max_retries=0, timeout=60) as oai:
+        (model,) = [m.id for m in (await oai.models.list()).data]
+        r = await oai.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "A film, as JSON"}], max_tokens=100, seed=5,
+            response_format={"type": "json_schema", "json_schema": {"name": "film", "schema": schema, "strict": True}})
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content or ""), schema)
+        c = await oai.completions.create(model=model, prompt="Pick", max_tokens=10,
+                                         extra_body={"guided_choice": ["left", "right"]})
+        assert c.choices[0].text in ("left", "right")
+        with pytest.raises(openai.BadRequestError) as info:
+            await oai.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "x"}], max_tokens=5,
+                response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "strin"}}})
+    body = info.value.body
+    assert isinstance(body, dict) and body["code"] == "invalid_response_format", body

@@ -64,7 +64,7 @@ def test_fields_sdks_send_by_default_and_no_op_values_are_accepted():
     ({"messages": [{"role": "user", "content": "x"}], "n": 0}, True, 400, "n"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, True, 400, "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 5}}, True, 400, "logit_bias"),
-    ({"messages": [{"role": "user", "content": "x"}], "guided_choice": ["a"]}, True, 400, "guided_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "guided_grammar": "root ::= x"}, True, 400, "guided_grammar"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, True, 400, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, True, 400,
      "top_logprobs"),
@@ -147,3 +147,38 @@ def test_completion_logprobs_offsets_run_on_across_stream_chunks_and_attempts():
     lp = shape.chunk(choice, "", None, entries=entries)["choices"][0]["logprobs"]
     assert lp["tokens"] == ["token_id:6"] and lp["text_offset"] == [3]
     assert lp["top_logprobs"] == [{"token_id:6": -0.25}]  # the sampled token, as vLLM adds it
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA, "strict": True}}},
+     {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA, "strict": True}}),
+    ({"response_format": {"type": "json_object"}}, {"type": "json_object"}),
+    ({"guided_json": SCHEMA}, {"type": "json_schema", "json_schema": {"schema": SCHEMA}}),
+    ({"guided_json": '{"type": "object", "properties": {"a": {"type": "integer"}}}'},
+     {"type": "json_schema", "json_schema": {"schema": SCHEMA}}),
+    ({"guided_regex": "[0-9]+"}, {"type": "regex", "pattern": "[0-9]+"}),
+    ({"guided_choice": ["x", "y"]}, {"type": "choice", "choices": ["x", "y"]}),
+    ({"structured_outputs": {"choice": ["x"]}}, {"type": "choice", "choices": ["x"]}),
+    ({"structured_outputs": {"json": SCHEMA}}, {"type": "json_schema", "json_schema": {"schema": SCHEMA}}),
+])
+def test_output_constraints_map_to_response_format_with_v2(extra, expected):
+    fields, _, _ = job_fields({"messages": [{"role": "user", "content": "hi"}], **extra}, chat=True)
+    assert fields["response_format"] == expected and fields["v"] == 2
+
+
+def test_text_format_is_no_constraint_and_others_are_400s():
+    fields, _, _ = job_fields({"prompt": "p", "response_format": {"type": "text"}}, chat=False)
+    assert "response_format" not in fields and "v" not in fields
+    for body, param in (({"response_format": {"type": "xml"}}, "response_format"),
+                        ({"guided_grammar": "root ::= x"}, "guided_grammar"),
+                        ({"structured_outputs": {"grammar": "x"}}, "structured_outputs"),
+                        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+                        ({"guided_json": "{not json"}, "guided_json"),
+                        ({"guided_choice": "a"}, "guided_choice")):
+        with pytest.raises(APIError) as info:
+            job_fields({"prompt": "p", **body}, chat=False)
+        assert info.value.status in (400, 422) and info.value.param == param, (body, info.value.param)
+    assert status_for("invalid_response_format") == 400

@@ -79,7 +79,7 @@ def assert_valid_job(job: Job) -> None:
     assert type(job.logprobs) is int and 0 <= job.logprobs <= 20
     assert type(job.ignore_eos) is bool and type(job.include_stop_str_in_output) is bool
     assert job.metadata is None or isinstance(job.metadata, dict)
-    assert job.v == 1
+    assert job.v in (1, 2) and (job.response_format is None or job.v == 2)
 
 
 # ---- examples, defaults, round trips -------------------------------------------------------------------------
@@ -178,11 +178,25 @@ def test_unknown_fields_ignored() -> None:
 
 @pytest.mark.parametrize("content_type", [None, MP])
 def test_newer_version_is_unsupported_with_request_id(content_type: str | None) -> None:
-    err = rejected(job_bytes(content_type == MP, v=2, top_p=7), "unsupported_version", content_type)
-    assert err.request_id == RID and "v=2" in err.message
+    err = rejected(job_bytes(content_type == MP, v=3, top_p=7), "unsupported_version", content_type)
+    assert err.request_id == RID and "v=3" in err.message
     with pytest.raises(ContractError) as info:
         decode_cancel(b'{"type":"cancel","request_id":"x","v":3}')
     assert info.value.code == "unsupported_version"
+
+
+def test_response_format_needs_v2_and_is_bounded() -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}}
+    job = decode_job(job_bytes(v=2, response_format=fmt))
+    assert job.response_format is not None and job.response_format.json_schema.schema == {"type": "object"}
+    assert "v: 2" in rejected(job_bytes(response_format=fmt)).message
+    for other in ({"type": "json_object"}, {"type": "regex", "pattern": "[a-z]+"}, {"type": "choice", "choices": ["a"]}):
+        assert decode_job(job_bytes(v=2, response_format=other)).response_format is not None
+    for bad in ({"type": "regex", "pattern": ""}, {"type": "choice", "choices": []}, {"type": "grammar"},
+                {"type": "json_schema", "json_schema": {"name": "x"}}):
+        rejected(job_bytes(v=2, response_format=bad))
+    big = {"type": "json_schema", "json_schema": {"schema": {"description": "x" * 65536}}}
+    assert "65536" in rejected(job_bytes(v=2, response_format=big)).message
 
 
 @pytest.mark.parametrize("v", [0, -1, "2", True, 1.5])

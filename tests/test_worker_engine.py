@@ -4,16 +4,18 @@ Redis equals what the engine alone produces for the same requests."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 
+import jsonschema
 import pytest
 import redis.asyncio as aioredis
 from stoker.engine import EngineRequest, SamplingParams
 from stoker.schemas import Done, Error
 from stoker.worker.config import WorkerConfig
 from stoker.worker.service import Worker
-from worker_harness import ROOT, check_sequence, job, make_space, produce, scrape, wait_results
+from worker_harness import ROOT, check_sequence, dead_letters, job, make_space, produce, scrape, wait_results
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -112,3 +114,39 @@ async def test_prefix_cache_metrics_and_a_stop_id_beyond_the_vocabulary(request,
     assert values[("stoker_prefix_cache_hits_total", frozenset())] == cached
     assert values[("stoker_prompt_tokens_total", frozenset({("tenant", "")}))] == 3 * len(shared)
     assert values[("stoker_generation_tokens_total", frozenset({("tenant", "")}))] == 6
+
+
+async def test_response_format_job_and_an_invalid_schema(request, tiny_model):
+    """A job with a JSON Schema ends `done` with schema-valid JSON; one whose schema the compiler rejects ends
+    with the error event `invalid_response_format` (not dead-lettered: the job is well-formed)."""
+    space = await make_space(request)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                               "rank": {"type": "integer", "minimum": 1, "maximum": 5}},
+              "required": ["city", "rank"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}
+    bad = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "string", "pattern": "(x"}}}
+    engine = await asyncio.to_thread(_engine, tiny_model)
+    config = WorkerConfig(model=tiny_model, bootstrap_servers=space.bootstrap, redis_url=space.redis_url,
+                          job_topic=space.names.jobs_topic, prefix=space.names.redis_prefix, group_id=space.group,
+                          metrics_port=-1, max_num_seqs=16)
+    worker = Worker(config, engine)
+    task = asyncio.create_task(worker.run())
+    r = aioredis.Redis.from_url(space.redis_url)
+    try:
+        await produce(space.bootstrap, space.names.jobs_topic, [
+            job("json", prompt="Name a city", max_tokens=64, seed=3, response_format=fmt, v=2),
+            job("plain", prompt="Name a city", max_tokens=6, temperature=0),
+            job("bad-schema", prompt="Name a city", max_tokens=8, response_format=bad, v=2)])
+        results = await wait_results(r, space.names, ["json", "plain", "bad-schema"], timeout=120)
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, 60)
+        await r.aclose()
+    done = results["json"].terminal
+    assert isinstance(done, Done) and done.finish_reason == "stop", done
+    check_sequence(results["json"])
+    jsonschema.validate(json.loads(done.text), schema)
+    assert isinstance(results["plain"].terminal, Done)
+    err = results["bad-schema"].terminal
+    assert isinstance(err, Error) and err.code == "invalid_response_format" and "regex" in err.message, err
+    assert not await dead_letters(space.bootstrap, space.names.dlq_topic)

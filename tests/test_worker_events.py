@@ -6,15 +6,20 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from stoker.engine import EngineRequest, RequestOutput, SamplingParams
+from stoker.engine import EngineRequest, GuidedDecoding, RequestOutput, SamplingParams
 from stoker.engine.outputs import TokenLogprob as EngineTokenLogprob
 from stoker.engine.outputs import TopLogprob as EngineTopLogprob
 from stoker.schemas import (
     ChatMessage,
+    ChoiceFormat,
     Chunk,
     Done,
     Error,
     Job,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    JsonSchemaSpec,
+    RegexFormat,
     TokenLogprob,
     TopLogprob,
     decode_event,
@@ -154,8 +159,18 @@ def test_a_job_maps_to_one_engine_request_field_by_field():
     assert (p.stop, p.stop_token_ids, p.ignore_eos, p.include_stop_str_in_output, p.logprobs) == (
         ("\n",), (2,), True, True, 3)
     # Every sampling setting the engine takes has its field on the wire job (the mapping passes each one).
-    missing = {f.name for f in dataclasses.fields(SamplingParams)} - set(Job.__struct_fields__)
+    wire_name = {"guided": "response_format"}  # the engine's name for the one field named otherwise on the wire
+    missing = {wire_name.get(f.name, f.name) for f in dataclasses.fields(SamplingParams)} - set(Job.__struct_fields__)
     assert not missing, f"SamplingParams fields the job does not carry: {missing}"
+    assert p.guided is None
+    constrained = engine_request(Job(request_id="g", prompt="p", v=2, response_format=JsonSchemaFormat(
+        json_schema=JsonSchemaSpec(schema={"type": "object", "properties": {"b": {}, "a": {}}}))))
+    assert constrained.params.guided == GuidedDecoding(
+        "json_schema", '{"type":"object","properties":{"b":{},"a":{}}}')  # key order kept: the output follows it
+    for fmt, kind, spec in ((JsonObjectFormat(), "json_object", ""), (RegexFormat(pattern="a+"), "regex", "a+"),
+                            (ChoiceFormat(choices=["x", "y"]), "choice", '["x", "y"]')):
+        params = engine_request(Job(request_id="g", prompt="p", v=2, response_format=fmt)).params
+        assert params.guided == GuidedDecoding(kind, spec)
 
 def test_a_prompt_or_token_ids_job_passes_them_through():
     er = engine_request(Job(request_id="t", prompt_token_ids=[1, 2, 3]))

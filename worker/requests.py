@@ -14,12 +14,13 @@ Kafka, no Redis, no engine beyond its request type, so it is tested alone.
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from stoker.engine import EngineRequest, SamplingParams
-from stoker.schemas import Job
+from stoker.engine import EngineRequest, GuidedDecoding, SamplingParams
+from stoker.schemas import ChoiceFormat, Job, JsonObjectFormat, JsonSchemaFormat, RegexFormat, ResponseFormat
 
 Record = tuple[Any, int]  # (partition, offset); the partition is aiokafka's TopicPartition in the worker
 RawRecord = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]  # key, value, headers (for the DLQ)
@@ -131,7 +132,22 @@ def engine_request(job: Job) -> EngineRequest:
         frequency_penalty=job.frequency_penalty, repetition_penalty=job.repetition_penalty,
         stop=tuple(job.stop), stop_token_ids=tuple(job.stop_token_ids), ignore_eos=job.ignore_eos,
         include_stop_str_in_output=job.include_stop_str_in_output, logprobs=job.logprobs,
+        guided=guided_decoding(job.response_format) if job.response_format is not None else None,
     )
     messages = [{"role": m.role, "content": m.content} for m in job.messages] if job.messages else None
     return EngineRequest(job.request_id, prompt=job.prompt, messages=messages, prompt_token_ids=job.prompt_token_ids,
                          params=params, priority=job.priority, deadline_ms=job.deadline_ms)
+
+
+def guided_decoding(response_format: ResponseFormat) -> GuidedDecoding:
+    """The job's `response_format` as the engine's spec. The schema's JSON keeps its key order (the output's
+    properties follow it) and is the grammar cache's key: the same schema sent again compiles once."""
+    if isinstance(response_format, JsonSchemaFormat):
+        return GuidedDecoding("json_schema", json.dumps(response_format.json_schema.schema, separators=(",", ":")))
+    if isinstance(response_format, JsonObjectFormat):
+        return GuidedDecoding("json_object")
+    if isinstance(response_format, RegexFormat):
+        return GuidedDecoding("regex", response_format.pattern)
+    if isinstance(response_format, ChoiceFormat):
+        return GuidedDecoding("choice", json.dumps(response_format.choices))
+    raise TypeError(f"unknown response_format {type(response_format).__name__}")
