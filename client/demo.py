@@ -17,10 +17,11 @@ import time
 from stoker.client.client import Client
 from stoker.schemas import Chunk
 
+# The demo model writes stdlib-docstring English (stoker.engine.train_demo), so the prompts open docstrings.
 PROMPTS = [
-    ("story", {"prompt": "The stoker keeps the fire", "max_tokens": 24, "temperature": 0.8, "seed": 1}),
-    ("greedy", {"prompt": "A message queue works", "max_tokens": 24, "temperature": 0.0}),
-    ("chat", {"messages": [{"role": "user", "content": "What does a stoker do?"}], "max_tokens": 24}),
+    ("greedy", {"prompt": "Return the", "max_tokens": 32, "temperature": 0.0}),
+    ("sample", {"prompt": "This module provides", "max_tokens": 32, "temperature": 0.7, "seed": 1}),
+    ("chat", {"messages": [{"role": "user", "content": "Open a file."}], "max_tokens": 24, "temperature": 0.0}),
 ]
 
 
@@ -39,11 +40,11 @@ async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bootstrap-servers", default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092"))
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
-    parser.add_argument("--topic", default=os.environ.get("STOKER_JOB_TOPIC", "stoker.jobs"))
+    parser.add_argument("--job-topic", default=os.environ.get("STOKER_JOB_TOPIC", "stoker.jobs"))
     parser.add_argument("--prefix", default=os.environ.get("STOKER_PREFIX", "stoker"))
     parser.add_argument("--timeout", type=float, default=120.0)
     args = parser.parse_args()
-    async with Client(args.bootstrap_servers, args.redis_url, topic=args.topic, prefix=args.prefix,
+    async with Client(args.bootstrap_servers, args.redis_url, topic=args.job_topic, prefix=args.prefix,
                       timeout=args.timeout) as client:
         await asyncio.gather(*(follow(client, name, params) for name, params in PROMPTS))
     return 0
