@@ -19,7 +19,8 @@ from typing import Any
 import click
 from stoker.worker.config import WorkerConfig, default_worker_id
 
-# (flag, env var, type, default, help). bool flags are switches; env accepts 1/true/yes.
+# (flag, env var, type, default, help): click options built by _command(). bool flags are switches; their
+# variables take 1/true/yes/on or 0/false/no/off (anything else is a usage error naming the variable).
 _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
     ("--model", "STOKER_MODEL", str, None, "model folder (Hugging Face layout)"),
     ("--served-model-name", "STOKER_SERVED_MODEL_NAME", str, None, "model name jobs may ask for"),
