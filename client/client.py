@@ -565,6 +565,13 @@ class Client:
             pipe.publish(self.names.cancel_channel, schemas.encode_cancel(Cancel(request_id=request_id)))
             await pipe.execute()
 
+    async def known(self, request_id: str) -> bool:
+        """Whether anything of the request is in Redis yet: its stream, its result or a worker's claim. False
+        means it has not started (still in Kafka, or no worker up), or the id is unknown or expired."""
+        names = self.names
+        count = await self.redis.exists(names.stream(request_id), names.result(request_id), names.claim(request_id))
+        return bool(count)
+
     async def result(self, request_id: str) -> Done | ErrorEvent | None:
         """The terminal event under the result key, or None if the request has not finished (or expired)."""
         raw = cast(bytes | None, await self.redis.get(self.names.result(request_id)))

@@ -1,6 +1,6 @@
 """The README's demo, after the worker is up: produce a few jobs and print their tokens as they arrive.
 
-    python -m stoker.client.demo [--bootstrap-servers ...] [--redis-url ...]   (ops/demo runs it)
+    python -m stoker.client.demo [--bootstrap-servers ...] [--redis-url ...]   (ops/demo runs it; --help)
 
 Uses client.Client (subscribe before produce, so no token is missed); the jobs run concurrently and each
 line of output is tagged with its request, so the interleaving shows the continuous batching.
@@ -8,23 +8,26 @@ line of output is tagged with its request, so the interleaving shows the continu
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
-import sys
 import time
+from typing import Any
 
+import click
 from stoker.client.client import Client
+from stoker.client.options import kafka_options, option, redis_options, resolve_aliases, version_option
 from stoker.schemas import Chunk
 
+# The demo model writes stdlib-docstring English (stoker.engine.train_demo), so the prompts open docstrings. A
+# model this small repeats its likeliest sentence when greedy; a mild repetition penalty moves it on.
 PROMPTS = [
-    ("story", {"prompt": "The stoker keeps the fire", "max_tokens": 24, "temperature": 0.8, "seed": 1}),
-    ("greedy", {"prompt": "A message queue works", "max_tokens": 24, "temperature": 0.0}),
-    ("chat", {"messages": [{"role": "user", "content": "What does a stoker do?"}], "max_tokens": 24}),
+    ("greedy", {"prompt": "Return the", "max_tokens": 32, "temperature": 0.0, "repetition_penalty": 1.2}),
+    ("sample", {"prompt": "This module provides", "max_tokens": 32, "temperature": 0.7, "seed": 1,
+                "repetition_penalty": 1.2}),
+    ("chat", {"messages": [{"role": "user", "content": "Open a file."}], "max_tokens": 24, "temperature": 0.0}),
 ]
 
 
-async def follow(client: Client, name: str, params: dict) -> None:
+async def follow(client: Client, name: str, params: dict[str, Any]) -> None:
     started = time.monotonic()
     async for event in client.stream(**params):
         if isinstance(event, Chunk):
@@ -35,19 +38,22 @@ async def follow(client: Client, name: str, params: dict) -> None:
                   f"worker={event.worker}\n         text: {event.text!r}", flush=True)
 
 
-async def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bootstrap-servers", default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092"))
-    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
-    parser.add_argument("--topic", default=os.environ.get("STOKER_JOB_TOPIC", "stoker.jobs"))
-    parser.add_argument("--prefix", default=os.environ.get("STOKER_PREFIX", "stoker"))
-    parser.add_argument("--timeout", type=float, default=120.0)
-    args = parser.parse_args()
-    async with Client(args.bootstrap_servers, args.redis_url, topic=args.topic, prefix=args.prefix,
-                      timeout=args.timeout) as client:
-        await asyncio.gather(*(follow(client, name, params) for name, params in PROMPTS))
-    return 0
+async def run(params: dict[str, Any]) -> None:
+    async with Client(params["bootstrap_servers"], params["redis_url"], topic=params["job_topic"],
+                      prefix=params["prefix"], timeout=params["timeout"]) as client:
+        await asyncio.gather(*(follow(client, name, job) for name, job in PROMPTS))
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@kafka_options
+@redis_options
+@option("--timeout", type=float, default=120.0, help="seconds to wait for each answer")
+@version_option("stoker-demo")
+def main(**params: Any) -> None:
+    """Produce a few jobs and print their tokens as they arrive (after ops/demo started the worker)."""
+    resolve_aliases(params, "stoker-demo")
+    asyncio.run(run(params))
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    main()

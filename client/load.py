@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-import struct
 import time
-import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -82,8 +80,47 @@ class LoadReport:
         ok = self.ok
         return {
             "ttft_ms": [(r.first_token - r.start) * 1e3 for r in ok if r.first_token is not None],
+            # time per output token after the first, per request (vLLM's TPOT)
+            "tpot_ms": [(r.end - r.first_token) * 1e3 / (r.output_tokens - 1) for r in ok
+                        if r.end is not None and r.first_token is not None and r.output_tokens > 1],
             "itl_ms": [gap * 1e3 for r in ok for gap in r.token_gaps],
             "e2e_ms": [(r.end - r.start) * 1e3 for r in ok if r.end is not None],
+        }
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per metric: p50, p90, p99, mean, max (ms) and the count of values; {} for a metric without any."""
+        out: dict[str, dict[str, float]] = {}
+        for name, values in self.metrics().items():
+            if values:
+                out[name] = {"p50": percentile(values, 50), "p90": percentile(values, 90),
+                             "p99": percentile(values, 99), "mean": sum(values) / len(values),
+                             "max": max(values), "count": len(values)}
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        """The results file of `stoker load --json`: the run's settings, its totals, the metric summaries and
+        one row per request (times in seconds from the run's start, null where not reached)."""
+        began = min((r.start for r in self.records), default=0.0)
+
+        def rel(t: float | None) -> float | None:
+            return None if t is None else round(t - began, 6)
+
+        ok = self.ok
+        tokens = sum(r.output_tokens for r in ok)
+        cfg = self.config
+        return {
+            "config": {"num_requests": cfg.num_requests, "rate": cfg.rate, "prompt_len": cfg.prompt_len,
+                       "output_len": cfg.output_len, "prompt_text": cfg.prompt_text,
+                       "temperature": cfg.temperature, "timeout": cfg.timeout, "seed": cfg.seed},
+            "duration_s": self.duration_s,
+            "requests": len(self.records),
+            "ok": len(ok),
+            "errors": dict(self.errors()),
+            "output_tokens_per_s": tokens / self.duration_s,
+            "requests_per_s": len(ok) / self.duration_s,
+            "metrics_ms": self.summary(),
+            "records": [{"start_s": rel(r.start), "first_token_s": rel(r.first_token), "end_s": rel(r.end),
+                         "output_tokens": r.output_tokens, "error": r.error} for r in self.records],
         }
 
     def table(self) -> str:
@@ -97,9 +134,10 @@ class LoadReport:
             f"{len(ok) / self.duration_s:.2f} req/s",
             f"{'metric':<10}{'p50':>10}{'p90':>10}{'p99':>10}{'mean':>10}{'max':>10}",
         ]
-        for name, values in self.metrics().items():
-            if values:
-                cells = [percentile(values, q) for q in (50, 90, 99)] + [sum(values) / len(values), max(values)]
+        summary = self.summary()
+        for name in self.metrics():
+            if name in summary:
+                cells = [summary[name][k] for k in ("p50", "p90", "p99", "mean", "max")]
                 lines.append(f"{name:<10}" + "".join(f"{v:>10.2f}" for v in cells))
             else:
                 lines.append(f"{name:<10}" + f"{'-':>10}" * 5)
@@ -160,83 +198,45 @@ async def run_load(client: Client, cfg: LoadConfig, progress: bool = False) -> L
 
 
 def _progress_bar(total: int) -> Any:
-    try:
-        from tqdm import tqdm  # optional: the base install has no tqdm
-    except ImportError:
-        return None
+    from tqdm import tqdm  # a base dependency (pure Python, no dependencies of its own)
+
     return tqdm(total=total, unit="req", desc="load")
 
 
-# ---- PNG plot (no matplotlib: a raster written with zlib + struct) ----------------------------------------
-_DIGITS = {  # 3x5 glyphs, rows top to bottom, bit 2 = left column
-    "0": (7, 5, 5, 5, 7), "1": (2, 6, 2, 2, 7), "2": (7, 1, 7, 4, 7), "3": (7, 1, 7, 1, 7),
-    "4": (5, 5, 7, 1, 1), "5": (7, 4, 7, 1, 7), "6": (7, 4, 7, 5, 7), "7": (7, 1, 1, 1, 1),
-    "8": (7, 5, 7, 5, 7), "9": (7, 5, 7, 1, 7), ".": (0, 0, 0, 0, 2), "s": (0, 3, 6, 1, 6),
-    "m": (0, 0, 7, 7, 5), "t": (2, 7, 2, 2, 3), "e": (0, 7, 7, 4, 7), " ": (0, 0, 0, 0, 0),
-}
-SERIES_COLOURS = {"e2e_ms": (214, 39, 40), "ttft_ms": (31, 119, 180)}
-
-
-def _png(width: int, height: int, pixels: bytearray) -> bytes:
-    """Encodes an RGB raster (row-major, 3 bytes a pixel) as a PNG: signature, IHDR, IDAT, IEND."""
-    def chunk(tag: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + tag + body + struct.pack(">I", zlib.crc32(tag + body))
-
-    stride = width * 3
-    raw = b"".join(b"\x00" + bytes(pixels[y * stride:(y + 1) * stride]) for y in range(height))  # filter 0
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB, no interlace
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b"")
-
-
-def plot_latency(report: LoadReport, width: int = 800, height: int = 400) -> bytes:
-    """Scatter of e2e latency (red) and TTFT (blue) in ms against request start time in s, as PNG bytes.
-    Axis maxima are printed at the axis ends ("12.5s" on x, "340ms" on y); the origin is 0, 0."""
-    margin = 40
-    pixels = bytearray(b"\xff" * width * height * 3)
-
-    def put(x: int, y: int, colour: tuple[int, int, int]) -> None:
-        if 0 <= x < width and 0 <= y < height:
-            i = (y * width + x) * 3
-            pixels[i:i + 3] = bytes(colour)
-
-    def text(x: int, y: int, s: str, scale: int = 2) -> None:
-        for ci, ch in enumerate(s):
-            for row, bits in enumerate(_DIGITS.get(ch, _DIGITS[" "])):
-                for col in range(3):
-                    if bits >> (2 - col) & 1:
-                        for dx in range(scale):
-                            for dy in range(scale):
-                                put(x + (ci * 4 + col) * scale + dx, y + row * scale + dy, (0, 0, 0))
+def plot_latency(report: LoadReport, path: str) -> None:
+    """Writes a figure of TTFT and e2e latency against each request's start time (top) and the TPOT
+    distribution (bottom) to `path` (PNG, SVG or PDF by its extension). Needs matplotlib: the `plot` extra."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'stoker[plot]'") from None
+    matplotlib.use("Agg")  # files only: no display, no GUI toolkit
+    import matplotlib.pyplot as plt
 
     ok = report.ok
     began = min((r.start for r in report.records), default=0.0)
-    points = {
-        "e2e_ms": [(r.start - began, (r.end - r.start) * 1e3) for r in ok if r.end is not None],
-        "ttft_ms": [(r.start - began, (r.first_token - r.start) * 1e3) for r in ok if r.first_token is not None],
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), layout="constrained")
+    cfg = report.config
+    fig.suptitle(f"stoker load: {len(report.records)} requests, "
+                 f"{'all at once' if cfg.rate == 0 else f'{cfg.rate:g}/s'}, {cfg.output_len} output tokens")
+    series = {
+        ("end-to-end", "tab:red"): [(r.start - began, (r.end - r.start) * 1e3) for r in ok if r.end is not None],
+        ("time to first token", "tab:blue"): [(r.start - began, (r.first_token - r.start) * 1e3)
+                                              for r in ok if r.first_token is not None],
     }
-    x_max = max([p[0] for pts in points.values() for p in pts], default=0.0) or 1.0
-    y_max = max([p[1] for pts in points.values() for p in pts], default=0.0) or 1.0
-    plot_w, plot_h = width - 2 * margin, height - 2 * margin
-    for x in range(margin, width - margin):
-        put(x, height - margin, (0, 0, 0))
-    for y in range(margin, height - margin + 1):
-        put(margin, y, (0, 0, 0))
-    for tick in range(1, 5):  # quarter ticks on both axes
-        for d in range(-4, 1):
-            put(margin + plot_w * tick // 4, height - margin - d, (0, 0, 0))
-            put(margin + d, height - margin - plot_h * tick // 4, (0, 0, 0))
-    for name, pts in points.items():
-        colour = SERIES_COLOURS[name]
-        for px, py in pts:
-            cx = margin + round(px / x_max * plot_w)
-            cy = height - margin - round(py / y_max * plot_h)
-            for dx in (-1, 0, 1):
-                for dy in (-1, 0, 1):
-                    put(cx + dx, cy + dy, colour)
-    text(width - margin - 40, height - margin + 10, f"{x_max:.3g}s")
-    text(4, margin - 16, f"{y_max:.0f}ms")
-    text(4, height - margin + 10, "0")
-    return _png(width, height, pixels)
+    for (label, colour), points in series.items():
+        top.scatter([x for x, _ in points], [y for _, y in points], s=12, color=colour, label=label)
+    top.set(title="Latency by request start", xlabel="request start (s)", ylabel="latency (ms)")
+    top.set_ylim(bottom=0)
+    top.grid(alpha=0.3)
+    top.legend()
+    tpot = report.metrics()["tpot_ms"]
+    bottom.hist(tpot, bins=min(40, max(5, len(tpot) // 3)), color="tab:green", label="TPOT per request")
+    bottom.set(title="Time per output token", xlabel="TPOT (ms)", ylabel="requests")
+    bottom.grid(alpha=0.3)
+    bottom.legend()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def print_report(report: LoadReport, out: TextIO) -> None:

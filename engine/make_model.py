@@ -79,7 +79,8 @@ PRESETS: dict[str, dict[str, int | float]] = {
 }
 
 
-def train_tokenizer(vocab_size: int):  # -> tokenizers.Tokenizer
+def train_tokenizer(vocab_size: int, texts: list[str] | None = None):  # -> tokenizers.Tokenizer
+    """A byte-level BPE over `texts` (default: the paragraphs of CORPUS), the special tokens first."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -91,7 +92,7 @@ def train_tokenizer(vocab_size: int):  # -> tokenizers.Tokenizer
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(CORPUS.split("\n\n"), trainer=trainer)
+    tok.train_from_iterator(CORPUS.split("\n\n") if texts is None else texts, trainer=trainer)
     bos = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
@@ -99,9 +100,9 @@ def train_tokenizer(vocab_size: int):  # -> tokenizers.Tokenizer
     return tok
 
 
-def write_tokenizer(out_dir: str, vocab_size: int) -> int:
+def write_tokenizer(out_dir: str, vocab_size: int, texts: list[str] | None = None) -> int:
     """Writes tokenizer.json + tokenizer_config.json; returns the tokenizer's vocabulary size."""
-    tok = train_tokenizer(vocab_size)
+    tok = train_tokenizer(vocab_size, texts)
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -118,6 +119,44 @@ def write_tokenizer(out_dir: str, vocab_size: int) -> int:
     return tok.get_vocab_size(with_added_tokens=True)
 
 
+def write_llama_config(
+    out_dir: str, *, vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+    init_std: float = 0.02, tie_word_embeddings: bool = False, max_position: int = 2048,
+) -> None:
+    """config.json and generation_config.json of a float32 LlamaForCausalLM over the tokenizer above."""
+    head_dim = hidden // heads
+    bos, eos, end = (
+        SPECIAL_TOKENS.index(t) for t in ("<s>", "</s>", "<|end|>")
+    )  # trainer puts specials first
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": tie_word_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "torch_dtype": "float32",
+        "initializer_range": init_std,
+    }
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": bos, "eos_token_id": [eos, end], "do_sample": False}, f, indent=2)
+
+
 def make_model(out_dir: str, preset: str = "tiny", seed: int = 0) -> str:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
@@ -130,37 +169,8 @@ def make_model(out_dir: str, preset: str = "tiny", seed: int = 0) -> str:
     hidden, inter, layers = int(p["hidden_size"]), int(p["intermediate_size"]), int(p["num_hidden_layers"])
     heads, kv_heads = int(p["num_attention_heads"]), int(p["num_key_value_heads"])
     head_dim = hidden // heads
-    bos, eos, end = (
-        SPECIAL_TOKENS.index(t) for t in ("<s>", "</s>", "<|end|>")
-    )  # trainer puts specials first
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "intermediate_size": inter,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "rope_scaling": None,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "torch_dtype": "float32",
-        "initializer_range": float(p["init_std"]),
-    }
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": bos, "eos_token_id": [eos, end], "do_sample": False}, f, indent=2)
-
+    write_llama_config(out_dir, vocab=vocab, hidden=hidden, intermediate=inter, layers=layers, heads=heads,
+                       kv_heads=kv_heads, init_std=float(p["init_std"]))
     gen = torch.Generator().manual_seed(seed)
     std = float(p["init_std"])
 

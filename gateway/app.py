@@ -18,16 +18,15 @@ routes, the API key (`--api-key`, every route but /health) and the gateway's own
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hmac
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
+import click
 import msgspec
 from aiokafka.errors import KafkaError
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -40,13 +39,12 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from stoker.client.client import (
-    DEFAULT_BOOTSTRAP,
-    DEFAULT_REDIS_URL,
     Client,
     RequestFailed,
     RequestTimeout,
     WorkerInfo,
 )
+from stoker.client.options import kafka_options, option, redis_options, resolve_aliases, version_option
 from stoker.gateway.mapping import (
     APIError,
     Choice,
@@ -444,26 +442,31 @@ def create_app(client_factory: Callable[[], Client], *, timeout: float = 300.0,
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    env = os.environ.get
-    p = argparse.ArgumentParser(prog="stoker-gateway", description="OpenAI-compatible HTTP gateway to Stoker")
-    p.add_argument("--host", default=env("STOKER_GATEWAY_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(env("STOKER_GATEWAY_PORT", "8000")))
-    p.add_argument("--bootstrap", default=env("KAFKA_BOOTSTRAP_SERVERS", DEFAULT_BOOTSTRAP))
-    p.add_argument("--redis-url", default=env("REDIS_URL", DEFAULT_REDIS_URL))
-    p.add_argument("--prefix", default=env("STOKER_PREFIX", schemas.REDIS_PREFIX))
-    p.add_argument("--topic", default=env("STOKER_JOB_TOPIC", schemas.JOBS_TOPIC))
-    p.add_argument("--timeout", type=float, default=float(env("STOKER_GATEWAY_TIMEOUT", "300")),
-                   help="seconds a request may take; also sent to the worker as the job's deadline")
-    p.add_argument("--api-key", default=env("STOKER_API_KEY") or None,
-                   help="require `Authorization: Bearer KEY` on every route but /health (env STOKER_API_KEY)")
-    args = p.parse_args(argv)
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@option("--host", env="STOKER_GATEWAY_HOST", default="127.0.0.1", help="address to listen on")
+@option("--port", env="STOKER_GATEWAY_PORT", type=int, default=8000, help="port to listen on")
+@option("--api-key", env="STOKER_API_KEY", default=None, show_default=False,
+        help="require `Authorization: Bearer KEY` on every route but /health (prefer the env var)")
+@kafka_options
+@redis_options
+@option("--timeout", env="STOKER_GATEWAY_TIMEOUT", type=float, default=300.0,
+        help="seconds a request may take; also sent to the worker as the job's deadline")
+@version_option("stoker-gateway")
+def command(**params: Any) -> None:
+    """OpenAI-compatible HTTP gateway to Stoker (/v1/completions, /v1/chat/completions, /v1/models)."""
+    resolve_aliases(params, "stoker-gateway")
     import uvicorn  # the gateway extra; imported here so `import stoker.gateway.app` works for tests without it
 
     def factory() -> Client:
-        return Client(args.bootstrap, args.redis_url, prefix=args.prefix, topic=args.topic, timeout=args.timeout)
+        return Client(params["bootstrap_servers"], params["redis_url"], prefix=params["prefix"],
+                      topic=params["job_topic"], timeout=params["timeout"])
 
-    uvicorn.run(create_app(factory, timeout=args.timeout, api_key=args.api_key), host=args.host, port=args.port, log_level="info")
+    uvicorn.run(create_app(factory, timeout=params["timeout"], api_key=params["api_key"] or None),
+                host=params["host"], port=params["port"], log_level="info")
+
+
+def main(argv: list[str] | None = None) -> None:
+    command.main(args=argv, prog_name="stoker-gateway")
 
 
 if __name__ == "__main__":

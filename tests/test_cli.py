@@ -1,5 +1,6 @@
-"""The `stoker` CLI and the load generator: pure parts (percentiles, the PNG writer, flag wiring) without a
-stack, and submit/tail/workers/load against a live fake-engine worker, run with torch import blocked."""
+"""The `stoker` CLI and the load generator: pure parts (percentiles, the results file, the plot, flag wiring)
+without a stack, and submit/tail/workers/load against a live fake-engine worker, run with torch import
+blocked."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import os
 import struct
 import subprocess
 import sys
-import zlib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -34,24 +34,10 @@ sys.exit(code)
 """
 
 
-def read_png(data: bytes) -> tuple[int, int, bytes]:
-    """(width, height, RGB bytes without filter bytes) of an 8-bit RGB PNG with filter 0 rows."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, idat, width, height = 8, b"", 0, 0
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        tag, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
-        assert struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])[0] == zlib.crc32(tag + body)
-        if tag == b"IHDR":
-            width, height, depth, colour = struct.unpack(">IIBB", body[:10])
-            assert (depth, colour) == (8, 2)
-        elif tag == b"IDAT":
-            idat += body
-        pos += 12 + length
-    raw = zlib.decompress(idat)
-    stride = width * 3 + 1
-    assert len(raw) == stride * height and all(raw[y * stride] == 0 for y in range(height))
-    return width, height, b"".join(raw[y * stride + 1:(y + 1) * stride] for y in range(height))
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
 
 
 def test_percentile_interpolates() -> None:
@@ -61,7 +47,7 @@ def test_percentile_interpolates() -> None:
     assert percentile([7.0], 90) == 7.0
 
 
-def test_report_table_and_plot_from_records() -> None:
+def test_report_table_results_file_and_plot_from_records(tmp_path: Path) -> None:
     records = [RequestRecord(start=float(i), first_token=i + 0.1, end=i + 0.5, output_tokens=4,
                              token_gaps=[0.1, 0.1, 0.2]) for i in range(10)]
     records.append(RequestRecord(start=10.0, error="context_length_exceeded"))
@@ -72,13 +58,20 @@ def test_report_table_and_plot_from_records() -> None:
     assert float(ttft[1]) == pytest.approx(100.0)  # p50 TTFT: 0.1 s
     assert "throughput 3.8 output tok/s" in table  # 40 tokens / 10.5 s
 
-    width, height, pixels = read_png(plot_latency(report, width=300, height=200))
-    assert (width, height) == (300, 200)
-    colours = {pixels[i:i + 3] for i in range(0, len(pixels), 3)}
-    assert bytes((214, 39, 40)) in colours and bytes((31, 119, 180)) in colours  # e2e and TTFT points drawn
-    # the slowest e2e (500 ms, the y maximum) sits on the top of the plot area, 40 px margin
-    top_row = pixels[40 * width * 3:(40 + 2) * width * 3]
-    assert bytes((214, 39, 40)) in {top_row[i:i + 3] for i in range(0, len(top_row), 3)}
+    tpot = next(line for line in table.splitlines() if line.startswith("tpot_ms")).split()
+    assert float(tpot[1]) == pytest.approx(400 / 3, abs=0.01)  # (end - first token) / 3 later tokens
+
+    results = report.to_json()
+    assert results["ok"] == 10 and results["errors"] == {"context_length_exceeded": 1}
+    assert results["metrics_ms"]["ttft_ms"]["p50"] == pytest.approx(100.0)
+    assert results["metrics_ms"]["tpot_ms"]["count"] == 10
+    assert results["records"][3] == {"start_s": 3.0, "first_token_s": 3.1, "end_s": 3.5, "output_tokens": 4,
+                                     "error": None}
+    json.dumps(results)  # plain JSON types only
+
+    plot = tmp_path / "latency.png"
+    plot_latency(report, str(plot))
+    assert png_size(plot.read_bytes()) == (900, 700)  # matplotlib's figure: 9 x 7 in at 100 dpi
 
 
 def test_load_config_rejects_nonsense() -> None:
@@ -108,6 +101,39 @@ def test_bad_flag_value_exits_2_naming_the_field(capsys: pytest.CaptureFixture[s
     assert cli.main(["workers", "--redis-url", "redis://127.0.0.1:1/0"]) == 4
     err = capsys.readouterr().err
     assert "Redis (redis://127.0.0.1:1/0) failed" in err and "Traceback" not in err
+
+
+def test_flag_that_a_subcommand_does_not_use_is_not_offered(capsys: pytest.CaptureFixture[str]) -> None:
+    # tail reads Redis only: no Kafka flags (a usage error, exit 2)
+    assert cli.main(["tail", "x", "--bootstrap-servers", "k:1"]) == 2
+    assert "No such option '--bootstrap-servers'" in capsys.readouterr().err
+
+
+def test_every_cli_flag_shows_its_help_default_and_env(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("stoker ")
+    assert cli.main(["load", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for needle in ("--bootstrap-servers TEXT Kafka bootstrap servers", "env var: KAFKA_BOOTSTRAP_SERVERS",
+                   "env var: STOKER_JOB_TOPIC", "env var: REDIS_URL", "env var: STOKER_PREFIX",
+                   "default: 127.0.0.1:9092", "--json FILE", "--plot FILE"):
+        assert needle in out
+    assert "--topic" not in out.replace("--job-topic", "")  # the old spelling works, hidden
+
+
+def test_submit_reads_the_prompt_from_stdin(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    seen: list[dict] = []
+
+    async def fake_submit(params: dict) -> int:
+        seen.append(params)
+        return 0
+
+    monkeypatch.setattr(cli, "_submit", fake_submit)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("a prompt\nof two lines\n"))
+    assert cli.main(["submit", "-", "--topic", "old.spelling"]) == 0
+    assert seen[0]["prompt"] == "a prompt\nof two lines" and seen[0]["job_topic"] == "old.spelling"
 
 
 async def test_load_counts_client_failures_instead_of_aborting() -> None:
@@ -185,23 +211,44 @@ def test_workers_lists_the_live_worker(worker: Live) -> None:
 
 @pytest.mark.stack
 def test_load_reports_latencies_and_writes_a_plot(worker: Live, tmp_path: Path) -> None:
-    plot = tmp_path / "latency.png"
+    plot, results = tmp_path / "latency.png", tmp_path / "results.json"
     out = stoker(worker, "load", "-n", "40", "--rate", "40", "--prompt-len", "16", "--output-len", "8",
-                 "--no-progress", "--plot", str(plot), timeout=120)
+                 "--no-progress", "--plot", str(plot), "--json", str(results), timeout=120)
     print(out.stdout)  # the table, for the record (pytest -s shows it)
     assert out.returncode == 0, out.stderr
     assert "requests 40  ok 40  errors 0" in out.stdout
-    for metric in ("ttft_ms", "itl_ms", "e2e_ms"):
+    for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         row = next(line for line in out.stdout.splitlines() if line.startswith(metric)).split()
         p50, p90, p99 = (float(v) for v in row[1:4])
         assert 0 < p50 <= p90 <= p99
-    width, height, _ = read_png(plot.read_bytes())
-    assert (width, height) == (800, 400)
+    assert png_size(plot.read_bytes()) == (900, 700)
+    summary = json.loads(results.read_text())
+    assert summary["ok"] == 40 and len(summary["records"]) == 40 and summary["metrics_ms"]["e2e_ms"]["p50"] > 0
 
 
 @pytest.mark.stack
 def test_submit_to_a_missing_topic_exits_3_naming_the_topic(worker: Live) -> None:
     # the stack does not auto-create topics; aiokafka alone would wait 40 s for metadata, then a traceback
-    out = stoker(worker, "submit", "hi", "--topic", "stoker.no-such-topic", "--timeout", "2", timeout=30)
+    out = stoker(worker, "submit", "hi", "--job-topic", "stoker.no-such-topic", "--timeout", "2", timeout=30)
     assert out.returncode == 3, out.stderr
     assert "stoker.no-such-topic" in out.stderr and "Traceback" not in out.stderr
+    # one line of ours (after the request id), none of aiokafka's metadata warnings
+    assert [line for line in out.stderr.splitlines() if line.strip()][1:] == [out.stderr.strip().splitlines()[-1]]
+
+
+@pytest.mark.stack
+def test_tail_of_an_unknown_request_says_so_at_once_and_waits_only_if_asked(worker: Live) -> None:
+    out = stoker(worker, "tail", "cli-never-submitted")
+    assert out.returncode == 1 and "not started yet, or unknown" in out.stderr
+    waited = stoker(worker, "tail", "cli-never-submitted", "--wait", "--timeout", "1")
+    assert waited.returncode == 3 and "no terminal event within 1 s" in waited.stderr
+
+
+@pytest.mark.stack
+def test_submit_dash_reads_stdin(worker: Live) -> None:
+    env = dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=worker.bootstrap, REDIS_URL=worker.redis_url,
+               STOKER_PREFIX=worker.prefix, STOKER_JOB_TOPIC=worker.topic)
+    out = subprocess.run([sys.executable, "-c", NO_TORCH, "submit", "-", "--json", "--max-tokens", "2"],
+                         input="from stdin\n", cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1])["type"] == "done"

@@ -201,7 +201,7 @@ async def test_completion_streaming_and_stop_as_string(oai: openai.AsyncOpenAI) 
 @pytest.mark.parametrize(("kwargs", "status", "param"), [
     ({"n": 0}, 400, "n"),
     ({"top_logprobs": 3}, 400, "top_logprobs"),  # without logprobs: true
-    ({"extra_body": {"guided_regex": "a+"}}, 400, "guided_regex"),
+    ({"extra_body": {"guided_decoding_backend": "xgrammar"}}, 400, "guided_decoding_backend"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),
     ({"response_format": {"type": "grammar"}}, 400, "response_format"),
     ({"extra_body": {"guided_grammar": "root ::= x"}}, 400, "guided_grammar"),

@@ -67,7 +67,7 @@ def test_installed_next_to_a_users_schemas_and_client_neither_shadows_the_other(
     uv_run("venv", "-q", "-p", sys.executable, str(venv))
     python = str(venv / "bin" / "python")
     uv_run("pip", "install", "-q", "--offline", "-p", python, "--no-deps", str(source))
-    uv_run("pip", "install", "-q", "--offline", "-p", python, "msgspec", "aiokafka", "redis")
+    uv_run("pip", "install", "-q", "--offline", "-p", python, "msgspec", "aiokafka", "redis", "click", "tqdm")  # the base deps
 
     user = _mkdir(tmp_path / "user")
     (user / "schemas.py").write_text("WHOSE = 'the user'\n")

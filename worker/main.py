@@ -1,23 +1,26 @@
 """`stoker-worker`: flags and STOKER_* environment -> WorkerConfig -> engine -> Worker, with a SIGTERM drain.
 
-Every flag has an environment variable (shown in --help); a flag given on the command line wins.
+Every flag has an environment variable; click parses both and --help shows each flag's help, default and
+variable. A flag given on the command line wins. The names are the ones `stoker` and `stoker-gateway` use for
+the same settings (--bootstrap-servers, --job-topic, --redis-url, --prefix; tests/test_config_language.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
-import os
 import signal
 import sys
 import time
+from importlib import metadata
 from typing import Any
 
+import click
 from stoker.worker.config import WorkerConfig, default_worker_id
 
-# (flag, env var, type, default, help). bool flags are switches; env accepts 1/true/yes.
+# (flag, env var, type, default, help): click options built by _command(). bool flags are switches; their
+# variables take 1/true/yes/on or 0/false/no/off (anything else is a usage error naming the variable).
 _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
     ("--model", "STOKER_MODEL", str, None, "model folder (Hugging Face layout)"),
     ("--served-model-name", "STOKER_SERVED_MODEL_NAME", str, None, "model name jobs may ask for"),
@@ -84,33 +87,57 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
 ]
 
 
-def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = None) -> WorkerConfig:
-    env = dict(os.environ) if env is None else env
-    parser = argparse.ArgumentParser(prog="stoker-worker", description="Stoker GPU worker: Kafka in, Redis out.")
-    for flag, var, typ, _default, help_text in _OPTIONS:
-        if typ is bool:
-            parser.add_argument(flag, action="store_true", default=None, help=f"{help_text} [env {var}]")
-        else:
-            parser.add_argument(flag, type=typ, default=None, help=f"{help_text} [env {var}]")
-    args = parser.parse_args(argv)
-    values: dict[str, Any] = {}
-    for flag, var, typ, default, _ in _OPTIONS:
-        name = flag[2:].replace("-", "_")
-        value = getattr(args, name)
-        if value is None and env.get(var, "") != "":
-            raw = env[var]
-            try:
-                value = raw.strip().lower() in ("1", "true", "yes", "on") if typ is bool else typ(raw)
-            except ValueError:
-                parser.error(f"environment variable {var}={raw!r} is not a valid {typ.__name__}")
-        values[name] = default if value is None else value
-    if values["worker_id"] is None:
-        values["worker_id"] = default_worker_id()
+class _EnvOption(click.Option):
+    """An option whose environment twin is read from the mapping parse_config was given (os.environ by
+    default), so tests pass an environment without touching the process's."""
+
+    def resolve_envvar_value(self, ctx: click.Context) -> str | None:
+        env = ctx.find_root().obj
+        if env is None or not isinstance(self.envvar, str):
+            return super().resolve_envvar_value(ctx)
+        return env.get(self.envvar) or None  # an empty variable counts as unset
+
+
+def _version() -> str:
     try:
-        return WorkerConfig(**values)
-    except ValueError as exc:
-        parser.error(str(exc))
-    raise AssertionError("unreachable")
+        return metadata.version("stoker")
+    except metadata.PackageNotFoundError:  # a plain source tree (PYTHONPATH=.), not installed
+        return "0+source"
+
+
+def _command() -> click.Command:
+    params: list[click.Parameter] = []
+    for flag, var, typ, default, help_text in _OPTIONS:
+        if typ is bool:  # a switch; its variable takes 1/true/yes/on (and 0/false/no/off)
+            params.append(_EnvOption([flag], is_flag=True, default=False, envvar=var, show_envvar=True,
+                                     help=help_text))
+        else:
+            params.append(_EnvOption([flag], type=typ, default=default, envvar=var, show_envvar=True,
+                                     show_default=default is not None and default != "", help=help_text))
+    command = click.Command("stoker-worker", params=params, help="Stoker GPU worker: Kafka in, Redis out.",
+                            context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+    return click.version_option(_version(), "--version", prog_name="stoker-worker",
+                                message="%(prog)s %(version)s")(command)
+
+
+def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = None) -> WorkerConfig:
+    """WorkerConfig from flags (default: sys.argv) and environment (default: os.environ). Bad usage and
+    --help/--version exit as click does (SystemExit 2 with one line naming the flag or variable, or 0)."""
+    command = _command()
+    try:
+        with command.make_context("stoker-worker", list(sys.argv[1:] if argv is None else argv), obj=env) as ctx:
+            values = dict(ctx.params)
+            if values["worker_id"] is None:
+                values["worker_id"] = default_worker_id()
+            try:
+                return WorkerConfig(**values)
+            except ValueError as exc:
+                raise click.UsageError(str(exc), ctx) from None
+    except click.exceptions.Exit as exc:  # --help, --version
+        raise SystemExit(exc.exit_code) from None
+    except click.ClickException as exc:
+        exc.show()
+        raise SystemExit(exc.exit_code) from None
 
 
 class _KVFormatter(logging.Formatter):
