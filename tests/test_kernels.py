@@ -14,29 +14,11 @@ import math
 import os
 import subprocess
 import sys
-from typing import Any
 
 import pytest
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 triton = pytest.importorskip("triton")
-
-if INTERPRET:
-    import numpy as np
-    from triton.runtime import interpreter as _interpreter
-
-    if tuple(int(p) for p in np.__version__.split(".")[:2]) >= (2, 4):
-        # triton 3.6's interpreter does int(array_of_shape_1) for runtime loop bounds, which numpy >= 2.4
-        # rejects (triton-lang/triton#9171, fixed upstream by #9172 after 3.6). Apply that one-line fix.
-        _original_patch = _interpreter._patch_lang_tensor
-
-        def _patch_lang_tensor(tensor: Any, scope: Any) -> None:
-            _original_patch(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-        _interpreter._patch_lang_tensor = _patch_lang_tensor
-
 from stoker.engine.kernels import (  # noqa: E402  (after the interpreter fix above)
     paged_attention,
     paged_attention_ref,
@@ -54,6 +36,7 @@ from stoker.engine.kernels import (  # noqa: E402  (after the interpreter fix ab
     silu_and_mul_triton,
 )
 from stoker.engine.kernels.attention import decode_num_splits  # noqa: E402
+from triton_interp import INTERPRET  # noqa: E402  (applies the interpreter fix before the kernels load)
 
 _GPU = pytest.mark.gpu
 _NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -15,23 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 triton = pytest.importorskip("triton")
-
-if INTERPRET:
-    import numpy as np
-    from triton.runtime import interpreter as _interpreter
-
-    if tuple(int(p) for p in np.__version__.split(".")[:2]) >= (2, 4):
-        # Same one-line interpreter fix as tests/test_kernels.py (triton-lang/triton#9171, numpy >= 2.4).
-        _original_patch = _interpreter._patch_lang_tensor
-
-        def _patch_lang_tensor(tensor: Any, scope: Any) -> None:
-            _original_patch(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-        _interpreter._patch_lang_tensor = _patch_lang_tensor
-
 from stoker.engine.kernels import fused_linear, rope_cos_sin  # noqa: E402
 from stoker.engine.kernels.gemv import (  # noqa: E402
     GEMV_MAX_M,
@@ -42,6 +26,7 @@ from stoker.engine.kernels.gemv import (  # noqa: E402
     gemv_rotary_cache_triton,
     gemv_triton,
 )
+from triton_interp import INTERPRET  # noqa: E402  (applies the interpreter fix before the kernels load)
 
 _GPU = pytest.mark.gpu
 _NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
