@@ -11,14 +11,12 @@ Two ways this module runs:
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+from kernel_harness import GPU, INTERPRET, NO_CUDA, TOLERANCE, cases, run_under_interpreter  # noqa: E402
 from stoker.engine.kernels import (  # noqa: E402  (after the interpreter fix above)
     paged_attention,
     paged_attention_ref,
@@ -36,18 +34,8 @@ from stoker.engine.kernels import (  # noqa: E402  (after the interpreter fix ab
     silu_and_mul_triton,
 )
 from stoker.engine.kernels.attention import decode_num_splits  # noqa: E402
-from triton_interp import INTERPRET  # noqa: E402  (applies the interpreter fix before the kernels load)
 
-_GPU = pytest.mark.gpu
-_NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-if INTERPRET:
-    CASES = [pytest.param("cpu", torch.float32, id="cpu-fp32"), pytest.param("cpu", torch.float16, id="cpu-fp16")]
-else:
-    CASES = [pytest.param("cuda", dt, id=f"cuda-{name}", marks=[_GPU, _NO_CUDA])
-             for name, dt in [("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)]]
-
-
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # atol = rtol, per dtype
+CASES = cases()
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -209,8 +197,8 @@ def test_launchers_reject_bad_layouts(device: str, dtype: torch.dtype) -> None:
                                torch.tensor([2], dtype=torch.int32, device=device), 1.0)
 
 
-@_GPU
-@_NO_CUDA
+@GPU
+@NO_CUDA
 def test_dispatch_uses_triton_on_cuda_and_reference_with_stoker_triton_0(monkeypatch: pytest.MonkeyPatch) -> None:
     lens = [5, 40]
     k_cache, v_cache, block_tables = paged_batch(lens, 2, 64, 16, "cuda", torch.float16)
@@ -234,10 +222,4 @@ def test_dispatch_uses_triton_on_cuda_and_reference_with_stoker_triton_0(monkeyp
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRET, reason="this is the interpreter run itself")
 def test_kernels_under_triton_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"],
-        env=env, capture_output=True, text=True, timeout=280,
-    )
-    assert run.returncode == 0, f"interpreter run failed:\n{run.stdout[-8000:]}\n{run.stderr[-4000:]}"
-    assert " passed" in run.stdout and "failed" not in run.stdout, run.stdout[-2000:]
+    run_under_interpreter(__file__)

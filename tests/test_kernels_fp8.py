@@ -7,14 +7,11 @@ path needs FP8 tensor cores: gpu only.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+from kernel_harness import GPU, INTERPRET, NO_CUDA, TOLERANCE, cases, run_under_interpreter  # noqa: E402
 from stoker.engine.kernels import fp8_linear  # noqa: E402
 from stoker.engine.kernels.fp8_linear import (  # noqa: E402
     FP8_DTYPE,
@@ -23,16 +20,8 @@ from stoker.engine.kernels.fp8_linear import (  # noqa: E402
     quantize_rows,
     scaled_mm_fp8,
 )
-from triton_interp import INTERPRET  # noqa: E402  (applies the interpreter fix before the kernels load)
 
-_GPU = pytest.mark.gpu
-_NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-if INTERPRET:
-    CASES = [pytest.param("cpu", torch.float32, id="cpu-fp32"), pytest.param("cpu", torch.float16, id="cpu-fp16")]
-else:
-    CASES = [pytest.param("cuda", dt, id=f"cuda-{name}", marks=[_GPU, _NO_CUDA])
-             for name, dt in [("bf16", torch.bfloat16), ("fp16", torch.float16)]]
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # atol = rtol, per dtype
+CASES = cases((torch.bfloat16, torch.float16))
 
 
 def weights(n: int, k: int, block: bool, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,8 +69,8 @@ def test_quantize_rows_round_trip() -> None:
     assert back[5].eq(0).all()
 
 
-@_GPU
-@_NO_CUDA
+@GPU
+@NO_CUDA
 @pytest.mark.parametrize("num_rows", [1, 16, 17, 64, 301])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_dispatch_on_cuda_matches_reference(num_rows: int, static: bool) -> None:
@@ -103,10 +92,4 @@ def test_dispatch_on_cuda_matches_reference(num_rows: int, static: bool) -> None
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRET, reason="this is the interpreter run itself")
 def test_gemv_fp8_under_triton_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"],
-        env=env, capture_output=True, text=True, timeout=280,
-    )
-    assert run.returncode == 0, f"interpreter run failed:\n{run.stdout[-8000:]}\n{run.stderr[-4000:]}"
-    assert " passed" in run.stdout and "failed" not in run.stdout, run.stdout[-2000:]
+    run_under_interpreter(__file__)

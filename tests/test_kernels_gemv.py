@@ -7,15 +7,13 @@ Both of the kernel's multiply paths are exercised (CUDA-core broadcast-and-sum, 
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+from kernel_harness import GPU, INTERPRET, NO_CUDA, TOLERANCE, cases, run_under_interpreter  # noqa: E402
 from stoker.engine.kernels import fused_linear, rope_cos_sin  # noqa: E402
 from stoker.engine.kernels.gemv import (  # noqa: E402
     GEMV_MAX_M,
@@ -26,17 +24,8 @@ from stoker.engine.kernels.gemv import (  # noqa: E402
     gemv_rotary_cache_triton,
     gemv_triton,
 )
-from triton_interp import INTERPRET  # noqa: E402  (applies the interpreter fix before the kernels load)
 
-_GPU = pytest.mark.gpu
-_NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-if INTERPRET:
-    CASES = [pytest.param("cpu", torch.float32, id="cpu-fp32"), pytest.param("cpu", torch.float16, id="cpu-fp16")]
-else:
-    CASES = [pytest.param("cuda", dt, id=f"cuda-{name}", marks=[_GPU, _NO_CUDA])
-             for name, dt in [("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)]]
-
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # atol = rtol, per dtype
+CASES = cases()
 
 # (M, path): "auto" is the launcher's own choice (CUDA cores for small M, tl.dot above), "dot" forces the
 # 16-row tensor-core tile, "cores" forces the CUDA-core path at a small block.
@@ -213,8 +202,8 @@ def test_fused_linear_dispatch_falls_back_on_cpu_and_large_m() -> None:
 
 
 # ------------------------------------------------------------------------------------ GPU only: PDL
-@_GPU
-@_NO_CUDA
+@GPU
+@NO_CUDA
 @pytest.mark.parametrize("num_rows", [1, 5])
 def test_gemv_pdl_chain_survives_cuda_graph_capture(num_rows: int) -> None:
     """A decoder layer's worth of PDL launches (norm+qkv-like, residual-add, norm+gate_up+silu, down+add),
@@ -249,10 +238,4 @@ def test_gemv_pdl_chain_survives_cuda_graph_capture(num_rows: int) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRET, reason="this is the interpreter run itself")
 def test_gemv_under_triton_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"],
-        env=env, capture_output=True, text=True, timeout=280,
-    )
-    assert run.returncode == 0, f"interpreter run failed:\n{run.stdout[-8000:]}\n{run.stderr[-4000:]}"
-    assert " passed" in run.stdout and "failed" not in run.stdout, run.stdout[-2000:]
+    run_under_interpreter(__file__)

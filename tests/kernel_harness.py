@@ -1,0 +1,61 @@
+"""What the kernel test files share: `INTERPRET` (TRITON_INTERPRET=1, the CPU runs) with, under it, the one-line
+fix triton 3.6's interpreter needs with numpy >= 2.4 (it does int(array_of_shape_1) for runtime loop bounds, which
+numpy >= 2.4 rejects: triton-lang/triton#9171, fixed upstream by #9172 after 3.6); the dtype cases each file runs
+(fp32/fp16 in the interpreter, the GPU dtypes on CUDA), their tolerances, and the driver that re-runs a file
+under the interpreter. Import this after `pytest.importorskip("triton")`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _patch_numpy_index() -> None:
+    import numpy as np
+    from triton.runtime import interpreter
+
+    if tuple(int(p) for p in np.__version__.split(".")[:2]) < (2, 4) or getattr(interpreter, "_stoker_patched", False):
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor: Any, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    interpreter._stoker_patched = True
+
+
+if INTERPRET:
+    _patch_numpy_index()
+
+
+GPU = pytest.mark.gpu
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # atol = rtol, per dtype
+_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def cases(gpu_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)) -> list[Any]:
+    """(device, dtype) parameters: fp32 and fp16 on the CPU under the interpreter, else gpu_dtypes on CUDA."""
+    if INTERPRET:
+        return [pytest.param("cpu", torch.float32, id="cpu-fp32"), pytest.param("cpu", torch.float16, id="cpu-fp16")]
+    return [pytest.param("cuda", dt, id=f"cuda-{_NAMES[dt]}", marks=[GPU, NO_CUDA]) for dt in gpu_dtypes]
+
+
+def run_under_interpreter(test_file: str) -> None:
+    """Re-run a kernel test file on the CPU under TRITON_INTERPRET=1 and require that all of it passed."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", test_file, "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"],
+        env=env, capture_output=True, text=True, timeout=280,
+    )
+    assert run.returncode == 0, f"interpreter run failed:\n{run.stdout[-8000:]}\n{run.stderr[-4000:]}"
+    assert " passed" in run.stdout and "failed" not in run.stdout, run.stdout[-2000:]
