@@ -13,9 +13,17 @@ import pytest
 import redis.asyncio as aioredis
 from stoker.engine import EngineRequest, SamplingParams
 from stoker.schemas import Done, Error
-from stoker.worker.config import WorkerConfig
-from stoker.worker.service import Worker
-from worker_harness import ROOT, check_sequence, dead_letters, job, make_space, produce, scrape, wait_results
+from worker_harness import (
+    ROOT,
+    check_sequence,
+    dead_letters,
+    job,
+    make_space,
+    produce,
+    running_worker,
+    scrape,
+    wait_results,
+)
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -55,18 +63,13 @@ async def test_worker_output_equals_the_engine_alone(request, tiny_model):
                 seed=100 + i) for i in range(12)]
     expected = await asyncio.to_thread(_alone, tiny_model, jobs)
     engine = await asyncio.to_thread(_engine, tiny_model)
-    config = WorkerConfig(model=tiny_model, bootstrap_servers=space.bootstrap, redis_url=space.redis_url,
-                          job_topic=space.names.jobs_topic, prefix=space.names.redis_prefix, group_id=space.group,
-                          metrics_port=-1, max_num_seqs=16)
-    worker = Worker(config, engine)
-    task = asyncio.create_task(worker.run())
     r = aioredis.Redis.from_url(space.redis_url)
     try:
-        await produce(space.bootstrap, space.names.jobs_topic, jobs)
-        results = await wait_results(r, space.names, [j["request_id"] for j in jobs], timeout=180)
+        async with running_worker(space, engine=engine, fake_engine=False, model=tiny_model, metrics_port=-1,
+                                  max_num_seqs=16, claim_ttl_s=10, drain_timeout_s=30):
+            await produce(space.bootstrap, space.names.jobs_topic, jobs)
+            results = await wait_results(r, space.names, [j["request_id"] for j in jobs], timeout=180)
     finally:
-        worker.request_stop()
-        await asyncio.wait_for(task, 60)
         await r.aclose()
     for j in jobs:
         outcome = results[j["request_id"]]
@@ -84,25 +87,20 @@ async def test_prefix_cache_metrics_and_a_stop_id_beyond_the_vocabulary(request,
     space = await make_space(request)
     shared = [5 + (7 * i) % 300 for i in range(48)]  # three 16-token blocks
     engine = await asyncio.to_thread(_engine, tiny_model)
-    config = WorkerConfig(model=tiny_model, bootstrap_servers=space.bootstrap, redis_url=space.redis_url,
-                          job_topic=space.names.jobs_topic, prefix=space.names.redis_prefix, group_id=space.group,
-                          metrics_port=0, max_num_seqs=16)
-    worker = Worker(config, engine)
-    task = asyncio.create_task(worker.run())
     r = aioredis.Redis.from_url(space.redis_url)
     try:
-        await produce(space.bootstrap, space.names.jobs_topic, [
-            job("bad-stop", prompt="hello", stop_token_ids=[3, 384], min_tokens=1, max_tokens=4),
-            job("p0", prompt_token_ids=shared, max_tokens=2, temperature=0)])
-        results = await wait_results(r, space.names, ["bad-stop", "p0"], timeout=120)
-        await produce(space.bootstrap, space.names.jobs_topic,  # after p0: its blocks are cached
-                      [job(f"p{i}", prompt_token_ids=shared, max_tokens=2, temperature=0) for i in (1, 2)])
-        results |= await wait_results(r, space.names, ["p1", "p2"], timeout=120)
-        assert worker.health is not None and worker.health.port is not None
-        values = await asyncio.to_thread(scrape, worker.health.port)
+        async with running_worker(space, engine=engine, fake_engine=False, model=tiny_model, metrics_port=0,
+                                  max_num_seqs=16, claim_ttl_s=10, drain_timeout_s=30) as worker:
+            await produce(space.bootstrap, space.names.jobs_topic, [
+                job("bad-stop", prompt="hello", stop_token_ids=[3, 384], min_tokens=1, max_tokens=4),
+                job("p0", prompt_token_ids=shared, max_tokens=2, temperature=0)])
+            results = await wait_results(r, space.names, ["bad-stop", "p0"], timeout=120)
+            await produce(space.bootstrap, space.names.jobs_topic,  # after p0: its blocks are cached
+                          [job(f"p{i}", prompt_token_ids=shared, max_tokens=2, temperature=0) for i in (1, 2)])
+            results |= await wait_results(r, space.names, ["p1", "p2"], timeout=120)
+            assert worker.health is not None and worker.health.port is not None
+            values = await asyncio.to_thread(scrape, worker.health.port)
     finally:
-        worker.request_stop()
-        await asyncio.wait_for(task, 60)
         await r.aclose()
     bad = results["bad-stop"].terminal
     assert isinstance(bad, Error) and bad.code == "invalid_job" and "stop_token_ids" in bad.message, bad
@@ -126,21 +124,16 @@ async def test_response_format_job_and_an_invalid_schema(request, tiny_model):
     fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}
     bad = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "string", "pattern": "(x"}}}
     engine = await asyncio.to_thread(_engine, tiny_model)
-    config = WorkerConfig(model=tiny_model, bootstrap_servers=space.bootstrap, redis_url=space.redis_url,
-                          job_topic=space.names.jobs_topic, prefix=space.names.redis_prefix, group_id=space.group,
-                          metrics_port=-1, max_num_seqs=16)
-    worker = Worker(config, engine)
-    task = asyncio.create_task(worker.run())
     r = aioredis.Redis.from_url(space.redis_url)
     try:
-        await produce(space.bootstrap, space.names.jobs_topic, [
-            job("json", prompt="Name a city", max_tokens=64, seed=3, response_format=fmt, v=2),
-            job("plain", prompt="Name a city", max_tokens=6, temperature=0),
-            job("bad-schema", prompt="Name a city", max_tokens=8, response_format=bad, v=2)])
-        results = await wait_results(r, space.names, ["json", "plain", "bad-schema"], timeout=120)
+        async with running_worker(space, engine=engine, fake_engine=False, model=tiny_model, metrics_port=-1,
+                                  max_num_seqs=16, claim_ttl_s=10, drain_timeout_s=30):
+            await produce(space.bootstrap, space.names.jobs_topic, [
+                job("json", prompt="Name a city", max_tokens=64, seed=3, response_format=fmt, v=2),
+                job("plain", prompt="Name a city", max_tokens=6, temperature=0),
+                job("bad-schema", prompt="Name a city", max_tokens=8, response_format=bad, v=2)])
+            results = await wait_results(r, space.names, ["json", "plain", "bad-schema"], timeout=120)
     finally:
-        worker.request_stop()
-        await asyncio.wait_for(task, 60)
         await r.aclose()
     done = results["json"].terminal
     assert isinstance(done, Done) and done.finish_reason == "stop", done

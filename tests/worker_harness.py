@@ -25,6 +25,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import ConsumerRecord
 from stoker.schemas import Chunk, Done, Error, Names, decode_event
 from stoker.worker.config import WorkerConfig
+from stoker.worker.driver import EngineLike
 from stoker.worker.fake_engine import FakeEngine
 from stoker.worker.service import Worker
 
@@ -225,7 +226,7 @@ def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeo
 
 
 @contextlib.asynccontextmanager
-async def running_worker(space: Space, engine: FakeEngine | None = None, **cfg: object) -> AsyncIterator[Worker]:
+async def running_worker(space: Space, engine: EngineLike | None = None, **cfg: object) -> AsyncIterator[Worker]:
     settings: dict[str, object] = dict(
         fake_engine=True, bootstrap_servers=space.bootstrap, redis_url=space.redis_url,
         job_topic=space.names.jobs_topic, prefix=space.names.redis_prefix, group_id=space.group,
