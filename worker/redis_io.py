@@ -385,9 +385,6 @@ class RedisIO:
         flags = await self.retry("cancelled", lambda: self.client.mget(keys))
         return [rid for rid, flag in zip(request_ids, flags, strict=True) if flag is not None]
 
-    async def result_exists(self, request_id: str) -> bool:
-        return bool(await self.retry("exists", lambda: self.client.exists(self.names.result(request_id))))
-
 
 def _bulk(value: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(value), value)
