@@ -75,6 +75,21 @@ def decode_event(data: bytes) -> Event:
     return schemas.decode_event(data)
 
 
+def decode_or_skip(data: bytes, request_id: str, where: str) -> Event | None:
+    """An event from the channel or the stream, or None for bytes that are not a valid event (anyone who can
+    write to Redis can publish there). Skipping is safe: the seqs around it show a gap, which the stream
+    fills, and the result key is the final word; the stream must not die on one bad message."""
+    try:
+        event = decode_event(data)
+    except ContractError as exc:
+        log.warning("request %s: skipped an invalid event on the %s: %s", request_id, where, exc)
+        return None
+    if event.request_id != request_id:
+        log.warning("request %s: skipped an event of request %s on the %s", request_id, event.request_id, where)
+        return None
+    return event
+
+
 class EventSequencer:
     """Applies the contract's ordering rules to events of one request, in the order they arrive.
 
@@ -495,7 +510,9 @@ class Client:
                 except _CONNECTION_ERRORS as exc:  # Redis is restarting: look again next interval
                     log.debug("request %s: result check failed (%r); retrying", request_id, exc)
                 continue
-            event = decode_event(raw)
+            if (decoded := decode_or_skip(raw, request_id, "channel")) is None:
+                continue
+            event = decoded
             verdict = sequencer.offer(event)
             if verdict == "gap":
                 for _ in range(3):  # the worker XADDs in the same pipeline as the PUBLISH: a retry suffices
@@ -521,8 +538,8 @@ class Client:
         # redis-py's stubs cover every decode_responses mode; ours returns bytes
         entries = cast(list[tuple[bytes, dict[bytes, bytes]]], await self.redis.xrange(self.names.stream(request_id)))
         for _entry_id, entry in entries:
-            event = decode_event(entry[b"data"])
-            if sequencer.offer(event) == "accept":
+            event = decode_or_skip(entry.get(b"data", b""), request_id, "stream")
+            if event is not None and sequencer.offer(event) == "accept":
                 yield event
 
     async def tail(self, request_id: str, *, timeout: float | None = None) -> AsyncIterator[Event]:
@@ -542,7 +559,8 @@ class Client:
             for _stream, entries in reply or []:
                 for entry_id, entry in entries:
                     last_id = entry_id.decode()
-                    event = decode_event(entry[b"data"])
+                    if (event := decode_or_skip(entry.get(b"data", b""), request_id, "stream")) is None:
+                        continue
                     verdict = sequencer.offer(event)
                     if verdict == "gap":  # the stream is capped: its oldest entries are gone
                         sequencer.skip_to(event)

@@ -250,18 +250,49 @@ async def test_duplicates_dropped_gaps_filled_from_stream_older_attempt_ignored(
                                                                                  redis_url: str) -> None:
     def messy(job: Job) -> list[tuple[str, schemas.Event]]:
         rid = job.request_id
-        c = [chunk(rid, i) for i in range(6)]
+        c = [chunk(rid, i, attempt=2) for i in range(6)]
         text = "".join(x.text for x in c)
         return [("both", c[0]), ("pub", c[0]), ("both", c[1]),
                 ("stream", c[2]), ("stream", c[3]),  # lost on pub/sub: only the stream has them
-                ("both", c[4]), ("pub", c[1]), ("pub", chunk(rid, 9, attempt=0, text="STALE")),
-                ("both", c[5]), ("both", done(rid, 6, text))]
+                ("both", c[4]), ("pub", c[1]), ("pub", chunk(rid, 9, attempt=1, text="STALE")),
+                ("both", c[5]), ("both", done(rid, 6, text, attempt=2))]
 
     async with scripted(kafka_bootstrap, redis_url, messy) as (c, _):
         events = [e async for e in c.stream("hi", timeout=20)]
     assert [e.seq for e in events] == [0, 1, 2, 3, 4, 5, 6]
     assert isinstance(events[-1], Done)
     assert "".join(e.text for e in events[:-1]) == events[-1].text == "".join(WORDS) + WORDS[0]
+
+
+@pytest.mark.stack
+async def test_invalid_or_foreign_events_on_the_channel_and_stream_are_skipped(kafka_bootstrap: str,
+                                                                                redis_url: str) -> None:
+    """Anyone who can write to Redis can publish on a request's channel: bytes that are not an event, an
+    event that breaks the contract, or another request's event must not end the stream or reach the caller."""
+    def hostile(job: Job) -> list[tuple[str, schemas.Event | Hook]]:
+        rid = job.request_id
+        c = [chunk(rid, i) for i in range(3)]
+        channel, stream = Names(redis_prefix=prefix).events_channel(rid), Names(redis_prefix=prefix).stream(rid)
+        bad_json = b'{"type":"chunk","request_id":"%s","attempt":0,"seq":1,"text":"BAD","token_ids":[1]}' % rid.encode()
+        foreign = schemas.encode_event(chunk("someone-else", 1, text="FOREIGN"))
+        return [("both", c[0]),
+                ("hook", lambda r: r.publish(channel, b"\xff\x00 not an event")),
+                ("hook", lambda r: r.publish(channel, bad_json)),
+                ("hook", lambda r: r.publish(channel, foreign)),
+                ("hook", lambda r: r.xadd(stream, {schemas.STREAM_FIELD: b"garbage"})),
+                ("hook", lambda r: r.xadd(stream, {"wrong-field": b"x"})),
+                ("both", c[1]), ("both", c[2]), ("both", done(rid, 3, "".join(x.text for x in c)))]
+
+    prefix = ""
+    async with scripted(kafka_bootstrap, redis_url, hostile) as (c, responder):
+        prefix = responder.names.redis_prefix
+        events = [e async for e in c.stream("hi", timeout=20)]
+        assert [e.seq for e in events] == [0, 1, 2, 3]
+        assert all(e.request_id == events[0].request_id for e in events)
+        assert "BAD" not in events[-1].text and "FOREIGN" not in "".join(e.text for e in events)
+        # an observer reading the same stream from the start skips the two bad entries as well
+        tailed = [e async for e in c.tail(events[0].request_id, timeout=20)]
+        assert [e.seq for e in tailed] == [0, 1, 2, 3]
 
 
 @pytest.mark.stack
