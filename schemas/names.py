@@ -5,6 +5,9 @@ from dataclasses import dataclass
 
 JOBS_TOPIC = "stoker.jobs"
 DLQ_SUFFIX = ".dlq"
+# The batch priority class: jobs that may wait behind live ones (the Batch API, bulk producers) go to the
+# job topic's ".batch" sibling, which workers read by weight below the live topic.
+BATCH_SUFFIX = ".batch"
 REDIS_PREFIX = "stoker"
 
 CONTENT_TYPE_HEADER = "content-type"
@@ -31,6 +34,11 @@ def default_dlq_topic(jobs_topic: str) -> str:
     """The dead-letter topic of a job topic when none is configured. devstack/stack.py (standard library only,
     so it cannot import this package) repeats this one line; tests/test_stack.py checks that both agree."""
     return jobs_topic + DLQ_SUFFIX
+
+
+def default_batch_topic(jobs_topic: str) -> str:
+    """The batch-class topic of a job topic when none is configured (read below the live topic by weight)."""
+    return jobs_topic + BATCH_SUFFIX
 
 
 def is_valid_request_id(value: object) -> bool:
