@@ -1,0 +1,148 @@
+"""Which models a worker serves, what its heartbeat says, and the check that keeps one model set per group.
+
+All workers of one consumer group serve the same set of models (the group is the unit of scale-out), and
+different sets read different topics: a job on a topic may land on any partition, so every reader of a
+topic must serve every model sent there, or some jobs end with `unknown_model`. A worker therefore looks at
+the live heartbeats before it joins its group and refuses to start when a worker of the same group, or a
+worker reading the same topic, lists another set.
+
+Two workers starting at once would both see no conflict and both join. So the check and the worker's first
+heartbeat happen under one short Redis lock per prefix (`{prefix}:join-lock`, SET NX with a TTL, released
+only by its holder): the second starter waits for it, then sees the first one's heartbeat. The lock is held
+for a SCAN and two writes, so joins queue for milliseconds; a holder that died lets go when the TTL ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+
+log = logging.getLogger("stoker.worker.membership")
+
+JOIN_LOCK_TTL_MS = 5_000  # longer than one check takes (a SCAN of the heartbeats), short if the holder dies
+JOIN_LOCK_WAIT_S = 15.0  # a starter waits this long for the lock: a few holders' TTLs
+
+# Delete the lock only while it still holds our token: one whose TTL ran out may belong to the next starter.
+_UNLOCK_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def served_model_names(engine: Any, served_model_name: str | None = None) -> list[str]:
+    """The model names this worker answers to, sorted. A multi-model engine (ModelSet) names them in
+    `model_names`; a single model's name may be overridden by --served-model-name, as Worker.model_name is."""
+    names = getattr(engine, "model_names", None) or [served_model_name or engine.model_name]
+    return sorted({str(name) for name in names})
+
+
+@dataclass(frozen=True, slots=True)
+class Beat:
+    """The parts of another worker's heartbeat the group check reads."""
+
+    worker_id: str
+    topic: str | None  # None: a worker older than this field (its topic is unknown)
+    group: str | None
+    models: tuple[str, ...]
+
+
+def heartbeat(worker_id: str, topic: str, group: str, models: list[str], *, capacity: int, running: int,
+              version: str, started_at: float) -> bytes:
+    """The heartbeat value (JSON): who, where it reads (topic, group), what it serves, its load. `model`
+    (the first served name) stays for readers older than `models`."""
+    return json.dumps({"worker": worker_id, "topic": topic, "group": group, "models": models, "model": models[0],
+                       "capacity": capacity, "running": running, "version": version,
+                       "started_at": started_at}).encode()
+
+
+def parse_beat(worker_id: str, raw: bytes | str) -> Beat | None:
+    """A heartbeat's topic, group and model set; None for a value that is no heartbeat of ours."""
+    try:
+        info = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(info, dict):
+        return None
+    models = info.get("models")
+    if not isinstance(models, list):
+        models = [info["model"]] if isinstance(info.get("model"), str) else []
+    topic, group = info.get("topic"), info.get("group")
+    return Beat(worker_id, topic if isinstance(topic, str) else None, group if isinstance(group, str) else None,
+                tuple(sorted({str(m) for m in models})))
+
+
+def conflicts(worker_id: str, topic: str, group: str, models: Iterable[str], beats: Iterable[Beat]) -> list[Beat]:
+    """Live workers whose model set differs from ours while they share our group or our topic. Our own id
+    (a restart that kept --worker-id) is no conflict; a heartbeat without topic and group can't be placed."""
+    ours = tuple(sorted(set(models)))
+    return [b for b in beats if b.worker_id != worker_id and b.models != ours
+            and (b.group == group or b.topic == topic)]
+
+
+def refusal(topic: str, group: str, models: Iterable[str], others: list[Beat]) -> str:
+    """The error a refused worker exits with: who is in the way, what they serve, what to do."""
+    listed = "; ".join(f"{b.worker_id} (topic {b.topic}, group {b.group}, models {', '.join(b.models) or '-'})"
+                       for b in others)
+    return (f"refusing to join consumer group {group!r} on topic {topic!r} with models {', '.join(sorted(models))}: "
+            f"live workers there serve another model set: {listed}. All workers of one group serve the same "
+            "models, and different model sets read different topics. Start this worker with the same models as "
+            "those, or give its model set its own topic and group (--job-topic / STOKER_JOB_TOPIC and "
+            "--group-id / STOKER_GROUP_ID; create the topic and its .dlq first), or stop those workers first "
+            "(`stoker workers` lists them)")
+
+
+class JoinLock:
+    """The prefix-wide lock around check-then-first-heartbeat (see the module's docstring)."""
+
+    def __init__(self, client: aioredis.Redis, prefix: str):
+        self.client, self.key = client, f"{prefix}:join-lock"
+        self.token = uuid.uuid4().hex
+        self._unlock = client.register_script(_UNLOCK_LUA)
+
+    async def __aenter__(self) -> JoinLock:
+        deadline = time.monotonic() + JOIN_LOCK_WAIT_S
+        while not await self.client.set(self.key, self.token, nx=True, px=JOIN_LOCK_TTL_MS):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"could not take the Redis key {self.key!r} in {JOIN_LOCK_WAIT_S:.0f} s: other "
+                                   "workers kept starting; start this one again")
+            await asyncio.sleep(0.05)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._unlock(keys=[self.key], args=[self.token])
+
+
+async def live_beats(client: aioredis.Redis, prefix: str) -> list[Beat]:
+    """Every live heartbeat under the prefix (SCAN, then one MGET)."""
+    pattern = f"{prefix}:worker:*"
+    keys = [k async for k in client.scan_iter(match=pattern, count=500)]
+    values = await client.mget(keys) if keys else []
+    beats = []
+    for key, value in zip(keys, values, strict=True):
+        if value is None:  # expired between SCAN and MGET
+            continue
+        key_text = key.decode() if isinstance(key, bytes) else str(key)
+        beat = parse_beat(key_text[len(pattern) - 1:], value)
+        if beat is not None:
+            beats.append(beat)
+    return beats
+
+
+async def join_checked(client: aioredis.Redis, prefix: str, worker_id: str, topic: str, group: str,
+                       models: list[str], first_beat: bytes, ttl_s: int) -> None:
+    """Refuse (RuntimeError) when live workers of our group or topic serve another model set; else write our
+    first heartbeat before letting go of the lock, so the next starter sees us."""
+    async with JoinLock(client, prefix):
+        others = conflicts(worker_id, topic, group, models, await live_beats(client, prefix))
+        if others:
+            raise RuntimeError(refusal(topic, group, models, others))
+        await client.set(f"{prefix}:worker:{worker_id}", first_beat, ex=ttl_s)
+    log.info("event=group_checked worker=%s topic=%s group=%s models=%s", worker_id, topic, group, ",".join(models))
