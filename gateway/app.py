@@ -239,10 +239,7 @@ class Gateway:
             raise APIError(400, f"`model` is required; served: {', '.join(models) or 'none'}", param="model")
         route = table.routes.get(model) if isinstance(model, str) else None
         if route is None:
-            why = table.unroutable.get(model) if isinstance(model, str) else None
-            raise APIError(404, f"model {model!r} is not served by any live worker" + (f" that can take it ({why})"
-                           if why else "") + f"; served: {', '.join(models) or 'none'}", param="model",
-                           code="model_not_found")
+            raise APIError(404, table.not_routable(model), param="model", code="model_not_found")
         return model, route
 
     def _error(self, request: Request, error: APIError) -> JSONResponse:
@@ -272,12 +269,11 @@ class Gateway:
     async def get_model(self, request: Request) -> Response:
         model = request.path_params["model"]
         try:
-            models = await self.served_models()
+            table = await self.routes.table()
         except RedisError as exc:
             return self._error(request, _backend_down(exc))
-        if model not in models:
-            return self._error(request, APIError(404, f"model {model!r} is not served by any live worker; "
-                                                 f"served: {', '.join(models) or 'none'}", param="model",
+        if model not in table.routes:
+            return self._error(request, APIError(404, table.not_routable(model), param="model",
                                                  code="model_not_found"))
         return JSONResponse(self._model_card(model))
 

@@ -45,6 +45,12 @@ class RouteTable:
         """Every model the gateway can route, sorted."""
         return sorted(self.routes)
 
+    def not_routable(self, model: object) -> str:
+        """Why no job is made for `model` (the 404's message): what is wrong, and what is served."""
+        why = self.unroutable.get(model) if isinstance(model, str) else None
+        return (f"model {model!r} is not served by any live worker" + (f" that can take it ({why})" if why else "")
+                + f"; served: {', '.join(self.models) or 'none'}")
+
 
 def _describe(workers: list[WorkerInfo]) -> str:
     return ", ".join(f"{w.worker_id} ({', '.join(w.models) or 'no models'})" for w in workers)

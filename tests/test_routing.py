@@ -41,6 +41,9 @@ def test_a_topic_whose_readers_disagree_routes_only_what_all_of_them_serve() -> 
     assert table.models == ["common"]
     assert set(table.unroutable) == {"x", "y"}
     assert "w2 (common, y)" in table.unroutable["x"] and "'shared'" in table.unroutable["x"]
+    assert table.not_routable("x") == f"model 'x' is not served by any live worker that can take it " \
+                                      f"({table.unroutable['x']}); served: common"
+    assert table.not_routable("nope") == "model 'nope' is not served by any live worker; served: common"
 
 
 def test_a_model_unroutable_on_one_topic_is_still_routed_where_all_readers_serve_it() -> None:
