@@ -3,6 +3,7 @@ rules for its heartbeat and for refusing a group that serves another model set. 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -105,6 +106,19 @@ async def test_route_cache_refreshes_after_max_age_only_and_logs_a_choice_once(
     for _ in range(3):
         await slow.table()
     assert len(fetched) == 4
+
+
+async def test_route_cache_a_burst_on_a_stale_table_waits_for_one_refresh() -> None:
+    fetched: list[int] = []
+
+    async def slow_fetch() -> list[WorkerInfo]:
+        fetched.append(1)
+        await asyncio.sleep(0.05)
+        return [info("a1", "t.a", "g.a", "m")]
+
+    cache = RouteCache(slow_fetch, DEFAULT, max_age_s=60.0)
+    tables = await asyncio.gather(*(cache.table() for _ in range(20)))
+    assert len(fetched) == 1 and all(t.routes["m"].topic == "t.a" for t in tables)
 
 
 # ---- the worker's side -------------------------------------------------------------------------------
