@@ -3,9 +3,10 @@
 Each call becomes one job, produced to Kafka and answered from the request's events in Redis, so the
 gateway holds no model and scales apart from the workers. Each job goes to the topic whose workers serve
 its model, learned from the workers' heartbeats (gateway.routing); `/v1/models` lists the models it can
-route, and any other model is answered 404 before a job is produced. A client that hangs up cancels its job (Client.run's cancel_on_exit does the
-cancel): before the first event, in both the streaming and the plain path, a task reading the ASGI
-`receive` channel notices it; once a stream has started, Starlette's own disconnect listener does.
+route, and any other model is answered 404 before a job is produced. A client that hangs up cancels its
+job (Client.run's cancel_on_exit does the cancel): before the first event, in both the streaming and the
+plain path, a task reading the ASGI `receive` channel notices it; once a stream has started, Starlette's own
+disconnect listener does.
 The job carries deadline_ms = now + the gateway's timeout, so a worker stops spending GPU time on an answer
 nobody waits for any more.
 
