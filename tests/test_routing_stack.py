@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -213,3 +214,28 @@ async def test_two_workers_starting_at_once_with_different_sets_one_joins_one_is
     finally:
         for client in clients:
             await client.aclose()
+
+
+async def test_a_group_whose_workers_stopped_or_died_takes_another_model_set_at_once(
+        space: Space, r: aioredis.Redis) -> None:
+    prefix = space.names.redis_prefix
+    async with running_worker(space, FakeEngine("model-a")) as a:
+        assert await r.zscore(f"{prefix}:workers", a.cfg.worker_id) is not None  # the index has it
+    # a graceful stop takes the heartbeat and the index entry with it, not at their TTL
+    assert await r.zscore(f"{prefix}:workers", a.cfg.worker_id) is None
+    assert await r.exists(f"{prefix}:worker:{a.cfg.worker_id}") == 0
+    # one that died (its heartbeat expired, its index entry left behind) is no conflict either
+    await r.zadd(f"{prefix}:workers", {"died-earlier": time.time() * 1000})
+    async with running_worker(space, FakeEngine("model-b")) as b:
+        assert b.ready
+
+
+async def test_each_heartbeat_renews_the_workers_index_entry(space: Space, r: aioredis.Redis) -> None:
+    # An entry not renewed for an hour is dropped at the next join, so a long-lived worker must keep its own
+    # fresh, or later starters would no longer see it.
+    index = f"{space.names.redis_prefix}:workers"
+    async with running_worker(space, FakeEngine("model-a")) as a:  # claim TTL 3 s: a heartbeat every second
+        await r.zadd(index, {a.cfg.worker_id: 1.0})
+        await asyncio.sleep(1.5)
+        score = await r.zscore(index, a.cfg.worker_id)
+        assert score is not None and abs(score - time.time() * 1000) < 5_000

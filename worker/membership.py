@@ -8,8 +8,16 @@ worker reading the same topic, lists another set.
 
 Two workers starting at once would both see no conflict and both join. So the check and the worker's first
 heartbeat happen under one short Redis lock per prefix (`{prefix}:join-lock`, SET NX with a TTL, released
-only by its holder): the second starter waits for it, then sees the first one's heartbeat. The lock is held
-for a SCAN and two writes, so joins queue for milliseconds; a holder that died lets go when the TTL ends.
+only by its holder): the second starter waits for it, then sees the first one's heartbeat. A holder that
+died lets go when the TTL ends.
+
+The check finds the heartbeats through an index, the sorted set `{prefix}:workers` (member: worker id,
+score: when its heartbeat was last written, epoch ms), which every heartbeat renewal also writes: a SCAN
+for `{prefix}:worker:*` walks the whole keyspace (every result and stream key too: 78 ms at 60k keys on
+the 2-core VM, seconds at millions), and the lock would be held that long. The index is read whole and the
+heartbeat keys fetched by one MGET, so the lock is held for a few round trips at any keyspace size.
+Liveness is still the heartbeat key (its TTL, on Redis's clock); a member whose key is gone is a worker
+that stopped or died, and members not written for an hour are dropped at the next join.
 """
 
 from __future__ import annotations
@@ -29,12 +37,18 @@ log = logging.getLogger("stoker.worker.membership")
 
 JOIN_LOCK_TTL_MS = 5_000  # longer than one check takes (a SCAN of the heartbeats), short if the holder dies
 JOIN_LOCK_WAIT_S = 15.0  # a starter waits this long for the lock: a few holders' TTLs
+INDEX_KEEP_MS = 3_600_000  # index members not renewed for this long are dropped (generous: writers' clocks)
 
 # Delete the lock only while it still holds our token: one whose TTL ran out may belong to the next starter.
 _UNLOCK_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+
+
+def worker_index(prefix: str) -> str:
+    """The sorted set of worker ids with a heartbeat (see the module's docstring)."""
+    return f"{prefix}:workers"
 
 
 def served_model_names(engine: Any, served_model_name: str | None = None) -> list[str]:
@@ -121,16 +135,13 @@ class JoinLock:
 
 
 async def live_beats(client: aioredis.Redis, prefix: str) -> list[Beat]:
-    """Every live heartbeat under the prefix (SCAN, then one MGET)."""
-    pattern = f"{prefix}:worker:*"
-    keys = [k async for k in client.scan_iter(match=pattern, count=500)]
-    values = await client.mget(keys) if keys else []
+    """The live heartbeats of the workers in the index (one ZRANGE, one MGET); a worker older than the index
+    is not in it, and its heartbeat could not be placed anyway (no topic, no group)."""
+    ids = [i.decode() if isinstance(i, bytes) else str(i) for i in await client.zrange(worker_index(prefix), 0, -1)]
+    values = await client.mget([f"{prefix}:worker:{worker_id}" for worker_id in ids]) if ids else []
     beats = []
-    for key, value in zip(keys, values, strict=True):
-        if value is None:  # expired between SCAN and MGET
-            continue
-        key_text = key.decode() if isinstance(key, bytes) else str(key)
-        beat = parse_beat(key_text[len(pattern) - 1:], value)
+    for worker_id, value in zip(ids, values, strict=True):
+        beat = parse_beat(worker_id, value) if value is not None else None  # None: stopped or dead
         if beat is not None:
             beats.append(beat)
     return beats
@@ -140,9 +151,22 @@ async def join_checked(client: aioredis.Redis, prefix: str, worker_id: str, topi
                        models: list[str], first_beat: bytes, ttl_s: int) -> None:
     """Refuse (RuntimeError) when live workers of our group or topic serve another model set; else write our
     first heartbeat before letting go of the lock, so the next starter sees us."""
+    index = worker_index(prefix)
     async with JoinLock(client, prefix):
+        await client.zremrangebyscore(index, "-inf", time.time() * 1000 - INDEX_KEEP_MS)
         others = conflicts(worker_id, topic, group, models, await live_beats(client, prefix))
         if others:
             raise RuntimeError(refusal(topic, group, models, others))
-        await client.set(f"{prefix}:worker:{worker_id}", first_beat, ex=ttl_s)
+        async with client.pipeline(transaction=False) as pipe:
+            pipe.set(f"{prefix}:worker:{worker_id}", first_beat, ex=ttl_s)
+            pipe.zadd(index, {worker_id: time.time() * 1000})
+            await pipe.execute()
     log.info("event=group_checked worker=%s topic=%s group=%s models=%s", worker_id, topic, group, ",".join(models))
+
+
+async def leave(client: aioredis.Redis, prefix: str, worker_id: str) -> None:
+    """At a graceful stop: our heartbeat and index entry go at once (not at their TTL)."""
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.delete(f"{prefix}:worker:{worker_id}")
+        pipe.zrem(worker_index(prefix), worker_id)
+        await pipe.execute()

@@ -50,7 +50,7 @@ from stoker.worker import events
 from stoker.worker.config import WorkerConfig
 from stoker.worker.dead_letters import DeadLetter
 from stoker.worker.driver import EngineDriver, EngineLike
-from stoker.worker.membership import heartbeat, join_checked, served_model_names
+from stoker.worker.membership import heartbeat, join_checked, leave, served_model_names
 from stoker.worker.metrics import HealthServer, WorkerMetrics
 from stoker.worker.offsets import OffsetTracker
 from stoker.worker.redis_io import Admission, EventKind, OutEvent, RedisIO, Renewal
@@ -324,7 +324,7 @@ class Worker:
         if self.redis is not None:
             if self.rio is not None:
                 with _stop_step("heartbeat_delete"):
-                    await self.redis.delete(self.rio.worker_key(self.cfg.worker_id))
+                    await leave(self.redis, self.names.redis_prefix, self.cfg.worker_id)
             await self.redis.aclose()
         if self.health is not None:
             await self.health.stop()
