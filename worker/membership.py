@@ -35,7 +35,7 @@ import redis.asyncio as aioredis
 
 log = logging.getLogger("stoker.worker.membership")
 
-JOIN_LOCK_TTL_MS = 5_000  # longer than one check takes (a SCAN of the heartbeats), short if the holder dies
+JOIN_LOCK_TTL_MS = 5_000  # far longer than one check takes (a few round trips), short if the holder dies
 JOIN_LOCK_WAIT_S = 15.0  # a starter waits this long for the lock: a few holders' TTLs
 INDEX_KEEP_MS = 3_600_000  # index members not renewed for this long are dropped (generous: writers' clocks)
 
