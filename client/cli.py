@@ -211,7 +211,7 @@ async def _tail(params: dict[str, Any]) -> int:
 @option("--json", "as_json", is_flag=True, help="print the list as JSON")
 @redis_options
 def workers(**params: Any) -> int:
-    """List live workers from their heartbeats."""
+    """List live workers from their heartbeats: topic, group, models served, load."""
     params["timeout"] = 300.0
     return _run(_workers(params), params)
 
@@ -225,10 +225,11 @@ async def _workers(params: dict[str, Any]) -> int:
     if not found:
         print(f"no live workers under prefix {params['prefix']!r}", file=sys.stderr)
         return 0
-    print(f"{'worker':<36} {'model':<30} {'running':>8} {'capacity':>9}  version")
+    print(f"{'worker':<36} {'topic':<24} {'group':<20} {'models':<30} {'running':>8} {'capacity':>9}  version")
     for w in found:
-        running = w.info.get("running", "-")
-        print(f"{w.worker_id:<36} {w.model or '-':<30} {running!s:>8} {w.capacity!s:>9}  {w.version or '-'}")
+        running, models = w.info.get("running", "-"), ",".join(w.models) or "-"
+        print(f"{w.worker_id:<36} {w.topic or '-':<24} {w.group or '-':<20} {models:<30} {running!s:>8} "
+              f"{w.capacity!s:>9}  {w.version or '-'}")
     return 0
 
 

@@ -281,6 +281,18 @@ class WorkerInfo:
     capacity: Any
     version: str | None
     info: dict[str, Any] = field(default_factory=dict)  # the whole heartbeat, for fields added later
+    topic: str | None = None  # the job topic it reads; None from a worker older than the field
+    group: str | None = None  # its Kafka consumer group; None likewise
+    models: tuple[str, ...] = ()  # every model name it serves, sorted (an older worker's: its one `model`)
+
+    @classmethod
+    def from_heartbeat(cls, worker_id: str, info: dict[str, Any]) -> WorkerInfo:
+        """Tolerant of older workers and odd values: a field of the wrong type counts as absent."""
+        model, topic, group = (v if isinstance(v, str) else None for v in map(info.get, ("model", "topic", "group")))
+        models = info.get("models")
+        names = [m for m in models if isinstance(m, str)] if isinstance(models, list) else [model] if model else []
+        return cls(worker_id, model, info.get("capacity"), info.get("version"), info, topic, group,
+                   tuple(sorted(set(names))))
 
 
 class Client:
@@ -403,12 +415,14 @@ class Client:
         # The worker's own decoder: the same checks and messages the worker would answer with, but now.
         return schemas.decode_job(data)
 
-    async def submit(self, job: Job) -> None:
-        """Produces the job (key = request id) and returns once the broker has it; does not follow it."""
+    async def submit(self, job: Job, *, topic: str | None = None) -> None:
+        """Produces the job (key = request id) to `topic` (default: the client's) and returns once the broker
+        has it; does not follow it."""
         producer = await self._kafka()
         headers = [(schemas.CONTENT_TYPE_HEADER, schemas.content_type_for(self.msgpack).encode())]
         await producer.send_and_wait(
-            self.topic, schemas.encode_job(job, msgpack=self.msgpack), key=job.request_id.encode(), headers=headers
+            topic or self.topic, schemas.encode_job(job, msgpack=self.msgpack), key=job.request_id.encode(),
+            headers=headers
         )
 
     # ---- following ---------------------------------------------------------------------------------------
@@ -434,9 +448,10 @@ class Client:
             yield event
 
     async def run(
-        self, job: Job, *, timeout: float | None = None, cancel_on_exit: bool = True
+        self, job: Job, *, timeout: float | None = None, cancel_on_exit: bool = True, topic: str | None = None
     ) -> AsyncGenerator[Chunk | Done, None]:
-        """Like `stream`, for a job already built (e.g. by `make_job`)."""
+        """Like `stream`, for a job already built (e.g. by `make_job`), produced to `topic` (default: the
+        client's; the gateway picks the topic whose workers serve the job's model)."""
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         if self._dispatcher is None:
@@ -452,10 +467,11 @@ class Client:
         finished = False
         try:
             try:  # bounded too: a missing topic makes aiokafka wait 40 s for metadata
-                await asyncio.wait_for(self.submit(job), max(1e-3, deadline - time.monotonic()))
+                await asyncio.wait_for(self.submit(job, topic=topic), max(1e-3, deadline - time.monotonic()))
             except TimeoutError:
                 raise RequestTimeout(job.request_id, timeout, 0, reason=f"Kafka did not take the job in time; "
-                                     f"does topic {self.topic!r} exist at {self.bootstrap_servers}?") from None
+                                     f"does topic {topic or self.topic!r} exist at {self.bootstrap_servers}?") \
+                    from None
             async for event in self._follow(job.request_id, queue, deadline, timeout):
                 if isinstance(event, ErrorEvent):
                     finished = True
@@ -617,7 +633,7 @@ class Client:
             if not isinstance(info, dict):
                 continue
             worker_id = key.decode()[prefix_len:]
-            found.append(WorkerInfo(worker_id, info.get("model"), info.get("capacity"), info.get("version"), info))
+            found.append(WorkerInfo.from_heartbeat(worker_id, info))
         return sorted(found, key=lambda w: w.worker_id)
 
 

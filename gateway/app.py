@@ -1,10 +1,12 @@
 """`stoker-gateway`: an OpenAI-compatible HTTP front over the queue (Starlette + uvicorn).
 
 Each call becomes one job, produced to Kafka and answered from the request's events in Redis, so the
-gateway holds no model and scales apart from the workers. `/v1/models` lists what live workers serve
-(their heartbeat keys). A client that hangs up cancels its job (Client.run's cancel_on_exit does the
-cancel): before the first event, in both the streaming and the plain path, a task reading the ASGI
-`receive` channel notices it; once a stream has started, Starlette's own disconnect listener does.
+gateway holds no model and scales apart from the workers. Each job goes to the topic whose workers serve
+its model, learned from the workers' heartbeats (gateway.routing); `/v1/models` lists the models it can
+route, and any other model is answered 404 before a job is produced. A client that hangs up cancels its
+job (Client.run's cancel_on_exit does the cancel): before the first event, in both the streaming and the
+plain path, a task reading the ASGI `receive` channel notices it; once a stream has started, Starlette's own
+disconnect listener does.
 The job carries deadline_ms = now + the gateway's timeout, so a worker stops spending GPU time on an answer
 nobody waits for any more.
 
@@ -42,7 +44,6 @@ from stoker.client.client import (
     Client,
     RequestFailed,
     RequestTimeout,
-    WorkerInfo,
 )
 from stoker.client.options import kafka_options, option, redis_options, resolve_aliases, version_option
 from stoker.gateway.mapping import (
@@ -56,6 +57,7 @@ from stoker.gateway.mapping import (
     status_for,
     total_usage,
 )
+from stoker.gateway.routing import ModelRoute, RouteCache
 from stoker.schemas import Chunk, ContractError, Done
 
 from stoker import schemas
@@ -219,31 +221,27 @@ class Gateway:
     def __init__(self, client: Client, *, timeout: float = 300.0, metrics: GatewayMetrics | None = None):
         self.client, self.timeout = client, timeout
         self.metrics = metrics or GatewayMetrics()
-        self._workers: list[WorkerInfo] = []
-        self._workers_at = float("-inf")
-
-    async def workers(self) -> list[WorkerInfo]:
-        if time.monotonic() - self._workers_at > WORKER_CACHE_S:
-            self._workers, self._workers_at = await self.client.workers(), time.monotonic()
-        return self._workers
+        self.routes = RouteCache(client.workers, client.topic, WORKER_CACHE_S)
 
     async def served_models(self) -> list[str]:
-        return sorted({w.model for w in await self.workers() if w.model})
+        """The models a job can be routed for (see gateway.routing)."""
+        return (await self.routes.table()).models
 
-    async def _resolve_model(self, body: dict[str, Any]) -> str:
-        models = await self.served_models()
-        if not models:
+    async def _resolve_model(self, body: dict[str, Any]) -> tuple[str, ModelRoute]:
+        """The job's model and the route of its topic, or the APIError answered instead of producing it."""
+        table = await self.routes.table()
+        if not table.workers:
             raise APIError(503, "no live workers: start one with `stoker-worker` (see `stoker workers`)",
                            code="no_workers")
-        model = body.get("model")
-        if model is None:  # OpenAI requires it; be lenient when only one model is served
-            if len(models) == 1:
-                return models[0]
-            raise APIError(400, f"`model` is required; served: {', '.join(models)}", param="model")
-        if model not in models:
-            raise APIError(404, f"model {model!r} is not served by any live worker; served: {', '.join(models)}",
-                           param="model", code="model_not_found")
-        return str(model)
+        model, models = body.get("model"), table.models
+        if model is None and len(models) == 1:  # OpenAI requires it; be lenient when one model is routable
+            model = models[0]
+        if model is None:
+            raise APIError(400, f"`model` is required; served: {', '.join(models) or 'none'}", param="model")
+        route = table.routes.get(model) if isinstance(model, str) else None
+        if route is None:
+            raise APIError(404, table.not_routable(model), param="model", code="model_not_found")
+        return model, route
 
     def _error(self, request: Request, error: APIError) -> JSONResponse:
         route = self.metrics.route_of(request.scope)
@@ -272,12 +270,11 @@ class Gateway:
     async def get_model(self, request: Request) -> Response:
         model = request.path_params["model"]
         try:
-            models = await self.served_models()
+            table = await self.routes.table()
         except RedisError as exc:
             return self._error(request, _backend_down(exc))
-        if model not in models:
-            return self._error(request, APIError(404, f"model {model!r} is not served by any live worker; "
-                                                 f"served: {', '.join(models) or 'none'}", param="model",
+        if model not in table.routes:
+            return self._error(request, APIError(404, table.not_routable(model), param="model",
                                                  code="model_not_found"))
         return JSONResponse(self._model_card(model))
 
@@ -296,7 +293,7 @@ class Gateway:
             if not isinstance(body, dict):
                 raise APIError(400, "the body must be a JSON object")
             plan = plan_request(body, chat)
-            model = await self._resolve_model(body)
+            model, route = await self._resolve_model(body)
             deadline_ms = int(time.time() * 1000 + self.timeout * 1000)
             try:
                 jobs = [self.client.make_job(model=model, deadline_ms=deadline_ms, **fields) for fields in plan.jobs()]
@@ -310,14 +307,14 @@ class Gateway:
             hangup = _Hangup(request.receive)
             try:
                 if plan.stream:
-                    streams = [self.client.run(job, timeout=self.timeout) for job in jobs]
+                    streams = [self.client.run(job, timeout=self.timeout, topic=route.topic) for job in jobs]
                     try:  # errors before the first events still get a status code
                         firsts = await hangup.race(_all([self._first(events) for events in streams]))
                     except BaseException:
                         await _close_all(streams)
                         raise
                     return _EventStream(self._sse(shape, plan, firsts, streams), streams, headers)
-                choices = await hangup.race(_all([self._collect(i, job) for i, job in enumerate(jobs)]))
+                choices = await hangup.race(_all([self._collect(i, job, route.topic) for i, job in enumerate(jobs)]))
                 return JSONResponse(shape.whole(choices, plan.n), headers=headers)
             finally:
                 await hangup.close()  # before Starlette's listener takes over `receive` for the stream
@@ -328,10 +325,10 @@ class Gateway:
         except (RedisError, KafkaError) as exc:
             return self._error(request, _backend_down(exc))
 
-    async def _collect(self, index: int, job: schemas.Job) -> Choice:
+    async def _collect(self, index: int, job: schemas.Job, topic: str) -> Choice:
         choice = Choice(index)
         try:
-            async for event in self.client.run(job, timeout=self.timeout):
+            async for event in self.client.run(job, timeout=self.timeout, topic=topic):
                 if isinstance(event, Done):
                     choice.done = event
                     return choice

@@ -210,6 +210,18 @@ def test_workers_lists_the_live_worker(worker: Live) -> None:
 
 
 @pytest.mark.stack
+def test_workers_shows_topic_group_and_models(worker: Live) -> None:
+    out = stoker(worker, "workers")
+    assert out.returncode == 0, out.stderr
+    header, row = out.stdout.splitlines()
+    assert header.split() == ["worker", "topic", "group", "models", "running", "capacity", "version"]
+    cells = row.split()
+    assert cells[1:4] == [worker.topic, f"g-{worker.prefix}", "fake"], row
+    (info,) = json.loads(stoker(worker, "workers", "--json").stdout)
+    assert (info["topic"], info["group"], info["models"]) == (worker.topic, f"g-{worker.prefix}", ["fake"])
+
+
+@pytest.mark.stack
 def test_load_reports_latencies_and_writes_a_plot(worker: Live, tmp_path: Path) -> None:
     plot, results = tmp_path / "latency.png", tmp_path / "results.json"
     out = stoker(worker, "load", "-n", "40", "--rate", "40", "--prompt-len", "16", "--output-len", "8",

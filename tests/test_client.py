@@ -231,10 +231,10 @@ async def test_subscribes_before_producing_so_no_first_token_is_lost(kafka_boots
         subscribers_at_submit: dict[str, int] = {}
         real_submit = c.submit
 
-        async def observed_submit(job: Job) -> None:  # what Redis says at the moment the job is produced
+        async def observed_submit(job: Job, *, topic: str | None = None) -> None:  # Redis when the job is produced
             channel = c.names.events_channel(job.request_id)
             subscribers_at_submit[job.request_id] = dict(await c.redis.pubsub_numsub(channel))[channel.encode()]
-            await real_submit(job)
+            await real_submit(job, topic=topic)
 
         c.submit = observed_submit  # type: ignore[method-assign]
         for _ in range(3):

@@ -33,6 +33,7 @@ from redis.exceptions import AuthenticationError, NoPermissionError, NoScriptErr
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from stoker.schemas.names import STREAM_FIELD, Names
+from stoker.worker.membership import worker_index
 
 log = logging.getLogger("stoker.worker.redis")
 T = TypeVar("T")
@@ -354,7 +355,8 @@ class RedisIO:
 
     async def renew(self, running: list[tuple[str, int]],
                     heartbeat: tuple[str, bytes, int] | None) -> list[Renewal]:
-        """Renew our claims on (request id, attempt) pairs in one round trip, and the heartbeat key."""
+        """Renew our claims on (request id, attempt) pairs in one round trip, and the heartbeat key (and
+        our entry in the worker index, worker.membership)."""
         names = self.names
         keys: list[str] = []
         for rid, _ in running:
@@ -365,6 +367,7 @@ class RedisIO:
             if heartbeat is not None:
                 key, value, ttl = heartbeat
                 pipe.set(key, value, ex=ttl)
+                pipe.zadd(worker_index(self.names.redis_prefix), {self.token: time.time() * 1000})
             if keys:
                 await self._renew(keys=keys, args=[self.token, self.claim_ttl_ms, *(a for _, a in running)],
                                   client=pipe)

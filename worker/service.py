@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections import OrderedDict
@@ -51,6 +50,7 @@ from stoker.worker import events
 from stoker.worker.config import WorkerConfig
 from stoker.worker.dead_letters import DeadLetter
 from stoker.worker.driver import EngineDriver, EngineLike
+from stoker.worker.membership import heartbeat, join_checked, leave, served_model_names
 from stoker.worker.metrics import HealthServer, WorkerMetrics
 from stoker.worker.offsets import OffsetTracker
 from stoker.worker.redis_io import Admission, EventKind, OutEvent, RedisIO, Renewal
@@ -118,6 +118,7 @@ class Worker:
         self.cfg = config
         self.engine = engine
         self.model_name = config.served_model_name or engine.model_name
+        self.served_models = served_model_names(engine, config.served_model_name)  # sorted, for the heartbeat
         self.names = config.names
         self.metrics = WorkerMetrics(config.max_tenant_labels, self.model_name)
         self._stage = {name: self.metrics.stage.labels(name)
@@ -169,6 +170,11 @@ class Worker:
                                          client_id=f"stoker-worker-{cfg.worker_id}", **security)
         await self.producer.start()
         await self._check_topics()
+        # One model set per group and per topic: refuse to join beside workers that serve another set.
+        redis = self.redis
+        await self.rio.retry("join_check", lambda: join_checked(
+            redis, self.names.redis_prefix, cfg.worker_id, self.names.jobs_topic, cfg.group_id,
+            self.served_models, self._heartbeat(0), self._heartbeat_ttl_s()))
         self.consumer = AIOKafkaConsumer(
             bootstrap_servers=cfg.bootstrap_servers, group_id=cfg.group_id, enable_auto_commit=False,
             auto_offset_reset="earliest", client_id=f"stoker-worker-{cfg.worker_id}",
@@ -318,7 +324,7 @@ class Worker:
         if self.redis is not None:
             if self.rio is not None:
                 with _stop_step("heartbeat_delete"):
-                    await self.redis.delete(self.rio.worker_key(self.cfg.worker_id))
+                    await leave(self.redis, self.names.redis_prefix, self.cfg.worker_id)
             await self.redis.aclose()
         if self.health is not None:
             await self.health.stop()
@@ -786,10 +792,7 @@ class Worker:
         while True:
             running = [(req.request_id, req.attempt) for req in self.requests.of(RUNNING) if not req.lost]
             ids = [rid for rid, _ in running]
-            beat = json.dumps({"worker": self.cfg.worker_id, "model": self.model_name,
-                               "capacity": self.cfg.max_num_seqs, "running": len(ids), "version": VERSION,
-                               "started_at": self._started_at}).encode()
-            codes = await self.rio.renew(running, (key, beat, max(3, int(self.cfg.claim_ttl_s))))
+            codes = await self.rio.renew(running, (key, self._heartbeat(len(ids)), self._heartbeat_ttl_s()))
             for (rid, attempt), code in zip(running, codes, strict=True):
                 req = self.requests.running(rid)
                 if req is None or req.attempt != attempt:
@@ -803,6 +806,14 @@ class Worker:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._update_lag(), interval)
             await asyncio.sleep(interval)
+
+    def _heartbeat(self, running: int) -> bytes:
+        cfg = self.cfg
+        return heartbeat(cfg.worker_id, self.names.jobs_topic, cfg.group_id, self.served_models,
+                         capacity=cfg.max_num_seqs, running=running, version=VERSION, started_at=self._started_at)
+
+    def _heartbeat_ttl_s(self) -> int:
+        return max(3, int(self.cfg.claim_ttl_s))  # a few renewals (every third of the claim TTL)
 
     async def _update_lag(self) -> None:
         consumer = self.consumer
