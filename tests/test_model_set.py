@@ -265,3 +265,27 @@ def test_build_engine_makes_a_set_of_stand_ins_for_several_models():
     assert isinstance(engine, ModelSet) and engine.model_names == ["a", "b"]
     single = build_engine(parse_config([], {"STOKER_FAKE_ENGINE": "1"}))
     assert isinstance(single, FakeEngine)  # one model: no set in between
+
+
+def test_a_job_cancelled_while_its_model_loads_ends_cancelled_once_loaded():
+    clock = Clock()
+    gate = threading.Event()
+    loads = {"n": 0}
+
+    def load(name: str) -> CountingEngine:
+        loads["n"] += 1
+        if loads["n"] > 1:
+            assert gate.wait(10)
+        return CountingEngine(name, [])
+
+    models = ModelSet(["a"], load, idle_unload_s=5, clock=clock)  # type: ignore[arg-type]
+    clock.now += 6
+    models.step()
+    models.add_request(request("c1", "a", max_tokens=50))
+    models.add_request(request("c2", "a", max_tokens=2))
+    models.abort("c1")  # held with the request, in order, while the model loads
+    gate.set()
+    wait_for(lambda: models.model_state("a") == "loaded")
+    outputs = drain(models)
+    assert outputs["c1"][-1].finish_reason == "cancelled" and outputs["c1"][-1].completion_tokens == 0
+    assert outputs["c2"][-1].finish_reason == "length"
