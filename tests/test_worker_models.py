@@ -20,7 +20,16 @@ from stoker.worker.config import WorkerConfig
 from stoker.worker.main import build_engine
 from stoker.worker.model_specs import ModelSpec
 from stoker.worker.models import ModelSet
-from worker_harness import Outcome, check_sequence, job, make_space, produce, running_worker, scrape, wait_results
+from worker_harness import (
+    Outcome,
+    check_sequence,
+    job,
+    make_space,
+    produce,
+    running_worker,
+    scrape,
+    wait_results,
+)
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow, pytest.mark.timeout(300)]
 
