@@ -289,3 +289,25 @@ def test_a_job_cancelled_while_its_model_loads_ends_cancelled_once_loaded():
     outputs = drain(models)
     assert outputs["c1"][-1].finish_reason == "cancelled" and outputs["c1"][-1].completion_tokens == 0
     assert outputs["c2"][-1].finish_reason == "length"
+
+
+def test_a_model_is_not_unloaded_while_a_request_is_being_handed_to_it():
+    clock = Clock()
+    inside, release = threading.Event(), threading.Event()
+
+    class SlowToTake(CountingEngine):
+        def add_request(self, request: EngineRequest) -> None:
+            inside.set()
+            assert release.wait(10)
+            super().add_request(request)
+
+    models = ModelSet(["a"], lambda name: SlowToTake(name, []), idle_unload_s=5, clock=clock)  # type: ignore[arg-type]
+    adder = threading.Thread(target=models.add_request, args=(request("s1", "a", max_tokens=2),))
+    adder.start()
+    assert inside.wait(10)
+    clock.now += 6  # idle by the clock, but a request is on its way in
+    models.step()
+    assert models.model_state("a") == "loaded"
+    release.set()
+    adder.join(10)
+    assert drain(models)["s1"][-1].finish_reason == "length"

@@ -43,6 +43,7 @@ class _Model:
     last_used: float = field(default_factory=time.monotonic)
     backlog: list[tuple[str, Any]] = field(default_factory=list)  # ("add", EngineRequest) | ("abort", id)
     retired: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_TOTALS, 0))  # totals of unloaded engines
+    adding: int = 0  # add_request calls handing a request to `engine` now: it must not unload under them
     steps: int = 0
     loads: int = 1
     last_load_s: float = 0.0
@@ -107,7 +108,12 @@ class ModelSet:
                 self._owner[request.request_id] = model
                 self._start_load(model)
                 return
-        engine.add_request(request)  # validates here; EngineRequestError goes to the caller
+            model.adding += 1
+        try:
+            engine.add_request(request)  # validates here; EngineRequestError goes to the caller
+        finally:
+            with self._lock:
+                model.adding -= 1
         with self._lock:
             self._owner[request.request_id] = model
 
@@ -184,7 +190,7 @@ class ModelSet:
             return []
         now = self._clock()
         return [m for m in self._models if m.state == LOADED and m.engine is not None and not m.backlog
-                and now - m.last_used >= self.idle_unload_s and not m.engine.has_unfinished()]
+                and not m.adding and now - m.last_used >= self.idle_unload_s and not m.engine.has_unfinished()]
 
     def _unload_idle(self) -> None:
         with self._lock:
