@@ -28,6 +28,8 @@ from worker_harness import (
     produce,
     running_worker,
     scrape,
+    start_worker_process,
+    stop_process,
     wait_results,
 )
 
@@ -149,3 +151,25 @@ async def test_an_idle_model_unloads_and_its_next_job_reloads_it(request, models
         assert isinstance(results[rid].terminal, Done), results[rid].terminal
         assert token_ids(results[rid]) == want, rid
     engine.close()
+
+
+async def test_stoker_worker_serves_the_models_its_flags_name(request, tmp_path):
+    """The command line end to end (stand-in engines: the wiring is what is tested): two --model flags make one
+    worker that answers both names, the first for jobs without `model`, and refuses a third."""
+    space = await make_space(request)
+    proc = start_worker_process(space.worker_env(), "--model", "/m/alpha", "--model", "/m/beta,name=b",
+                                log_path=tmp_path / "worker.log")
+    r = aioredis.Redis.from_url(space.redis_url)
+    jobs = [job("none", max_tokens=3), job("alpha", max_tokens=3, model="alpha"), job("b", max_tokens=3, model="b"),
+            job("beta", max_tokens=3, model="beta")]
+    try:
+        await produce(space.bootstrap, space.names.jobs_topic, jobs)
+        results = await wait_results(r, space.names, [j["request_id"] for j in jobs], timeout=60)
+    finally:
+        await r.aclose()
+        assert stop_process(proc) == 0
+    served = {rid: results[rid].terminal for rid in ("none", "alpha", "b")}
+    assert {rid: d.model for rid, d in served.items() if isinstance(d, Done)} == {"none": "alpha", "alpha": "alpha",
+                                                                                  "b": "b"}
+    refused = results["beta"].terminal  # the folder's name is not served when name= renames it
+    assert isinstance(refused, Error) and refused.code == "unknown_model" and "['alpha', 'b']" in refused.message
