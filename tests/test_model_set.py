@@ -311,3 +311,47 @@ def test_a_model_is_not_unloaded_while_a_request_is_being_handed_to_it():
     release.set()
     adder.join(10)
     assert drain(models)["s1"][-1].finish_reason == "length"
+
+
+def test_per_model_readiness_and_metrics():
+    from prometheus_client.parser import text_string_to_metric_families
+    from stoker.worker.metrics import HealthServer, WorkerMetrics
+    from stoker.worker.models import model_states
+
+    clock = Clock()
+    gate = threading.Event()
+    loads = {"n": 0}
+
+    def load(name: str) -> CountingEngine:
+        loads["n"] += 1
+        if loads["n"] > 2:  # reloads wait for the gate
+            assert gate.wait(10)
+        return CountingEngine(name, [])
+
+    models = ModelSet(["a", "b"], load, idle_unload_s=5, clock=clock)  # type: ignore[arg-type]
+    metrics = WorkerMetrics(model_name="a")
+    metrics.watch_models(lambda: model_states(models, "a", None))
+    health = HealthServer(metrics, ready=lambda: True, healthy=lambda: True, model_state=models.model_state)
+    models.add_request(request("a1", "a", max_tokens=5))
+    models.add_request(request("a2", "a", max_tokens=5))
+    models.step()
+    models.stats()
+
+    def sample(name: str, model: str) -> float:
+        text = metrics.render().decode()
+        return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                    if s.name == name and s.labels == {"model": model})
+
+    assert sample("stoker_model_requests_running", "a") == 2 and sample("stoker_model_requests_running", "b") == 0
+    assert sample("stoker_model_kv_cache_usage", "a") > 0 and sample("stoker_model_loaded", "b") == 1
+    drain(models)
+    clock.now += 6
+    models.step()  # both idle out
+    models.stats()
+    assert sample("stoker_model_loaded", "b") == 0 and health._model_ready("b") == (200, b"unloaded\n", "text/plain")
+    models.add_request(request("b1", "b"))
+    assert health._model_ready("b")[0] == 503 and health._model_ready("b")[1] == b"loading\n"
+    assert health._model_ready("zz")[0] == 404
+    gate.set()
+    wait_for(lambda: models.model_state("b") == "loaded")
+    assert health._model_ready("b")[0] == 200 and sample("stoker_model_loaded", "b") == 1
