@@ -355,3 +355,13 @@ def test_per_model_readiness_and_metrics():
     gate.set()
     wait_for(lambda: models.model_state("b") == "loaded")
     assert health._model_ready("b")[0] == 200 and sample("stoker_model_loaded", "b") == 1
+
+
+def test_routing_entries_end_with_their_requests():
+    models, _ = make_set(["a", "b"], [])
+    for i in range(6):
+        models.add_request(request(f"r{i}", "ab"[i % 2], max_tokens=1))
+    with pytest.raises(EngineRequestError):
+        models.add_request(request("long", "a", max_tokens=10_000))  # refused by the engine: not kept either
+    drain(models)
+    assert models._owner == {}  # noqa: SLF001 -- no entry outlives its request (a long-lived worker would leak)

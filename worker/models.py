@@ -102,20 +102,23 @@ class ModelSet:
         model = self.model(request.model)
         with self._lock:
             model.last_used = self._clock()  # under the lock: an unload decided after this sees it
+            # Before the engine has it: its final output (popping this) may come before add_request returns.
+            self._owner[request.request_id] = model
             engine = model.engine if model.state == LOADED else None
             if engine is None:
                 model.backlog.append(("add", request))
-                self._owner[request.request_id] = model
                 self._start_load(model)
                 return
             model.adding += 1
         try:
             engine.add_request(request)  # validates here; EngineRequestError goes to the caller
+        except BaseException:
+            with self._lock:
+                self._owner.pop(request.request_id, None)
+            raise
         finally:
             with self._lock:
                 model.adding -= 1
-        with self._lock:
-            self._owner[request.request_id] = model
 
     def abort(self, request_id: str) -> None:
         with self._lock:
