@@ -7,6 +7,7 @@ the same interface.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -182,6 +183,7 @@ class ModelRunner:
         self.kv_caches = []
         del self.model
         if self.device.type == "cuda":
+            gc.collect()  # graphs and modules may sit in reference cycles; their blocks must be free first
             torch.cuda.empty_cache()
 
     def release(self, seq: Sequence) -> None:

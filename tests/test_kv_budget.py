@@ -61,3 +61,16 @@ def test_weights_bytes_counts_parameters_and_buffers():
     module = torch.nn.Linear(10, 4).to(torch.bfloat16)
     module.register_buffer("table", torch.zeros(3, dtype=torch.float32))
     assert weights_bytes(module) == (10 * 4 + 4) * 2 + 3 * 4
+
+
+def test_close_frees_the_weights_and_the_kv_cache_even_while_the_engine_is_still_referenced(folder):
+    import gc
+    import weakref
+
+    from stoker.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model_path=folder, device="cpu", kv_cache_memory_bytes=1 << 20))
+    model, kv = weakref.ref(engine.runner.model), weakref.ref(engine.runner.kv_caches[0][0])
+    engine.close()  # what an idle unload calls (worker/models.py)
+    gc.collect()
+    assert model() is None and kv() is None
