@@ -238,9 +238,11 @@ def test_several_models_from_flags_env_and_file(tmp_path):
     from_env = parse_config([], env | {"STOKER_MODEL": "/m/my models/a;/m/b"})
     assert [s.path for s in from_env.models] == ["/m/my models/a", "/m/b"]
     file = tmp_path / "models.toml"
-    file.write_text('[[model]]\npath = "/m/c"\nname = "c"\nmemory = 0.3\n\n[[model]]\npath = "/m/d"\nmemory = 0.3\n')
+    file.write_text('[[model]]\npath = "/m/c"\nname = "c"\nmemory = 0.3\n\n[[model]]\npath = "d"\nmemory = 0.3\n')
     both = parse_config(["--model", "/m/a,memory=0.3", "--models-file", str(file), "--model-idle-unload-s", "60"], env)
     assert [s.served_name for s in both.models] == ["a", "c", "d"] and both.model_idle_unload_s == 60
+    assert both.models[2].path == str(tmp_path / "d")  # relative to the file
+    assert [s.memory for s in both.models] == [0.3, 0.3, 0.3]
 
 
 @pytest.mark.parametrize("argv, needle", [

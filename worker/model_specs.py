@@ -1,5 +1,5 @@
 """Which models a worker serves: `--model PATH[,name=N][,memory=S][,kv_cache_memory_bytes=B]` (repeatable) and
-a TOML file of `[[model]]` tables with the same keys. Pure Python (no torch): WorkerConfig validates with it.
+a TOML file of `[[model]]` tables with the same keys (a relative path is relative to the file). Pure Python (no torch): WorkerConfig validates with it.
 
     [[model]]
     path = "/models/llama-3.1-8b"
@@ -9,6 +9,7 @@ a TOML file of `[[model]]` tables with the same keys. Pure Python (no torch): Wo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tomllib
 from dataclasses import dataclass
@@ -68,7 +69,10 @@ def load_models_file(path: str) -> list[ModelSpec]:
     tables = data.get("model")
     if not isinstance(tables, list) or not tables or not all(isinstance(t, dict) for t in tables):
         raise ValueError(f"--models-file {path!r}: expected one [[model]] table per model, with path = \"...\"")
-    return [_spec(table, f"{path} [[model]] #{i + 1}") for i, table in enumerate(tables)]
+    specs = [_spec(table, f"{path} [[model]] #{i + 1}") for i, table in enumerate(tables)]
+    # A relative folder is relative to the file (as compose files do), not to wherever the worker starts.
+    base = os.path.dirname(os.path.abspath(path))
+    return [dataclasses.replace(s, path=os.path.join(base, s.path)) for s in specs]
 
 
 def _spec(fields: dict[str, Any], where: str) -> ModelSpec:
