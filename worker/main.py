@@ -264,7 +264,8 @@ async def serve(cfg: WorkerConfig) -> None:
     log = logging.getLogger("stoker.worker")
     started = time.monotonic()
     engine = await asyncio.to_thread(build_engine, cfg)  # loading may take minutes; keep signals responsive
-    log.info("event=engine_loaded model=%s load_s=%.1f", getattr(engine, "model_name", "?"),
+    log.info("event=engine_loaded model=%s load_s=%.1f",
+             ",".join(getattr(engine, "model_names", None) or [getattr(engine, "model_name", "?")]),
              time.monotonic() - started)
     worker = Worker(cfg, engine)
     loop = asyncio.get_running_loop()
