@@ -18,6 +18,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None = as many as the memory budget allows
     kv_cache_memory_bytes: int | None = None  # explicit KV budget; CPU default 256 MiB
     gpu_memory_utilization: float = 0.9  # on CUDA without an explicit budget: share of the GPU we may fill
+    # On CUDA: this model's own share of the GPU's total memory for its weights + KV cache (+ activation
+    # reserve), independent of what else is loaded, so several engines can share one GPU. None = the
+    # gpu_memory_utilization rule. Ignored on the CPU (kv_cache_memory_bytes applies there).
+    gpu_memory_share: float | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None = the model's max_position_embeddings
@@ -66,6 +70,8 @@ class EngineConfig:
             problems.append(f"kv_cache_memory_bytes must be >= 1 or None, got {self.kv_cache_memory_bytes}")
         if not 0 < self.gpu_memory_utilization <= 1:
             problems.append(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.gpu_memory_share is not None and not 0 < self.gpu_memory_share <= 1:
+            problems.append(f"gpu_memory_share must be in (0, 1] or None, got {self.gpu_memory_share}")
         if self.max_num_seqs < 1:
             problems.append(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -178,6 +178,12 @@ class LLMEngine:
             generation_tokens_total=self._generation_tokens_total,
         )
 
+    def close(self) -> None:
+        """Free the model's weights and KV cache now (call from the thread that steps it, between steps); the
+        engine cannot step after. A worker unloading an idle model (worker/models.py) calls it."""
+        self._inflight = None
+        self.runner.close()
+
     # ---- the loop ----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Apply the inbox (adds, aborts) -> schedule -> launch forward + sampling -> report.

@@ -27,14 +27,18 @@ def activation_reserve_bytes(model: ModelConfig, config: EngineConfig) -> int:
     )
 
 
-def num_kv_blocks(model: ModelConfig, config: EngineConfig) -> int:
-    """Blocks that fit the budget: num_kv_blocks, else kv_cache_memory_bytes, else (CUDA) the share of the GPU
-    given by gpu_memory_utilization left after the weights and an activation reserve, else 256 MiB (CPU)."""
+def num_kv_blocks(model: ModelConfig, config: EngineConfig, weights_bytes: int = 0) -> int:
+    """Blocks that fit the budget: num_kv_blocks, else kv_cache_memory_bytes, else (CUDA) gpu_memory_share of
+    the GPU's total less this model's weights (`weights_bytes`, as loaded) and an activation reserve, else
+    (CUDA) the share given by gpu_memory_utilization left after everything already on the GPU, else 256 MiB
+    (CPU)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     per_block = kv_bytes_per_block(model, config.block_size, config.torch_dtype)
     budget = config.kv_cache_memory_bytes
-    if budget is None and config.device != "cpu":
+    if budget is None and config.device != "cpu" and config.gpu_memory_share is not None:
+        budget = _share_budget(model, config, weights_bytes, per_block)
+    elif budget is None and config.device != "cpu":
         free, total = torch.cuda.mem_get_info(torch.device(str(config.device)))
         used = total - free  # weights already loaded, plus anything else on the GPU
         budget = int(total * config.gpu_memory_utilization) - used - activation_reserve_bytes(model, config)
@@ -47,6 +51,32 @@ def num_kv_blocks(model: ModelConfig, config: EngineConfig) -> int:
             " or gpu_memory_utilization, or lower max_num_batched_tokens/max_num_seqs"
         )
     return int(blocks)
+
+
+def _share_budget(model: ModelConfig, config: EngineConfig, weights_bytes: int, per_block: int) -> int:
+    """KV bytes of a model given its own share of the GPU: the share's bytes less its weights and its
+    activation reserve. What other engines hold does not count: each has its own share."""
+    assert config.gpu_memory_share is not None
+    _, total = torch.cuda.mem_get_info(torch.device(str(config.device)))
+    share_bytes = int(total * config.gpu_memory_share)
+    reserve = activation_reserve_bytes(model, config)
+    budget = share_bytes - weights_bytes - reserve
+    if budget < per_block:
+        gib = 2**30
+        raise ValueError(
+            f"{config.model_name}: gpu_memory_share={config.gpu_memory_share} is {share_bytes / gib:.2f} GiB, but "
+            f"its weights take {weights_bytes / gib:.2f} GiB and the activation reserve {reserve / gib:.2f} GiB, "
+            f"leaving no room for one KV block ({per_block} bytes): raise the share (at least "
+            f"{(weights_bytes + reserve + 64 * per_block) / total:.3f} for 64 blocks) or lower "
+            "max_num_batched_tokens/max_num_seqs"
+        )
+    return budget
+
+
+def weights_bytes(module: torch.nn.Module) -> int:
+    """Bytes a loaded model's parameters and buffers take (what gpu_memory_share counts as its weights)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def allocate_kv_cache(

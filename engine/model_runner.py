@@ -7,6 +7,7 @@ the same interface.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import torch
 from stoker.engine import kernels
 from stoker.engine.batch import AttentionMetadata, ModelInput
 from stoker.engine.config import EngineConfig
-from stoker.engine.kv_cache import allocate_kv_cache, num_kv_blocks
+from stoker.engine.kv_cache import allocate_kv_cache, num_kv_blocks, weights_bytes
 from stoker.engine.loader import load_weights
 from stoker.engine.model_config import ModelConfig
 from stoker.engine.models import model_class
@@ -49,7 +50,8 @@ class ModelRunner:
         else:
             load_weights(self.model, config.model_path)
         self.model.eval()
-        self.num_blocks = num_kv_blocks(model_config, config)
+        self.weights_bytes = weights_bytes(self.model)
+        self.num_blocks = num_kv_blocks(model_config, config, self.weights_bytes)
         self.kv_caches = allocate_kv_cache(
             model_config, self.num_blocks, self.block_size, self.dtype, self.device
         )
@@ -173,6 +175,16 @@ class ModelRunner:
             decode_only=num_decodes == num_seqs,
         )
         return ModelInput(input_ids, i64[o_pos : o_pos + T], meta, i64[o_samples : o_samples + N])
+
+    def close(self) -> None:
+        """Drop the weights, the KV cache and the graphs (the runner is unusable after), and hand the freed
+        memory back to the GPU so that another model may use it."""
+        self.graphs = None
+        self.kv_caches = []
+        del self.model
+        if self.device.type == "cuda":
+            gc.collect()  # graphs and modules may sit in reference cycles; their blocks must be free first
+            torch.cuda.empty_cache()
 
     def release(self, seq: Sequence) -> None:
         """seq ended: its host block-table row can go to another sequence."""

@@ -20,3 +20,6 @@ class EngineRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0  # lower runs first
     deadline_ms: float | None = None  # Unix epoch ms; ends with finish_reason "deadline" once past
+    # The served name the request asked for. An engine serves one model and ignores it; a worker holding
+    # several engines (worker/models.py) routes by it. None = the worker's default model.
+    model: str | None = None

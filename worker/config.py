@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from stoker.schemas.codec import DEFAULT_MAX_MESSAGE_BYTES
 from stoker.schemas.names import DEFAULT_MAX_ATTEMPTS, DEFAULT_TTL_S, JOBS_TOPIC, REDIS_PREFIX, Names
+from stoker.worker.model_specs import ModelSpec, check_model_set
 
 
 def default_worker_id() -> str:
@@ -21,6 +22,9 @@ class WorkerConfig:
     # Engine
     model: str | None = None  # model folder (Hugging Face layout); None only with fake_engine
     served_model_name: str | None = None  # the name jobs may ask for; None = the engine's (folder name)
+    # Several models (worker/model_specs.py): every model, the first being the default; empty = the one `model`
+    models: tuple[ModelSpec, ...] = ()
+    model_idle_unload_s: float | None = None  # unload a model with no job this long; None = never
     fake_engine: bool = False  # the deterministic stand-in (benchmarks, tests)
     fake_step_delay_s: float = 0.0  # stand-in only: time one step takes
     device: str | None = None  # "cuda", "cpu"; None = cuda when available
@@ -83,8 +87,11 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         problems = []
+        if self.models and not self.model:
+            self.model = self.models[0].path  # readers of `model` see the default model's folder
         if not self.fake_engine and not self.model:
             problems.append("no model: set --model / STOKER_MODEL to a model folder (or STOKER_FAKE_ENGINE=1)")
+        problems += self._model_set_problems()
         if self.max_num_seqs < 1:
             problems.append(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         # The engine checks its settings again (EngineConfig); these fail before the model loads.
@@ -141,6 +148,20 @@ class WorkerConfig:
             problems.append(str(exc))
         if problems:
             raise ValueError("invalid worker config: " + "; ".join(problems))
+
+    def model_specs(self) -> list[ModelSpec]:
+        """The models to serve, first = default: `models`, else the single `model` of old (empty: fake engine)."""
+        if self.models:
+            return list(self.models)
+        return [ModelSpec(self.model, self.served_model_name)] if self.model else []
+
+    def _model_set_problems(self) -> list[str]:
+        problems = check_model_set(self.model_specs())
+        if self.models and self.served_model_name:
+            problems.append("served_model_name names the single model: with several, give each a name= instead")
+        if self.model_idle_unload_s is not None and self.model_idle_unload_s <= 0:
+            problems.append(f"model_idle_unload_s must be > 0 seconds (or unset: never), got {self.model_idle_unload_s}")
+        return problems
 
     @property
     def names(self) -> Names:

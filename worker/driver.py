@@ -56,6 +56,9 @@ class EngineDriver:
         self.steps = 0
         self.busy_s = 0.0  # time spent inside step(), for metrics
         self.last_stats: EngineStats | None = None
+        set_waker = getattr(engine, "set_waker", None)  # a ModelSet wakes us when a model loads or idles out
+        if set_waker is not None:
+            set_waker(self.notify)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="stoker-engine", daemon=True)

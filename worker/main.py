@@ -18,11 +18,18 @@ from typing import Any
 
 import click
 from stoker.worker.config import WorkerConfig, default_worker_id
+from stoker.worker.model_specs import ModelSpec
 
 # (flag, env var, type, default, help): click options built by _command(). bool flags are switches; their
 # variables take 1/true/yes/on or 0/false/no/off (anything else is a usage error naming the variable).
 _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
-    ("--model", "STOKER_MODEL", str, None, "model folder (Hugging Face layout)"),
+    ("--model", "STOKER_MODEL", str, None,
+     "model folder (Hugging Face layout); repeat for several: PATH[,name=NAME][,memory=GPU_SHARE]"
+     "[,kv_cache_memory_bytes=N], the first serving jobs without `model` (env: several joined by ';')"),
+    ("--models-file", "STOKER_MODELS_FILE", str, None,
+     "TOML file of [[model]] tables (path, name, memory, kv_cache_memory_bytes), after any --model"),
+    ("--model-idle-unload-s", "STOKER_MODEL_IDLE_UNLOAD_S", float, None,
+     "unload a model that has had no job this long; its next job reloads it (default: never)"),
     ("--served-model-name", "STOKER_SERVED_MODEL_NAME", str, None, "model name jobs may ask for"),
     ("--fake-engine", "STOKER_FAKE_ENGINE", bool, False, "use the deterministic stand-in engine"),
     ("--fake-step-delay-s", "STOKER_FAKE_STEP_DELAY_S", float, 0.0, "stand-in engine: seconds per step"),
@@ -87,6 +94,12 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
 ]
 
 
+class _ModelOptionType(click.types.StringParamType):
+    """--model is repeatable; its variable separates models with ';' (paths may hold spaces)."""
+
+    envvar_list_splitter = ";"
+
+
 class _EnvOption(click.Option):
     """An option whose environment twin is read from the mapping parse_config was given (os.environ by
     default), so tests pass an environment without touching the process's."""
@@ -111,6 +124,9 @@ def _command() -> click.Command:
         if typ is bool:  # a switch; its variable takes 1/true/yes/on (and 0/false/no/off)
             params.append(_EnvOption([flag], is_flag=True, default=False, envvar=var, show_envvar=True,
                                      help=help_text))
+        elif flag == "--model":
+            params.append(_EnvOption([flag], type=_ModelOptionType(), multiple=True, default=(), envvar=var, show_envvar=True,
+                                     help=help_text))
         else:
             params.append(_EnvOption([flag], type=typ, default=default, envvar=var, show_envvar=True,
                                      show_default=default is not None and default != "", help=help_text))
@@ -130,6 +146,7 @@ def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = Non
             if values["worker_id"] is None:
                 values["worker_id"] = default_worker_id()
             try:
+                values |= model_values(values.pop("model"), values.pop("models_file"))
                 return WorkerConfig(**values)
             except ValueError as exc:
                 raise click.UsageError(str(exc), ctx) from None
@@ -166,11 +183,44 @@ def setup_logging(level: str, fmt: str) -> None:
     logging.getLogger("aiokafka").setLevel(max(logging.WARNING, root.level))
 
 
+def model_values(options: tuple[str, ...], models_file: str | None) -> dict[str, Any]:
+    """WorkerConfig's `model`/`models` from the --model values and --models-file. One bare path is the
+    single-model form of old (`model` alone); anything more fills `models`. ValueError names what is wrong."""
+    from stoker.worker.model_specs import load_models_file, parse_model_option
+
+    if len(options) == 1 and "," not in options[0] and models_file is None:
+        return {"model": options[0]}
+    specs = [parse_model_option(text) for text in options]
+    specs += load_models_file(models_file) if models_file is not None else []
+    return {"model": specs[0].path if specs else None, "models": tuple(specs)}
+
+
 def build_engine(cfg: WorkerConfig) -> Any:
+    """The one engine, or a ModelSet over several (or over one that may unload when idle)."""
+    if len(cfg.models) > 1 or cfg.model_idle_unload_s is not None:
+        from stoker.worker.models import ModelSet
+
+        specs = {spec.served_name: spec for spec in cfg.model_specs()}
+        return ModelSet(list(specs) or ["fake"], lambda name: _build_one(cfg, specs.get(name)),
+                        idle_unload_s=cfg.model_idle_unload_s, exclusive_load=_graphs_on_cuda(cfg))
+    return _build_one(cfg, cfg.models[0] if cfg.models else None)
+
+
+def _graphs_on_cuda(cfg: WorkerConfig) -> bool:
+    if cfg.fake_engine or cfg.no_cuda_graphs or cfg.device == "cpu":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _build_one(cfg: WorkerConfig, spec: ModelSpec | None) -> Any:
+    """One engine: the worker's engine settings, with a model spec's own path, name and memory over them."""
     if cfg.fake_engine:
         from stoker.worker.fake_engine import FakeEngine
 
-        return FakeEngine(cfg.served_model_name or "fake", max_num_seqs=cfg.max_num_seqs,
+        name = spec.served_name if spec is not None else cfg.served_model_name or "fake"
+        return FakeEngine(name, max_num_seqs=cfg.max_num_seqs,
                           max_model_len=cfg.max_model_len or 4096, step_delay_s=cfg.fake_step_delay_s)
     from stoker.engine import EngineConfig, LLMEngine
 
@@ -190,6 +240,8 @@ def build_engine(cfg: WorkerConfig) -> Any:
         kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
     if cfg.max_model_len:
         kwargs["max_model_len"] = cfg.max_model_len
+    if spec is not None:
+        kwargs |= spec.engine_overrides()
     engine = LLMEngine(EngineConfig(**kwargs))
     if not cfg.no_warmup:
         from stoker.engine import warm_up
@@ -212,7 +264,8 @@ async def serve(cfg: WorkerConfig) -> None:
     log = logging.getLogger("stoker.worker")
     started = time.monotonic()
     engine = await asyncio.to_thread(build_engine, cfg)  # loading may take minutes; keep signals responsive
-    log.info("event=engine_loaded model=%s load_s=%.1f", getattr(engine, "model_name", "?"),
+    log.info("event=engine_loaded model=%s load_s=%.1f",
+             ",".join(getattr(engine, "model_names", None) or [getattr(engine, "model_name", "?")]),
              time.monotonic() - started)
     worker = Worker(cfg, engine)
     loop = asyncio.get_running_loop()

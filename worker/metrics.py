@@ -46,6 +46,10 @@ class _EngineTotals(Protocol):
     def last_stats(self) -> EngineStats | None: ...
 
 
+# {served model name: (loaded | loading | unloaded | failed, its latest stats or None)}
+ModelStates = Callable[[], dict[str, tuple[str, EngineStats | None]]]
+
+
 class TenantLabels:
     """Bounds the `tenant` label's cardinality: the first `limit` distinct tenants keep their own value, later
     ones share OTHER_TENANT (each series costs memory here and in Prometheus, and tenants are user input)."""
@@ -175,6 +179,16 @@ class WorkerMetrics:
         # The autoscaling signal (README: KEDA): records not yet done, per partition this worker holds.
         self.partition_lag = Gauge("stoker_consumer_partition_lag", "records behind the end of each partition "
                                    "this worker consumes", ["topic", "partition", "model_name"], registry=r)
+        # Per served model (a worker may hold several, worker/models.py): set from the engine at each scrape.
+        self.model_loaded = Gauge("stoker_model_loaded", "1 while the model is loaded, 0 while unloaded or loading "
+                                  "(an unloaded model reloads on its next job)", ["model"], registry=r)
+        self.model_running = Gauge("stoker_model_requests_running", "requests in this model's running batch",
+                                   ["model"], registry=r)
+        self.model_waiting = Gauge("stoker_model_requests_waiting", "requests queued for this model",
+                                   ["model"], registry=r)
+        self.model_kv_usage = Gauge("stoker_model_kv_cache_usage", "share of this model's KV blocks in use (0-1)",
+                                    ["model"], registry=r)
+        self._models: ModelStates | None = None
         self.model_name = model_name
         self.engine_busy = Counter("stoker_engine_busy_seconds", "time spent inside engine.step()", registry=r)
         r.register(VllmView(self, model_name))
@@ -189,6 +203,19 @@ class WorkerMetrics:
     def watch_engine(self, engine: _EngineTotals) -> None:
         """Count the engine's own running totals (prefix cache, busy time) from `engine` at each scrape."""
         self._engine = engine
+
+    def watch_models(self, states: ModelStates) -> None:
+        """Read each served model's state and stats from `states` at each scrape."""
+        self._models = states
+
+    def _sync_models(self) -> None:
+        if self._models is None:
+            return
+        for name, (state, stats) in self._models().items():
+            self.model_loaded.labels(name).set(1 if state == "loaded" else 0)
+            self.model_running.labels(name).set(stats.num_running if stats else 0)
+            self.model_waiting.labels(name).set(stats.num_waiting if stats else 0)
+            self.model_kv_usage.labels(name).set(stats.kv_usage if stats and stats.kv_blocks_total else 0)
 
     def add_tokens(self, prompt: dict[str, int], generated: dict[str, int]) -> None:
         """One engine step's tokens, {tenant label: count}: one increment per tenant, not per request."""
@@ -210,6 +237,7 @@ class WorkerMetrics:
 
     def render(self) -> bytes:
         self._sync_engine()
+        self._sync_models()
         return generate_latest(self.registry)
 
 
@@ -217,8 +245,10 @@ class HealthServer:
     """GET /metrics, /healthz (the process is alive and its loops run), /readyz (model loaded, consumer
     joined: `ready()` says)."""
 
-    def __init__(self, metrics: WorkerMetrics, ready: Callable[[], bool], healthy: Callable[[], bool]):
+    def __init__(self, metrics: WorkerMetrics, ready: Callable[[], bool], healthy: Callable[[], bool],
+                 model_state: Callable[[str], str | None] | None = None):
         self.metrics, self.ready, self.healthy = metrics, ready, healthy
+        self.model_state = model_state  # /readyz/<model>: that model's state (None: not served here)
         self._server: asyncio.Server | None = None
         self.port: int | None = None
 
@@ -230,6 +260,16 @@ class HealthServer:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+
+    def _model_ready(self, name: str) -> tuple[int, bytes, str]:
+        """200 when the worker is ready and the model is loaded or unloaded-on-idle (its next job reloads it);
+        503 while it loads or after its load failed; 404 for a model not served here."""
+        assert self.model_state is not None
+        state = self.model_state(name)
+        if state is None:
+            return 404, f"model {name!r} is not served here\n".encode(), "text/plain"
+        ok = self.ready() and state in ("loaded", "unloaded")
+        return (200 if ok else 503), f"{state}\n".encode(), "text/plain"
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -246,6 +286,8 @@ class HealthServer:
             elif path == "/readyz":
                 ok = self.ready()
                 status, body, ctype = (200 if ok else 503), (b"ready\n" if ok else b"not ready\n"), "text/plain"
+            elif path.startswith("/readyz/") and self.model_state is not None:
+                status, body, ctype = self._model_ready(path.removeprefix("/readyz/"))
             else:
                 status, body, ctype = 404, b"not found: try /metrics, /healthz, /readyz\n", "text/plain"
             reason = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}[status]

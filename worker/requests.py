@@ -136,7 +136,7 @@ def engine_request(job: Job) -> EngineRequest:
     )
     messages = [{"role": m.role, "content": m.content} for m in job.messages] if job.messages else None
     return EngineRequest(job.request_id, prompt=job.prompt, messages=messages, prompt_token_ids=job.prompt_token_ids,
-                         params=params, priority=job.priority, deadline_ms=job.deadline_ms)
+                         params=params, priority=job.priority, deadline_ms=job.deadline_ms, model=job.model)
 
 
 def guided_decoding(response_format: ResponseFormat) -> GuidedDecoding:

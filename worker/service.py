@@ -52,6 +52,7 @@ from stoker.worker.dead_letters import DeadLetter
 from stoker.worker.driver import EngineDriver, EngineLike
 from stoker.worker.membership import heartbeat, join_checked, leave, served_model_names
 from stoker.worker.metrics import HealthServer, WorkerMetrics
+from stoker.worker.models import model_states
 from stoker.worker.offsets import OffsetTracker
 from stoker.worker.redis_io import Admission, EventKind, OutEvent, RedisIO, Renewal
 from stoker.worker.requests import Record, Request, RequestState, RequestTable, engine_request
@@ -119,6 +120,9 @@ class Worker:
         self.engine = engine
         self.model_name = config.served_model_name or engine.model_name
         self.served_models = served_model_names(engine, config.served_model_name)  # sorted, for the heartbeat
+        # Every served name in the set's order (a ModelSet serves several; model_name, the first, takes jobs
+        # without `model`)
+        self.model_names: list[str] = list(getattr(engine, "model_names", None) or [self.model_name])
         self.names = config.names
         self.metrics = WorkerMetrics(config.max_tenant_labels, self.model_name)
         self._stage = {name: self.metrics.stage.labels(name)
@@ -156,7 +160,8 @@ class Worker:
                            attempts_ttl_s=cfg.attempts_ttl_s,
                            on_retry=lambda op, exc: self.metrics.redis_retries.labels(op).inc())
         if cfg.metrics_port >= 0:
-            self.health = HealthServer(self.metrics, ready=lambda: self.ready, healthy=self._healthy)
+            self.health = HealthServer(self.metrics, ready=lambda: self.ready, healthy=self._healthy,
+                                       model_state=lambda name: self._model_states().get(name, (None,))[0])
             await self.health.start(cfg.metrics_host, cfg.metrics_port)
             log.info("event=metrics_listening port=%s", self.health.port)
         # Redis first: a worker that cannot log in must fail here, before it joins the group and takes
@@ -164,6 +169,7 @@ class Worker:
         await self.rio.retry("ping", self.redis.ping)
         self.driver = EngineDriver(self.engine, loop, self._on_step)
         self.metrics.watch_engine(self.driver)
+        self.metrics.watch_models(self._model_states)
         self.driver.start()
         security = cfg.kafka_security()
         self.producer = AIOKafkaProducer(bootstrap_servers=cfg.bootstrap_servers, acks="all",
@@ -189,6 +195,9 @@ class Worker:
             self._tasks.append(task)
         log.info("event=worker_started worker=%s model=%s topic=%s group=%s stream_cap=%d", cfg.worker_id,
                  self.model_name, self.names.jobs_topic, cfg.group_id, self.rio.stream_maxlen)
+
+    def _model_states(self) -> dict[str, tuple[str, EngineStats | None]]:
+        return model_states(self.engine, self.model_name, self.driver.last_stats if self.driver else None)
 
     def _redis_client(self, name: str | None = None) -> aioredis.Redis:
         cfg = self.cfg
@@ -458,9 +467,10 @@ class Worker:
         if req.job.deadline_ms is not None and now_ms() >= req.job.deadline_ms:
             self._end_without_running(req, "deadline")
             return
-        if req.job.model is not None and req.job.model != self.model_name:
-            self._fail(req, ErrorCode.UNKNOWN_MODEL, f"this worker serves model {self.model_name!r}, the job "
-                       f"asked for {req.job.model!r}: send it to a topic served by that model, or omit `model`")
+        if req.job.model is not None and req.job.model not in self.model_names:
+            served = f"model {self.model_name!r}" if len(self.model_names) == 1 else f"models {self.model_names}"
+            self._fail(req, ErrorCode.UNKNOWN_MODEL, f"this worker serves {served}, the job asked for "
+                       f"{req.job.model!r}: send it to a topic served by that model, or omit `model`")
             return
         try:
             self._submit(req)
@@ -496,7 +506,8 @@ class Worker:
 
     # -- answers that need no engine ----------------------------------------------------------------------
     def _end_without_running(self, req: Request, reason: str) -> None:
-        done = events.ended_without_running(req, reason, now_ms(), self.model_name, self.cfg.worker_id)
+        done = events.ended_without_running(req, reason, now_ms(), req.job.model or self.model_name,
+                                            self.cfg.worker_id)
         self._send_terminal(req, done, reason)
 
     def _fail(self, req: Request, code: str, message: str, unless_ended: bool = False) -> None:
@@ -643,7 +654,7 @@ class Worker:
                 req.seq += 1
             if not out.finished:
                 continue
-            event = events.finished(req, out, step_ms, self.model_name, self.cfg.worker_id)
+            event = events.finished(req, out, step_ms, req.job.model or self.model_name, self.cfg.worker_id)
             if isinstance(event, Error):
                 reason = event.code
             else:
