@@ -6,6 +6,7 @@ that idles out unloaded and reloaded by its next job."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import urllib.error
 import urllib.request
@@ -87,6 +88,8 @@ async def test_two_architectures_in_one_worker_each_answer_as_transformers(reque
     try:
         async with running_worker(space, engine=engine, **settings) as worker:
             assert worker.model_names == ["llama", "qwen"]
+            beat = json.loads(await r.get(f"{space.names.redis_prefix}:worker:{worker.cfg.worker_id}"))
+            assert beat["models"] == ["llama", "qwen"] and beat["topic"] == space.names.jobs_topic  # routable
             await produce(space.bootstrap, space.names.jobs_topic, jobs)
             results = await wait_results(r, space.names, [j["request_id"] for j in jobs], timeout=240)
     finally:
