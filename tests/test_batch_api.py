@@ -11,8 +11,8 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 import urllib.request
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,9 +22,8 @@ import openai
 import pytest
 from stoker.client.client import Client
 from stoker.schemas import Done, default_batch_topic
-
-from tests.test_gateway import free_port
-from tests.worker_harness import create_topics
+from test_gateway import free_port
+from worker_harness import create_topics
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.stack
@@ -219,3 +218,165 @@ async def test_thousand_lines_round_trip_on_the_real_engine(stack: BatchStack, s
             direct = await c.generate(messages=lines[i]["body"]["messages"], max_tokens=3, temperature=0)
             assert by_id[f"req-{i}"]["choices"][0]["message"]["content"] == direct.text
             assert by_id[f"req-{i}"]["object"] == "chat.completion"
+
+
+# ---- durability, cancel, bad input, replicas (the stand-in engine: steps slow enough to act mid-batch) -----------
+async def test_gateway_killed_mid_batch_finishes_after_restart(stack: BatchStack) -> None:
+    """SIGKILL the gateway while lines are out; a new one on the same storage path and Redis takes the batch
+    over (after the lease's TTL) and finishes it: every line once in the output file, and every job run
+    once by the worker (attempt 1: a line produced again was never run again)."""
+    await stack.start_worker(step_delay_s=0.02)
+    port = await stack.start_gateway(None, "--batch-max-in-flight", "40")
+    total = 400
+    async with stack.oai(port) as oai:
+        batch_id = await submit(oai, jsonl([chat_line(i, max_tokens=6) for i in range(total)]))
+        before = await wait_for(oai, batch_id, lambda b: b.request_counts.completed >= 80)
+    assert not finished(before), "the batch finished before the kill: make it longer"
+    stack.kill_gateway(port)
+    again = await stack.start_gateway(port)
+    async with stack.oai(again) as oai:
+        batch = await wait_for(oai, batch_id, finished, timeout=180)
+        assert batch.status == "completed" and batch.request_counts.completed == total, batch
+        output = await lines_of(oai, batch.output_file_id)
+    once_each(output, {f"req-{i}" for i in range(total)})
+    dones = await results_in_redis(stack, batch_id, total)
+    assert {d.attempt for d in dones} == {1}
+    assert {r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"] for r in output} == {
+        f"req-{n - 1}": d.text for n, d in enumerate(dones, start=1)}  # each line's own job's answer
+
+
+async def test_cancel_stops_the_remaining_lines(stack: BatchStack) -> None:
+    await stack.start_worker(step_delay_s=0.05)
+    port = await stack.start_gateway(None, "--batch-max-in-flight", "20")
+    total = 300
+    async with stack.oai(port) as oai:
+        batch_id = await submit(oai, jsonl([chat_line(i, max_tokens=8) for i in range(total)]))
+        await wait_for(oai, batch_id, lambda b: b.request_counts.completed >= 20)
+        cancelling = await oai.batches.cancel(batch_id)
+        assert cancelling.status == "cancelling" and cancelling.cancelling_at is not None
+        batch = await wait_for(oai, batch_id, finished, timeout=90)
+        output, errors = await lines_of(oai, batch.output_file_id), await lines_of(oai, batch.error_file_id)
+        again = await oai.batches.cancel(batch_id)  # cancelling a cancelled batch changes nothing
+        assert again.status == "cancelled" and again.request_counts == batch.request_counts
+    counts = batch.request_counts
+    assert batch.status == "cancelled" and batch.cancelled_at is not None
+    assert counts.total == total and counts.completed + counts.failed == total
+    assert counts.completed == len(output) < total - 100 and counts.failed == len(errors)
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+    once_each(output + errors, {f"req-{i}" for i in range(total)})
+    produced = await stack.metric(port, "stoker_gateway_batch_jobs_produced_total")
+    assert produced < total - 100, f"{produced} lines were produced after a cancel at ~20 of {total}"
+
+
+async def test_not_jsonl_is_400_and_bad_lines_land_in_the_error_file(stack: BatchStack) -> None:
+    await stack.start_worker()
+    port = await stack.start_gateway()
+    async with stack.oai(port) as oai:
+        for bad, says in ((b'{"custom_id": "a"}\nnot json at all\n', "line 2 is not JSON"),
+                          (b"\xff\xfe binary", "not UTF-8"), (b"[1, 2]\n", "not an object"), (b"\n\n", "no requests")):
+            with pytest.raises(openai.BadRequestError) as info:
+                await oai.files.create(file=("bad.jsonl", bad), purpose="batch")
+            assert says in str(info.value.body), info.value.body
+        with pytest.raises(openai.BadRequestError):
+            await oai.files.create(file=("ok.jsonl", jsonl([chat_line(0)])), purpose="fine-tune")
+        good = [chat_line(0), chat_line(1)]
+        bad_lines = [
+            (chat_line(0), "duplicate_custom_id"),  # custom_id of line 1 again: line 1 runs, this one does not
+            ({**chat_line(2), "url": "/v1/embeddings"}, "invalid_url"),
+            ({"method": "POST", "url": "/v1/chat/completions", "body": chat_line(3)["body"]}, "missing_custom_id"),
+            (chat_line(4, stream=True), "unsupported"),
+            (chat_line(5, temperature=-1), "invalid_job"),  # the contract's own range check
+            (chat_line(6, n=2), "unsupported"),
+            (chat_line(7, frobnicate=1), "unsupported"),
+            ({**chat_line(8), "body": "not an object"}, "invalid_body"),
+        ]
+        batch_id = await submit(oai, jsonl(good + [line for line, _ in bad_lines]))
+        batch = await wait_for(oai, batch_id, finished, timeout=60)
+        assert batch.status == "completed" and batch.request_counts is not None
+        assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (10, 2, 8)
+        output, errors = await lines_of(oai, batch.output_file_id), await lines_of(oai, batch.error_file_id)
+        error_file = await oai.files.retrieve(batch.error_file_id or "")
+        assert error_file.purpose == "batch_output" and error_file.bytes > 0
+        with pytest.raises(openai.ConflictError):  # a completed batch has nothing left to cancel
+            await oai.batches.cancel(batch_id)
+    once_each(output, {"req-0", "req-1"})
+    assert [e["error"]["code"] for e in errors] == [code for _, code in bad_lines]
+    assert [e["custom_id"] for e in errors] == ["req-0", "req-2", None, "req-4", "req-5", "req-6", "req-7", "req-8"]
+    assert all(e["response"] is None or e["response"]["status_code"] >= 400 for e in errors)
+    assert "line 5" in errors[2]["error"]["message"] and "temperature" in errors[4]["error"]["message"]
+
+
+async def test_files_list_retrieve_delete_and_expiry(stack: BatchStack) -> None:
+    await stack.start_worker()
+    port = await stack.start_gateway()
+    async with stack.oai(port) as oai:
+        first = await oai.files.create(file=("a.jsonl", jsonl([chat_line(0)])), purpose="batch")
+        second = await oai.files.create(file=("b.jsonl", jsonl([chat_line(1)])), purpose="batch",
+                                        expires_after={"anchor": "created_at", "seconds": 3600})
+        assert second.expires_at == second.created_at + 3600 and first.filename == "a.jsonl"
+        listed = [f.id async for f in oai.files.list(purpose="batch", limit=1)]  # pages of one, via `after`
+        assert listed == [second.id, first.id] or listed == [first.id, second.id]
+        assert (await oai.files.content(first.id)).content == jsonl([chat_line(0)])
+        deleted = await oai.files.delete(first.id)
+        assert deleted.deleted and deleted.id == first.id
+        with pytest.raises(openai.NotFoundError):
+            await oai.files.retrieve(first.id)
+        with pytest.raises(openai.NotFoundError):
+            await oai.batches.create(input_file_id=first.id, endpoint="/v1/chat/completions",
+                                     completion_window="24h")
+        with pytest.raises(openai.BadRequestError):
+            await oai.batches.create(input_file_id=second.id, endpoint="/v1/chat/completions",
+                                     completion_window="forever")  # type: ignore[arg-type]
+    meta_path = stack.storage / "files" / f"{second.id}.json"  # as if an hour had passed
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps(meta | {"expires_at": int(time.time()) - 1}))
+    async with stack.oai(port) as oai:
+        with pytest.raises(openai.NotFoundError):
+            await oai.files.retrieve(second.id)
+        assert second.id not in [f.id async for f in oai.files.list()]
+
+
+async def test_window_end_expires_the_lines_not_answered(stack: BatchStack) -> None:
+    """completion_window becomes each job's deadline: lines not answered by then are error lines with code
+    batch_expired (those out end at the worker with finish_reason deadline) and the batch is expired. A job
+    takes 1.5 s (30 steps of 50 ms), so the ten out when the window ends are cut mid-run."""
+    await stack.start_worker(step_delay_s=0.05)
+    port = await stack.start_gateway(None, "--batch-max-in-flight", "10")
+    async with stack.oai(port) as oai:
+        batch_id = await submit(oai, jsonl([chat_line(i, max_tokens=30) for i in range(200)]), window="4s")
+        batch = await wait_for(oai, batch_id, finished, timeout=60)
+        output, errors = await lines_of(oai, batch.output_file_id), await lines_of(oai, batch.error_file_id)
+    assert batch.status == "expired" and batch.expired_at is not None
+    assert 0 < len(output) < 200 and batch.request_counts.failed == len(errors) == 200 - len(output)
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+    once_each(output + errors, {f"req-{i}" for i in range(200)})
+    found = await results_in_redis_some(stack, batch_id, 200)
+    deadlines = [d for d in found if d.finish_reason == "deadline"]
+    assert deadlines, "no line was stopped by its job's deadline at the worker"
+
+
+async def results_in_redis_some(stack: BatchStack, batch_id: str, lines: int) -> list[Done]:
+    async with stack.client() as c:
+        found = [await c.result(f"{batch_id}:{n}") for n in range(1, lines + 1)]
+    return [d for d in found if isinstance(d, Done)]
+
+
+async def test_two_replicas_one_gathers_and_the_other_takes_over(stack: BatchStack) -> None:
+    """Two gateways on one storage path and Redis: one holds the batch's lease and gathers, both serve it;
+    when the holder is killed the other takes the batch over and finishes it."""
+    await stack.start_worker(step_delay_s=0.02)
+    ports = [await stack.start_gateway(None, "--batch-max-in-flight", "30") for _ in range(2)]
+    total = 300
+    async with stack.oai(ports[0]) as a, stack.oai(ports[1]) as b:
+        batch_id = await submit(a, jsonl([chat_line(i, max_tokens=6) for i in range(total)]))
+        await wait_for(b, batch_id, lambda batch: batch.request_counts.completed >= 60)
+        gathered = [await stack.metric(p, "stoker_gateway_batch_lines_gathered_total") for p in ports]
+        assert sorted(gathered)[0] == 0 and sorted(gathered)[1] >= 60, gathered  # one gathers, one serves
+        holder, other = (ports[0], b) if gathered[0] else (ports[1], a)
+        stack.kill_gateway(holder)
+        batch = await wait_for(other, batch_id, finished, timeout=180)
+        assert batch.status == "completed" and batch.request_counts.completed == total
+        output = await lines_of(other, batch.output_file_id)
+    once_each(output, {f"req-{i}" for i in range(total)})
+    survivor = next(p for p in ports if p != holder)
+    assert await stack.metric(survivor, "stoker_gateway_batch_leases_total") == 1
