@@ -380,3 +380,30 @@ async def test_two_replicas_one_gathers_and_the_other_takes_over(stack: BatchSta
     once_each(output, {f"req-{i}" for i in range(total)})
     survivor = next(p for p in ports if p != holder)
     assert await stack.metric(survivor, "stoker_gateway_batch_leases_total") == 1
+
+
+async def test_stoker_batch_cli_submits_follows_and_writes_the_files(stack: BatchStack, tmp_path: Path) -> None:
+    await stack.start_worker()
+    port = await stack.start_gateway()
+    source = tmp_path / "work.jsonl"
+    source.write_bytes(jsonl([chat_line(i) for i in range(30)] + [chat_line(3)]))  # the last: a duplicate
+    cli = [sys.executable, "-m", "stoker.client.cli", "batch", "--gateway", f"http://127.0.0.1:{port}/v1",
+           "--poll", "0.2"]
+    done = await asyncio.to_thread(subprocess.run, [*cli, str(source)], cwd=ROOT, env=stack.env(),
+                                   capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    output = [json.loads(x) for x in (tmp_path / "work.output.jsonl").read_text().splitlines()]
+    errors = [json.loads(x) for x in (tmp_path / "work.errors.jsonl").read_text().splitlines()]
+    once_each(output, {f"req-{i}" for i in range(30)})
+    assert [e["error"]["code"] for e in errors] == ["duplicate_custom_id"]
+    assert "30 of 31 answered, 1 in the error file" in done.stderr
+    batch_id = done.stderr.split("batch ", 1)[1].split()[0]
+    again = await asyncio.to_thread(subprocess.run, [*cli, "--follow", batch_id, "-o", str(tmp_path / "again.jsonl"),
+                                                     "--no-progress"], cwd=ROOT, env=stack.env(), capture_output=True,
+                                    text=True, timeout=60)
+    assert again.returncode == 0 and (tmp_path / "again.jsonl").read_bytes() == (tmp_path / "work.output.jsonl").read_bytes()
+    assert (tmp_path / "again.errors.jsonl").exists()
+    nobody = await asyncio.to_thread(subprocess.run, [*cli[:4], "--gateway", f"http://127.0.0.1:{free_port()}/v1",
+                                                      str(source)], cwd=ROOT, env=stack.env(), capture_output=True,
+                                     text=True, timeout=60)
+    assert nobody.returncode == 4 and "unreachable" in nobody.stderr
