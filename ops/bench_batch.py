@@ -73,9 +73,9 @@ class Gateway:
     def wait_ready(self, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1):
-                    return
+            with contextlib.suppress(OSError), urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health",
+                                                                      timeout=1):
+                return
             if self.proc.poll() is not None:
                 break
             time.sleep(0.1)
