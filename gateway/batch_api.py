@@ -262,10 +262,10 @@ class BatchAPI:
         after = body.get("output_expires_after") or {}
         if not isinstance(after, dict):
             raise APIError(400, "`output_expires_after` must be an object", param="output_expires_after")
-        now = int(time.time())
+        now = time.time()
         return BatchState(
             id=new_id("batch"), input_file_id=meta.id, endpoint=endpoint, completion_window=body["completion_window"],
-            created_at=now, deadline_ms=(now + window_s) * 1000, metadata=_metadata(body.get("metadata")),
+            created_at=int(now), deadline_ms=int((now + window_s) * 1000), metadata=_metadata(body.get("metadata")),
             output_expires_s=_expires_after(after.get("anchor"), after.get("seconds"), "output_expires_after",
                                             self.cfg.output_expires_s), total=meta.requests)
 

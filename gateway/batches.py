@@ -202,7 +202,9 @@ class BatchRunner:
     async def _tick(self) -> None:
         now_s = time.time()
         if self.state.status in ("validating", "in_progress") and self.storage.cancel_requested(self.state.id):
-            await self._begin_cancel()
+            self.state.move("cancelling", self.storage.cancel_requested(self.state.id) or int(now_s))
+        if self.state.status == "cancelling" and self.progress.stop_since is None:  # also after a restart
+            await self._cancel_the_rest()
         await self._gather()
         if now_s * 1000 >= self.state.deadline_ms:
             await self._expire()
@@ -262,11 +264,9 @@ class BatchRunner:
         await self._save()  # before the next chunk: a restart must not produce these again
 
     # ---- stopping early ---------------------------------------------------------------------------------------
-    async def _begin_cancel(self) -> None:
+    async def _cancel_the_rest(self) -> None:
         """Lines not produced are cancelled now; those out are cancelled at the workers, and their results
         (finish_reason cancelled, or done if they finished first) are gathered within the grace period."""
-        state = self.state
-        state.move("cancelling", self.storage.cancel_requested(state.id) or int(time.time()))
         await self._unanswered(list(self.progress.pending), "cancelled")
         self.progress.pending.clear()
         await asyncio.gather(*(self.client.cancel(rid) for rid in self.progress.in_flight))
@@ -347,6 +347,7 @@ class BatchService:
         self.replica = uuid.uuid4().hex  # names this replica in the leases it holds
         self.metrics = BatchMetrics(registry or CollectorRegistry())
         self._runners: dict[str, asyncio.Task[None]] = {}
+        self._finished: set[str] = set()  # batches seen terminal: the scan reads their state no more
         self._scanner: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -366,8 +367,12 @@ class BatchService:
 
     async def kick(self, batch_id: str) -> None:
         """Try to take a batch now (a new one: no need to wait for the next scan)."""
+        if batch_id in self._finished or batch_id in self._runners:
+            return
         state = self.load(batch_id)
-        if state is not None and not state.terminal and batch_id not in self._runners:
+        if state is not None and state.terminal:
+            self._finished.add(batch_id)
+        elif state is not None:
             await self._take(state)
 
     async def _scan_forever(self) -> None:
@@ -387,6 +392,11 @@ class BatchService:
         lease = Lease(self.client, state.id, self.replica, self.cfg.lease_ttl_s)
         if not await lease.acquire():
             return  # another replica gathers it
+        fresh = self.load(state.id)  # read again under the lease: the last holder may have written since
+        if fresh is None or fresh.terminal:
+            await lease.release()
+            return
+        state = fresh
         self.metrics.leases.inc()
         task = asyncio.create_task(self._run(BatchRunner(self, state, lease)), name=f"stoker-batch-{state.id}")
         self._runners[state.id] = task
