@@ -364,14 +364,16 @@ async def results_in_redis_some(stack: BatchStack, batch_id: str, lines: int) ->
 async def test_two_replicas_one_gathers_and_the_other_takes_over(stack: BatchStack) -> None:
     """Two gateways on one storage path and Redis: one holds the batch's lease and gathers, both serve it;
     when the holder is killed the other takes the batch over and finishes it."""
-    await stack.start_worker(step_delay_s=0.02)
+    await stack.start_worker(step_delay_s=0.05)
     ports = [await stack.start_gateway(None, "--batch-max-in-flight", "30") for _ in range(2)]
-    total = 300
+    total = 600  # 20 rounds of 30 lines, each 8 steps of 50 ms: some 10 s
     async with stack.oai(ports[0]) as a, stack.oai(ports[1]) as b:
-        batch_id = await submit(a, jsonl([chat_line(i, max_tokens=6) for i in range(total)]))
+        batch_id = await submit(a, jsonl([chat_line(i, max_tokens=8) for i in range(total)]))
         await wait_for(b, batch_id, lambda batch: batch.request_counts.completed >= 60)
+        await asyncio.sleep(3)  # over the scan interval (2 s): the other replica has looked at the batch
         gathered = [await stack.metric(p, "stoker_gateway_batch_lines_gathered_total") for p in ports]
         assert sorted(gathered)[0] == 0 and sorted(gathered)[1] >= 60, gathered  # one gathers, one serves
+        assert not finished(await b.batches.retrieve(batch_id)), "the batch ended before the kill: make it longer"
         holder, other = (ports[0], b) if gathered[0] else (ports[1], a)
         stack.kill_gateway(holder)
         batch = await wait_for(other, batch_id, finished, timeout=180)
