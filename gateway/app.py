@@ -469,7 +469,8 @@ def create_app(client_factory: Callable[[], Client], *, timeout: float = 300.0,
 @batch_options
 @version_option("stoker-gateway")
 def command(**params: Any) -> None:
-    """OpenAI-compatible HTTP gateway to Stoker (/v1/completions, /v1/chat/completions, /v1/models)."""
+    """OpenAI-compatible HTTP gateway to Stoker (/v1/completions, /v1/chat/completions, /v1/models, and the Batch
+    API: /v1/files, /v1/batches)."""
     resolve_aliases(params, "stoker-gateway")
     import uvicorn  # the gateway extra; imported here so `import stoker.gateway.app` works for tests without it
 
