@@ -51,14 +51,14 @@ class Progress:
     status: str
 
 
-class BatchAPI:
+class GatewayBatches:
     """The five calls, on one HTTP connection pool. Use as a context manager."""
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60.0):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=base_url.rstrip("/") + "/", headers=headers, timeout=timeout)
 
-    def __enter__(self) -> BatchAPI:
+    def __enter__(self) -> GatewayBatches:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -102,7 +102,7 @@ class BatchAPI:
         return target.stat().st_size
 
 
-def follow(api: BatchAPI, batch_id: str, poll_s: float, on_progress: Callable[[Progress], None]) -> dict[str, Any]:
+def follow(api: GatewayBatches, batch_id: str, poll_s: float, on_progress: Callable[[Progress], None]) -> dict[str, Any]:
     """Polls the batch until it ends; its last state."""
     while True:
         batch = api.retrieve(batch_id)
@@ -114,7 +114,7 @@ def follow(api: BatchAPI, batch_id: str, poll_s: float, on_progress: Callable[[P
         time.sleep(poll_s)
 
 
-def fetch_results(api: BatchAPI, batch: dict[str, Any], output: Path, errors: Path) -> list[tuple[str, Path, int]]:
+def fetch_results(api: GatewayBatches, batch: dict[str, Any], output: Path, errors: Path) -> list[tuple[str, Path, int]]:
     """Downloads the output and error files a batch has: (what, where, bytes) of each."""
     written = []
     for what, key, target in (("output", "output_file_id", output), ("errors", "error_file_id", errors)):

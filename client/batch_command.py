@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from stoker.client.batch import BatchAPI, BatchError, Progress, endpoint_of, fetch_results, follow
+from stoker.client.batch import BatchError, GatewayBatches, Progress, endpoint_of, fetch_results, follow
 from tqdm import tqdm
 
 EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 1, 2, 4, 130
@@ -32,7 +32,7 @@ def _targets(params: dict[str, Any], batch_id: str) -> tuple[Path, Path]:
     return output, errors
 
 
-def _submit(api: BatchAPI, params: dict[str, Any]) -> str:
+def _submit(api: GatewayBatches, params: dict[str, Any]) -> str:
     path: Path = params["input_path"]
     endpoint = params["endpoint"] or endpoint_of(path)
     uploaded = api.upload(path)
@@ -42,7 +42,7 @@ def _submit(api: BatchAPI, params: dict[str, Any]) -> str:
     return str(batch["id"])
 
 
-def _follow(api: BatchAPI, batch_id: str, params: dict[str, Any]) -> dict[str, Any]:
+def _follow(api: GatewayBatches, batch_id: str, params: dict[str, Any]) -> dict[str, Any]:
     with tqdm(total=None, unit="req", desc=batch_id[:18], disable=params["no_progress"], file=sys.stderr) as bar:
         def show(progress: Progress) -> None:
             bar.total = progress.total or None
@@ -52,7 +52,7 @@ def _follow(api: BatchAPI, batch_id: str, params: dict[str, Any]) -> dict[str, A
         return follow(api, batch_id, params["poll"], show)
 
 
-def _report(api: BatchAPI, batch: dict[str, Any], params: dict[str, Any]) -> int:
+def _report(api: GatewayBatches, batch: dict[str, Any], params: dict[str, Any]) -> int:
     output, errors = _targets(params, batch["id"])
     for what, where, size in fetch_results(api, batch, output, errors):
         _say(f"{what}: {where} ({size} bytes)")
@@ -70,7 +70,7 @@ def run_batch_command(params: dict[str, Any]) -> int:
         _say(f"--poll must be > 0 seconds, got {params['poll']}")
         return EXIT_USAGE
     try:
-        with BatchAPI(params["gateway"], params["api_key"]) as api:
+        with GatewayBatches(params["gateway"], params["api_key"]) as api:
             batch_id = params["batch_id"] or _submit(api, params)
             return _report(api, _follow(api, batch_id, params), params)
     except BatchError as exc:

@@ -45,7 +45,7 @@ from stoker.gateway.batch_lines import (
 )
 from stoker.gateway.batch_state import BatchState, decode_state, encode_state
 from stoker.gateway.storage import FileObject, Storage
-from stoker.schemas import ContractError, Done, decode_event, default_batch_topic
+from stoker.schemas import ContractError, Done, Names, decode_event, default_batch_topic
 from stoker.schemas import Error as ErrorEvent
 
 log = logging.getLogger("stoker.gateway.batches")
@@ -74,6 +74,11 @@ class BatchConfig:
         problems = [f"{name} must be > 0, got {getattr(self, name)}" for name in (
             "max_in_flight", "produce_chunk", "poll_s", "lease_ttl_s", "scan_s", "max_upload_bytes", "max_requests",
             "file_expires_s", "output_expires_s", "cancel_grace_s") if getattr(self, name) <= 0]
+        if self.batch_topic is not None:
+            try:
+                Names(jobs_topic=self.batch_topic)
+            except ValueError as exc:
+                problems.append(f"batch_topic: {exc}")
         if self.lease_ttl_s < 3 * self.poll_s:
             problems.append(f"lease_ttl_s ({self.lease_ttl_s}) must be at least 3 ticks (poll_s {self.poll_s}): "
                             "the lease is renewed once a tick")
@@ -408,7 +413,8 @@ class BatchService:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # Kafka or Redis away: the next scan takes the batch again (from the disk)
-            log.warning("batch %s: stopped on %s: %s; retried at the next scan", batch_id, type(exc).__name__, exc)
+            log.warning("batch %s: stopped on %s: %s; retried at the next scan (is Kafka up, and does the batch "
+                        "topic %r exist?)", batch_id, type(exc).__name__, exc, self.batch_topic)
         finally:
             self._runners.pop(batch_id, None)
             with contextlib.suppress(Exception):  # gone with Redis: the lease's TTL frees it anyway

@@ -95,9 +95,9 @@ class Gateway:
 
 def run_batch(gateway_url: str, file: Path, poll_s: float) -> dict[str, Any]:
     """Upload, create, poll to the end: the batch's numbers."""
-    from stoker.client.batch import BatchAPI, follow
+    from stoker.client.batch import GatewayBatches, follow
 
-    with BatchAPI(gateway_url, timeout=600) as api:
+    with GatewayBatches(gateway_url, timeout=600) as api:
         t0 = time.monotonic()
         uploaded = api.upload(file)
         t_created = time.monotonic()

@@ -299,11 +299,19 @@ async def test_not_jsonl_is_400_and_bad_lines_land_in_the_error_file(stack: Batc
         assert error_file.purpose == "batch_output" and error_file.bytes > 0
         with pytest.raises(openai.ConflictError):  # a completed batch has nothing left to cancel
             await oai.batches.cancel(batch_id)
+        assert [b.id async for b in oai.batches.list(limit=1)] == [batch_id]  # the list pages through `after`
     once_each(output, {"req-0", "req-1"})
     assert [e["error"]["code"] for e in errors] == [code for _, code in bad_lines]
     assert [e["custom_id"] for e in errors] == ["req-0", "req-2", None, "req-4", "req-5", "req-6", "req-7", "req-8"]
     assert all(e["response"] is None or e["response"]["status_code"] >= 400 for e in errors)
     assert "line 5" in errors[2]["error"]["message"] and "temperature" in errors[4]["error"]["message"]
+    small = await stack.start_gateway(None, "--max-upload-bytes", "300", "--batch-max-requests", "2")
+    async with stack.oai(small) as oai:
+        with pytest.raises(openai.APIStatusError) as too_big:
+            await oai.files.create(file=("big.jsonl", jsonl([chat_line(i) for i in range(3)])), purpose="batch")
+        assert too_big.value.status_code == 413
+        with pytest.raises(openai.BadRequestError, match="more than 2 requests"):
+            await oai.files.create(file=("many.jsonl", b'{"custom_id": "a"}\n' * 3), purpose="batch")
 
 
 async def test_files_list_retrieve_delete_and_expiry(stack: BatchStack) -> None:

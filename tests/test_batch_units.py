@@ -262,5 +262,5 @@ def test_cursor_pages_follow_after() -> None:
 
 
 def test_batch_config_names_bad_settings(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="max_in_flight must be > 0.*lease_ttl_s"):
-        BatchConfig(tmp_path, max_in_flight=0, lease_ttl_s=0.5, poll_s=0.25)
+    with pytest.raises(ValueError, match="max_in_flight must be > 0.*batch_topic.*legal Kafka topic.*lease_ttl_s"):
+        BatchConfig(tmp_path, max_in_flight=0, lease_ttl_s=0.5, poll_s=0.25, batch_topic="no spaces")
