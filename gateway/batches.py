@@ -253,11 +253,16 @@ class BatchRunner:
             del self.progress.in_flight[rid]
 
     async def _produce(self) -> None:
-        """One chunk, if there is room (back-pressure: at most max_in_flight lines out)."""
+        """Chunks while there is room (back-pressure: at most max_in_flight lines out), each saved before the
+        next: a batch's start fills the workers in one tick, later ticks top up what was answered."""
+        while await self._produce_chunk():
+            pass
+
+    async def _produce_chunk(self) -> bool:
         room = min(self.cfg.max_in_flight - len(self.progress.in_flight), self.cfg.produce_chunk)
         chunk = [self.progress.pending.popleft() for _ in range(min(room, len(self.progress.pending)))]
         if not chunk:
-            return
+            return False
         try:
             await self.client.submit_many([line.job for line in chunk], topic=self.service.batch_topic)
         except BaseException:
@@ -267,6 +272,7 @@ class BatchRunner:
         self.state.produced_through = chunk[-1].line
         self.service.metrics.produced.inc(len(chunk))
         await self._save()  # before the next chunk: a restart must not produce these again
+        return True
 
     # ---- stopping early ---------------------------------------------------------------------------------------
     async def _cancel_the_rest(self) -> None:
