@@ -417,3 +417,21 @@ async def test_stoker_batch_cli_submits_follows_and_writes_the_files(stack: Batc
                                                       str(source)], cwd=ROOT, env=stack.env(), capture_output=True,
                                      text=True, timeout=60)
     assert nobody.returncode == 4 and "unreachable" in nobody.stderr
+
+
+async def test_lease_lost_mid_batch_is_taken_again_and_nothing_is_lost(stack: BatchStack) -> None:
+    """Redis forgetting the lease (a restart without persistence) stops the gatherer at its next renewal;
+    the next scan takes the batch again from the storage path and finishes it, each line once."""
+    await stack.start_worker(step_delay_s=0.02)
+    port = await stack.start_gateway(None, "--batch-max-in-flight", "40")
+    total = 400
+    async with stack.oai(port) as oai:
+        batch_id = await submit(oai, jsonl([chat_line(i, max_tokens=6) for i in range(total)]))
+        await wait_for(oai, batch_id, lambda b: b.request_counts.completed >= 80)
+        async with stack.client() as c:
+            assert await c.redis.delete(f"{stack.prefix}:batch-lease:{batch_id}") == 1
+        batch = await wait_for(oai, batch_id, finished, timeout=120)
+        output = await lines_of(oai, batch.output_file_id)
+    assert batch.status == "completed" and batch.request_counts.completed == total
+    once_each(output, {f"req-{i}" for i in range(total)})
+    assert await stack.metric(port, "stoker_gateway_batch_leases_total") == 2  # taken, lost, taken again
