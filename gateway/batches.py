@@ -41,6 +41,7 @@ from stoker.gateway.batch_lines import (
     error_outcome,
     invalid_outcome,
     parse_input,
+    request_id_for,
     terminal_outcome,
 )
 from stoker.gateway.batch_state import BatchState, decode_state, encode_state
@@ -206,8 +207,9 @@ class BatchRunner:
     # ---- one tick -----------------------------------------------------------------------------------------------
     async def _tick(self) -> None:
         now_s = time.time()
-        if self.state.status in ("validating", "in_progress") and self.storage.cancel_requested(self.state.id):
-            self.state.move("cancelling", self.storage.cancel_requested(self.state.id) or int(now_s))
+        asked_at = self.storage.cancel_requested(self.state.id)
+        if asked_at is not None and self.state.status in ("validating", "in_progress"):
+            self.state.move("cancelling", asked_at)
         if self.state.status == "cancelling" and self.progress.stop_since is None:  # also after a restart
             await self._cancel_the_rest()
         await self._gather()
@@ -248,9 +250,7 @@ class BatchRunner:
         for outcome in outcomes:
             self.state.count(outcome.ok, outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens)
             self.service.metrics.gathered.labels("ok" if outcome.ok else "error").inc()
-        answered = {o.line for o in outcomes}
-        for rid in [rid for rid, line in self.progress.in_flight.items() if line.line in answered]:
-            del self.progress.in_flight[rid]
+            self.progress.in_flight.pop(request_id_for(self.state.id, outcome.line), None)
 
     async def _produce(self) -> None:
         """Chunks while there is room (back-pressure: at most max_in_flight lines out), each saved before the
