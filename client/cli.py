@@ -1,4 +1,4 @@
-"""The `stoker` command: submit, tail, workers, load, stack.
+"""The `stoker` command: submit, tail, workers, load, batch, stack.
 
 Connection settings come from flags or the same environment variables the worker reads, under the worker's
 flag names (--bootstrap-servers KAFKA_BOOTSTRAP_SERVERS, --redis-url REDIS_URL, --prefix STOKER_PREFIX,
@@ -270,6 +270,30 @@ async def _load(params: dict[str, Any]) -> int:
         plot_latency(report, str(params["plot"]))
         print(f"plot: {params['plot']}", file=sys.stderr)
     return EXIT_FAILED if report.errors() else 0
+
+
+@cli.command()
+@click.argument("input_path", metavar="INPUT.jsonl", required=False,
+                type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@option("--gateway", env="STOKER_GATEWAY_URL", default="http://127.0.0.1:8000/v1", help="the gateway's /v1 URL")
+@option("--api-key", env="STOKER_API_KEY", default=None, show_default=False, help="the gateway's API key")
+@option("--endpoint", type=click.Choice(["/v1/chat/completions", "/v1/completions"]), default=None,
+        show_default=False, help="the batch's endpoint (default: the first request's url)")
+@option("--completion-window", default="24h", help="time the batch may take (each job's deadline)")
+@option("--follow", "batch_id", default=None, show_default=False,
+        help="follow a batch already submitted (by id) instead of submitting INPUT.jsonl")
+@option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None, show_default=False,
+        help="where the output file goes (default: INPUT.output.jsonl, or BATCH_ID.output.jsonl)")
+@option("--errors", type=click.Path(dir_okay=False, path_type=Path), default=None, show_default=False,
+        help="where the error file goes, when there is one (default: beside the output, .errors.jsonl)")
+@option("--poll", type=float, default=1.0, help="seconds between progress checks")
+@option("--no-progress", is_flag=True, help="no progress bar")
+def batch(**params: Any) -> int:
+    """Run INPUT.jsonl (OpenAI batch lines) through a gateway's Batch API and write its output file.
+    Interrupting leaves the batch running: `--follow BATCH_ID` picks it up again."""
+    from stoker.client.batch_command import run_batch_command  # httpx only where it is used
+
+    return run_batch_command(params)
 
 
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True},

@@ -425,6 +425,15 @@ class Client:
             headers=headers
         )
 
+    async def submit_many(self, jobs: list[Job], *, topic: str | None = None) -> None:
+        """Produces jobs to `topic` (default: the client's) and returns once the broker has every one; sent
+        together, so they share Kafka batches (the Batch API produces its lines in chunks this way)."""
+        producer = await self._kafka()
+        headers = [(schemas.CONTENT_TYPE_HEADER, schemas.content_type_for(self.msgpack).encode())]
+        sent = [await producer.send(topic or self.topic, schemas.encode_job(job, msgpack=self.msgpack),
+                                    key=job.request_id.encode(), headers=headers) for job in jobs]
+        await asyncio.gather(*sent)
+
     # ---- following ---------------------------------------------------------------------------------------
     async def stream(
         self,

@@ -46,6 +46,8 @@ from stoker.client.client import (
     RequestTimeout,
 )
 from stoker.client.options import kafka_options, option, redis_options, resolve_aliases, version_option
+from stoker.gateway.batch_api import BatchAPI, batch_config, batch_options, batch_routes, route_label
+from stoker.gateway.batches import BatchConfig, BatchService
 from stoker.gateway.mapping import (
     APIError,
     Choice,
@@ -171,6 +173,8 @@ class GatewayMetrics:
         path = scope.get("path", "")
         if path.startswith("/v1/models/"):
             return "/v1/models/{model}"
+        if (batch_route := route_label(path)) is not None:
+            return batch_route
         return path if path in ROUTES else "other"
 
 
@@ -400,17 +404,27 @@ class Gateway:
 
 
 def create_app(client_factory: Callable[[], Client], *, timeout: float = 300.0,
-               api_key: str | None = None) -> Starlette:
+               api_key: str | None = None, batch: BatchConfig | None = None) -> Starlette:
     """The ASGI app; the client starts and stops with it (lifespan). With `api_key`, every route but
-    /health answers 401 unless the request sends `Authorization: Bearer <api_key>`."""
-    holder: dict[str, Gateway] = {}
+    /health answers 401 unless the request sends `Authorization: Bearer <api_key>`. With `batch`, the
+    Batch API (/v1/files, /v1/batches: gateway.batch_api) is served and its batches gathered."""
+    holder: dict[str, Any] = {}
     metrics = GatewayMetrics()
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with client_factory() as client:
-            holder["gw"] = Gateway(client, timeout=timeout, metrics=metrics)
-            yield
+            holder["gw"] = gw = Gateway(client, timeout=timeout, metrics=metrics)
+            if batch is None:
+                yield
+                return
+            service = BatchService(client, batch, metrics.registry)
+            holder["batch"] = BatchAPI(service, gw._error)
+            await service.start()
+            try:
+                yield
+            finally:
+                await service.stop()
 
     def route(name: str) -> Callable[[Request], Any]:
         async def endpoint(request: Request) -> Response:
@@ -428,7 +442,8 @@ def create_app(client_factory: Callable[[], Client], *, timeout: float = 300.0,
         return counted(APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal"), request)
 
     return Starlette(
-        routes=[Route("/health", route("health"), methods=["GET"]),
+        routes=[*(batch_routes(lambda: holder["batch"]) if batch is not None else []),
+                Route("/health", route("health"), methods=["GET"]),
                 Route("/metrics", route("render_metrics"), methods=["GET"]),
                 Route("/v1/models", route("list_models"), methods=["GET"]),
                 Route("/v1/models/{model:path}", route("get_model"), methods=["GET"]),
@@ -448,9 +463,11 @@ def create_app(client_factory: Callable[[], Client], *, timeout: float = 300.0,
 @redis_options
 @option("--timeout", env="STOKER_GATEWAY_TIMEOUT", type=float, default=300.0,
         help="seconds a request may take; also sent to the worker as the job's deadline")
+@batch_options
 @version_option("stoker-gateway")
 def command(**params: Any) -> None:
-    """OpenAI-compatible HTTP gateway to Stoker (/v1/completions, /v1/chat/completions, /v1/models)."""
+    """OpenAI-compatible HTTP gateway to Stoker (/v1/completions, /v1/chat/completions, /v1/models, and the Batch
+    API: /v1/files, /v1/batches)."""
     resolve_aliases(params, "stoker-gateway")
     import uvicorn  # the gateway extra; imported here so `import stoker.gateway.app` works for tests without it
 
@@ -458,7 +475,8 @@ def command(**params: Any) -> None:
         return Client(params["bootstrap_servers"], params["redis_url"], prefix=params["prefix"],
                       topic=params["job_topic"], timeout=params["timeout"])
 
-    uvicorn.run(create_app(factory, timeout=params["timeout"], api_key=params["api_key"] or None),
+    uvicorn.run(create_app(factory, timeout=params["timeout"], api_key=params["api_key"] or None,
+                           batch=batch_config(params)),
                 host=params["host"], port=params["port"], log_level="info")
 
 
