@@ -418,7 +418,7 @@ def create_app(client_factory: Callable[[], Client], *, timeout: float = 300.0,
             if batch is None:
                 yield
                 return
-            service = BatchService(client, batch, metrics.registry)
+            service = BatchService(client, batch, metrics.registry, routes=gw.routes)
             holder["batch"] = BatchAPI(service, gw._error)
             await service.start()
             try:

@@ -45,6 +45,7 @@ from stoker.gateway.batch_lines import (
     terminal_outcome,
 )
 from stoker.gateway.batch_state import BatchState, decode_state, encode_state
+from stoker.gateway.routing import RouteCache
 from stoker.gateway.storage import FileObject, Storage
 from stoker.schemas import ContractError, Done, Names, decode_event, default_batch_topic
 from stoker.schemas import Error as ErrorEvent
@@ -258,13 +259,27 @@ class BatchRunner:
         while await self._produce_chunk():
             pass
 
+    async def _routed_chunk(self, room: int) -> list[tuple[LineJob, str]]:
+        """Up to `room` pending lines in line order with their topics, stopping at the first line whose model
+        no live group serves: lines go out in order (produced_through is a prefix), so that line and those
+        after it wait, for a worker group to appear or the window to end, rather than fail."""
+        pending, chunk = self.progress.pending, []
+        while pending and len(chunk) < room:
+            topic = await self.service.topic_for(pending[0].job.model)
+            if topic is None:
+                break
+            chunk.append((pending.popleft(), topic))
+        return chunk
+
     async def _produce_chunk(self) -> bool:
         room = min(self.cfg.max_in_flight - len(self.progress.in_flight), self.cfg.produce_chunk)
-        chunk = [self.progress.pending.popleft() for _ in range(min(room, len(self.progress.pending)))]
-        if not chunk:
+        routed = await self._routed_chunk(room)
+        if not routed:
             return False
+        chunk = [line for line, _topic in routed]
         try:
-            await self.client.submit_many([line.job for line in chunk], topic=self.service.batch_topic)
+            for topic in dict.fromkeys(t for _line, t in routed):  # one call per topic, in first-seen order
+                await self.client.submit_many([line.job for line, t in routed if t == topic], topic=topic)
         except BaseException:
             self.progress.pending.extendleft(reversed(chunk))  # produced again next tick: same ids
             raise
@@ -351,10 +366,15 @@ class BatchService:
     """Every batch this replica gathers: a scan finds batches nobody gathers (new, or their replica died)
     and takes their lease; `kick` starts a new batch at once. Also sweeps expired files."""
 
-    def __init__(self, client: Client, cfg: BatchConfig, registry: CollectorRegistry | None = None):
+    def __init__(self, client: Client, cfg: BatchConfig, registry: CollectorRegistry | None = None,
+                 routes: RouteCache | None = None):
         self.client, self.cfg = client, cfg
         self.storage = Storage(cfg.storage_path)
         self.batch_topic = cfg.batch_topic or default_batch_topic(client.topic)
+        # Without a fixed --batch-topic, a line goes to the batch sibling of the topic whose workers serve its
+        # model (the gateway's routes, from the heartbeats), as a live request for that model would.
+        self.routes = None if cfg.batch_topic else routes
+        self._held_models: set[str | None] = set()  # models whose lines wait for a route (logged once)
         self.replica = uuid.uuid4().hex  # names this replica in the leases it holds
         self.metrics = BatchMetrics(registry or CollectorRegistry())
         self._runners: dict[str, asyncio.Task[None]] = {}
@@ -385,6 +405,22 @@ class BatchService:
             self._finished.add(batch_id)
         elif state is not None:
             await self._take(state)
+
+    async def topic_for(self, model: str | None) -> str | None:
+        """The batch topic for a line of `model`, or None while no live worker group serves it."""
+        if self.routes is None:
+            return self.batch_topic
+        table = await self.routes.table()
+        if model is None and len(table.models) == 1:  # as the live endpoints: lenient with one model
+            model = table.models[0]
+        route = table.routes.get(model) if model is not None else None
+        if route is None:
+            if model not in self._held_models:
+                self._held_models.add(model)
+                log.warning("batch lines for model %r wait: %s", model, table.not_routable(model))
+            return None
+        self._held_models.discard(model)
+        return default_batch_topic(route.topic)
 
     async def _scan_forever(self) -> None:
         swept_at = float("-inf")
