@@ -263,7 +263,7 @@ class BatchRunner:
         """Up to `room` pending lines in line order with their topics, stopping at the first line whose model
         no live group serves: lines go out in order (produced_through is a prefix), so that line and those
         after it wait, for a worker group to appear or the window to end, rather than fail."""
-        pending, chunk = self.progress.pending, []
+        pending, chunk = self.progress.pending, list[tuple[LineJob, str]]()
         while pending and len(chunk) < room:
             topic = await self.service.topic_for(pending[0].job.model)
             if topic is None:
