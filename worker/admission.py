@@ -19,6 +19,7 @@ Pure Python (no Kafka, no Redis, no clock but the one passed in), so it is teste
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -191,7 +192,13 @@ class Backlog(Generic[T]):
             queue = level.queues[queued.tenant] = deque()
             self._tenant_levels.setdefault(queued.tenant, set()).add(level_key)
             self._push_tenant(level, queued.tenant, queued.arrival)
-        queue.append(queued)
+        if not queue or queued.arrival > queue[-1].arrival:
+            queue.append(queued)
+        elif queued.arrival < queue[0].arrival:  # put back at the head: the tenant's heap entry must say so
+            queue.appendleft(queued)
+            self._push_tenant(level, queued.tenant, queued.arrival)
+        else:
+            queue.insert(bisect.bisect([q.arrival for q in queue], queued.arrival), queued)
 
     def _push_tenant(self, level: _Level[T], tenant: str, arrival: int) -> None:
         shares = self.shares

@@ -76,7 +76,7 @@ CLAIMING, PARKED, RUNNING, FINISHING = (RequestState.CLAIMING, RequestState.PARK
                                         RequestState.FINISHING)
 QUEUED = RequestState.QUEUED
 # Bytes a job in the backlog holds beyond its record (decoded Job, request entry, queue and table slots):
-# tracemalloc over 20,000 small jobs measured about 1.9 KiB each (tests/test_tenants.py keeps it honest).
+# tracemalloc over 20,000 small jobs measured about 1.3 KiB each (tests/test_admission.py keeps it honest).
 _QUEUED_OVERHEAD_BYTES = 2048
 _BATCH_ENGINE_PRIORITY = 1 << 64  # added to a batch job's priority in the engine: below every live job
 _LIMITED_RETRY_S = 0.1  # a tenant refused by its limits is skipped this long before it is asked again
