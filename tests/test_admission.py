@@ -212,12 +212,12 @@ def test_the_tenant_chosen_had_the_least_share_at_its_level(jobs):
 
 
 def test_backlog_entry_memory_stays_under_the_workers_estimate():
-    """The worker counts a queued job as twice its record plus _QUEUED_OVERHEAD_BYTES; measure a real entry
+    """The worker counts a queued job as twice its record plus QUEUED_OVERHEAD_BYTES; measure a real entry
     (decoded Job, request entry, queue slot) to keep that estimate honest."""
     import msgspec
     from stoker.schemas import decode_job
+    from stoker.worker.admitter import QUEUED_OVERHEAD_BYTES
     from stoker.worker.requests import Request, RequestState, RequestTable
-    from stoker.worker.service import _QUEUED_OVERHEAD_BYTES
 
     raws = [msgspec.json.encode({"type": "job", "request_id": f"req-{i:08d}", "prompt": f"tell me a story {i}",
                                  "max_tokens": 16, "tenant": f"tenant-{i % 50}"}) for i in range(5000)]
@@ -233,7 +233,7 @@ def test_backlog_entry_memory_stays_under_the_workers_estimate():
     per_entry = (tracemalloc.get_traced_memory()[0] - before) / len(raws)
     tracemalloc.stop()
     record = sum(len(r) for r in raws) / len(raws)
-    assert per_entry < 2 * record + _QUEUED_OVERHEAD_BYTES, (per_entry, record)
+    assert per_entry < 2 * record + QUEUED_OVERHEAD_BYTES, (per_entry, record)
 
 
 def test_pause_rule_keeps_room_for_live_and_does_not_flap():

@@ -82,12 +82,12 @@ async def test_a_live_job_behind_a_20000_job_batch_backlog_starts_within_a_secon
     bulk = [job(f"bulk-{i}", prompt="x", max_tokens=1) for i in range(20_000)]
     live = job("live-0", prompt="x", max_tokens=1)
     async with running_worker(space, slow_engine(8, 0.05), max_num_seqs=8, max_poll_records=500) as worker:
-        assert worker.batch_topic == batch_topic  # read by default, since it exists
+        assert worker.admitter.batch_topic == batch_topic  # read by default, since it exists
         await produce_bulk(space.bootstrap, batch_topic, bulk)
         deadline = time.monotonic() + 30
-        while worker.backlog.jobs_by_class[BATCH] < 15_000 and time.monotonic() < deadline:
+        while worker.admitter.backlog.jobs_by_class[BATCH] < 15_000 and time.monotonic() < deadline:
             await asyncio.sleep(0.1)  # the batch backlog is read ahead, the engine busy with it
-        assert worker.backlog.jobs_by_class[BATCH] >= 15_000
+        assert worker.admitter.backlog.jobs_by_class[BATCH] >= 15_000
         await produce_bulk(space.bootstrap, space.names.jobs_topic, [live])
         done = (await wait_results(r, space.names, ["live-0"], timeout=10))["live-0"].terminal
         bulk_done = await count_results(r, space.names, [j["request_id"] for j in bulk])
@@ -163,7 +163,7 @@ async def test_the_batch_topic_is_read_when_it_exists_and_not_when_switched_off(
     batch_topic = await batch_topic_of(space)
     await produce_bulk(space.bootstrap, batch_topic, [job(f"b-{i}", max_tokens=2) for i in range(20)])
     async with running_worker(space, no_batch_topic=True, group_id=space.group + "-off") as worker:
-        assert worker.batch_topic is None
+        assert worker.admitter.batch_topic is None
         await asyncio.sleep(3)
         assert await count_results(r, space.names, [f"b-{i}" for i in range(20)]) == 0
     async with running_worker(space):
@@ -174,7 +174,7 @@ async def test_the_batch_topic_is_read_when_it_exists_and_not_when_switched_off(
 async def test_a_missing_batch_topic_is_logged_and_the_live_topic_served(space, r, caplog):
     caplog.set_level(logging.WARNING, logger="stoker.worker")
     async with running_worker(space) as worker:
-        assert worker.batch_topic is None
+        assert worker.admitter.batch_topic is None
         await produce_bulk(space.bootstrap, space.names.jobs_topic, [job("live-1", max_tokens=2)])
         results = await wait_results(r, space.names, ["live-1"], timeout=20)
     assert isinstance(results["live-1"].terminal, Done)

@@ -2,10 +2,10 @@
 
 Tasks on one asyncio loop, each owned by Worker and cancelled in stop():
   poll      reads job records (getmany) of the live and the batch topic, decodes them into the backlog
-            (read ahead, bounded in bytes; a class is paused when it holds its share)
-  admit     takes jobs from the backlog in admission order (worker.admission: class, priority, tenant share,
-            arrival) as the engine has room, past the tenant limits (worker.tenant_limits), claims them in
-            Redis, hands them to the engine; never waits on the engine (it has its own thread, worker.driver)
+            (read ahead, bounded in bytes: a class's partitions pause when it holds its share)
+  admit     takes jobs from the backlog in admission order (worker.admitter: class, priority, tenant share,
+            arrival, tenant limits) as the engine has room, claims them in Redis, hands them to the engine;
+            never waits on the engine (it has its own thread, worker.driver)
   publish   drains what the engine produced: one Redis pipeline per batch of steps, then marks the
             records whose terminal event is stored as finished
   commit    commits each partition's contiguous watermark of finished records
@@ -51,16 +51,8 @@ from stoker.schemas import (
     is_valid_request_id,
 )
 from stoker.worker import events
-from stoker.worker.admission import (
-    BATCH,
-    LIVE,
-    NO_TENANT,
-    Backlog,
-    Queued,
-    TenantShares,
-    estimate_tokens,
-    paused_classes,
-)
+from stoker.worker.admission import BATCH, LIVE
+from stoker.worker.admitter import Admitter
 from stoker.worker.config import WorkerConfig
 from stoker.worker.dead_letters import DeadLetter
 from stoker.worker.driver import EngineDriver, EngineLike
@@ -68,18 +60,12 @@ from stoker.worker.metrics import HealthServer, WorkerMetrics
 from stoker.worker.offsets import OffsetTracker
 from stoker.worker.redis_io import Admission, EventKind, OutEvent, RedisIO, Renewal
 from stoker.worker.requests import Record, Request, RequestState, RequestTable, engine_request
-from stoker.worker.tenant_limits import TenantGate, Verdict
 
 log = logging.getLogger("stoker.worker")
 VERSION = "0.1.0"
 CLAIMING, PARKED, RUNNING, FINISHING = (RequestState.CLAIMING, RequestState.PARKED, RequestState.RUNNING,
                                         RequestState.FINISHING)
 QUEUED = RequestState.QUEUED
-# Bytes a job in the backlog holds beyond its record (decoded Job, request entry, queue and table slots):
-# tracemalloc over 20,000 small jobs measured about 1.3 KiB each (tests/test_admission.py keeps it honest).
-_QUEUED_OVERHEAD_BYTES = 2048
-_BATCH_ENGINE_PRIORITY = 1 << 64  # added to a batch job's priority in the engine: below every live job
-_LIMITED_RETRY_S = 0.1  # a tenant refused by its limits is skipped this long before it is asked again
 _CLOSE_TIMEOUT_S = 10.0  # at shutdown, how long the last commit and each Kafka client's close may take
 # A dead letter refused this long turns /healthz unhealthy: its record (and its partition's commits) is stuck
 # until an operator acts. Not at once: a broker restart refuses sends for a few seconds and heals by itself.
@@ -150,13 +136,8 @@ class Worker:
         self._commit_wakeup = asyncio.Event()
         self._stopping = asyncio.Event()
         self._paused: set[int] = set()  # classes (admission.LIVE, BATCH) whose partitions are paused
-        self.backlog: Backlog[Request] = Backlog(
-            TenantShares(config.tenant_weights(), config.tenant_share_half_life_s), config.batch_weight)
-        self.batch_topic: str | None = None  # the batch class's topic once start() found it
+        self.admitter = Admitter(config, self.requests, self.metrics)  # the backlog read ahead, and who goes next
         self._admit_wakeup = asyncio.Event()
-        self._admitted_cost: dict[str, tuple[str, int, int]] = {}  # request id -> (tenant, estimate, class)
-        self._limited_until: dict[str, float] = {}  # tenant -> monotonic time its limits are asked again
-        self.gate: TenantGate | None = None
         self._left_group = False  # left the consumer group during a long Redis outage (rejoins after it)
         self._assigned: set[TopicPartition] = set()
         self._tasks: list[asyncio.Task[Any]] = []
@@ -188,8 +169,7 @@ class Worker:
         # Redis first: a worker that cannot log in must fail here, before it joins the group and takes
         # partitions it could never serve (an outage, by contrast, is waited out).
         await self.rio.retry("ping", self.redis.ping)
-        if cfg.tenant_limits():
-            self.gate = TenantGate(self.redis, cfg.prefix, cfg.tenant_limits(), int(cfg.claim_ttl_s * 1000))
+        self.admitter.start(self.redis, self.rio.retry)
         self.driver = EngineDriver(self.engine, loop, self._on_step)
         self.metrics.watch_engine(self.driver)
         self.driver.start()
@@ -210,9 +190,8 @@ class Worker:
             task = asyncio.create_task(loop_fn(), name=loop_fn.__name__)
             task.add_done_callback(self._on_task_done)
             self._tasks.append(task)
-        log.info("event=worker_started worker=%s model=%s topic=%s batch_topic=%s group=%s stream_cap=%d",
-                 cfg.worker_id, self.model_name, self.names.jobs_topic, self.batch_topic, cfg.group_id,
-                 self.rio.stream_maxlen)
+        log.info("event=worker_started worker=%s model=%s topics=%s group=%s stream_cap=%d", cfg.worker_id,
+                 self.model_name, ",".join(self._topics()), cfg.group_id, self.rio.stream_maxlen)
 
     def _redis_client(self, name: str | None = None) -> aioredis.Redis:
         cfg = self.cfg
@@ -267,7 +246,7 @@ class Worker:
                 log.warning("event=kafka_metadata_retry error=%r", str(exc))
                 await asyncio.sleep(1.0)
         topics = cluster.topics()
-        self._find_batch_topic(topics)
+        self.admitter.find_batch_topic(topics)
         missing = [t for t in (self.names.jobs_topic, self.names.dlq_topic) if t not in topics]
         if missing:
             what = "; ".join(f"Kafka topic {t!r} does not exist on {self.cfg.bootstrap_servers}" for t in missing)
@@ -276,18 +255,9 @@ class Worker:
                 f"create it (kafka-topics.sh --create --topic {missing[0]} ...; `ops/stack up` makes the default "
                 "ones), or point --job-topic / --dlq-topic (STOKER_JOB_TOPIC / STOKER_DLQ_TOPIC) at existing ones")
 
-    def _find_batch_topic(self, topics: set[str]) -> None:
-        """Read the batch class's topic when it exists; a missing one is no error (the live topic alone is
-        read; the Batch API's jobs wait in Kafka until the topic is made and this worker restarted)."""
-        wanted = self.cfg.batch_topic_name
-        if wanted is not None and wanted in topics:
-            self.batch_topic = wanted
-        elif wanted is not None:
-            log.warning("event=batch_topic_missing topic=%s hint=%r", wanted, "reading the job topic alone; create "
-                        "the topic (`ops/stack up` makes it) and restart, or pass --no-batch-topic to silence this")
-
     def _topics(self) -> list[str]:
-        return [self.names.jobs_topic] + ([self.batch_topic] if self.batch_topic else [])
+        batch = self.admitter.batch_topic
+        return [self.names.jobs_topic] + ([batch] if batch else [])
 
     def _on_task_done(self, task: asyncio.Task[Any]) -> None:
         """A task of ours ended by an error nobody expected (e.g. Redis answering with an error reply): the
@@ -310,7 +280,7 @@ class Worker:
         self._stopping.set()
         self.ready = False
         for intake in self._tasks[:2]:  # poll, admit
-            # Let the intake end by itself (it checks _stopping after each poll, 200 ms): cancelled in the
+            # Let the intake end by itself (it checks _stopping after each round, 200 ms): cancelled in the
             # middle of a claim round trip, Redis would hold claims (and attempts) nobody here knows of.
             await asyncio.wait({intake}, timeout=_CLOSE_TIMEOUT_S)
             intake.cancel()
@@ -346,10 +316,9 @@ class Worker:
                     await asyncio.wait_for(self.rio.release(req.request_id, req.attempt,
                                                             give_back_attempt=req.seq == 0), 2)
             for req in self.requests.of(RUNNING):
-                self._settle(req.request_id, 0)
-            if self.gate is not None:
-                with _stop_step("tenant_release"):
-                    await asyncio.wait_for(self.gate.flush(), 2)
+                self.admitter.settle(req.request_id, 0)
+            with _stop_step("tenant_release"):
+                await asyncio.wait_for(self.admitter.flush(), 2)
             self.rio.stopping = True
         for task in self._tasks[2:]:
             task.cancel()
@@ -405,7 +374,7 @@ class Worker:
         self._stage[stage].observe(max(0.0, at_ms - record_ms) / 1000)
 
     async def _intake(self, records: list[ConsumerRecord[Any, Any]], polled_ms: float) -> None:
-        claims: list[tuple[Request, int]] = []  # this round's new ids with their record's bytes, in read order
+        claims: list[tuple[Request, int]] = []  # this round's new ids (to the backlog), with their bytes
         for rec in records:
             tp = TopicPartition(rec.topic, rec.partition)
             if tp not in self._assigned:
@@ -419,41 +388,26 @@ class Worker:
             except Exception as exc:  # noqa: BLE001 -- no record may stop the intake
                 await self._record_failed(rec, record, exc, claims)
         for entry, size in claims:
-            self._enqueue(entry, size)
+            self.admitter.enqueue(entry, size)
         if claims:
             self._admit_wakeup.set()
 
-    def _enqueue(self, entry: Request, size_bytes: int) -> None:
-        """A new job into the backlog (its records stay in flight: the watermark waits for it)."""
-        self.requests.put(entry, QUEUED)
-        job = entry.job
-        job_class = BATCH if entry.records[0][0].topic == self.batch_topic else LIVE
-        self.backlog.add(Queued(entry, job_class, job.priority, job.tenant or NO_TENANT,
-                                size_bytes + _QUEUED_OVERHEAD_BYTES, estimate_tokens(job)))
-
-    # -- admission ------------------------------------------------------------------------------------------
     async def _admit_loop(self) -> None:
         """Admit from the backlog whenever the engine has room: woken by new jobs and by finished ones."""
-        next_gauges = 0.0
         while not self._stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._admit_wakeup.wait(), 0.05)
             self._admit_wakeup.clear()
             if self._left_group:
                 continue
-            if self.gate is not None and self.gate.pending:
-                assert self.rio is not None
-                await self.rio.retry("tenant_flush", self.gate.flush)
-            while await self._admit_round():
-                pass
-            if time.monotonic() >= next_gauges:
-                next_gauges = time.monotonic() + 1.0
-                self.metrics.set_backlog(self.backlog.jobs_by_class, self.backlog.bytes_by_class,
-                                         self.backlog.jobs_by_tenant)
+            await self.admitter.flush()
+            while not self._stopping.is_set() and (
+                    claims := await self.admitter.next_round(self._free_slots(), self._assigned)):
+                await self._claim(claims)
 
     def _free_slots(self) -> int:
-        """Jobs the engine may take now: up to max_num_seqs running plus max_waiting queued in it, none while
-        KV is short or the publisher lags (Redis slow: admitting more would only queue tokens in memory)."""
+        """Jobs the engine may take now: up to max_num_seqs running plus max_waiting queued in it (at most a
+        poll's worth at once), none while KV is short or the publisher lags (Redis slow)."""
         assert self.cfg.max_waiting is not None
         stats = self.driver.last_stats if self.driver else None
         low_kv = stats is not None and stats.kv_blocks_total > 0 and (
@@ -461,88 +415,23 @@ class Worker:
         if low_kv or self._outbox.qsize() > 64:
             return 0
         held = self.requests.count(RUNNING) + self.requests.count(PARKED) + self.requests.count(CLAIMING)
-        return self.cfg.max_num_seqs + self.cfg.max_waiting - held
-
-    async def _admit_round(self) -> bool:
-        """Pick up to the free slots' worth in admission order, past the tenant limits, and claim them. True
-        when it admitted any (there may be room for more)."""
-        free = min(self._free_slots(), self.cfg.max_poll_records)
-        if free <= 0 or not len(self.backlog):
-            return False
-        now = time.monotonic()
-        limited = {t for t, until in self._limited_until.items() if until > now}
-        picked: list[Queued[Request]] = []
-        while len(picked) < free:
-            queued = self.backlog.pop(limited)
-            if queued is None:
-                break
-            picked.append(queued)
-            self.requests.put(queued.item, CLAIMING)  # a revoke meanwhile leaves it to this round
-        if self.gate is not None:
-            picked = await self._past_limits(picked)
-        for queued in picked:
-            self._admitted_cost[queued.item.request_id] = (queued.tenant, queued.cost_tokens, queued.job_class)
-        if picked:
-            await self._claim([queued.item for queued in picked])
-        return bool(picked)
-
-    async def _past_limits(self, picked: list[Queued[Request]]) -> list[Queued[Request]]:
-        """The picked jobs whose tenants' limits let them run; the others go back to the backlog and their
-        tenants are skipped for a moment (other tenants' jobs go on meanwhile)."""
-        assert self.gate is not None and self.rio is not None
-        gate = self.gate
-        asking = [q for q in picked if gate.limited(q.item.job.tenant)]
-        if not asking:
-            return picked
-        candidates = [(q.item.request_id, q.tenant, q.cost_tokens) for q in asking]
-        verdicts = await self.rio.retry("tenant_gate", lambda: gate.ask(candidates))
-        refused = {id(q): v for q, v in zip(asking, verdicts, strict=True) if v != Verdict.ADMITTED}
-        until = time.monotonic() + _LIMITED_RETRY_S
-        for queued in picked:
-            verdict = refused.get(id(queued))
-            if verdict is not None:
-                self._limited_until[queued.tenant] = until
-                self.metrics.tenant_limited.labels(self.metrics.tenant_label(queued.tenant),
-                                                   Verdict.NAMES[verdict]).inc()
-                self._requeue(queued)
-        return [q for q in picked if id(q) not in refused]
-
-    def _requeue(self, queued: Queued[Request]) -> None:
-        entry = queued.item
-        entry.records = [r for r in entry.records if r[0] in self._assigned]  # a revoke may have come meanwhile
-        if not entry.records:
-            self.requests.remove(entry)
-            return
-        self.requests.put(entry, QUEUED)
-        self.backlog.put_back(queued)
-
-    def _settle(self, request_id: str, tokens_used: int) -> None:
-        """The admitted request ended here (or left us): its tenant's share and limits learn its real cost."""
-        cost = self._admitted_cost.pop(request_id, None)
-        if cost is None:
-            return
-        tenant, estimate, _ = cost
-        self.backlog.charge(tenant, tokens_used - estimate)
-        if self.gate is not None:
-            self.gate.used(request_id, tokens_used)
-            self.gate.release(request_id)
+        return min(self.cfg.max_num_seqs + self.cfg.max_waiting - held, self.cfg.max_poll_records)
 
     async def _claim(self, claims: list[Request]) -> None:
-        if claims:
-            assert self.rio is not None
-            outcomes = await self.rio.admit([entry.request_id for entry in claims])
-            claimed_ms = now_ms()
-            for entry, (status, attempt) in zip(claims, outcomes, strict=True):
-                if status in (Admission.DONE, Admission.BUSY):
-                    self._settle(entry.request_id, 0)
-                self._observe("claimed", entry.record_ms, claimed_ms)
-                try:
-                    self._admitted(entry, status, attempt)
-                except Exception as exc:  # noqa: BLE001 -- one job's failure must not stop the intake
-                    log.exception("event=admit_failed request_id=%s", entry.request_id)
-                    self.metrics.records_failed.inc()
-                    req = self.requests.running(entry.request_id) or entry.next_attempt(attempt)
-                    self._fail(req, ErrorCode.INTERNAL, f"the worker failed to start this job: {exc}")
+        assert self.rio is not None
+        outcomes = await self.rio.admit([entry.request_id for entry in claims])
+        claimed_ms = now_ms()
+        for entry, (status, attempt) in zip(claims, outcomes, strict=True):
+            if status in (Admission.DONE, Admission.BUSY):
+                self.admitter.settle(entry.request_id, 0)
+            self._observe("claimed", entry.record_ms, claimed_ms)
+            try:
+                self._admitted(entry, status, attempt)
+            except Exception as exc:  # noqa: BLE001 -- one job's failure must not stop the intake
+                log.exception("event=admit_failed request_id=%s", entry.request_id)
+                self.metrics.records_failed.inc()
+                req = self.requests.running(entry.request_id) or entry.next_attempt(attempt)
+                self._fail(req, ErrorCode.INTERNAL, f"the worker failed to start this job: {exc}")
 
     def _join(self, rid: str, record: Record) -> bool:
         """A record of an id we hold joins its entry: its records finish together. False when new."""
@@ -630,32 +519,25 @@ class Worker:
     def _submit(self, req: Request) -> None:
         assert self.driver is not None
         request = engine_request(req.job)
-        cost = self._admitted_cost.get(req.request_id)
-        if cost is not None and cost[2] == BATCH:  # the engine's own queue (and preemption) keeps live first
-            request.priority += _BATCH_ENGINE_PRIORITY
+        request.priority = self.admitter.engine_priority(req.request_id, request.priority)
         self.driver.add_request(request)
 
     def _apply_backpressure(self) -> None:
-        """Pause a class's partitions while the backlog holds its share of bytes (the engine being full
-        pauses nothing by itself: the backlog fills, and reading stops there)."""
+        """Pause a class's partitions while the backlog holds its share of bytes. A full engine pauses
+        nothing by itself: the backlog fills, and reading stops there."""
         assert self.consumer is not None
-        cfg = self.cfg
-        paused = paused_classes(self.backlog.bytes_by_class, cfg.max_backlog_bytes, cfg.batch_backlog_share,
-                                self._paused)
+        paused = self.admitter.paused(self._paused)
         if paused == self._paused:
             return
         assignment = self.consumer.assignment()
         for job_class in (LIVE, BATCH):
-            parts = [tp for tp in assignment if self._class_of(tp.topic) == job_class]
-            if job_class in paused and job_class not in self._paused and parts:
+            parts = [tp for tp in assignment if self.admitter.class_of(tp.topic) == job_class]
+            if parts and job_class in paused - self._paused:
                 self.consumer.pause(*parts)
-            elif job_class in self._paused and job_class not in paused and parts:
+            elif parts and job_class in self._paused - paused:
                 self.consumer.resume(*parts)
-        log.debug("event=intake_paused classes=%s backlog_bytes=%d", sorted(paused), self.backlog.bytes)
+        log.debug("event=intake_paused classes=%s backlog_bytes=%d", sorted(paused), self.admitter.backlog.bytes)
         self._paused = paused
-
-    def _class_of(self, topic: str) -> int:
-        return BATCH if topic == self.batch_topic else LIVE
 
     # -- answers that need no engine ----------------------------------------------------------------------
     def _end_without_running(self, req: Request, reason: str) -> None:
@@ -806,7 +688,7 @@ class Worker:
                 req.seq += 1
             if not out.finished:
                 continue
-            self._settle(rid, out.prompt_tokens + out.completion_tokens)
+            self.admitter.settle(rid, out.prompt_tokens + out.completion_tokens)
             event = events.finished(req, out, step_ms, self.model_name, self.cfg.worker_id)
             if isinstance(event, Error):
                 reason = event.code
@@ -849,7 +731,7 @@ class Worker:
             finished: list[Record] = []
             for req in batch.terminals:
                 rid = req.request_id
-                self._settle(rid, 0)  # ended without the engine (an error, a cancel): no-op for the rest
+                self.admitter.settle(rid, 0)  # ended without the engine (an error, a cancel); else a no-op
                 records = req.records
                 entry = self.requests.get(rid, FINISHING)
                 if entry is not None:
@@ -906,7 +788,7 @@ class Worker:
         self._assigned -= revoked
         for tp in revoked:
             self.tracker.forget(tp)
-        self._drop_queued(revoked)
+        self.admitter.drop(revoked)
         # Not CLAIMING ones (the intake, mid claim round trip, settles them) nor the records a FINISHING
         # request was read in (they finish with its terminal event, a no-op on a partition forgotten here).
         for parked in self.requests.of(PARKED):
@@ -919,19 +801,9 @@ class Worker:
             req.late_records = [r for r in req.late_records if r[0] not in revoked]
         log.info("event=partitions_revoked partitions=%s", sorted(f"{tp.topic}-{tp.partition}" for tp in revoked))
 
-    def _drop_queued(self, revoked: set[TopicPartition]) -> None:
-        """Backlog jobs read from revoked partitions are the new owner's now (nothing of theirs was claimed)."""
-        for queued in self.backlog.remove_if(lambda q: any(r[0] in revoked for r in q.item.records)):
-            entry = queued.item
-            entry.records = [r for r in entry.records if r[0] not in revoked]
-            if entry.records:  # also read from a partition still ours (a duplicate): it stays
-                self.backlog.put_back(queued)
-            else:
-                self.requests.remove(entry)
-
     def on_assigned(self, assigned: set[TopicPartition]) -> None:
         self._assigned |= assigned
-        paused = [tp for tp in assigned if self._class_of(tp.topic) in self._paused]
+        paused = [tp for tp in assigned if self.admitter.class_of(tp.topic) in self._paused]
         if paused and self.consumer is not None:
             self.consumer.pause(*paused)  # keep newly assigned partitions in step with the pause state
         log.info("event=partitions_assigned partitions=%s", sorted(f"{tp.topic}-{tp.partition}" for tp in assigned))
@@ -943,7 +815,7 @@ class Worker:
         anyway), its KV blocks are freed, and its records wait for the new owner's answer."""
         rid = req.request_id
         log.warning("event=claim_lost request_id=%s attempt=%d found_by=%s", rid, req.attempt, found_by)
-        self._settle(rid, 0)
+        self.admitter.settle(rid, 0)
         req.lost = True
         self.requests.remove(req)
         if self.driver is not None:
@@ -975,8 +847,7 @@ class Worker:
                                "capacity": self.cfg.max_num_seqs, "running": len(ids), "version": VERSION,
                                "started_at": self._started_at}).encode()
             codes = await self.rio.renew(running, (key, beat, max(3, int(self.cfg.claim_ttl_s))))
-            if self.gate is not None:
-                await self.rio.retry("tenant_renew", self.gate.renew)
+            await self.admitter.renew()  # the tenants' running-set leases, with the claims
             for (rid, attempt), code in zip(running, codes, strict=True):
                 req = self.requests.running(rid)
                 if req is None or req.attempt != attempt:
@@ -1091,7 +962,7 @@ class Worker:
         self.ready = False
         await self.on_revoked(set(self._assigned))
         for req in self.requests.of(RUNNING):
-            self._settle(req.request_id, 0)
+            self.admitter.settle(req.request_id, 0)
         self.consumer.unsubscribe()
         # What runs here can't publish; its claims expire and other workers run it again. Free the engine.
         for req in self.requests.of(RUNNING):
