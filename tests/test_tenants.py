@@ -180,3 +180,19 @@ async def test_a_missing_batch_topic_is_logged_and_the_live_topic_served(space, 
     assert isinstance(results["live-1"].terminal, Done)
     assert any("event=batch_topic_missing" in rec.getMessage() and default_batch_topic(space.names.jobs_topic)
                in rec.getMessage() for rec in caplog.records)
+
+
+async def test_deadline_and_cancel_of_jobs_in_the_backlog_apply_within_seconds(space, r):
+    burst = [job(f"w-{i}", tenant="acme", prompt="x", max_tokens=1) for i in range(5000)]
+    soon = int(time.time() * 1000) + 1500
+    tail = [job("dl-0", tenant="acme", prompt="x", max_tokens=1, deadline_ms=soon),
+            job("cx-0", tenant="acme", prompt="x", max_tokens=1)]
+    async with running_worker(space, slow_engine(8, 0.05), max_num_seqs=8, max_poll_records=500):
+        await produce_bulk(space.bootstrap, space.names.jobs_topic, burst + tail)
+        await asyncio.sleep(0.5)
+        await r.set(space.names.cancelled("cx-0"), b"1", ex=600)
+        await r.publish(space.names.cancel_channel, msgspec.json.encode({"type": "cancel", "request_id": "cx-0"}))
+        results = await wait_results(r, space.names, ["dl-0", "cx-0"], timeout=6)
+        burst_done = await count_results(r, space.names, [j["request_id"] for j in burst])
+    assert [results[i].terminal.finish_reason for i in ("dl-0", "cx-0")] == ["deadline", "cancelled"]  # type: ignore[union-attr]
+    assert burst_done < len(burst) // 2  # they ended long before their turn in the backlog came

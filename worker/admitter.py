@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Container
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -145,6 +145,19 @@ class Admitter:
         if self.gate is not None:
             self.gate.used(request_id, tokens_used)
             self.gate.release(request_id)
+
+    def take_expired(self, now_ms: float, cancelled: Container[str]) -> list[Request]:
+        """Backlog jobs past their deadline or cancelled, out of their turn (as CLAIMING entries): claimed,
+        they end `deadline` / `cancelled` without running, instead of when admission reaches them. O(n) in
+        the backlog: the worker calls it about once a second."""
+        def expired(queued: Queued[Request]) -> bool:
+            deadline = queued.item.job.deadline_ms
+            return (deadline is not None and deadline <= now_ms) or queued.item.request_id in cancelled
+
+        gone = [queued.item for queued in self.backlog.remove_if(expired)]
+        for entry in gone:
+            self.requests.put(entry, RequestState.CLAIMING)
+        return gone
 
     def drop(self, revoked: set[Any]) -> None:
         """Backlog jobs read from revoked partitions are the new owner's now (nothing of theirs was claimed)."""

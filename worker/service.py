@@ -394,6 +394,7 @@ class Worker:
 
     async def _admit_loop(self) -> None:
         """Admit from the backlog whenever the engine has room: woken by new jobs and by finished ones."""
+        next_sweep = 0.0
         while not self._stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._admit_wakeup.wait(), 0.05)
@@ -401,6 +402,10 @@ class Worker:
             if self._left_group:
                 continue
             await self.admitter.flush()
+            if time.monotonic() >= next_sweep:  # deadlines and cancels of jobs still in the backlog
+                next_sweep = time.monotonic() + 1.0
+                if expired := self.admitter.take_expired(now_ms(), self._early_cancels):
+                    await self._claim(expired)
             while not self._stopping.is_set() and (
                     claims := await self.admitter.next_round(self._free_slots(), self._assigned)):
                 await self._claim(claims)
