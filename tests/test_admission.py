@@ -271,3 +271,33 @@ def test_limits_of_a_tenant_fall_back_to_star_and_never_apply_without_tenant():
     assert limits.of(None) == (-1, -1)
     assert limits.capacity(600) == 60
     assert parse_weights(["a=b=2"], "w") == {"a=b": 2.0}  # the last '=' splits: tenants may hold '='
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"batch_weight": -0.5}, "batch_weight"),
+    ({"max_backlog_bytes": 1000}, "max_backlog_bytes"),
+    ({"batch_backlog_share": 0.0}, "batch_backlog_share"),
+    ({"tenant_share_half_life_s": 0.0}, "tenant_share_half_life_s"),
+    ({"tenant_burst_s": -1.0}, "tenant_burst_s"),
+    ({"tenant_weight": ("acme",)}, "tenant_weight takes TENANT=NUMBER"),
+    ({"tenant_max_running": ("acme=0",)}, "tenant_max_running takes TENANT=N"),
+    ({"tenant_tokens_per_minute": ("acme=lots",)}, "tenant_tokens_per_minute takes TENANT=N"),
+    ({"batch_topic": "bad topic"}, "batch_topic must be 1-249 chars"),
+    ({"batch_topic": "stoker.jobs"}, "batch_topic must differ"),
+    ({"batch_topic": "x.batch", "no_batch_topic": True}, "contradict"),
+])
+def test_worker_config_names_each_bad_tenancy_setting(kwargs, named):
+    from stoker.worker.config import WorkerConfig
+
+    with pytest.raises(ValueError, match=named):
+        WorkerConfig(fake_engine=True, **kwargs)
+
+
+def test_worker_flags_and_env_give_the_batch_topic_weights_and_limits():
+    from stoker.worker.main import parse_config
+
+    cfg = parse_config(["--fake-engine", "--tenant-weight", "acme=4", "--tenant-weight", "b=0.5",
+                        "--job-topic", "j"], env={"STOKER_TENANT_TOKENS_PER_MINUTE": "acme=600 *=60"})
+    assert cfg.tenant_weights() == {"acme": 4.0, "b": 0.5}
+    assert cfg.tenant_limits().of("zed") == (-1, 60) and cfg.batch_topic_name == "j.batch"
+    assert parse_config(["--fake-engine", "--no-batch-topic"], env={}).batch_topic_name is None

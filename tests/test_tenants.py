@@ -139,8 +139,8 @@ async def test_a_tenant_running_limit_holds_across_two_workers_and_others_go_on(
     capped = [job(f"c-{i}", tenant="capped", prompt="x", max_tokens=20) for i in range(30)]
     free = [job(f"f-{i}", tenant="free", prompt="x", max_tokens=20) for i in range(30)]
     settings: dict[str, Any] = dict(tenant_max_running=("capped=3",), max_num_seqs=16)
-    async with running_worker(space, slow_engine(16, 0.02), **settings), \
-            running_worker(space, slow_engine(16, 0.02), **settings):
+    async with running_worker(space, slow_engine(16, 0.02), **settings) as w1, \
+            running_worker(space, slow_engine(16, 0.02), **settings) as w2:
         await produce_bulk(space.bootstrap, space.names.jobs_topic, capped + free)
         most = 0
         free_ids = [j["request_id"] for j in free]
@@ -155,6 +155,9 @@ async def test_a_tenant_running_limit_holds_across_two_workers_and_others_go_on(
                 break
             await asyncio.sleep(0.03)
         capped_done_at = time.monotonic()
+        refused = sum(w.metrics.registry.get_sample_value(
+            "stoker_tenant_limited_total", {"tenant": "capped", "limit": "max_running"}) or 0 for w in (w1, w2))
+    assert refused > 0  # counted per tenant in the metrics
     assert most == 3, f"{most} of the capped tenant's jobs ran at once (limit 3)"
     assert free_done_at is not None and free_done_at < capped_done_at - 1  # the other tenant did not wait
 

@@ -128,7 +128,8 @@ def _command() -> click.Command:
             params.append(_EnvOption([flag], is_flag=True, default=False, envvar=var, show_envvar=True,
                                      help=help_text))
         elif typ is tuple:  # repeatable; its variable takes the values separated by spaces
-            params.append(_EnvOption([flag], multiple=True, envvar=var, show_envvar=True, help=help_text))
+            params.append(_EnvOption([flag], multiple=True, default=(), envvar=var, show_envvar=True,
+                                     help=help_text))
         else:
             params.append(_EnvOption([flag], type=typ, default=default, envvar=var, show_envvar=True,
                                      show_default=default is not None and default != "", help=help_text))
