@@ -15,6 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from stoker.schemas import Done, Names, decode_event, default_batch_topic
+from stoker.worker import admitter
 from stoker.worker.admission import BATCH
 from stoker.worker.fake_engine import FakeEngine
 from worker_harness import Space, create_topics, job, make_space, running_worker, wait_results
@@ -174,13 +175,19 @@ async def test_the_batch_topic_is_read_when_it_exists_and_not_when_switched_off(
     assert all(isinstance(o.terminal, Done) for o in results.values())
 
 
-async def test_a_missing_batch_topic_is_logged_and_the_live_topic_served(space, r, caplog):
+async def test_a_missing_batch_topic_is_logged_the_live_topic_served_and_the_topic_read_once_made(
+        space, r, caplog, monkeypatch):
     caplog.set_level(logging.WARNING, logger="stoker.worker")
+    monkeypatch.setattr(admitter, "BATCH_TOPIC_RECHECK_S", 0.5)
     async with running_worker(space) as worker:
         assert worker.admitter.batch_topic is None
         await produce_bulk(space.bootstrap, space.names.jobs_topic, [job("live-1", max_tokens=2)])
         results = await wait_results(r, space.names, ["live-1"], timeout=20)
-    assert isinstance(results["live-1"].terminal, Done)
+        batch_topic = await batch_topic_of(space)  # made while the worker runs: it subscribes to it
+        await produce_bulk(space.bootstrap, batch_topic, [job("late-batch-1", max_tokens=2)])
+        results |= await wait_results(r, space.names, ["late-batch-1"], timeout=30)
+        assert worker.admitter.batch_topic == batch_topic
+    assert all(isinstance(o.terminal, Done) for o in results.values())
     assert any("event=batch_topic_missing" in rec.getMessage() and default_batch_topic(space.names.jobs_topic)
                in rec.getMessage() for rec in caplog.records)
 

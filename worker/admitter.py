@@ -37,6 +37,7 @@ Retry = Callable[[str, Callable[[], Awaitable[Any]]], Awaitable[Any]]  # RedisIO
 # tracemalloc over 20,000 small jobs measured about 1.3 KiB each (tests/test_admission.py keeps it honest).
 QUEUED_OVERHEAD_BYTES = 2048
 _BATCH_ENGINE_PRIORITY = 1 << 64  # added to a batch job's priority in the engine: below every live job
+BATCH_TOPIC_RECHECK_S = 30.0  # a missing batch topic is looked for again this often
 _LIMITED_RETRY_S = 0.1  # a tenant refused by its limits is skipped this long before it is asked again
 
 
@@ -53,6 +54,7 @@ class Admitter:
         self._cost: dict[str, tuple[str, int, int]] = {}  # admitted request id -> (tenant, estimate, class)
         self._limited_until: dict[str, float] = {}  # tenant -> monotonic time its limits are asked again
         self._gauges_at = 0.0
+        self._missing_logged = False
         # (deadline_ms, tie-break, entry) of backlog jobs with a deadline; admitted ones are skipped lazily
         self._deadlines: list[tuple[int, int, Request]] = []
         self._deadline_order = itertools.count()
@@ -63,15 +65,25 @@ class Admitter:
             self.gate = TenantGate(client, self.cfg.prefix, limits, int(self.cfg.claim_ttl_s * 1000))
         self._retry = retry
 
-    def find_batch_topic(self, topics: set[str]) -> None:
-        """Read the batch class's topic when it exists; a missing one is no error (the live topic alone is
-        read; the Batch API's jobs wait in Kafka until the topic is made and this worker restarted)."""
+    @property
+    def batch_topic_missing(self) -> bool:
+        return self.batch_topic is None and self.cfg.batch_topic_name is not None
+
+    def find_batch_topic(self, topics: set[str]) -> bool:
+        """Read the batch class's topic when it exists (True when it was just found). A missing one is no
+        error: the live topic alone is read, the worker looks again every BATCH_TOPIC_RECHECK_S, and the
+        Batch API's jobs wait in Kafka meanwhile."""
         wanted = self.cfg.batch_topic_name
-        if wanted is not None and wanted in topics:
+        if wanted is None or self.batch_topic is not None:
+            return False
+        if wanted in topics:
             self.batch_topic = wanted
-        elif wanted is not None:
-            log.warning("event=batch_topic_missing topic=%s hint=%r", wanted, "reading the job topic alone; create "
-                        "the topic (`ops/stack up` makes it) and restart, or pass --no-batch-topic to silence this")
+            return True
+        if not self._missing_logged:
+            self._missing_logged = True
+            log.warning("event=batch_topic_missing topic=%s hint=%r", wanted, "reading the job topic alone until "
+                        "it exists (`ops/stack up` makes it); --no-batch-topic silences this")
+        return False
 
     def class_of(self, topic: str) -> int:
         return BATCH if topic == self.batch_topic else LIVE
@@ -89,23 +101,25 @@ class Admitter:
                 heapq.heapify(self._deadlines)
 
     async def next_round(self, free: int, assigned: set[Any]) -> list[Request]:
-        """Up to `free` jobs in admission order, past the tenant limits, as CLAIMING entries to claim."""
-        if free <= 0 or not len(self.backlog):
-            return []
-        now = time.monotonic()
-        limited = {t for t, until in self._limited_until.items() if until > now}
-        picked: list[Queued[Request]] = []
-        while len(picked) < free:
-            queued = self.backlog.pop(limited)
-            if queued is None:
-                break
-            picked.append(queued)
-            self.requests.put(queued.item, RequestState.CLAIMING)  # a revoke meanwhile leaves it to the round
-        if self.gate is not None:
-            picked = await self._past_limits(self.gate, picked, assigned)
-        for queued in picked:
-            self._cost[queued.item.request_id] = (queued.tenant, queued.cost_tokens, queued.job_class)
-        return [queued.item for queued in picked]
+        """Up to `free` jobs in admission order, past the tenant limits, as CLAIMING entries to claim. When
+        every job picked was refused, picks again without those tenants (each pass skips one more)."""
+        while free > 0 and len(self.backlog):
+            now = time.monotonic()
+            self._limited_until = {t: until for t, until in self._limited_until.items() if until > now}
+            limited = self._limited_until.keys()
+            picked: list[Queued[Request]] = []
+            while len(picked) < free and (queued := self.backlog.pop(limited)) is not None:
+                picked.append(queued)
+                self.requests.put(queued.item, RequestState.CLAIMING)  # a revoke meanwhile leaves it to us
+            if not picked:
+                return []
+            if self.gate is not None:
+                picked = await self._past_limits(self.gate, picked, assigned)
+            for queued in picked:
+                self._cost[queued.item.request_id] = (queued.tenant, queued.cost_tokens, queued.job_class)
+            if picked:
+                return [queued.item for queued in picked]
+        return []
 
     async def _past_limits(self, gate: TenantGate, picked: list[Queued[Request]],
                            assigned: set[Any]) -> list[Queued[Request]]:

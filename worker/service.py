@@ -50,7 +50,7 @@ from stoker.schemas import (
     is_msgpack,
     is_valid_request_id,
 )
-from stoker.worker import events
+from stoker.worker import admitter, events
 from stoker.worker.admission import BATCH, LIVE
 from stoker.worker.admitter import Admitter
 from stoker.worker.config import WorkerConfig
@@ -395,6 +395,7 @@ class Worker:
     async def _admit_loop(self) -> None:
         """Admit from the backlog whenever the engine has room: woken by new jobs and by finished ones."""
         next_sweep = 0.0
+        next_topic_check = time.monotonic() + admitter.BATCH_TOPIC_RECHECK_S
         while not self._stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._admit_wakeup.wait(), 0.05)
@@ -406,9 +407,23 @@ class Worker:
                 next_sweep = time.monotonic() + 1.0
                 if expired := self.admitter.take_expired(now_ms(), self._early_cancels):
                     await self._claim(expired)
+            if self.admitter.batch_topic_missing and time.monotonic() >= next_topic_check:
+                next_topic_check = time.monotonic() + admitter.BATCH_TOPIC_RECHECK_S
+                await self._look_for_batch_topic()
             while not self._stopping.is_set() and (
                     claims := await self.admitter.next_round(self._free_slots(), self._assigned)):
                 await self._claim(claims)
+
+    async def _look_for_batch_topic(self) -> None:
+        """The batch topic was made after we started: subscribe to it too (a rebalance follows)."""
+        assert self.producer is not None and self.consumer is not None
+        try:
+            cluster = await asyncio.wait_for(self.producer.client.fetch_all_metadata(), 5)
+        except (KafkaError, OSError, TimeoutError):
+            return  # the broker is away: look again later
+        if self.admitter.find_batch_topic(cluster.topics()) and not self._left_group:
+            log.info("event=batch_topic_found topic=%s", self.admitter.batch_topic)
+            self.consumer.subscribe(self._topics(), listener=_Rebalance(self))
 
     def _free_slots(self) -> int:
         """Jobs the engine may take now: up to max_num_seqs running plus max_waiting queued in it (at most a
