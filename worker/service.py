@@ -867,7 +867,6 @@ class Worker:
                                "capacity": self.cfg.max_num_seqs, "running": len(ids), "version": VERSION,
                                "started_at": self._started_at}).encode()
             codes = await self.rio.renew(running, (key, beat, max(3, int(self.cfg.claim_ttl_s))))
-            await self.admitter.renew()  # the tenants' running-set leases, with the claims
             for (rid, attempt), code in zip(running, codes, strict=True):
                 req = self.requests.running(rid)
                 if req is None or req.attempt != attempt:
@@ -880,6 +879,7 @@ class Worker:
             # the claims must not wait behind a gauge (they expire after claim_ttl_s).
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._update_lag(), interval)
+            await self.admitter.renew()  # the tenants' running-set leases, as often as the claims
             await asyncio.sleep(interval)
 
     async def _update_lag(self) -> None:
