@@ -93,6 +93,7 @@ class TenantShares:
         if exponent > _REBASE_AFTER:
             factor = 2.0 ** -exponent
             self._scaled = {t: v * factor for t, v in self._scaled.items() if v * factor > 1e-12}
+            self.version = {t: self.version.get(t, 0) for t in self._scaled}  # forgotten tenants start afresh
             self._base = self._clock()
             self.rebases += 1
             exponent = 0.0
@@ -147,6 +148,7 @@ class Backlog(Generic[T]):
         self.batch_weight = batch_weight
         self._levels: dict[tuple[int, int], _Level[T]] = {}
         self._priorities: list[list[int]] = [[], []]  # per class: heap of priorities with a level (lazy)
+        self._in_heap: list[set[int]] = [set(), set()]  # what each class's heap holds (no duplicates)
         self._tenant_levels: dict[str, set[tuple[int, int]]] = {}
         self._arrivals = itertools.count(1)
         self._rebases_seen = 0
@@ -186,7 +188,9 @@ class Backlog(Generic[T]):
         level = self._levels.get(level_key)
         if level is None:
             level = self._levels[level_key] = _Level()
-            heapq.heappush(self._priorities[queued.job_class], queued.priority)
+            if queued.priority not in self._in_heap[queued.job_class]:
+                self._in_heap[queued.job_class].add(queued.priority)
+                heapq.heappush(self._priorities[queued.job_class], queued.priority)
         queue = level.queues.get(queued.tenant)
         if queue is None:
             queue = level.queues[queued.tenant] = deque()
@@ -243,7 +247,7 @@ class Backlog(Generic[T]):
             priority = priorities[0]
             level = self._levels.get((job_class, priority))
             if level is None:  # emptied earlier: drop the stale priority
-                heapq.heappop(priorities)
+                self._in_heap[job_class].discard(heapq.heappop(priorities))
                 continue
             found = self._pop_level(job_class, priority, level, blocked)
             if found is None:  # every tenant here is blocked: look at the next priority
@@ -316,7 +320,7 @@ class Backlog(Generic[T]):
         if not dropped:
             return []
         self._levels.clear()
-        self._priorities = [[], []]
+        self._priorities, self._in_heap = [[], []], [set(), set()]
         self._tenant_levels.clear()
         self.bytes_by_class, self.jobs_by_class, self.jobs_by_tenant = [0, 0], [0, 0], {}
         for queued in sorted(kept, key=lambda q: q.arrival):
