@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,7 +20,17 @@ from stoker.schemas import Done, Names, decode_event, default_batch_topic
 from stoker.worker import admitter
 from stoker.worker.admission import BATCH
 from stoker.worker.fake_engine import FakeEngine
-from worker_harness import Space, create_topics, job, make_space, running_worker, wait_results
+from worker_harness import (
+    Space,
+    committed_offsets,
+    create_topics,
+    job,
+    make_space,
+    running_worker,
+    start_worker_process,
+    stop_process,
+    wait_results,
+)
 
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(120)]
 
@@ -206,3 +218,36 @@ async def test_deadline_and_cancel_of_jobs_in_the_backlog_apply_within_seconds(s
         burst_done = await count_results(r, space.names, [j["request_id"] for j in burst])
     assert [results[i].terminal.finish_reason for i in ("dl-0", "cx-0")] == ["deadline", "cancelled"]  # type: ignore[union-attr]
     assert burst_done < len(burst) // 2  # they ended long before their turn in the backlog came
+
+
+async def test_sigkill_with_a_full_backlog_loses_nothing_and_counts_no_attempt_for_unstarted_jobs(space, r,
+                                                                                                   tmp_path):
+    """The backlog's records stay uncommitted (watermark), so a crash re-delivers them; they were never
+    claimed, so the next worker runs them as attempt 1, and only the jobs the engine held run again."""
+    names = space.names
+    jobs = [job(f"k-{i}", tenant=f"t{i % 3}", prompt="x", max_tokens=3) for i in range(3000)]
+    env = space.worker_env(STOKER_FAKE_STEP_DELAY_S="0.05", STOKER_MAX_NUM_SEQS="8", STOKER_MAX_POLL_RECORDS="500")
+    proc = start_worker_process(env, log_path=tmp_path / "w1.log")
+    try:
+        await produce_bulk(space.bootstrap, names.jobs_topic, jobs)
+        for _ in range(300):  # some have finished: the backlog holds the rest
+            if await count_results(r, names, [j["request_id"] for j in jobs]) >= 50:
+                break
+            await asyncio.sleep(0.1)
+        proc.kill()
+        proc.wait(10)
+        done_before = await count_results(r, names, [j["request_id"] for j in jobs])
+    finally:
+        stop_process(proc, signal.SIGKILL)
+    assert 0 < done_before < len(jobs) // 2
+    proc2 = start_worker_process(space.worker_env(STOKER_MAX_POLL_RECORDS="500"), log_path=tmp_path / "w2.log")
+    try:
+        results = await wait_results(r, names, [j["request_id"] for j in jobs], timeout=60)
+    finally:
+        assert stop_process(proc2) == 0
+    attempts = Counter(o.terminal.attempt for o in results.values())
+    assert all(isinstance(o.terminal, Done) for o in results.values())
+    # at most what the engine held at the kill (8 running + 8 waiting) ran twice; the backlog's ran once
+    assert attempts[1] >= len(jobs) - 16 and set(attempts) <= {1, 2}, attempts
+    committed, end = await committed_offsets(space.bootstrap, space.group, names.jobs_topic)
+    assert committed == end == len(jobs)
