@@ -12,6 +12,7 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -41,6 +42,14 @@ BATCH_TOPIC_RECHECK_S = 30.0  # a missing batch topic is looked for again this o
 _LIMITED_RETRY_S = 0.1  # a tenant refused by its limits is skipped this long before it is asked again
 
 
+@dataclass(slots=True)
+class _Admitted:
+    tenant: str
+    estimate: int  # tokens charged at admission
+    job_class: int
+    used: int = 0  # tokens it really cost, once the engine finished it
+
+
 class Admitter:
     def __init__(self, cfg: WorkerConfig, requests: RequestTable, metrics: WorkerMetrics):
         self.cfg = cfg
@@ -51,7 +60,7 @@ class Admitter:
         self.batch_topic: str | None = None  # the batch class's topic, once found to exist
         self.gate: TenantGate | None = None
         self._retry: Retry | None = None
-        self._cost: dict[str, tuple[str, int, int]] = {}  # admitted request id -> (tenant, estimate, class)
+        self._cost: dict[str, _Admitted] = {}  # admitted request id -> what it was charged
         self._limited_until: dict[str, float] = {}  # tenant -> monotonic time its limits are asked again
         self._gauges_at = 0.0
         self._missing_logged = False
@@ -116,7 +125,7 @@ class Admitter:
             if self.gate is not None:
                 picked = await self._past_limits(self.gate, picked, assigned)
             for queued in picked:
-                self._cost[queued.item.request_id] = (queued.tenant, queued.cost_tokens, queued.job_class)
+                self._cost[queued.item.request_id] = _Admitted(queued.tenant, queued.cost_tokens, queued.job_class)
             if picked:
                 return [queued.item for queued in picked]
         return []
@@ -155,19 +164,24 @@ class Admitter:
         """The engine's priority for an admitted job: a batch job's below every live one, so the engine's own
         queue and its preemption keep the class order too."""
         cost = self._cost.get(request_id)
-        return priority + _BATCH_ENGINE_PRIORITY if cost is not None and cost[2] == BATCH else priority
+        return priority + _BATCH_ENGINE_PRIORITY if cost is not None and cost.job_class == BATCH else priority
 
-    def settle(self, request_id: str, tokens_used: int) -> None:
-        """The admitted request ended here (or left us): its tenant's share and limits learn its real cost.
-        Called once with the real count where the engine finished it, and with 0 on every other way out
-        (a no-op after the first)."""
+    def used(self, request_id: str, tokens: int) -> None:
+        """The engine finished the request after `tokens` (prompt + completion): settled with its end."""
+        cost = self._cost.get(request_id)
+        if cost is not None:
+            cost.used = tokens
+
+    def settle(self, request_id: str) -> None:
+        """The admitted request ended (its terminal event is stored) or left us: its tenant's share and limits
+        learn its real cost and its running slot frees. Only then: a slot freed at the engine's last step
+        would let the next job start while this one's claim still stands. A no-op after the first call."""
         cost = self._cost.pop(request_id, None)
         if cost is None:
             return
-        tenant, estimate, _ = cost
-        self.backlog.charge(tenant, tokens_used - estimate)
+        self.backlog.charge(cost.tenant, cost.used - cost.estimate)
         if self.gate is not None:
-            self.gate.used(request_id, tokens_used)
+            self.gate.used(request_id, cost.used)
             self.gate.release(request_id)
 
     def take_expired(self, now_ms: float, cancelled: Iterable[str]) -> list[Request]:

@@ -316,7 +316,7 @@ class Worker:
                     await asyncio.wait_for(self.rio.release(req.request_id, req.attempt,
                                                             give_back_attempt=req.seq == 0), 2)
             for req in self.requests.of(RUNNING):
-                self.admitter.settle(req.request_id, 0)
+                self.admitter.settle(req.request_id)
             with _stop_step("tenant_release"):
                 await asyncio.wait_for(self.admitter.flush(), 2)
             self.rio.stopping = True
@@ -443,7 +443,7 @@ class Worker:
         claimed_ms = now_ms()
         for entry, (status, attempt) in zip(claims, outcomes, strict=True):
             if status in (Admission.DONE, Admission.BUSY):
-                self.admitter.settle(entry.request_id, 0)
+                self.admitter.settle(entry.request_id)
             self._observe("claimed", entry.record_ms, claimed_ms)
             try:
                 self._admitted(entry, status, attempt)
@@ -708,7 +708,7 @@ class Worker:
                 req.seq += 1
             if not out.finished:
                 continue
-            self.admitter.settle(rid, out.prompt_tokens + out.completion_tokens)
+            self.admitter.used(rid, out.prompt_tokens + out.completion_tokens)
             event = events.finished(req, out, step_ms, self.model_name, self.cfg.worker_id)
             if isinstance(event, Error):
                 reason = event.code
@@ -751,7 +751,7 @@ class Worker:
             finished: list[Record] = []
             for req in batch.terminals:
                 rid = req.request_id
-                self.admitter.settle(rid, 0)  # ended without the engine (an error, a cancel); else a no-op
+                self.admitter.settle(rid)  # its terminal event is stored: the tenant's slot and tokens settle
                 records = req.records
                 entry = self.requests.get(rid, FINISHING)
                 if entry is not None:
@@ -835,7 +835,7 @@ class Worker:
         anyway), its KV blocks are freed, and its records wait for the new owner's answer."""
         rid = req.request_id
         log.warning("event=claim_lost request_id=%s attempt=%d found_by=%s", rid, req.attempt, found_by)
-        self.admitter.settle(rid, 0)
+        self.admitter.settle(rid)
         req.lost = True
         self.requests.remove(req)
         if self.driver is not None:
@@ -982,7 +982,7 @@ class Worker:
         self.ready = False
         await self.on_revoked(set(self._assigned))
         for req in self.requests.of(RUNNING):
-            self.admitter.settle(req.request_id, 0)
+            self.admitter.settle(req.request_id)
         self.consumer.unsubscribe()
         # What runs here can't publish; its claims expire and other workers run it again. Free the engine.
         for req in self.requests.of(RUNNING):
