@@ -52,6 +52,11 @@ def default_dlq_topic(job_topic: str) -> str:
     return job_topic + ".dlq"
 
 
+def default_batch_topic(job_topic: str) -> str:
+    """schemas.names.default_batch_topic, repeated for the same reason (tests/test_stack.py checks both)."""
+    return job_topic + ".batch"
+
+
 DEFAULT_DLQ_TOPIC = default_dlq_topic(DEFAULT_JOB_TOPIC)
 HOST = "127.0.0.1"  # loopback only: this broker has no authentication
 
@@ -162,7 +167,9 @@ class StackConfig:
         return self.log_dir / "redis.log"
 
     def topics(self) -> dict[str, int]:
-        return {self.job_topic: self.job_partitions, self.dlq_topic: self.dlq_partitions}
+        """The job topic, its batch-class sibling (as many partitions: workers read both) and the DLQ."""
+        return {self.job_topic: self.job_partitions, default_batch_topic(self.job_topic): self.job_partitions,
+                self.dlq_topic: self.dlq_partitions}
 
 
 @dataclass(slots=True)

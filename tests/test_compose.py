@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 from stoker.devstack import stack
-from stoker.schemas.names import Names
+from stoker.schemas.names import Names, default_batch_topic
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULTS = stack.StackConfig(stack_dir=ROOT / "var" / "unused")  # defaults only; nothing is started
@@ -140,8 +140,9 @@ def test_topics_agree_with_the_contract_stack_and_init(compose: dict[str, Any]) 
     assert int(init_env["JOB_PARTITIONS"]) == DEFAULTS.job_partitions
     assert int(init_env["DLQ_PARTITIONS"]) == DEFAULTS.dlq_partitions
     script = "\n".join(init["command"])
-    for var in ("STOKER_JOB_TOPIC", "STOKER_DLQ_TOPIC"):
+    for var in ("STOKER_JOB_TOPIC", "STOKER_BATCH_TOPIC", "STOKER_DLQ_TOPIC"):
         assert re.search(rf'--create --if-not-exists --topic "\$\${var}"', script), f"{var} not created"
+    assert init_env["STOKER_BATCH_TOPIC"] == default_batch_topic(names.jobs_topic)  # the worker reads it by default
     assert worker_env["STOKER_PREFIX"] == names.redis_prefix
 
 

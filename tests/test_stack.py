@@ -45,7 +45,8 @@ def test_config_from_env_reads_ports_dirs_and_topics(tmp_path: Path) -> None:
     cfg = stack.StackConfig.from_env(env)
     assert (cfg.kafka_bootstrap, cfg.redis_url) == ("127.0.0.1:19092", "redis://127.0.0.1:16379/0")
     assert cfg.stack_dir == tmp_path / "stack" and cfg.kafka_home == tmp_path / f"kafka-{cfg.kafka_version}"
-    assert cfg.topics() == {"a.jobs": 4, "a.jobs.dlq": 2}  # the dead-letter topic follows the job topic
+    # the dead-letter and batch-class topics follow the job topic
+    assert cfg.topics() == {"a.jobs": 4, "a.jobs.batch": 4, "a.jobs.dlq": 2}
     with pytest.raises(stack.StackError, match="STOKER_REDIS_PORT"):
         stack.StackConfig.from_env({"STOKER_REDIS_PORT": "six"})
 
@@ -69,9 +70,12 @@ def test_default_dead_letter_topic_is_one_rule_for_stack_worker_and_client(tmp_p
         ours = stack.StackConfig(stack_dir=tmp_path, job_topic=topic).dlq_topic
         assert ours == stack.default_dlq_topic(topic) == default_dlq_topic(topic) == Names(jobs_topic=topic).dlq_topic
     assert stack.DEFAULT_DLQ_TOPIC == default_dlq_topic(stack.DEFAULT_JOB_TOPIC) == "stoker.jobs.dlq"
-    assert stack.StackConfig.from_env({"STOKER_JOB_TOPIC": "x"}).topics() == {"x": 4, "x.dlq": 1}
+    assert stack.StackConfig.from_env({"STOKER_JOB_TOPIC": "x"}).topics() == {"x": 4, "x.batch": 4, "x.dlq": 1}
     both = stack.StackConfig.from_env({"STOKER_JOB_TOPIC": "x", "STOKER_DLQ_TOPIC": "dead"})
-    assert both.topics() == {"x": 4, "dead": 1}
+    assert both.topics() == {"x": 4, "x.batch": 4, "dead": 1}
+    from stoker.schemas.names import default_batch_topic
+    for topic in ("stoker.jobs", "x", "a-b_c.9"):
+        assert stack.default_batch_topic(topic) == default_batch_topic(topic)
 
 
 def test_redis_persistence_setting_from_env_and_its_bad_values(tmp_path: Path) -> None:

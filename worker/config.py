@@ -4,13 +4,24 @@ only in worker.main; tests build a WorkerConfig directly."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import uuid
 from dataclasses import dataclass, field
 
 from stoker.schemas.codec import DEFAULT_MAX_MESSAGE_BYTES
-from stoker.schemas.names import DEFAULT_MAX_ATTEMPTS, DEFAULT_TTL_S, JOBS_TOPIC, REDIS_PREFIX, Names
+from stoker.schemas.names import (
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_TTL_S,
+    JOBS_TOPIC,
+    REDIS_PREFIX,
+    Names,
+    default_batch_topic,
+    default_dlq_topic,
+)
+from stoker.worker.admission import parse_weights
 from stoker.worker.model_specs import ModelSpec, check_model_set
+from stoker.worker.tenant_limits import TenantLimits, parse_limits
 
 
 def default_worker_id() -> str:
@@ -57,6 +68,17 @@ class WorkerConfig:
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     max_poll_records: int = 64
+    # Priority classes and tenants (worker.admission, worker.tenant_limits; README "Tenants and priority classes")
+    batch_topic: str = ""  # empty = job_topic + ".batch" (read when it exists)
+    no_batch_topic: bool = False  # read the job topic alone
+    batch_weight: float = 0.1  # batch admissions per live one while both wait; 0 = batch only when no live waits
+    max_backlog_bytes: int = 64 << 20  # jobs read ahead of the engine, in bytes (an estimate of what they hold)
+    batch_backlog_share: float = 0.75  # of max_backlog_bytes the batch class may fill: the rest is kept for live
+    tenant_weight: tuple[str, ...] = ()  # TENANT=WEIGHT: shares of recent tokens (default 1)
+    tenant_share_half_life_s: float = 60.0  # how fast a tenant's recent tokens are forgotten
+    tenant_max_running: tuple[str, ...] = ()  # TENANT=N ('*' = each tenant without its own): across workers
+    tenant_tokens_per_minute: tuple[str, ...] = ()  # TENANT=N: prompt + completion tokens, across workers
+    tenant_burst_s: float = 60.0  # a tenant's token bucket holds this many seconds of its rate
     # Redis
     redis_url: str = "redis://127.0.0.1:6379/0"  # rediss:// for TLS
     redis_password: str | None = None  # overrides the URL's
@@ -142,6 +164,7 @@ class WorkerConfig:
             problems.append(f"log_format must be kv or json, got {self.log_format!r}")
         if not self.worker_id or any(c.isspace() for c in self.worker_id):
             problems.append(f"worker_id must be non-empty without whitespace, got {self.worker_id!r}")
+        problems += self._tenancy_problems()
         try:
             self.names  # noqa: B018 -- validates the prefix and topic names
         except ValueError as exc:
@@ -162,6 +185,47 @@ class WorkerConfig:
         if self.model_idle_unload_s is not None and self.model_idle_unload_s <= 0:
             problems.append(f"model_idle_unload_s must be > 0 seconds (or unset: never), got {self.model_idle_unload_s}")
         return problems
+
+    def _tenancy_problems(self) -> list[str]:
+        problems = []
+        if self.no_batch_topic and self.batch_topic:
+            problems.append(f"batch_topic {self.batch_topic!r} and no_batch_topic contradict: give one")
+        if self.batch_topic and not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", self.batch_topic):
+            problems.append(f"batch_topic must be 1-249 chars of [A-Za-z0-9._-] (a Kafka topic), got {self.batch_topic!r}")
+        if self.batch_topic and self.batch_topic in (self.job_topic, self.names_dlq_topic):
+            problems.append(f"batch_topic must differ from the job and dead-letter topics, got {self.batch_topic!r}")
+        if not 0 <= self.batch_weight < 1000:
+            problems.append(f"batch_weight must be in [0, 1000), got {self.batch_weight}")
+        if self.max_backlog_bytes < 1 << 20:
+            problems.append(f"max_backlog_bytes must be >= 1 MiB (1048576), got {self.max_backlog_bytes}")
+        if not 0 < self.batch_backlog_share <= 1:
+            problems.append(f"batch_backlog_share must be in (0, 1], got {self.batch_backlog_share}")
+        for name in ("tenant_share_half_life_s", "tenant_burst_s"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name} must be > 0, got {getattr(self, name)}")
+        try:
+            self.tenant_limits()
+            parse_weights(self.tenant_weight, "tenant_weight")
+        except ValueError as exc:
+            problems.append(str(exc))
+        return problems
+
+    @property
+    def names_dlq_topic(self) -> str:
+        return self.dlq_topic or default_dlq_topic(self.job_topic)
+
+    @property
+    def batch_topic_name(self) -> str | None:
+        """The batch class's topic, or None when switched off."""
+        return None if self.no_batch_topic else (self.batch_topic or default_batch_topic(self.job_topic))
+
+    def tenant_weights(self) -> dict[str, float]:
+        return parse_weights(self.tenant_weight, "tenant_weight")
+
+    def tenant_limits(self) -> TenantLimits:
+        return TenantLimits(parse_limits(self.tenant_max_running, "tenant_max_running"),
+                            parse_limits(self.tenant_tokens_per_minute, "tenant_tokens_per_minute"),
+                            self.tenant_burst_s)
 
     @property
     def names(self) -> Names:

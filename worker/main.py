@@ -67,6 +67,22 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
     ("--ssl-certfile", "KAFKA_SSL_CERTFILE", str, None, "client certificate for Kafka TLS"),
     ("--ssl-keyfile", "KAFKA_SSL_KEYFILE", str, None, "client key for Kafka TLS"),
     ("--max-poll-records", "STOKER_MAX_POLL_RECORDS", int, 64, "job records taken from Kafka per poll at most"),
+    ("--batch-topic", "STOKER_BATCH_TOPIC", str, "", "batch-class topic (default: job topic + .batch, read when it exists)"),
+    ("--no-batch-topic", "STOKER_NO_BATCH_TOPIC", bool, False, "read the job topic alone (no batch class)"),
+    ("--batch-weight", "STOKER_BATCH_WEIGHT", float, 0.1,
+     "batch-class admissions per live one while both wait (0: batch only when no live job waits)"),
+    ("--max-backlog-bytes", "STOKER_MAX_BACKLOG_BYTES", int, 64 << 20,
+     "jobs read ahead of the engine (admitted by class, priority, tenant share), in bytes"),
+    ("--batch-backlog-share", "STOKER_BATCH_BACKLOG_SHARE", float, 0.75,
+     "share of --max-backlog-bytes the batch class may fill (the rest stays free for live jobs)"),
+    ("--tenant-weight", "STOKER_TENANT_WEIGHT", tuple, (), "TENANT=WEIGHT, repeatable: share of recent tokens"),
+    ("--tenant-share-half-life-s", "STOKER_TENANT_SHARE_HALF_LIFE_S", float, 60.0,
+     "half-life of the recent tokens that order tenants"),
+    ("--tenant-max-running", "STOKER_TENANT_MAX_RUNNING", tuple, (),
+     "TENANT=N, repeatable ('*' = every other tenant): requests running at once, over all workers (Redis)"),
+    ("--tenant-tokens-per-minute", "STOKER_TENANT_TOKENS_PER_MINUTE", tuple, (),
+     "TENANT=N, repeatable ('*' = every other tenant): prompt + completion tokens, over all workers (Redis)"),
+    ("--tenant-burst-s", "STOKER_TENANT_BURST_S", float, 60.0, "seconds of its token rate a tenant may use at once"),
     ("--redis-url", "REDIS_URL", str, "redis://127.0.0.1:6379/0", "Redis URL (rediss:// for TLS)"),
     ("--redis-password", "REDIS_PASSWORD", str, None, "Redis password (prefer the env var)"),
     ("--redis-ca-certs", "REDIS_CA_CERTS", str, None, "CA bundle for Redis TLS"),
@@ -126,6 +142,9 @@ def _command() -> click.Command:
                                      help=help_text))
         elif flag == "--model":
             params.append(_EnvOption([flag], type=_ModelOptionType(), multiple=True, default=(), envvar=var, show_envvar=True,
+                                     help=help_text))
+        elif typ is tuple:  # repeatable; its variable takes the values separated by spaces
+            params.append(_EnvOption([flag], multiple=True, default=(), envvar=var, show_envvar=True,
                                      help=help_text))
         else:
             params.append(_EnvOption([flag], type=typ, default=default, envvar=var, show_envvar=True,

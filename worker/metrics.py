@@ -189,6 +189,14 @@ class WorkerMetrics:
         self.model_kv_usage = Gauge("stoker_model_kv_cache_usage", "share of this model's KV blocks in use (0-1)",
                                     ["model"], registry=r)
         self._models: ModelStates | None = None
+        # The backlog read ahead of the engine (worker.admission), and tenants held back by their limits.
+        self.backlog_jobs = Gauge("stoker_backlog_jobs", "jobs read ahead, waiting for admission", ["class"],
+                                  registry=r)
+        self.backlog_bytes = Gauge("stoker_backlog_bytes", "bytes the backlog holds (estimate)", ["class"],
+                                   registry=r)
+        self.tenant_backlog = Gauge("stoker_tenant_backlog_jobs", "backlog jobs by tenant", ["tenant"], registry=r)
+        self.tenant_limited = Counter("stoker_tenant_limited", "admissions refused by a tenant limit (the job "
+                                      "waits)", ["tenant", "limit"], registry=r)
         self.model_name = model_name
         self.engine_busy = Counter("stoker_engine_busy_seconds", "time spent inside engine.step()", registry=r)
         r.register(VllmView(self, model_name))
@@ -199,6 +207,19 @@ class WorkerMetrics:
         self.partition_lag.clear()
         for (topic, partition), lag in by_partition.items():
             self.partition_lag.labels(topic, str(partition), self.model_name).set(lag)
+
+    def set_backlog(self, jobs: list[int], size: list[int], by_tenant: dict[str, int]) -> None:
+        """The backlog's size by class (live, batch) and its jobs by tenant (bounded labels)."""
+        for name, count, held in zip(("live", "batch"), jobs, size, strict=True):
+            self.backlog_jobs.labels(name).set(count)
+            self.backlog_bytes.labels(name).set(held)
+        labelled: dict[str, int] = {}
+        for tenant, count in by_tenant.items():
+            label = self.tenant_label(tenant or None)
+            labelled[label] = labelled.get(label, 0) + count
+        self.tenant_backlog.clear()
+        for label, count in labelled.items():
+            self.tenant_backlog.labels(label).set(count)
 
     def watch_engine(self, engine: _EngineTotals) -> None:
         """Count the engine's own running totals (prefix cache, busy time) from `engine` at each scrape."""

@@ -1,6 +1,7 @@
 """The worker's request table: every job it holds, one entry per request id, in one of four states.
 
-    CLAIMING   read in this poll round; its claim is on the way (one admit round trip for the round)
+    QUEUED     read ahead of the engine, in the backlog (worker.admission): not claimed, its records in flight
+    CLAIMING   picked for admission; its claim is on the way (one admit round trip for the round)
     PARKED     decoded but not running here: another worker's live claim, or ours was lost; re-checked
                until a result exists (commit) or the claim expires (take it over as the next attempt)
     RUNNING    claimed by us: in the engine, or being answered without it (cancel, deadline, poison)
@@ -27,6 +28,7 @@ RawRecord = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]  # key, v
 
 
 class RequestState(enum.Enum):
+    QUEUED = "queued"
     CLAIMING = "claiming"
     PARKED = "parked"
     RUNNING = "running"

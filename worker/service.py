@@ -1,15 +1,18 @@
 """The worker: Kafka in, engine, Redis out, nothing lost.
 
 Tasks on one asyncio loop, each owned by Worker and cancelled in stop():
-  poll      reads job records (getmany), decodes them, claims them in Redis, hands them to the engine;
-            never waits on the engine (the engine has its own thread, worker.driver)
+  poll      reads job records (getmany) of the live and the batch topic, decodes them into the backlog
+            (read ahead, bounded in bytes: a class's partitions pause when it holds its share)
+  admit     takes jobs from the backlog in admission order (worker.admitter: class, priority, tenant share,
+            arrival, tenant limits) as the engine has room, claims them in Redis, hands them to the engine;
+            never waits on the engine (it has its own thread, worker.driver)
   publish   drains what the engine produced: one Redis pipeline per batch of steps, then marks the
             records whose terminal event is stored as finished
   commit    commits each partition's contiguous watermark of finished records
   renew     renews our claims and the heartbeat key, learns of cancels and of claims lost
   parked    re-checks jobs another worker holds: commit once their result exists, take over on expiry
   cancels   listens on the cancel channel
-Life of a record: read -> tracked in flight -> (claimed -> engine -> chunks -> terminal event in Redis) or
+Life of a record: read -> tracked in flight -> backlog -> (claimed -> engine -> chunks -> terminal event in Redis) or
 (answered at once: already done, cancelled, past deadline, bad input -> DLQ) -> finished -> committed.
 Every job held is one entry of the request table (worker.requests: claiming, parked, running, finishing);
 the events and dead letters themselves are built in worker.events and worker.dead_letters.
@@ -46,7 +49,9 @@ from stoker.schemas import (
     is_msgpack,
     is_valid_request_id,
 )
-from stoker.worker import events
+from stoker.worker import admitter, events
+from stoker.worker.admission import BATCH, LIVE
+from stoker.worker.admitter import Admitter
 from stoker.worker.config import WorkerConfig
 from stoker.worker.dead_letters import DeadLetter
 from stoker.worker.driver import EngineDriver, EngineLike
@@ -61,6 +66,7 @@ log = logging.getLogger("stoker.worker")
 VERSION = "0.1.0"
 CLAIMING, PARKED, RUNNING, FINISHING = (RequestState.CLAIMING, RequestState.PARKED, RequestState.RUNNING,
                                         RequestState.FINISHING)
+QUEUED = RequestState.QUEUED
 _CLOSE_TIMEOUT_S = 10.0  # at shutdown, how long the last commit and each Kafka client's close may take
 # A dead letter refused this long turns /healthz unhealthy: its record (and its partition's commits) is stuck
 # until an operator acts. Not at once: a broker restart refuses sends for a few seconds and heals by itself.
@@ -134,7 +140,9 @@ class Worker:
         self._outbox: asyncio.Queue[Batch] = asyncio.Queue()
         self._commit_wakeup = asyncio.Event()
         self._stopping = asyncio.Event()
-        self._paused = False
+        self._paused: set[int] = set()  # classes (admission.LIVE, BATCH) whose partitions are paused
+        self.admitter = Admitter(config, self.requests, self.metrics)  # the backlog read ahead, and who goes next
+        self._admit_wakeup = asyncio.Event()
         self._left_group = False  # left the consumer group during a long Redis outage (rejoins after it)
         self._assigned: set[TopicPartition] = set()
         self._tasks: list[asyncio.Task[Any]] = []
@@ -167,6 +175,7 @@ class Worker:
         # Redis first: a worker that cannot log in must fail here, before it joins the group and takes
         # partitions it could never serve (an outage, by contrast, is waited out).
         await self.rio.retry("ping", self.redis.ping)
+        self.admitter.start(self.redis, self.rio.retry)
         self.driver = EngineDriver(self.engine, loop, self._on_step)
         self.metrics.watch_engine(self.driver)
         self.metrics.watch_models(self._model_states)
@@ -186,15 +195,15 @@ class Worker:
             auto_offset_reset="earliest", client_id=f"stoker-worker-{cfg.worker_id}",
             max_poll_records=cfg.max_poll_records, **security,
         )
-        self.consumer.subscribe([self.names.jobs_topic], listener=_Rebalance(self))
+        self.consumer.subscribe(self._topics(), listener=_Rebalance(self))
         await self.consumer.start()
-        for loop_fn in (self._poll_loop, self._publish_loop, self._commit_loop, self._renew_loop,
+        for loop_fn in (self._poll_loop, self._admit_loop, self._publish_loop, self._commit_loop, self._renew_loop,
                         self._parked_loop, self._cancel_loop, self._redis_watch_loop):
             task = asyncio.create_task(loop_fn(), name=loop_fn.__name__)
             task.add_done_callback(self._on_task_done)
             self._tasks.append(task)
-        log.info("event=worker_started worker=%s model=%s topic=%s group=%s stream_cap=%d", cfg.worker_id,
-                 self.model_name, self.names.jobs_topic, cfg.group_id, self.rio.stream_maxlen)
+        log.info("event=worker_started worker=%s model=%s topics=%s group=%s stream_cap=%d", cfg.worker_id,
+                 self.model_name, ",".join(self._topics()), cfg.group_id, self.rio.stream_maxlen)
 
     def _model_states(self) -> dict[str, tuple[str, EngineStats | None]]:
         return model_states(self.engine, self.model_name, self.driver.last_stats if self.driver else None)
@@ -252,6 +261,7 @@ class Worker:
                 log.warning("event=kafka_metadata_retry error=%r", str(exc))
                 await asyncio.sleep(1.0)
         topics = cluster.topics()
+        self.admitter.find_batch_topic(topics)
         missing = [t for t in (self.names.jobs_topic, self.names.dlq_topic) if t not in topics]
         if missing:
             what = "; ".join(f"Kafka topic {t!r} does not exist on {self.cfg.bootstrap_servers}" for t in missing)
@@ -259,6 +269,10 @@ class Worker:
                 f"{what} (or this client may not describe it). Brokers here do not create topics on first use: "
                 f"create it (kafka-topics.sh --create --topic {missing[0]} ...; `ops/stack up` makes the default "
                 "ones), or point --job-topic / --dlq-topic (STOKER_JOB_TOPIC / STOKER_DLQ_TOPIC) at existing ones")
+
+    def _topics(self) -> list[str]:
+        batch = self.admitter.batch_topic
+        return [self.names.jobs_topic] + ([batch] if batch else [])
 
     def _on_task_done(self, task: asyncio.Task[Any]) -> None:
         """A task of ours ended by an error nobody expected (e.g. Redis answering with an error reply): the
@@ -280,13 +294,12 @@ class Worker:
         back what is left (its claim released, so another worker takes it at once), close."""
         self._stopping.set()
         self.ready = False
-        poll = self._tasks[0] if self._tasks else None
-        if poll is not None:
-            # Let the intake end by itself (it checks _stopping after each poll, 200 ms): cancelled in the
+        for intake in self._tasks[:2]:  # poll, admit
+            # Let the intake end by itself (it checks _stopping after each round, 200 ms): cancelled in the
             # middle of a claim round trip, Redis would hold claims (and attempts) nobody here knows of.
-            await asyncio.wait({poll}, timeout=_CLOSE_TIMEOUT_S)
-            poll.cancel()
-            await _reaped(poll)  # one that failed is in self.fatal (and logged by _on_task_done)
+            await asyncio.wait({intake}, timeout=_CLOSE_TIMEOUT_S)
+            intake.cancel()
+            await _reaped(intake)  # one that failed is in self.fatal (and logged by _on_task_done)
         if self._side_tasks:
             await asyncio.wait(self._side_tasks, timeout=self.cfg.drain_timeout_s)
             # A dead letter Kafka still refuses: give it up (its job is handed back below, unanswered and
@@ -317,10 +330,14 @@ class Worker:
                 with _stop_step("claim_release", req.request_id):  # seq 0: no event of this attempt was made
                     await asyncio.wait_for(self.rio.release(req.request_id, req.attempt,
                                                             give_back_attempt=req.seq == 0), 2)
+            for req in self.requests.of(RUNNING):
+                self.admitter.settle(req.request_id)
+            with _stop_step("tenant_release"):
+                await asyncio.wait_for(self.admitter.flush(), 2)
             self.rio.stopping = True
-        for task in self._tasks[1:]:
+        for task in self._tasks[2:]:
             task.cancel()
-        for task in self._tasks[1:]:
+        for task in self._tasks[2:]:
             await _reaped(task)
         if self.driver is not None:
             await asyncio.to_thread(self.driver.stop)
@@ -372,7 +389,7 @@ class Worker:
         self._stage[stage].observe(max(0.0, at_ms - record_ms) / 1000)
 
     async def _intake(self, records: list[ConsumerRecord[Any, Any]], polled_ms: float) -> None:
-        claims: list[Request] = []  # this round's new ids (CLAIMING), in read order
+        claims: list[tuple[Request, int]] = []  # this round's new ids (to the backlog), with their bytes
         for rec in records:
             tp = TopicPartition(rec.topic, rec.partition)
             if tp not in self._assigned:
@@ -385,19 +402,71 @@ class Worker:
                 await self._take(rec, record, record_ms, claims)
             except Exception as exc:  # noqa: BLE001 -- no record may stop the intake
                 await self._record_failed(rec, record, exc, claims)
+        for entry, size in claims:
+            self.admitter.enqueue(entry, size)
         if claims:
-            assert self.rio is not None
-            outcomes = await self.rio.admit([entry.request_id for entry in claims])
-            claimed_ms = now_ms()
-            for entry, (status, attempt) in zip(claims, outcomes, strict=True):
-                self._observe("claimed", entry.record_ms, claimed_ms)
-                try:
-                    self._admitted(entry, status, attempt)
-                except Exception as exc:  # noqa: BLE001 -- one job's failure must not stop the intake
-                    log.exception("event=admit_failed request_id=%s", entry.request_id)
-                    self.metrics.records_failed.inc()
-                    req = self.requests.running(entry.request_id) or entry.next_attempt(attempt)
-                    self._fail(req, ErrorCode.INTERNAL, f"the worker failed to start this job: {exc}")
+            self._admit_wakeup.set()
+
+    async def _admit_loop(self) -> None:
+        """Admit from the backlog whenever the engine has room: woken by new jobs and by finished ones."""
+        next_sweep = 0.0
+        next_topic_check = time.monotonic() + admitter.BATCH_TOPIC_RECHECK_S
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._admit_wakeup.wait(), 0.05)
+            self._admit_wakeup.clear()
+            if self._left_group:
+                continue
+            await self.admitter.flush()
+            if time.monotonic() >= next_sweep:  # deadlines and cancels of jobs still in the backlog
+                next_sweep = time.monotonic() + 1.0
+                if expired := self.admitter.take_expired(now_ms(), self._early_cancels):
+                    await self._claim(expired)
+            if self.admitter.batch_topic_missing and time.monotonic() >= next_topic_check:
+                next_topic_check = time.monotonic() + admitter.BATCH_TOPIC_RECHECK_S
+                await self._look_for_batch_topic()
+            while not self._stopping.is_set() and (
+                    claims := await self.admitter.next_round(self._free_slots(), self._assigned)):
+                await self._claim(claims)
+
+    async def _look_for_batch_topic(self) -> None:
+        """The batch topic was made after we started: subscribe to it too (a rebalance follows)."""
+        assert self.producer is not None and self.consumer is not None
+        try:
+            cluster = await asyncio.wait_for(self.producer.client.fetch_all_metadata(), 5)
+        except (KafkaError, OSError, TimeoutError):
+            return  # the broker is away: look again later
+        if self.admitter.find_batch_topic(cluster.topics()) and not self._left_group:
+            log.info("event=batch_topic_found topic=%s", self.admitter.batch_topic)
+            self.consumer.subscribe(self._topics(), listener=_Rebalance(self))
+
+    def _free_slots(self) -> int:
+        """Jobs the engine may take now: up to max_num_seqs running plus max_waiting queued in it (at most a
+        poll's worth at once), none while KV is short or the publisher lags (Redis slow)."""
+        assert self.cfg.max_waiting is not None
+        stats = self.driver.last_stats if self.driver else None
+        low_kv = stats is not None and stats.kv_blocks_total > 0 and (
+            stats.kv_blocks_free / stats.kv_blocks_total < self.cfg.min_free_kv_fraction and stats.num_waiting > 0)
+        if low_kv or self._outbox.qsize() > 64:
+            return 0
+        held = self.requests.count(RUNNING) + self.requests.count(PARKED) + self.requests.count(CLAIMING)
+        return min(self.cfg.max_num_seqs + self.cfg.max_waiting - held, self.cfg.max_poll_records)
+
+    async def _claim(self, claims: list[Request]) -> None:
+        assert self.rio is not None
+        outcomes = await self.rio.admit([entry.request_id for entry in claims])
+        claimed_ms = now_ms()
+        for entry, (status, attempt) in zip(claims, outcomes, strict=True):
+            if status in (Admission.DONE, Admission.BUSY):
+                self.admitter.settle(entry.request_id)
+            self._observe("claimed", entry.record_ms, claimed_ms)
+            try:
+                self._admitted(entry, status, attempt)
+            except Exception as exc:  # noqa: BLE001 -- one job's failure must not stop the intake
+                log.exception("event=admit_failed request_id=%s", entry.request_id)
+                self.metrics.records_failed.inc()
+                req = self.requests.running(entry.request_id) or entry.next_attempt(attempt)
+                self._fail(req, ErrorCode.INTERNAL, f"the worker failed to start this job: {exc}")
 
     def _join(self, rid: str, record: Record) -> bool:
         """A record of an id we hold joins its entry: its records finish together. False when new."""
@@ -411,8 +480,8 @@ class Worker:
         return True
 
     async def _take(self, rec: ConsumerRecord[Any, Any], record: Record, record_ms: float,
-                    claims: list[Request]) -> None:
-        """One record: decode it and route it (to the request it duplicates, or to this round's claims)."""
+                    claims: list[tuple[Request, int]]) -> None:
+        """One record: decode it and route it (to the request it duplicates, or to this round's new jobs)."""
         ctype = content_type_of(rec.headers)
         try:
             job = decode_job(rec.value, ctype, max_bytes=self.cfg.max_message_bytes)
@@ -423,13 +492,14 @@ class Worker:
         rid = job.request_id
         if not self._join(rid, record):
             entry = Request(job, msgpack, record_ms, [record], (rec.key, rec.value, list(rec.headers or ())))
-            self.requests.put(entry, CLAIMING)
-            claims.append(entry)
+            self.requests.put(entry, QUEUED)  # joinable by a duplicate read in the same round
+            # The record's bytes twice: kept raw (for a dead letter) and decoded into the Job's strings.
+            claims.append((entry, 2 * (len(rec.key or b"") + len(rec.value or b""))))
             if self.cfg.log_prompts:
                 log.info("event=job_read request_id=%s prompt=%r", rid, job.prompt or job.messages)
 
     async def _record_failed(self, rec: ConsumerRecord[Any, Any], record: Record, exc: Exception,
-                             claims: list[Request]) -> None:
+                             claims: list[tuple[Request, int]]) -> None:
         """A record whose handling raised what nobody expected (a bug, a client refusing it): dead-letter it
         as `internal`; if even that raises, log it loudly, count it and let it be committed, so one record
         can never stall its partition or kill the worker."""
@@ -484,25 +554,26 @@ class Worker:
 
     def _submit(self, req: Request) -> None:
         assert self.driver is not None
-        self.driver.add_request(engine_request(req.job))
+        request = engine_request(req.job)
+        request.priority = self.admitter.engine_priority(req.request_id, request.priority)
+        self.driver.add_request(request)
 
     def _apply_backpressure(self) -> None:
-        """Pause every assigned partition while the engine has enough queued (or too little KV left)."""
-        assert self.consumer is not None and self.cfg.max_waiting is not None
-        stats = self.driver.last_stats if self.driver else None
-        queued = self.requests.count(RUNNING) + self.requests.count(PARKED)
-        limit = self.cfg.max_num_seqs + self.cfg.max_waiting
-        low_kv = stats is not None and stats.kv_blocks_total > 0 and (
-            stats.kv_blocks_free / stats.kv_blocks_total < self.cfg.min_free_kv_fraction and stats.num_waiting > 0)
-        should_pause = queued >= limit or low_kv or self._outbox.qsize() > 64
+        """Pause a class's partitions while the backlog holds its share of bytes. A full engine pauses
+        nothing by itself: the backlog fills, and reading stops there."""
+        assert self.consumer is not None
+        paused = self.admitter.paused(self._paused)
+        if paused == self._paused:
+            return
         assignment = self.consumer.assignment()
-        if should_pause and not self._paused and assignment:
-            self.consumer.pause(*assignment)
-            self._paused = True
-            log.debug("event=intake_paused queued=%d low_kv=%s", queued, low_kv)
-        elif self._paused and not should_pause and queued < limit * 3 // 4 + 1:
-            self.consumer.resume(*assignment)
-            self._paused = False
+        for job_class in (LIVE, BATCH):
+            parts = [tp for tp in assignment if self.admitter.class_of(tp.topic) == job_class]
+            if parts and job_class in paused - self._paused:
+                self.consumer.pause(*parts)
+            elif parts and job_class in self._paused - paused:
+                self.consumer.resume(*parts)
+        log.debug("event=intake_paused classes=%s backlog_bytes=%d", sorted(paused), self.admitter.backlog.bytes)
+        self._paused = paused
 
     # -- answers that need no engine ----------------------------------------------------------------------
     def _end_without_running(self, req: Request, reason: str) -> None:
@@ -579,7 +650,7 @@ class Worker:
         await asyncio.sleep(0.5)
 
     async def _reject(self, rec: ConsumerRecord[Any, Any], record: Record, exc: ContractError,
-                      claims: list[Request]) -> None:
+                      claims: list[tuple[Request, int]]) -> None:
         """A record that breaks the contract: to the DLQ, and an error event when a request id is readable."""
         key = rec.key.decode("utf-8", "replace") if isinstance(rec.key, bytes) else None
         rid = exc.request_id or (key if is_valid_request_id(key) else None)
@@ -654,6 +725,7 @@ class Worker:
                 req.seq += 1
             if not out.finished:
                 continue
+            self.admitter.used(rid, out.prompt_tokens + out.completion_tokens)
             event = events.finished(req, out, step_ms, req.job.model or self.model_name, self.cfg.worker_id)
             if isinstance(event, Error):
                 reason = event.code
@@ -696,6 +768,7 @@ class Worker:
             finished: list[Record] = []
             for req in batch.terminals:
                 rid = req.request_id
+                self.admitter.settle(rid)  # its terminal event is stored: the tenant's slot and tokens settle
                 records = req.records
                 entry = self.requests.get(rid, FINISHING)
                 if entry is not None:
@@ -716,6 +789,7 @@ class Worker:
             self.tracker.finish(tp, offset)
         if records:
             self._commit_wakeup.set()
+            self._admit_wakeup.set()  # a slot may have freed
 
     # -- commits and rebalances ---------------------------------------------------------------------------
     async def _commit_loop(self) -> None:
@@ -751,6 +825,7 @@ class Worker:
         self._assigned -= revoked
         for tp in revoked:
             self.tracker.forget(tp)
+        self.admitter.drop(revoked)
         # Not CLAIMING ones (the intake, mid claim round trip, settles them) nor the records a FINISHING
         # request was read in (they finish with its terminal event, a no-op on a partition forgotten here).
         for parked in self.requests.of(PARKED):
@@ -765,8 +840,9 @@ class Worker:
 
     def on_assigned(self, assigned: set[TopicPartition]) -> None:
         self._assigned |= assigned
-        if self._paused and self.consumer is not None and assigned:
-            self.consumer.pause(*assigned)  # keep newly assigned partitions in step with the pause state
+        paused = [tp for tp in assigned if self.admitter.class_of(tp.topic) in self._paused]
+        if paused and self.consumer is not None:
+            self.consumer.pause(*paused)  # keep newly assigned partitions in step with the pause state
         log.info("event=partitions_assigned partitions=%s", sorted(f"{tp.topic}-{tp.partition}" for tp in assigned))
 
     # -- claims, cancels, parked jobs ---------------------------------------------------------------------
@@ -776,6 +852,7 @@ class Worker:
         anyway), its KV blocks are freed, and its records wait for the new owner's answer."""
         rid = req.request_id
         log.warning("event=claim_lost request_id=%s attempt=%d found_by=%s", rid, req.attempt, found_by)
+        self.admitter.settle(rid)
         req.lost = True
         self.requests.remove(req)
         if self.driver is not None:
@@ -816,6 +893,7 @@ class Worker:
             # the claims must not wait behind a gauge (they expire after claim_ttl_s).
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._update_lag(), interval)
+            await self.admitter.renew()  # the tenants' running-set leases, as often as the claims
             await asyncio.sleep(interval)
 
     def _heartbeat(self, running: int) -> bytes:
@@ -908,7 +986,7 @@ class Worker:
                 await self._leave_group(time.monotonic() - down_since)
             elif self._left_group and down_since is None and await self._redis_answers():
                 log.warning("event=group_rejoin reason=redis_back worker=%s", self.cfg.worker_id)
-                self.consumer.subscribe([self.names.jobs_topic], listener=_Rebalance(self))
+                self.consumer.subscribe(self._topics(), listener=_Rebalance(self))
                 self._left_group = False
 
     async def _redis_answers(self) -> bool:
@@ -925,6 +1003,8 @@ class Worker:
         self._left_group = True
         self.ready = False
         await self.on_revoked(set(self._assigned))
+        for req in self.requests.of(RUNNING):
+            self.admitter.settle(req.request_id)
         self.consumer.unsubscribe()
         # What runs here can't publish; its claims expire and other workers run it again. Free the engine.
         for req in self.requests.of(RUNNING):
