@@ -30,8 +30,8 @@ pytestmark = pytest.mark.stack
 
 
 class BatchStack:
-    """A job topic, its batch topic, a Redis prefix and a storage folder of one test; a worker on the batch
-    topic; gateway replicas as subprocesses."""
+    """A job topic, its batch topic, a Redis prefix and a storage folder of one test; a worker on the job
+    topic, which reads its batch sibling below it; gateway replicas as subprocesses."""
 
     def __init__(self, bootstrap: str, redis_url: str, storage: Path):
         tag = uuid.uuid4().hex[:10]
@@ -44,17 +44,18 @@ class BatchStack:
         self.logs.mkdir(parents=True, exist_ok=True)
 
     async def create_topics(self) -> None:
-        await create_topics(self.bootstrap, {self.topic: 2, self.batch_topic: 4, self.batch_topic + ".dlq": 1})
+        await create_topics(self.bootstrap, {self.topic: 2, self.topic + ".dlq": 1, self.batch_topic: 4})
 
     def env(self, **extra: str) -> dict[str, str]:
         return dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=self.bootstrap, REDIS_URL=self.redis_url,
                     STOKER_PREFIX=self.prefix, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **extra)
 
     async def start_worker(self, model: Path | None = None, step_delay_s: float = 0.0, **extra: str) -> None:
-        """The worker reads the batch topic as its job topic (until workers read both by weight)."""
+        """A worker of the job topic: the gateway routes the batch's model to that topic (its heartbeat) and
+        produces the lines to the batch sibling, which the worker reads by default."""
         engine = ({"STOKER_MODEL": str(model), "STOKER_DEVICE": "cpu"} if model is not None else
                   {"STOKER_FAKE_ENGINE": "1", "STOKER_FAKE_STEP_DELAY_S": str(step_delay_s)})
-        env = self.env(STOKER_JOB_TOPIC=self.batch_topic, STOKER_GROUP_ID=f"g-{self.prefix}",
+        env = self.env(STOKER_JOB_TOPIC=self.topic, STOKER_GROUP_ID=f"g-{self.prefix}",
                        STOKER_METRICS_PORT="-1", **engine, **extra)
         with open(self.logs / "worker.log", "ab") as out:
             self.worker = subprocess.Popen([sys.executable, "-m", "stoker.worker.main"], cwd=ROOT, env=env,
@@ -98,7 +99,7 @@ class BatchStack:
         return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
 
     def client(self) -> Client:
-        return Client(self.bootstrap, self.redis_url, prefix=self.prefix, topic=self.batch_topic)
+        return Client(self.bootstrap, self.redis_url, prefix=self.prefix, topic=self.topic)
 
     async def metric(self, port: int, name: str, label: str = "") -> float:
         def scrape() -> str:
