@@ -21,7 +21,7 @@ from stoker.engine.config import EngineConfig
 from stoker.engine.grammar import GrammarCompiler, GrammarError, GrammarState
 from stoker.engine.input_processor import InputProcessor
 from stoker.engine.model_config import ModelConfig
-from stoker.engine.model_runner import ModelRunner, PendingSample
+from stoker.engine.model_runner import PendingSample
 from stoker.engine.output_processor import OutputProcessor, RequestState, SampleResult
 from stoker.engine.outputs import EngineRequestError, EngineStats, RequestOutput
 from stoker.engine.request import EngineRequest
@@ -29,6 +29,7 @@ from stoker.engine.sampler import SamplingRequest
 from stoker.engine.sampling_params import SamplingParams
 from stoker.engine.scheduler import SampledToken, ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from stoker.engine.sequence import FinishReason, Sequence
+from stoker.engine.tensor_parallel import start_runner
 from stoker.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class LLMEngine:
                 "sliding window attention is not implemented: capping max_model_len at %d", mc.sliding_window
             )
             max_len = mc.sliding_window
-        self.runner = ModelRunner(config, mc, max_len)
+        self.runner = start_runner(config, mc, max_len)  # tensor_parallel_size > 1: starts ranks 1..
         pool_tokens = self.runner.num_blocks * config.block_size
         if pool_tokens < max_len:  # so that context_length_exceeded fires before the scheduler's own check
             log.warning("KV pool holds %d tokens: capping max_model_len (%d) to it", pool_tokens, max_len)
@@ -160,6 +161,10 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._inbox.append(("abort", request_id))
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks this engine started (one rank: nothing to do)."""
+        self.runner.close()
 
     def has_unfinished(self) -> bool:
         with self._lock:
