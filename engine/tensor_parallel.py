@@ -31,8 +31,9 @@ def start_runner(config: EngineConfig, model: ModelConfig, max_model_len: int) -
     check_shardable(model, size, config.model_path)  # before spawning anything
     ranks = RankGroup(config, max_model_len, rank_main)
     try:
-        return ModelRunner(config, rank_model_config(model, 0, size, ranks.comm), max_model_len,
-                           comm=ranks.comm, ranks=ranks)
+        with ranks.guard():  # a rank that fails to load: TensorParallelError naming it, not a gloo error
+            return ModelRunner(config, rank_model_config(model, 0, size, ranks.comm), max_model_len,
+                               comm=ranks.comm, ranks=ranks)
     except BaseException:
         ranks.close()
         raise

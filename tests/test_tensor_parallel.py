@@ -126,20 +126,52 @@ def test_sharded_layers_match_unsharded(size: int, cases: list[tuple[int, int]])
 
 
 # ---- the loader reads only each rank's slices ----------------------------------------------------------------
-def _loaded_shapes(rank: int, size: int, comm, path: str) -> tuple[dict[str, tuple[int, ...]], dict[str, Any]]:
-    """Load this rank's shard; -> (shape of every tensor the loader read, by checkpoint name; a few params)."""
+class _RecordingFile:
+    """safetensors' safe_open, recording what is read from the file: whole tensors (get_tensor) by name, and
+    the shape of every part read through get_slice."""
+
+    def __init__(self, handle: Any, read: dict[str, tuple[str, tuple[int, ...]]]):
+        self.handle, self.read = handle, read
+
+    def keys(self) -> list[str]:
+        return list(self.handle.keys())
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        tensor = self.handle.get_tensor(name)
+        self.read[name] = ("whole", tuple(tensor.shape))
+        return tensor
+
+    def get_slice(self, name: str) -> Any:
+        outer, part = self, self.handle.get_slice(name)
+
+        class Slice:
+            def __getitem__(self, index: Any) -> torch.Tensor:
+                tensor = part[index]
+                outer.read[name] = ("slice", tuple(tensor.shape))
+                return tensor
+
+        return Slice()
+
+
+def _loaded_shapes(rank: int, size: int, comm, path: str) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, Any]]:
+    """Load this rank's shard; -> (how and in what shape each checkpoint tensor was read from the file, by name;
+    a few of the loaded parameters)."""
+    import contextlib
+
+    import safetensors
     from stoker.engine import loader
     from stoker.engine.model_config import ModelConfig
     from stoker.engine.models import model_class
 
-    read: dict[str, tuple[int, ...]] = {}
-    original = loader.WeightMap.load
+    read: dict[str, tuple[str, tuple[int, ...]]] = {}
+    real_open = safetensors.safe_open
 
-    def recording(self, name, tensor, file):
-        read[name] = tuple(tensor.shape)
-        original(self, name, tensor, file)
+    @contextlib.contextmanager
+    def recording_open(*args: Any, **kwargs: Any) -> Any:
+        with real_open(*args, **kwargs) as handle:
+            yield _RecordingFile(handle, read)
 
-    loader.WeightMap.load = recording  # type: ignore[method-assign]
+    safetensors.safe_open = recording_open  # the loader imports it from the package when it runs
     cfg = rank_model_config(ModelConfig.from_folder(path), rank, size, comm)
     model = model_class(cfg.architecture)(cfg, torch.float32, 64)
     loader.load_weights(model, path)
@@ -167,11 +199,11 @@ def test_loader_reads_only_this_ranks_slices(tmp_path, size: int):
             split_rows = any(p in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
             split_cols = any(p in name for p in ("o_proj.weight", "down_proj.weight"))
             if split_rows:
-                assert read[name] == (tensor.shape[0] // size, *tensor.shape[1:]), (rank, name, read[name])
+                assert read[name] == ("slice", (tensor.shape[0] // size, *tensor.shape[1:])), (rank, name, read[name])
             elif split_cols:
-                assert read[name] == (tensor.shape[0], tensor.shape[1] // size), (rank, name, read[name])
+                assert read[name] == ("slice", (tensor.shape[0], tensor.shape[1] // size)), (rank, name, read[name])
             else:  # norms, embedding, lm_head: replicated, read whole
-                assert read[name] == tuple(tensor.shape), (rank, name)
+                assert read[name] == ("whole", tuple(tensor.shape)), (rank, name)
         q = slice(rank * 2 * d, (rank + 1) * 2 * d)  # two q heads per rank
         kv = slice(rank * d, (rank + 1) * d)  # one KV head per rank
         want_qkv = torch.cat([full[f"{pre}.self_attn.{p}_proj.weight"][s] for p, s in (("q", q), ("k", kv), ("v", kv))])

@@ -88,15 +88,19 @@ class RankGroup:
         ready = multiprocessing.connection.wait([*sentinels, self._wake_r])
         if self._closed or self._wake_r in ready:
             return
-        dead = [sentinels[s] for s in ready if s in sentinels]
-        for p in dead:
-            p.join()  # sets its exitcode
-        self.failure = "; ".join(f"tensor-parallel rank {int(p.name.removeprefix('stoker-tp-rank'))} "
-                                 f"(pid {p.pid}) exited with code {p.exitcode}" for p in dead)
+        for s in ready:
+            if s in sentinels:
+                sentinels[s].join()  # sets its exitcode
+        self.failure = self._dead_ranks()
         log.error("%s: the engine cannot run on without it", self.failure)
         comm = getattr(self, "comm", None)
         if comm is not None:
             comm.abort()
+
+    def _dead_ranks(self) -> str | None:
+        dead = [p for p in self.procs if p.exitcode is not None]
+        return "; ".join(f"tensor-parallel rank {int(p.name.removeprefix('stoker-tp-rank'))} (pid {p.pid}) "
+                         f"exited with code {p.exitcode}" for p in dead) or None
 
     def raise_if_failed(self) -> None:
         if self.failure is not None:
@@ -114,7 +118,7 @@ class RankGroup:
             for p in self.procs:  # a closed connection usually arrives before the watchdog's wake-up
                 p.join(timeout=1)
             if self.failure is None:
-                self.failure = f"a tensor-parallel collective failed ({e})"
+                self.failure = self._dead_ranks() or f"a tensor-parallel collective failed ({e})"
             raise TensorParallelError(f"{self.failure}; restart the engine") from e
 
     def ship(self, packed: PackedStep, prev_tokens: torch.Tensor | None) -> None:
