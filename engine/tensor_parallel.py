@@ -16,7 +16,7 @@ from stoker.engine.config import EngineConfig
 from stoker.engine.model_config import ModelConfig
 from stoker.engine.model_runner import ModelRunner
 from stoker.engine.parallel import step_io
-from stoker.engine.parallel.comm import STARTUP_TIMEOUT, RankComm
+from stoker.engine.parallel.comm import STARTUP_TIMEOUT, RankComm, rank_device
 from stoker.engine.parallel.launcher import RankGroup, check_agreement, fingerprint
 from stoker.engine.parallel.plan import check_shardable, rank_model_config
 
@@ -59,10 +59,9 @@ def rank_main(config: EngineConfig, rank: int, size: int, port: int, max_model_l
 
 
 def _join(config: EngineConfig, rank: int, size: int, port: int) -> RankComm:
-    device = torch.device(str(config.device))
-    if device.type == "cuda":  # rank r drives the r-th visible GPU (CUDA_VISIBLE_DEVICES picks the set)
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
+    device = rank_device(str(config.device), rank)
+    if device.type == "cuda":  # config.device "cuda" then means this GPU (the current device)
+        torch.cuda.set_device(device)
     else:  # the ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=STARTUP_TIMEOUT)

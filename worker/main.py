@@ -221,7 +221,12 @@ async def serve(cfg: WorkerConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.request_stop)
-    await worker.run()
+    try:
+        await worker.run()
+    finally:  # a tensor-parallel engine stops its rank processes (the stand-in engine has nothing to stop)
+        close = getattr(engine, "close", None)
+        if close is not None:
+            await asyncio.to_thread(close)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,6 +63,12 @@ class RankComm:
             abort()
 
 
+def rank_device(device: str, rank: int) -> torch.device:
+    """Rank r drives the r-th visible GPU (CUDA_VISIBLE_DEVICES picks the set: two TP=2 workers on a 4-GPU host
+    see 0,1 and 2,3); on the CPU every rank shares the host."""
+    return torch.device("cuda", rank) if device.startswith("cuda") else torch.device("cpu")
+
+
 def _broadcast(group: Any, x: torch.Tensor, timeout: timedelta) -> torch.Tensor:
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, timeout

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from stoker.engine.batch import PackedStep
 from stoker.engine.config import EngineConfig
 from stoker.engine.parallel import step_io
-from stoker.engine.parallel.comm import STARTUP_TIMEOUT, RankComm
+from stoker.engine.parallel.comm import STARTUP_TIMEOUT, RankComm, rank_device
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 RANK_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 _STOP_TIMEOUT = timedelta(seconds=10)
 _JOIN_POLL_S = 0.05
+_VERDICT_WAIT_S = 3.0
 
 
 class TensorParallelError(RuntimeError):
@@ -49,6 +50,7 @@ class RankGroup:
     def __init__(self, config: EngineConfig, max_model_len: int, target: RankTarget):
         self.size = config.tensor_parallel_size
         self.failure: str | None = None
+        self._died = threading.Event()  # the watchdog has named the ranks that died (in self.failure)
         self._closed = False
         for name, value in RANK_ENV.items():
             if os.environ.get(name, value) != value:
@@ -69,7 +71,7 @@ class RankGroup:
         self._watchdog.start()
         try:
             self._wait_joined()
-            self.comm = RankComm(0, self.size, self.store, torch.device(str(config.device)))
+            self.comm = RankComm(0, self.size, self.store, rank_device(str(config.device), 0))
             check_agreement(self.comm, fingerprint(config, max_model_len))
         except BaseException:
             self.close()
@@ -90,8 +92,9 @@ class RankGroup:
             return
         for s in ready:
             if s in sentinels:
-                sentinels[s].join()  # sets its exitcode
+                sentinels[s].join()  # sets its exitcode; this thread is the one that reaps ranks that die
         self.failure = self._dead_ranks()
+        self._died.set()
         log.error("%s: the engine cannot run on without it", self.failure)
         comm = getattr(self, "comm", None)
         if comm is not None:
@@ -115,10 +118,11 @@ class RankGroup:
         except RuntimeError as e:
             if isinstance(e, TensorParallelError):
                 raise
-            for p in self.procs:  # a closed connection usually arrives before the watchdog's wake-up
-                p.join(timeout=1)
+            # The closed connection of a dead rank usually arrives before the watchdog has reaped it: give the
+            # watchdog a moment to name it (a rank alive but stuck leaves the collective's own error).
+            self._died.wait(timeout=_VERDICT_WAIT_S)
             if self.failure is None:
-                self.failure = self._dead_ranks() or f"a tensor-parallel collective failed ({e})"
+                self.failure = f"a tensor-parallel collective failed ({e})"
             raise TensorParallelError(f"{self.failure}; restart the engine") from e
 
     def ship(self, packed: PackedStep, prev_tokens: torch.Tensor | None) -> None:
