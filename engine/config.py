@@ -79,6 +79,12 @@ class EngineConfig:
             problems.append(f"quantization must be 'fp8' or None, got {self.quantization!r}")
         if self.tensor_parallel_size < 1:
             problems.append(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        elif self.tensor_parallel_size > 1 and self.device.startswith("cuda"):
+            import torch
+
+            if torch.cuda.device_count() < self.tensor_parallel_size:
+                problems.append(f"tensor_parallel_size={self.tensor_parallel_size} needs that many GPUs; "
+                                f"{torch.cuda.device_count()} visible (CUDA_VISIBLE_DEVICES picks them)")
         if problems:
             raise ValueError("EngineConfig: " + "; ".join(problems))
 

@@ -317,6 +317,10 @@ def test_sizes_that_do_not_divide_the_model_are_refused_before_spawning(llama_pa
         LLMEngine(EngineConfig(model_path=llama_path, device="cpu", num_kv_blocks=8, tensor_parallel_size=3))
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
         EngineConfig(model_path=llama_path, device="cpu", tensor_parallel_size=0)
+    gpus = torch.cuda.device_count()
+    more = max(2, gpus + 1)
+    with pytest.raises(ValueError, match=f"tensor_parallel_size={more} needs that many GPUs; {gpus} visible"):
+        EngineConfig(model_path=llama_path, device="cuda", tensor_parallel_size=more)
 
 
 def test_rank_processes_get_the_nvlink_multicast_switches_off(llama_path: str, monkeypatch):
