@@ -243,10 +243,11 @@ def _engine(path: str, tp: int) -> LLMEngine:
 @pytest.mark.parametrize(("arch", "shape", "sizes"), [
     ("llama", None, [2]),
     ("qwen2", None, [2]),  # q/k/v biases
+    ("qwen3", None, [2]),  # per-head q/k norms, head_dim 24 != hidden / heads
     # 6 q heads, 1 KV head: replicated on every rank, at 2 and at 3 ranks.
     ("llama", {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 1, "intermediate_size": 96},
      [2, 3]),
-], ids=["llama", "qwen2", "llama-kv1"])
+], ids=["llama", "qwen2", "qwen3", "llama-kv1"])
 def test_greedy_tokens_equal_tp1_and_transformers(tmp_path, arch: str, shape, sizes: list[int]):
     path = str(tmp_path / arch)
     hf = build_hf_model(arch, path, shape=shape)
