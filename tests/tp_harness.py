@@ -15,25 +15,30 @@ import torch
 import torch.distributed as dist
 
 
-def _rank(fn: Callable[..., Any], rank: int, size: int, port: int, args: tuple[Any, ...], out: Any) -> None:
-    from stoker.engine.parallel.comm import RankComm
+def _rank(fn: Callable[..., Any], rank: int, size: int, port: int, device: str, args: tuple[Any, ...],
+          out: Any) -> None:
+    from stoker.engine.parallel.comm import RankComm, rank_device
 
     try:
         torch.set_num_threads(1)
         store = dist.TCPStore("127.0.0.1", port, size + 1, is_master=False, timeout=timedelta(seconds=60))
-        out.put((rank, True, fn(rank, size, RankComm(rank, size, store, torch.device("cpu")), *args)))
+        comm = RankComm(rank, size, store, rank_device(device, rank))
+        comm.store = store  # type: ignore[attr-defined]  # for functions that build more on the same store
+        out.put((rank, True, fn(rank, size, comm, *args)))
     except BaseException:
         out.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
-    """fn(rank, size, comm, *args) in `size` spawned processes joined in one group -> results by rank."""
+def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout_s: float = 120.0, device: str = "cpu") -> list[Any]:
+    """fn(rank, size, comm, *args) in `size` spawned processes joined in one group (gloo on the CPU; NCCL with
+    device="cuda", rank r on GPU r) -> results by rank."""
     ctx = mp.get_context("spawn")
     # The store's master lives here (one more client than ranks: this process).
     store = dist.TCPStore("127.0.0.1", 0, size + 1, is_master=True, timeout=timedelta(seconds=60),
                           wait_for_workers=False)
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(fn, r, size, store.port, args, out), daemon=True) for r in range(size)]
+    procs = [ctx.Process(target=_rank, args=(fn, r, size, store.port, device, args, out), daemon=True)
+             for r in range(size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
