@@ -24,12 +24,12 @@ from stoker.engine.model_config import ModelConfig
 from stoker.engine.model_runner import PendingSample
 from stoker.engine.output_processor import OutputProcessor, RequestState, SampleResult
 from stoker.engine.outputs import EngineRequestError, EngineStats, RequestOutput
+from stoker.engine.ranks import start_runner
 from stoker.engine.request import EngineRequest
 from stoker.engine.sampler import SamplingRequest
 from stoker.engine.sampling_params import SamplingParams
 from stoker.engine.scheduler import SampledToken, ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from stoker.engine.sequence import FinishReason, Sequence
-from stoker.engine.tensor_parallel import start_runner
 from stoker.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -6,5 +6,5 @@ rank runs the same forward on its shard of the weights.
   with timeouts on every collective.
 - step_io: rank 0 ships each step's packed input; the other ranks receive it.
 - launcher: rank 0 spawns the other ranks, checks they agree on model and config, watches them.
-The loop of ranks > 0 is engine/rank_worker.py (it needs the model runner, which needs this package).
+The loop of ranks > 0 is engine/ranks.py (it needs the model runner, which needs this package).
 """
