@@ -298,6 +298,32 @@ def test_killed_rank_makes_step_raise_promptly(llama_path: str):
         assert time.monotonic() - started < 15
 
 
+def _stuck_peer(rank: int, size: int, comm, stuck_s: float) -> tuple[str, float]:
+    """Rank 1 stays away from an all-reduce (alive, as a hung rank is); rank 0's must end at the timeout."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from stoker.engine.parallel.comm import RankComm
+
+    store = dist.PrefixStore("short", comm.store)  # groups of their own beside the harness's
+    short = RankComm(rank, size, store, comm.device, collective_timeout=timedelta(seconds=2))
+    if rank == 1:
+        time.sleep(stuck_s)
+        return "", 0.0
+    started = time.monotonic()
+    try:
+        short.all_reduce(torch.ones(4))
+    except RuntimeError as e:
+        return str(e), time.monotonic() - started
+    return "", time.monotonic() - started
+
+
+def test_a_rank_that_hangs_fails_the_collective_at_its_timeout():
+    error, waited = run_ranks(_stuck_peer, 2, 12.0)[0]
+    assert "Timed out" in error or "timeout" in error.lower(), error
+    assert 1.5 < waited < 8, waited
+
+
 def _agreement(rank: int, size: int, comm, fingerprints: list[int]) -> str:
     try:
         check_agreement(comm, fingerprints[rank])

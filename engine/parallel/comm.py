@@ -21,30 +21,32 @@ IDLE_WAIT = timedelta(days=3650)  # ranks > 0 between steps: the engine may idle
 
 
 class RankComm:
-    def __init__(self, rank: int, size: int, store: dist.Store, device: torch.device):
+    def __init__(self, rank: int, size: int, store: dist.Store, device: torch.device,
+                 collective_timeout: timedelta = COLLECTIVE_TIMEOUT):
         self.rank, self.size, self.device = rank, size, device
+        self.timeout = collective_timeout
         self.control: Any = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, size, STARTUP_TIMEOUT)
         compute_store = dist.PrefixStore("compute", store)
         if device.type == "cuda":
             # Backends (gloo, nccl) used directly: torch's stubs type them apart from ProcessGroup, hence Any.
-            self.compute: Any = _nccl_group(compute_store, rank, size, device)
+            self.compute: Any = _nccl_group(compute_store, rank, size, device, collective_timeout)
         else:
-            self.compute = dist.ProcessGroupGloo(compute_store, rank, size, COLLECTIVE_TIMEOUT)
+            self.compute = dist.ProcessGroupGloo(compute_store, rank, size, collective_timeout)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks, in place (the row-parallel layers' one collective)."""
         opts = dist.AllreduceOptions()
-        opts.timeout = COLLECTIVE_TIMEOUT
+        opts.timeout = self.timeout
         self.compute.allreduce([x], opts).wait()
         return x
 
     def broadcast_compute(self, x: torch.Tensor) -> torch.Tensor:
         """rank 0's device tensor to every rank (a step's pending token ids), in place."""
-        return _broadcast(self.compute, x, COLLECTIVE_TIMEOUT)
+        return _broadcast(self.compute, x, self.timeout)
 
-    def broadcast_control(self, x: torch.Tensor, timeout: timedelta = COLLECTIVE_TIMEOUT) -> torch.Tensor:
-        """rank 0's CPU tensor to every rank, in place."""
-        return _broadcast(self.control, x, timeout)
+    def broadcast_control(self, x: torch.Tensor, timeout: timedelta | None = None) -> torch.Tensor:
+        """rank 0's CPU tensor to every rank, in place (within the collective timeout unless given)."""
+        return _broadcast(self.control, x, timeout or self.timeout)
 
     def gather_ints(self, value: int) -> list[int]:
         """Every rank's value (startup agreement), over the control group."""
@@ -76,10 +78,10 @@ def _broadcast(group: Any, x: torch.Tensor, timeout: timedelta) -> torch.Tensor:
     return x
 
 
-def _nccl_group(store: dist.Store, rank: int, size: int, device: torch.device) -> Any:
+def _nccl_group(store: dist.Store, rank: int, size: int, device: torch.device, timeout: timedelta) -> Any:
     """NOT RUN here (no machine with several GPUs was lent): the NCCL group of the compute collectives. The
     NVLink-multicast switches (NCCL_NVLS_ENABLE=0 ...) are in the environment before this runs (launcher)."""
     options = dist.ProcessGroupNCCL.Options()
-    options._timeout = COLLECTIVE_TIMEOUT
+    options._timeout = timeout
     torch.cuda.set_device(device)
     return dist.ProcessGroupNCCL(store, rank, size, options)
