@@ -258,6 +258,8 @@ def test_greedy_tokens_equal_tp1_and_transformers(tmp_path, arch: str, shape, si
         engine = _engine(path, size)
         try:
             assert engine.runner.model_config.num_heads * size == hf.config.num_attention_heads
+            # The KV cache holds this rank's KV heads only: [blocks, block_size, heads here, head_dim].
+            assert engine.runner.kv_caches[0][0].shape[2] == max(1, hf.config.num_key_value_heads // size)
             assert _greedy_run(engine, f"tp{size}", PROMPTS) == want, f"TP={size}, synchronous steps"
             # Overlapped steps: pending input ids are read from the previous step's sampled ids, which rank 0
             # broadcasts to the other ranks over the compute group.
@@ -330,6 +332,23 @@ def _agreement(rank: int, size: int, comm, fingerprints: list[int]) -> str:
     except TensorParallelError as e:
         return str(e)
     return ""
+
+
+def test_fingerprint_covers_the_model_files_and_the_engine_config(tmp_path, llama_path: str):
+    import shutil
+
+    from stoker.engine.parallel.launcher import fingerprint
+
+    path = str(tmp_path / "copy")
+    shutil.copytree(llama_path, path)
+    config = EngineConfig(model_path=path, device="cpu", num_kv_blocks=8, tensor_parallel_size=2)
+    base = fingerprint(config, 512)
+    assert fingerprint(config, 512) == base
+    assert fingerprint(config, 256) != base
+    assert fingerprint(EngineConfig(model_path=path, device="cpu", num_kv_blocks=9, tensor_parallel_size=2), 512) != base
+    with open(os.path.join(path, "config.json"), "a") as f:
+        f.write(" ")  # same JSON, other bytes: a folder that changed between the ranks' reads
+    assert fingerprint(config, 512) != base
 
 
 def test_ranks_that_disagree_fail_at_startup():
