@@ -346,8 +346,13 @@ def test_fingerprint_covers_the_model_files_and_the_engine_config(tmp_path, llam
     assert fingerprint(config, 512) == base
     assert fingerprint(config, 256) != base
     assert fingerprint(EngineConfig(model_path=path, device="cpu", num_kv_blocks=9, tensor_parallel_size=2), 512) != base
-    with open(os.path.join(path, "config.json"), "a") as f:
-        f.write(" ")  # same JSON, other bytes: a folder that changed between the ranks' reads
+    # Another bos id, the same size: the file's bytes count, not only its size.
+    config_json = os.path.join(path, "config.json")
+    with open(config_json) as f:
+        text = f.read()
+    assert '"bos_token_id": 0' in text
+    with open(config_json, "w") as f:
+        f.write(text.replace('"bos_token_id": 0', '"bos_token_id": 2'))
     assert fingerprint(config, 512) != base
 
 
