@@ -467,3 +467,19 @@ def test_one_shot_symm_mem_all_reduce_equals_nccl():
     of decode (1 and 8 tokens x hidden 4096) and an odd one."""
     for rank, errors in enumerate(run_ranks(_one_shot_vs_nccl, 2, [(1, 4096), (8, 4096), (3, 1000)], device="cuda")):
         assert all(e < 1e-2 for e in errors.values()), (rank, errors)
+
+
+def test_worker_flag_and_variable_reach_the_engine_config(llama_path: str, capsys, monkeypatch):
+    import stoker.engine
+    from stoker.worker import main as worker_main
+
+    cfg = worker_main.parse_config(["--model", llama_path, "--tensor-parallel", "2", "--no-warmup"], {})
+    assert cfg.tensor_parallel == 2
+    built: list[EngineConfig] = []
+    monkeypatch.setattr(stoker.engine, "LLMEngine", built.append)  # the config build_engine makes, no engine
+    worker_main.build_engine(cfg)
+    assert built[0].tensor_parallel_size == 2
+    assert worker_main.parse_config(["--model", llama_path], {"STOKER_TENSOR_PARALLEL": "4"}).tensor_parallel == 4
+    with pytest.raises(SystemExit) as exit_:
+        worker_main.parse_config(["--model", llama_path, "--tensor-parallel", "0"], {})
+    assert exit_.value.code == 2 and "--tensor-parallel must be >= 1, got 0" in capsys.readouterr().err
