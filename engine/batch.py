@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -26,3 +27,19 @@ class ModelInput:
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # [N] int64: rows of the hidden states whose logits are sampled
+
+
+@dataclass(slots=True)
+class PackedStep:
+    """One step's input as two host arrays before upload: what rank 0 ships to the other tensor-parallel
+    ranks, each of which uploads and slices it as rank 0 does (ModelRunner.to_device)."""
+
+    host64: np.ndarray  # int64: ids | positions | slots | sample indices, each part 16-byte aligned
+    host32: np.ndarray  # int32: query_start | context_lens | block tables
+    offsets: tuple[int, ...]  # 7 starts: of ids, positions, slots, samples; qsl, ctx, tables
+    num_tokens: int
+    num_samples: int
+    num_seqs: int
+    width: int  # block-table columns
+    decode_only: bool
+    num_prev: int  # > 0: some ids are pending, read on the device from the previous step's [num_prev] sample

@@ -38,6 +38,9 @@ class EngineConfig:
     # "fp8": quantize an unquantized checkpoint's linears to FP8 at load (per output row; lm_head stays). An FP8
     # checkpoint (quantization_config in config.json) runs as FP8 without it. None = as the checkpoint is.
     quantization: str | None = None
+    # Ranks (processes, one GPU each) the model is split over; > 1 spawns ranks 1.. beside this process
+    # (engine/parallel). Whether the model's heads divide is checked when the model's config is read.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         problems = []
@@ -80,6 +83,14 @@ class EngineConfig:
             problems.append(f"max_model_len must be >= 2 or None, got {self.max_model_len}")
         if self.quantization not in (None, "fp8"):
             problems.append(f"quantization must be 'fp8' or None, got {self.quantization!r}")
+        if self.tensor_parallel_size < 1:
+            problems.append(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        elif self.tensor_parallel_size > 1 and self.device.startswith("cuda"):
+            import torch
+
+            if torch.cuda.device_count() < self.tensor_parallel_size:
+                problems.append(f"tensor_parallel_size={self.tensor_parallel_size} needs that many GPUs; "
+                                f"{torch.cuda.device_count()} visible (CUDA_VISIBLE_DEVICES picks them)")
         if problems:
             raise ValueError("EngineConfig: " + "; ".join(problems))
 

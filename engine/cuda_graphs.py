@@ -49,8 +49,10 @@ class DecodeGraphs:
         block_size: int,
         max_batch: int,
         max_model_len: int,
+        with_logits: bool = True,  # False: stop at the hidden states (tensor-parallel ranks > 0)
     ):
         self.model, self.kv_caches, self.device = model, kv_caches, device
+        self.with_logits = with_logits
         self.sizes = bucket_sizes(max_batch)
         self.max_batch = max_batch
         dev = device
@@ -78,7 +80,7 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:b], self.positions[:b], self._meta[b], self.kv_caches)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden) if self.with_logits else hidden
 
     @torch.inference_mode()
     def capture(self) -> float:

@@ -21,9 +21,10 @@ from stoker.engine.config import EngineConfig
 from stoker.engine.grammar import GrammarCompiler, GrammarError, GrammarState
 from stoker.engine.input_processor import InputProcessor
 from stoker.engine.model_config import ModelConfig
-from stoker.engine.model_runner import ModelRunner, PendingSample
+from stoker.engine.model_runner import PendingSample
 from stoker.engine.output_processor import OutputProcessor, RequestState, SampleResult
 from stoker.engine.outputs import EngineRequestError, EngineStats, RequestOutput
+from stoker.engine.ranks import start_runner
 from stoker.engine.request import EngineRequest
 from stoker.engine.sampler import SamplingRequest
 from stoker.engine.sampling_params import SamplingParams
@@ -69,7 +70,7 @@ class LLMEngine:
                 "sliding window attention is not implemented: capping max_model_len at %d", mc.sliding_window
             )
             max_len = mc.sliding_window
-        self.runner = ModelRunner(config, mc, max_len)
+        self.runner = start_runner(config, mc, max_len)  # tensor_parallel_size > 1: starts ranks 1..
         pool_tokens = self.runner.num_blocks * config.block_size
         if pool_tokens < max_len:  # so that context_length_exceeded fires before the scheduler's own check
             log.warning("KV pool holds %d tokens: capping max_model_len (%d) to it", pool_tokens, max_len)
@@ -180,7 +181,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Free the model's weights and KV cache now (call from the thread that steps it, between steps); the
-        engine cannot step after. A worker unloading an idle model (worker/models.py) calls it."""
+        engine cannot step after. A worker unloading an idle model (worker/models.py) calls it, and the worker
+        on exit (it also stops the tensor-parallel ranks this engine started)."""
         self._inflight = None
         self.runner.close()
 

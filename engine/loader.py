@@ -5,7 +5,8 @@ its parameter name (`model.layers.3.self_attn.o_proj.weight`), except that the m
 folds separate projections into a fused one with a shard name (`...self_attn.q_proj.weight` ->
 `...self_attn.qkv_proj`, shard "q"). The module's own `load_weight` then places the tensor. Both loaders
 (this plain one and engine.fast_load) go through it. Weights go to the device one tensor at a time
-(safetensors `safe_open`), copied straight into the parameters: no full host copy of the model is made.
+(safetensors `safe_open`), copied straight into the parameters: no full host copy of the model is made. A
+tensor-parallel layer names the part of a tensor it holds (`checkpoint_slice`) and only that part is read.
 """
 
 from __future__ import annotations
@@ -106,6 +107,12 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
         for file in safetensors_files(path):
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    if weights.destination(name) is not None:
-                        weights.load(name, f.get_tensor(name), file)
+                    dest = weights.destination(name)
+                    if dest is None:
+                        continue
+                    _, module, param, shard = dest
+                    index = module.checkpoint_slice(param, shard)
+                    # A slice is read from the file alone (get_slice): a rank never holds a whole weight.
+                    tensor = f.get_tensor(name) if index is None else f.get_slice(name)[index]
+                    weights.load(name, tensor, file)
     weights.check_all_loaded(path)

@@ -8,9 +8,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stoker.engine.quant_config import Fp8Scheme, parse_quantization
+
+if TYPE_CHECKING:
+    from stoker.engine.parallel.plan import ShardPlan
 
 # The architecture registry: config.json's `architectures` name -> the model class, by import path (resolved
 # by engine.models.model_class), so that this module stays free of torch. A new architecture is a line here,
@@ -64,6 +67,8 @@ class ModelConfig:
     bos_token_id: int | None
     sliding_window: int | None  # not implemented: the engine caps max_model_len to it instead
     quantization: Fp8Scheme | None = None  # the checkpoint's FP8 scheme, or --quantization fp8's; None = plain
+    # Tensor parallelism: this rank's part (the counts above are then per rank); None = the whole model here.
+    shard: ShardPlan | None = None
 
     @classmethod
     def from_folder(cls, path: str, quantization: str | None = None) -> ModelConfig:

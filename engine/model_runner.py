@@ -11,12 +11,12 @@ import gc
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from stoker.engine import kernels
-from stoker.engine.batch import AttentionMetadata, ModelInput
+from stoker.engine.batch import AttentionMetadata, ModelInput, PackedStep
 from stoker.engine.config import EngineConfig
 from stoker.engine.kv_cache import allocate_kv_cache, num_kv_blocks, weights_bytes
 from stoker.engine.loader import load_weights
@@ -26,12 +26,20 @@ from stoker.engine.sampler import Sampler, SamplerOutput, SamplingBatch, Samplin
 from stoker.engine.scheduler import SchedulerOutput
 from stoker.engine.sequence import Sequence
 
+if TYPE_CHECKING:
+    from stoker.engine.parallel.comm import RankComm
+    from stoker.engine.parallel.launcher import RankGroup
+
 log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                 comm: RankComm | None = None, ranks: RankGroup | None = None):
+        """Tensor parallel: model_config is this rank's part (engine/parallel/plan.py), `comm` its groups, and
+        on rank 0 `ranks` the other ranks, to which prepare() ships every step's input."""
         self.config, self.model_config = config, model_config
+        self.comm, self.ranks = comm, ranks
         self.device = torch.device(config.device)  # type: ignore[arg-type]
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
@@ -43,7 +51,7 @@ class ModelRunner:
             self.startup["blocking_sync"] = _blocking_sync(self.device)
         with torch.device(self.device):
             self.model = model_class(model_config.architecture)(model_config, self.dtype, max_model_len)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and comm is None:  # the fast loader reads whole tensors: one rank only
             from stoker.engine.fast_load import load_weights_fast
 
             self.startup |= load_weights_fast(self.model, config.model_path, self.device)
@@ -52,6 +60,8 @@ class ModelRunner:
         self.model.eval()
         self.weights_bytes = weights_bytes(self.model)
         self.num_blocks = num_kv_blocks(model_config, config, self.weights_bytes)
+        if comm is not None:  # every rank's cache has the same blocks: the fewest any rank's memory allows
+            self.num_blocks = min(comm.gather_ints(self.num_blocks))
         self.kv_caches = allocate_kv_cache(
             model_config, self.num_blocks, self.block_size, self.dtype, self.device
         )
@@ -61,8 +71,11 @@ class ModelRunner:
         if self.device.type == "cuda" and config.cuda_graphs:
             from stoker.engine.cuda_graphs import DecodeGraphs
 
+            # Tensor parallel: every rank captures the same buckets in the same order (a graph-captured all-reduce
+            # is replayed by all ranks together); ranks > 0 stop at the hidden states (they do not sample).
             self.graphs = DecodeGraphs(
-                self.model, self.kv_caches, self.device, self.block_size, config.max_num_seqs, max_model_len
+                self.model, self.kv_caches, self.device, self.block_size, config.max_num_seqs, max_model_len,
+                with_logits=comm is None or comm.rank == 0,
             )
             self.startup["graph_capture_s"] = self.graphs.capture()
             self.startup["graph_buckets"] = self.graphs.sizes
@@ -154,14 +167,25 @@ class ModelRunner:
         # int64: ids | positions | slots | sample indices; int32: query_start | context_lens | block tables.
         # Each part starts 16-byte aligned: Triton specializes a kernel on its pointers' 16-byte alignment, so
         # parts at offsets that vary with the batch would compile new variants mid-run (~1 s of host each).
-        host64, (o_ids, o_pos, o_slots, o_samples) = _pack([ids, positions, slots, sample_indices], np.int64)
-        host32, (o_qsl, o_ctx, o_tables) = _pack(
-            [query_start, ends, tables.array[rows, :width].reshape(-1)], np.int32
-        )
-        i64, i32 = self._upload(host64), self._upload(host32)
-        T, N, B = num_tokens, len(sample_indices), num_seqs
+        host64, offsets64 = _pack([ids, positions, slots, sample_indices], np.int64)
+        host32, offsets32 = _pack([query_start, ends, tables.array[rows, :width].reshape(-1)], np.int32)
+        num_prev = 0
+        if gather:
+            assert prev_tokens is not None
+            num_prev = prev_tokens.shape[0]
+        packed = PackedStep(host64, host32, (*offsets64, *offsets32), num_tokens, len(sample_indices), num_seqs,
+                            width, num_decodes == num_seqs, num_prev)
+        if self.ranks is not None:  # tensor parallel: every rank runs this step's forward on the same input
+            self.ranks.ship(packed, prev_tokens)
+        return self.to_device(packed, prev_tokens)
+
+    def to_device(self, packed: PackedStep, prev_tokens: torch.Tensor | None) -> ModelInput:
+        """Upload the packed step and slice it into the model's input (every tensor-parallel rank runs this)."""
+        o_ids, o_pos, o_slots, o_samples, o_qsl, o_ctx, o_tables = packed.offsets
+        i64, i32 = self._upload(packed.host64), self._upload(packed.host32)
+        T, N, B, width = packed.num_tokens, packed.num_samples, packed.num_seqs, packed.width
         input_ids = i64[o_ids : o_ids + T]
-        if gather:  # pending ids: one gather from the previous step's sampled ids, on the device
+        if packed.num_prev:  # pending ids: one gather from the previous step's sampled ids, on the device
             assert prev_tokens is not None
             pending = input_ids < 0
             input_ids = torch.where(
@@ -172,16 +196,18 @@ class ModelRunner:
             block_tables=i32[o_tables : o_tables + B * width].view(B, width),
             query_start_loc=i32[o_qsl : o_qsl + B + 1],
             context_lens=i32[o_ctx : o_ctx + B],
-            decode_only=num_decodes == num_seqs,
+            decode_only=packed.decode_only,
         )
         return ModelInput(input_ids, i64[o_pos : o_pos + T], meta, i64[o_samples : o_samples + N])
 
     def close(self) -> None:
         """Drop the weights, the KV cache and the graphs (the runner is unusable after), and hand the freed
-        memory back to the GPU so that another model may use it."""
+        memory back to the GPU so that another model may use it; stop the other tensor-parallel ranks."""
+        if self.ranks is not None:
+            self.ranks.close()
         self.graphs = None
         self.kv_caches = []
-        del self.model
+        self.__dict__.pop("model", None)  # (a second close is a no-op)
         if self.device.type == "cuda":
             gc.collect()  # graphs and modules may sit in reference cycles; their blocks must be free first
             torch.cuda.empty_cache()
@@ -193,10 +219,24 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inp: ModelInput) -> torch.Tensor:
         """-> float32 logits [N, V] of the sampled rows only (lm_head runs on those rows alone)."""
+        if self.ranks is not None:
+            with self.ranks.guard():  # a dead rank: TensorParallelError naming it, not a bare gloo/NCCL error
+                return self._forward(inp)
+        return self._forward(inp)
+
+    def _forward(self, inp: ModelInput) -> torch.Tensor:
         if self.graphs is not None and self.graphs.fits(inp):
             return self.graphs.run(inp)  # decode-only: replay the captured graph of the batch's bucket
         hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
         return self.model.compute_logits(hidden[inp.sample_indices])
+
+    @torch.inference_mode()
+    def forward_shard(self, inp: ModelInput) -> None:
+        """Ranks > 0: the forward up to the hidden states (its all-reduces meet rank 0's); no LM head."""
+        if self.graphs is not None and self.graphs.fits(inp):
+            self.graphs.run(inp)
+        else:
+            self.model(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
 
     @torch.inference_mode()
     def sample_async(self, logits: torch.Tensor, rows: list[SamplingRequest]) -> PendingSample:

@@ -168,7 +168,7 @@ def drop_page_cache() -> bool:
 
 # ---- our engine ------------------------------------------------------------------------------------------
 def engine_config(path: str, max_num_seqs: int, device: str = "cuda", quantization: str | None = None,
-                  max_num_batched_tokens: int = 8192):
+                  max_num_batched_tokens: int = 8192, tensor_parallel_size: int = 1):
     """The bench's engine settings (ops/bench_e2e.py gives the worker the same ones, from this object)."""
     from stoker.engine import EngineConfig
 
@@ -188,14 +188,16 @@ def engine_config(path: str, max_num_seqs: int, device: str = "cuda", quantizati
         use_triton=use_triton,
         blocking_sync=blocking_sync,
         quantization=quantization,
+        tensor_parallel_size=tensor_parallel_size,
     )
 
 
-def start_engine(path: str, max_num_seqs: int, device: str = "cuda", quantization: str | None = None):
+def start_engine(path: str, max_num_seqs: int, device: str = "cuda", quantization: str | None = None,
+                 tensor_parallel_size: int = 1):
     from stoker.engine import LLMEngine
 
     t0 = time.perf_counter()
-    eng = LLMEngine(engine_config(path, max_num_seqs, device, quantization))
+    eng = LLMEngine(engine_config(path, max_num_seqs, device, quantization, tensor_parallel_size=tensor_parallel_size))
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     return eng, time.perf_counter() - t0
@@ -454,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="W1 kernel table and W2 host cProfile into $OUT")
     ap.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16",
                     help="fp8: the bf16 weights quantized to FP8 at load (--quantization fp8; lm_head stays bf16)")
+    ap.add_argument("--tensor-parallel", type=int, default=1,
+                    help="GPUs the engine splits the model over (issue 17; NOT yet run: no multi-GPU machine lent). "
+                         "The weight-byte floors below count rank 0's shard")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("ops/bench.py needs a CUDA GPU", file=sys.stderr)
@@ -470,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         "argv": sys.argv[1:],
         "torch": torch.__version__,
         "dtype": args.dtype,
+        "tensor_parallel": args.tensor_parallel,
     }
     quantization = "fp8" if args.dtype == "fp8" else None
     log("floors")
@@ -483,13 +489,16 @@ def main(argv: list[str] | None = None) -> int:
         log(
             f"weights written in {r['write_s']:.1f} s; cold start (page cache dropped: {r['page_cache_dropped']})"
         )
-        eng, r["cold_ready_s"] = start_engine(path, args.max_num_seqs, quantization=quantization)
+        eng, r["cold_ready_s"] = start_engine(path, args.max_num_seqs, quantization=quantization,
+                                              tensor_parallel_size=args.tensor_parallel)
         r["cold_startup"] = {k: v for k, v in eng.runner.startup.items()}
+        eng.close()  # tensor parallel: its rank processes hold the other GPUs
         del eng
         gc.collect()
         torch.cuda.empty_cache()
     log("warm start")
-    eng, r["warm_ready_s"] = start_engine(path, args.max_num_seqs, quantization=quantization)
+    eng, r["warm_ready_s"] = start_engine(path, args.max_num_seqs, quantization=quantization,
+                                          tensor_parallel_size=args.tensor_parallel)
     r["warm_startup"] = dict(eng.runner.startup)
     log(f"startup: {r['warm_startup']}")
     mc = eng.model_config
@@ -559,6 +568,7 @@ def main(argv: list[str] | None = None) -> int:
         r["w2_one_thread"]["threads"] = busiest_threads(threads0, thread_cpu())
         torch.set_num_threads(threads)
         log(f"W2 threads {r['w2_threads']}; with 1 intra-op thread: {r['w2_one_thread']}")
+    eng.close()
     del eng, probe
     gc.collect()
     torch.cuda.empty_cache()

@@ -52,12 +52,14 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def build_hf_model(name: str, out_dir: str, max_shard_size: str | None = None, seed: int = 0):
-    """Build, save (with tokenizer + generation config) and return the transformers model, in eval mode."""
+def build_hf_model(name: str, out_dir: str, max_shard_size: str | None = None, seed: int = 0,
+                   shape: dict[str, Any] | None = None):
+    """Build, save (with tokenizer + generation config) and return the transformers model, in eval mode.
+    `shape` overrides COMMON's dimensions (e.g. head counts that 3 tensor-parallel ranks divide)."""
     import transformers
 
     cls_name, overrides = ARCHS[name]
-    config = getattr(transformers, cls_name)(**{**COMMON, **overrides})
+    config = getattr(transformers, cls_name)(**{**COMMON, **overrides, **(shape or {})})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():

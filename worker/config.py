@@ -44,6 +44,7 @@ class WorkerConfig:
     max_model_len: int | None = None
     dtype: str | None = None  # float32 | float16 | bfloat16; None = bfloat16 on CUDA, float32 on CPU
     quantization: str | None = None  # "fp8": quantize an unquantized checkpoint at load (EngineConfig's field)
+    tensor_parallel: int = 1  # GPUs (ranks) the model is split over (EngineConfig.tensor_parallel_size)
     block_size: int = 16  # tokens per KV block (a power of two)
     num_kv_blocks: int | None = None  # None = as many as the memory budget allows
     gpu_memory_utilization: float = 0.9  # share of the GPU the engine may fill (without kv_cache_memory_bytes)
@@ -117,6 +118,8 @@ class WorkerConfig:
         if self.max_num_seqs < 1:
             problems.append(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         # The engine checks its settings again (EngineConfig); these fail before the model loads.
+        if self.tensor_parallel < 1:
+            problems.append(f"--tensor-parallel must be >= 1, got {self.tensor_parallel}")
         if self.quantization not in (None, "fp8"):
             problems.append(f"quantization must be fp8 or unset, got {self.quantization!r}")
         if self.dtype not in (None, "float32", "float16", "bfloat16"):

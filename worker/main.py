@@ -40,6 +40,8 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
     ("--dtype", "STOKER_DTYPE", str, None, "float32|float16|bfloat16 (default: bfloat16 on CUDA, float32 on CPU)"),
     ("--quantization", "STOKER_QUANTIZATION", str, None,
      "fp8: quantize an unquantized checkpoint's linears to FP8 at load (FP8 checkpoints need no flag)"),
+    ("--tensor-parallel", "STOKER_TENSOR_PARALLEL", int, 1,
+     "GPUs (one process each) the model is split over: the first N that CUDA_VISIBLE_DEVICES shows"),
     ("--block-size", "STOKER_BLOCK_SIZE", int, 16, "tokens per KV block (a power of two)"),
     ("--num-kv-blocks", "STOKER_NUM_KV_BLOCKS", int, None, "KV blocks (default: as many as the budget allows)"),
     ("--gpu-memory-utilization", "STOKER_GPU_MEMORY_UTILIZATION", float, 0.9,
@@ -250,6 +252,7 @@ def _build_one(cfg: WorkerConfig, spec: ModelSpec | None) -> Any:
         "enable_prefix_caching": not cfg.no_prefix_caching, "cuda_graphs": not cfg.no_cuda_graphs,
         "async_scheduling": False if cfg.no_async_scheduling else None, "use_triton": not cfg.no_triton,
         "blocking_sync": not cfg.no_blocking_sync, "quantization": cfg.quantization,
+        "tensor_parallel_size": cfg.tensor_parallel,
     }
     if cfg.served_model_name:
         kwargs["model_name"] = cfg.served_model_name
@@ -290,7 +293,12 @@ async def serve(cfg: WorkerConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.request_stop)
-    await worker.run()
+    try:
+        await worker.run()
+    finally:  # a tensor-parallel engine stops its rank processes (the stand-in engine has nothing to stop)
+        close = getattr(engine, "close", None)
+        if close is not None:
+            await asyncio.to_thread(close)
 
 
 def main(argv: list[str] | None = None) -> int:

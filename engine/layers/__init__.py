@@ -14,10 +14,11 @@ from stoker.engine.layers.fp8 import Fp8GateUpLinear, Fp8Linear, Fp8QKVLinear, m
 from stoker.engine.layers.linear import GateUpLinear, Linear, MergedLinear, QKVLinear
 from stoker.engine.layers.norm import RMSNorm
 from stoker.engine.layers.rotary import RotaryEmbedding
+from stoker.engine.layers.tensor_parallel import ColumnParallelGateUp, ColumnParallelQKV, RowParallelLinear
 from stoker.engine.layers.weights import WeightModule, WeightShapeError
 
 __all__ = [
-    "Fp8GateUpLinear", "Fp8Linear", "Fp8QKVLinear", "GateUpLinear", "LMHead", "Linear", "MergedLinear",
+    "ColumnParallelGateUp", "ColumnParallelQKV", "RowParallelLinear", "Fp8GateUpLinear", "Fp8Linear", "Fp8QKVLinear", "GateUpLinear", "LMHead", "Linear", "MergedLinear",
     "PagedAttention", "QKVLinear", "RMSNorm",
     "RotaryEmbedding", "VocabEmbedding", "WeightModule", "WeightShapeError", "make_linear",
 ]

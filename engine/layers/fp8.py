@@ -15,7 +15,9 @@ import torch
 from stoker.engine import kernels
 from stoker.engine.kernels.fp8_linear import FP8_DTYPE, quantize_rows
 from stoker.engine.layers.linear import GateUpLinear, Linear, QKVLinear
+from stoker.engine.layers.tensor_parallel import tensor_parallel_twin
 from stoker.engine.layers.weights import WeightModule, WeightShapeError, copy_into, empty_param
+from stoker.engine.parallel.plan import ShardPlan
 from stoker.engine.quant_config import Fp8Scheme
 from torch import nn
 
@@ -139,9 +141,14 @@ _FP8_TWINS: dict[type[Linear], type[Fp8Linear]] = {
 
 
 def make_linear(cls: type[Linear], *args: object, quant: Fp8Scheme | None, names: list[str],
-                **kwargs: object) -> nn.Module:
+                tp: ShardPlan | None = None, **kwargs: object) -> nn.Module:
     """`cls(*args, **kwargs)`, or its FP8 twin when the model is quantized and the scheme does not ignore the
-    checkpoint modules `names` it holds (q_proj, k_proj, v_proj for a fused qkv_proj)."""
+    checkpoint modules `names` it holds (q_proj, k_proj, v_proj for a fused qkv_proj), or its tensor-parallel
+    twin when the model is split over ranks (`tp`; the sizes given are then this rank's)."""
+    if tp is not None and tp.size > 1:
+        if quant is not None:  # also refused at startup (engine.parallel.plan.shard_problems)
+            raise ValueError("FP8 layers have no tensor-parallel twin yet")
+        return tensor_parallel_twin(cls)(*args, shard=tp, **kwargs)  # type: ignore[arg-type,call-arg]
     if quant is None:
         return cls(*args, **kwargs)  # type: ignore[arg-type]
     ignored = [quant.ignores(name) for name in names]

@@ -44,6 +44,11 @@ class WeightModule(nn.Module):
             raise ValueError(f"{type(self).__name__}.{param_name} has no shard {shard!r}")
         copy_into(self._parameters[param_name].data, loaded)  # type: ignore[union-attr]
 
+    def checkpoint_slice(self, param_name: str, shard: str) -> tuple[slice, ...] | None:
+        """The part of checkpoint tensor (param_name, shard) this module holds, as an index into it; None =
+        all of it. Tensor-parallel layers return their rank's rows or columns, which the loader reads alone."""
+        return None
+
     def finish_loading(self) -> None:
         """Called once every tensor is in (after the completeness check): derive what depends on several
         tensors (an FP8 layer's one activation scale from its shards' input_scales)."""

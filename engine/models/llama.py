@@ -32,14 +32,16 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, rotary: RotaryEmbedding, prefix: str):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        quant = cfg.quantization  # make_linear: the plain linear, or its FP8 twin (engine/layers/fp8.py)
+        # make_linear: the plain linear, its FP8 twin (engine/layers/fp8.py) or its tensor-parallel twin
+        # (engine/layers/tensor_parallel.py; cfg then holds this rank's head counts and intermediate size).
+        quant = cfg.quantization
         self.qkv_proj = make_linear(
             QKVLinear, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bias=cfg.attention_bias,
-            dtype=dtype, quant=quant, names=[f"{prefix}.{p}" for p in ("q_proj", "k_proj", "v_proj")],
+            dtype=dtype, quant=quant, names=[f"{prefix}.{p}" for p in ("q_proj", "k_proj", "v_proj")], tp=cfg.shard,
         )
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.o_proj = make_linear(Linear, self.q_size, cfg.hidden_size, dtype=dtype, quant=quant,
-                                  names=[f"{prefix}.o_proj"])
+                                  names=[f"{prefix}.o_proj"], tp=cfg.shard)
         # Qwen3: RMSNorm over each head's vector of q and k, before rotary.
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
@@ -73,9 +75,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         quant = cfg.quantization
         self.gate_up_proj = make_linear(GateUpLinear, cfg.hidden_size, cfg.intermediate_size, dtype=dtype,
-                                        quant=quant, names=[f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+                                        quant=quant, names=[f"{prefix}.gate_proj", f"{prefix}.up_proj"], tp=cfg.shard)
         self.down_proj = make_linear(Linear, cfg.intermediate_size, cfg.hidden_size, dtype=dtype, quant=quant,
-                                     names=[f"{prefix}.down_proj"])
+                                     names=[f"{prefix}.down_proj"], tp=cfg.shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))

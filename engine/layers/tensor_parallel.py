@@ -1,0 +1,83 @@
+"""Tensor-parallel twins of the linear layers (Megatron style, as gpt-fast's tp.py splits them).
+
+Each is built with the per-rank sizes (engine/parallel/plan.py's rank_model_config), so its parameters are
+exactly this rank's shard, and each names the part of a checkpoint tensor it needs (`checkpoint_slice`): the
+loader reads only that part through safetensors' get_slice, so no rank materialises a whole weight.
+
+- q | k | v and gate | up: column-parallel. A rank's rows are its heads (q, and k/v split or replicated) and
+  the same intermediate indices of gate and up, so silu(gate) * up and attention stay local.
+- o_proj and down_proj: row-parallel (the columns matching those heads / intermediate indices), then one
+  all-reduce each: two per layer.
+- Embedding and LM head: replicated. Vocab-parallel would save (V x H) / size per rank (1 GB of bf16 for
+  Llama-3-8B's LM head at TP=2) and split the LM head's GEMV, but costs a collective per step (an all-reduce of
+  the embedding, an all-gather of the logits) and needs the sampler's whole row on rank 0 anyway; at TP 2-8 the
+  replicated copy fits, and ranks > 0 never run the LM head at all (they do not sample).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from stoker.engine.layers.linear import GateUpLinear, Linear, QKVLinear
+from stoker.engine.parallel.plan import ShardPlan
+
+
+class ColumnParallelQKV(QKVLinear):
+    """This rank's q heads and KV heads: [T, H] -> [T, (Hq/size + 2 Hkv_local) D]."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, bias: bool,
+                 dtype: torch.dtype, shard: ShardPlan):
+        super().__init__(hidden_size, num_heads, num_kv_heads, head_dim, bias=bias, dtype=dtype)
+        self.shard, self.head_dim = shard, head_dim
+        self.num_local_kv_heads = num_kv_heads
+
+    def checkpoint_slice(self, param_name: str, shard: str) -> tuple[slice, ...]:
+        rows = self.shard_rows[shard].stop - self.shard_rows[shard].start
+        if shard == "q":
+            start = self.shard.rank * rows
+        else:
+            start = self.shard.kv_head_start(self.num_local_kv_heads) * self.head_dim
+        return (slice(start, start + rows),)  # rows of the weight [out, in] and of the bias [out]
+
+
+class ColumnParallelGateUp(GateUpLinear):
+    """The same intermediate rows of gate and of up: [T, H] -> [T, 2 I/size]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype, shard: ShardPlan):
+        super().__init__(hidden_size, intermediate_size, dtype=dtype)
+        self.shard, self.local_intermediate = shard, intermediate_size
+
+    def checkpoint_slice(self, param_name: str, shard: str) -> tuple[slice, ...]:
+        start = self.shard.rank * self.local_intermediate
+        return (slice(start, start + self.local_intermediate),)
+
+
+class RowParallelLinear(Linear):
+    """This rank's input columns: [T, in/size] -> partial [T, out], summed over the ranks."""
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = False, dtype: torch.dtype,
+                 shard: ShardPlan):
+        super().__init__(input_size, output_size, bias=bias, dtype=dtype)
+        self.shard = shard
+
+    def checkpoint_slice(self, param_name: str, shard: str) -> tuple[slice, ...] | None:
+        if param_name == "bias":
+            return None  # whole: added once, after the sum
+        start = self.shard.rank * self.input_size
+        return (slice(None), slice(start, start + self.input_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.shard.comm.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+_TP_TWINS: dict[type[Linear], type[Linear]] = {
+    QKVLinear: ColumnParallelQKV, GateUpLinear: ColumnParallelGateUp,
+    # The plain linears a Llama block builds (o_proj, down_proj) are the ones whose input is split by the
+    # column-parallel layer before them; a model with a plain column-parallel linear needs its own twin.
+    Linear: RowParallelLinear,
+}
+
+
+def tensor_parallel_twin(cls: type[Linear]) -> type[Linear]:
+    return _TP_TWINS[cls]

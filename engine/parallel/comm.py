@@ -1,0 +1,87 @@
+"""A rank's process groups, made from a TCPStore without torch.distributed's global default group (so one
+process could hold several engines): every collective goes through a group object and carries a timeout.
+
+- control (gloo, CPU tensors): step headers and packed inputs from rank 0, startup agreement. Ranks > 0
+  wait on it between steps for as long as the engine is idle, so their receive has no practical timeout;
+  they notice a dead rank 0 by its closed connection or its process sentinel (engine/rank_worker.py).
+- compute (nccl on CUDA, gloo on CPU): the all-reduces inside the forward, bounded by COLLECTIVE_TIMEOUT.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # a forward's all-reduce waiting longer means a rank is stuck
+STARTUP_TIMEOUT = timedelta(minutes=30)  # joining and loading: a 70B shard read from disk takes minutes
+IDLE_WAIT = timedelta(days=3650)  # ranks > 0 between steps: the engine may idle indefinitely
+
+
+class RankComm:
+    def __init__(self, rank: int, size: int, store: dist.Store, device: torch.device,
+                 collective_timeout: timedelta = COLLECTIVE_TIMEOUT):
+        self.rank, self.size, self.device = rank, size, device
+        self.timeout = collective_timeout
+        self.control: Any = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, size, STARTUP_TIMEOUT)
+        compute_store = dist.PrefixStore("compute", store)
+        if device.type == "cuda":
+            # Backends (gloo, nccl) used directly: torch's stubs type them apart from ProcessGroup, hence Any.
+            self.compute: Any = _nccl_group(compute_store, rank, size, device, collective_timeout)
+        else:
+            self.compute = dist.ProcessGroupGloo(compute_store, rank, size, collective_timeout)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks, in place (the row-parallel layers' one collective)."""
+        opts = dist.AllreduceOptions()
+        opts.timeout = self.timeout
+        self.compute.allreduce([x], opts).wait()
+        return x
+
+    def broadcast_compute(self, x: torch.Tensor) -> torch.Tensor:
+        """rank 0's device tensor to every rank (a step's pending token ids), in place."""
+        return _broadcast(self.compute, x, self.timeout)
+
+    def broadcast_control(self, x: torch.Tensor, timeout: timedelta | None = None) -> torch.Tensor:
+        """rank 0's CPU tensor to every rank, in place (within the collective timeout unless given)."""
+        return _broadcast(self.control, x, timeout or self.timeout)
+
+    def gather_ints(self, value: int) -> list[int]:
+        """Every rank's value (startup agreement), over the control group."""
+        slots = torch.zeros(self.size, dtype=torch.int64)
+        slots[self.rank] = value
+        opts = dist.AllreduceOptions()
+        opts.timeout = STARTUP_TIMEOUT
+        self.control.allreduce([slots], opts).wait()
+        return [int(v) for v in slots]
+
+    def abort(self) -> None:
+        """Unblock collectives stuck on a dead peer (NCCL waits on the GPU otherwise; gloo's peers see the
+        closed connection by themselves)."""
+        abort = getattr(self.compute, "abort", None)
+        if self.device.type == "cuda" and abort is not None:
+            abort()
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """Rank r drives the r-th visible GPU (CUDA_VISIBLE_DEVICES picks the set: two TP=2 workers on a 4-GPU host
+    see 0,1 and 2,3); on the CPU every rank shares the host."""
+    return torch.device("cuda", rank) if device.startswith("cuda") else torch.device("cpu")
+
+
+def _broadcast(group: Any, x: torch.Tensor, timeout: timedelta) -> torch.Tensor:
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, timeout
+    group.broadcast([x], opts).wait()
+    return x
+
+
+def _nccl_group(store: dist.Store, rank: int, size: int, device: torch.device, timeout: timedelta) -> Any:
+    """NOT RUN here (no machine with several GPUs was lent): the NCCL group of the compute collectives. The
+    NVLink-multicast switches (NCCL_NVLS_ENABLE=0 ...) are in the environment before this runs (launcher)."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    torch.cuda.set_device(device)
+    return dist.ProcessGroupNCCL(store, rank, size, options)
