@@ -39,6 +39,7 @@ class BatchStack:
         self.topic, self.prefix = f"test.batch.{tag}", f"bt{tag}"
         self.batch_topic = default_batch_topic(self.topic)
         self.worker: subprocess.Popen[bytes] | None = None
+        self.other_workers: list[subprocess.Popen[bytes]] = []  # workers of other groups (routing tests)
         self.gateways: dict[int, subprocess.Popen[bytes]] = {}  # port -> process
         self.logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"stoker-batch-{tag}"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -62,10 +63,19 @@ class BatchStack:
                                            stdout=out, stderr=subprocess.STDOUT)
         await self._wait_for_worker()
 
-    async def _wait_for_worker(self) -> None:
+    async def start_group(self, topic: str, model: str) -> None:
+        """A stand-in worker of another group, on `topic` (and its batch sibling), serving `model`."""
+        env = self.env(STOKER_JOB_TOPIC=topic, STOKER_GROUP_ID=f"g-{self.prefix}-{model}", STOKER_METRICS_PORT="-1",
+                       STOKER_FAKE_ENGINE="1", STOKER_SERVED_MODEL_NAME=model)
+        with open(self.logs / f"worker-{model}.log", "ab") as out:
+            self.other_workers.append(subprocess.Popen([sys.executable, "-m", "stoker.worker.main"], cwd=ROOT,
+                                                       env=env, stdout=out, stderr=subprocess.STDOUT))
+        await self._wait_for_worker(1 + len(self.other_workers))
+
+    async def _wait_for_worker(self, count: int = 1) -> None:
         async with self.client() as c:
             for _ in range(900):
-                if await c.workers():
+                if len(await c.workers()) >= count:
                     return
                 assert self.worker is not None
                 if self.worker.poll() is not None:
@@ -110,7 +120,7 @@ class BatchStack:
                    if line.startswith(name) and label in line and not line.startswith("#"))
 
     def stop(self) -> None:
-        for proc in [*self.gateways.values(), *([self.worker] if self.worker else [])]:
+        for proc in [*self.gateways.values(), *([self.worker] if self.worker else []), *self.other_workers]:
             if proc.poll() is None:
                 proc.terminate()
                 try:
@@ -442,3 +452,30 @@ async def test_lease_lost_mid_batch_is_taken_again_and_nothing_is_lost(stack: Ba
     assert batch.status == "completed" and batch.request_counts.completed == total
     once_each(output, {f"req-{i}" for i in range(total)})
     assert await stack.metric(port, "stoker_gateway_batch_leases_total") == 2  # taken, lost, taken again
+
+
+async def test_each_line_goes_to_the_group_that_serves_its_model(stack: BatchStack) -> None:
+    """Two worker groups, each on a topic of its own with a model of its own: each line goes to the batch
+    sibling of the topic whose workers serve its model (a line sent to the other group would end
+    unknown_model, an error line); a line whose model no group serves is never produced and expires."""
+    other = f"{stack.topic}.other"
+    await create_topics(stack.bootstrap, {other: 2, other + ".dlq": 1, default_batch_topic(other): 2})
+    await stack.start_worker(STOKER_SERVED_MODEL_NAME="alpha")
+    await stack.start_group(other, "beta")
+    port = await stack.start_gateway()
+    models = ["alpha", "beta"] * 20 + ["gamma"] * 3  # mixed in one file; gamma last: it holds what follows it
+    lines = [chat_line(i, model=model) for i, model in enumerate(models)]
+    async with stack.oai(port) as oai:
+        batch_id = await submit(oai, jsonl(lines), window="8s")
+        batch = await wait_for(oai, batch_id, finished, timeout=60)
+        output, errors = await lines_of(oai, batch.output_file_id), await lines_of(oai, batch.error_file_id)
+    assert batch.status == "expired" and batch.request_counts.completed == 40 and batch.request_counts.failed == 3
+    once_each(output + errors, {f"req-{i}" for i in range(len(models))})
+    by_id = {record["custom_id"]: record for record in output}
+    for i, model in enumerate(models[:40]):
+        assert by_id[f"req-{i}"]["response"]["body"]["model"] == model  # answered by its own group
+    assert {e["custom_id"] for e in errors} == {"req-40", "req-41", "req-42"}
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+    async with stack.client() as c:  # gamma's lines never became jobs
+        assert not any([await c.known(f"{batch_id}:{line}") for line in (41, 42, 43)])  # lines count from 1
+        assert await c.known(f"{batch_id}:40")
