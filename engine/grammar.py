@@ -11,8 +11,9 @@ thread, a synthetic 128,001-token byte-level vocabulary, batch 256, one mid-size
   threads with LLExecutor), xgrammar 38 us per row. Slower here, but no transformers at run time outweighs
   it; the lead's H200 benchmark measures the real step cost at batch 1,024.
 
-Grammars are compiled on the caller's thread (LLMEngine.add_request, the worker's event loop), never on
-the engine thread, and cached by (kind, spec): a request gets a copy of the cached matcher. JSON is compact
+Grammars are compiled on the caller's thread, never on the engine thread (the worker compiles an uncached one
+on its own compile threads, LLMEngine.prepare_grammar via worker.grammar_gate, so that add_request on its event
+loop finds it cached), and cached by (kind, spec): a request gets a copy of the cached matcher. JSON is compact
 (no free whitespace: a model cannot run on between tokens inside a bounded schema), as vLLM chose.
 """
 
@@ -26,6 +27,19 @@ from typing import Any
 from stoker.engine.sampling_params import GuidedDecoding
 
 _CACHE_SIZE = 256  # distinct (kind, spec) kept compiled; pipelines send the same schema thousands of times
+# llguidance's resource limits, set here rather than left implicit (values = its 1.9 defaults, kept after
+# ops/bench_grammar.py: no schema within the contract's 64 KiB needed more, and lower ones did not make the
+# slowest case cheaper: 4,500 optional properties cost ~2 s of matcher build whatever the limits, which is why
+# the worker bounds the compile by time instead, worker.grammar_gate). A grammar past one ends the request
+# with `invalid_response_format`, or (a step's lexer fuel or Earley items) stops the matcher mid-request.
+PARSER_LIMITS: dict[str, Any] = {
+    "max_items_in_row": 2_000,  # alternatives of one rule (an enum, anyOf)
+    "initial_lexer_fuel": 1_000_000,  # regex analysis at build, ~50k/ms (~20 ms)
+    "step_lexer_fuel": 200_000,  # lexing per mask (engine thread), ~14k/ms
+    "step_max_items": 50_000,  # Earley items per mask, ~20k/ms
+    "max_lexer_states": 250_000,  # ~1-2 kB each: caps a matcher's lexer memory near 0.5 GB
+    "max_grammar_size": 500_000,  # symbols in the grammar's productions
+}
 _COMPACT: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
@@ -48,6 +62,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
         self._executor: Any = None
+        self._limits = llguidance.LLParserLimits(**PARSER_LIMITS)
 
     def new_state(self, guided: GuidedDecoding) -> GrammarState:
         """A fresh request state for guided (GrammarError when it cannot be compiled)."""
@@ -55,18 +70,35 @@ class GrammarCompiler:
 
     def matcher(self, guided: GuidedDecoding) -> Any:
         """A fresh matcher for guided (GrammarError when it cannot be compiled)."""
+        return self._template(guided).deep_copy()
+
+    def is_cached(self, guided: GuidedDecoding) -> bool:
+        """True when guided is compiled already: new_state is then a copy, cheap enough for any thread."""
+        with self._lock:
+            return (guided.kind, guided.spec) in self._cache
+
+    def prepare(self, guided: GuidedDecoding) -> None:
+        """Compile guided into the cache (GrammarError when it cannot be): the worker runs this on its
+        compile threads so that the add_request that follows on its event loop finds it cached."""
+        self._template(guided)
+
+    def compile_uncached(self, guided: GuidedDecoding) -> Any:
+        """A compile that bypasses the cache (benchmarks)."""
+        return self._compile(guided)
+
+    def _template(self, guided: GuidedDecoding) -> Any:
         key = (guided.kind, guided.spec)
         with self._lock:
             template = self._cache.get(key)
             if template is not None:
                 self._cache.move_to_end(key)
-                return template.deep_copy()
+                return template
         template = self._compile(guided)  # outside the lock: a large schema must not stall other adds
         with self._lock:
             self._cache[key] = template
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
-        return template.deep_copy()
+        return template
 
     def _compile(self, guided: GuidedDecoding) -> Any:
         llg = self._llg
@@ -84,10 +116,9 @@ class GrammarCompiler:
                 raise GrammarError(f"unknown response_format type {guided.kind!r}")
         except (ValueError, TypeError) as e:
             raise GrammarError(str(e)) from e
-        is_error, messages = Matcher.validate_grammar_with_warnings(grammar, self.tokenizer)
-        if is_error:
-            raise GrammarError(_first_line(messages[0]))
-        matcher = Matcher(self.tokenizer, grammar, log_level=0)
+        # No validate_grammar pass first: it builds the whole grammar once more (half of a hostile schema's
+        # compile: 4,500 optional properties 0.6 s of 2.4 s) and the matcher reports the same errors.
+        matcher = Matcher(self.tokenizer, grammar, log_level=0, limits=self._limits)
         if matcher.is_error():
             raise GrammarError(_first_line(matcher.get_error()))
         return matcher

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -32,7 +33,7 @@ from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from stoker.engine import EngineRequestError, EngineStats, RequestOutput
+from stoker.engine import EngineRequest, EngineRequestError, EngineStats, RequestOutput
 from stoker.schemas import (
     ContractError,
     Done,
@@ -50,6 +51,7 @@ from stoker.worker import events
 from stoker.worker.config import WorkerConfig
 from stoker.worker.dead_letters import DeadLetter
 from stoker.worker.driver import EngineDriver, EngineLike
+from stoker.worker.grammar_gate import CompileResult, GrammarGate, Outcome
 from stoker.worker.membership import heartbeat, join_checked, leave, served_model_names
 from stoker.worker.metrics import HealthServer, WorkerMetrics
 from stoker.worker.models import model_states
@@ -147,6 +149,7 @@ class Worker:
         self.redis: aioredis.Redis | None = None
         self.rio: RedisIO | None = None
         self.driver: EngineDriver | None = None
+        self.grammars: GrammarGate | None = None  # compiles uncached response_formats off the loop
         self.health: HealthServer | None = None
         self.fatal: BaseException | None = None
 
@@ -168,6 +171,8 @@ class Worker:
         # partitions it could never serve (an outage, by contrast, is waited out).
         await self.rio.retry("ping", self.redis.ping)
         self.driver = EngineDriver(self.engine, loop, self._on_step)
+        self.grammars = GrammarGate(self.engine, cfg.grammar_compile_threads, cfg.grammar_compile_timeout_s)
+        self.driver.on_abort = self.grammars.abort  # a cancel must reach a request still compiling
         self.metrics.watch_engine(self.driver)
         self.metrics.watch_models(self._model_states)
         self.driver.start()
@@ -322,6 +327,8 @@ class Worker:
             task.cancel()
         for task in self._tasks[1:]:
             await _reaped(task)
+        if self.grammars is not None:
+            await self.grammars.close()
         if self.driver is not None:
             await asyncio.to_thread(self.driver.stop)
         if self.consumer is not None:
@@ -472,19 +479,38 @@ class Worker:
             self._fail(req, ErrorCode.UNKNOWN_MODEL, f"this worker serves {served}, the job asked for "
                        f"{req.job.model!r}: send it to a topic served by that model, or omit `model`")
             return
+        self._submit(req)
+
+    def _submit(self, req: Request, request: EngineRequest | None = None) -> None:
+        """Hand the job to the engine; one whose response_format is not compiled yet compiles off the loop
+        first (worker.grammar_gate) and comes back through _compiled."""
+        assert self.driver is not None and self.grammars is not None
         try:
-            self._submit(req)
+            if request is None:
+                request = engine_request(req.job)
+                if self.grammars.needs_compile(request):
+                    self.grammars.start(request, functools.partial(self._compiled, req, request))
+                    return
+            self.driver.add_request(request)
             self._observe("engine_added", req.record_ms, now_ms())
         except EngineRequestError as exc:
             # A valid message the model can't serve (e.g. too long): an error event, no DLQ, committed.
             self._fail(req, exc.code, exc.message)
         except Exception as exc:  # noqa: BLE001 -- one request's failure must not stop the worker
-            log.exception("event=add_request_failed request_id=%s", rid)
+            log.exception("event=add_request_failed request_id=%s", req.request_id)
             self._fail(req, ErrorCode.INTERNAL, f"the engine could not take the request: {exc}")
 
-    def _submit(self, req: Request) -> None:
-        assert self.driver is not None
-        self.driver.add_request(engine_request(req.job))
+    def _compiled(self, req: Request, request: EngineRequest, result: CompileResult) -> None:
+        """Its grammar compile settled: go on with admission, unless the request is no longer ours to answer
+        (claim lost, handed back at shutdown, group left: whoever runs it next answers it)."""
+        if self.requests.running(req.request_id) is not req or req.lost:
+            return
+        if result.outcome is Outcome.CANCELLED:  # aborted while compiling, still ours: only a cancel does that
+            self._end_without_running(req, "cancelled")
+        elif result.outcome is Outcome.ERROR:
+            self._fail(req, ErrorCode.INVALID_RESPONSE_FORMAT, result.message)
+        else:
+            self._submit(req, request)
 
     def _apply_backpressure(self) -> None:
         """Pause every assigned partition while the engine has enough queued (or too little KV left)."""
@@ -494,7 +520,9 @@ class Worker:
         limit = self.cfg.max_num_seqs + self.cfg.max_waiting
         low_kv = stats is not None and stats.kv_blocks_total > 0 and (
             stats.kv_blocks_free / stats.kv_blocks_total < self.cfg.min_free_kv_fraction and stats.num_waiting > 0)
-        should_pause = queued >= limit or low_kv or self._outbox.qsize() > 64
+        # Jobs waiting for a grammar compile thread: read no more until one frees (a flood of new schemas).
+        compiles_waiting = self.grammars is not None and self.grammars.waiting > 0
+        should_pause = queued >= limit or low_kv or self._outbox.qsize() > 64 or compiles_waiting
         assignment = self.consumer.assignment()
         if should_pause and not self._paused and assignment:
             self.consumer.pause(*assignment)
