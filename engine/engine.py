@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from stoker.engine.config import EngineConfig
-from stoker.engine.grammar import GrammarCompiler, GrammarError, GrammarState
+from stoker.engine.grammar import GrammarCompiler, GrammarError, GrammarState, GrammarTooComplex
 from stoker.engine.input_processor import InputProcessor
 from stoker.engine.model_config import ModelConfig
 from stoker.engine.model_runner import ModelRunner, PendingSample
@@ -322,14 +322,17 @@ class LLMEngine:
 
     def _output(self, req: _Request, result: SampleResult, text: str) -> RequestOutput:
         if isinstance(result, Exception):
-            log.error(
-                "request %s failed in sampling/post-processing",
-                req.state.seq.request_id,
-                exc_info=(type(result), result, result.__traceback__),
-            )
+            rid = req.state.seq.request_id
+            if isinstance(result, GrammarTooComplex):  # the job's grammar, not us: a warning and its own code
+                log.warning("request %s: %s", rid, result)
+                error = ("invalid_response_format", str(result))
+            else:
+                log.error("request %s failed in sampling/post-processing", rid,
+                          exc_info=(type(result), result, result.__traceback__))
+                error = ("internal", f"{type(result).__name__}: {result}")
             self.scheduler.finish(req.state.seq, FinishReason.STOP)
             self._forget(req.state.seq)
-            return self.outputs.output(req.state, [], "", None, ("internal", f"{type(result).__name__}: {result}"))
+            return self.outputs.output(req.state, [], "", None, error)
         token, logprob = result
         return self.outputs.output(req.state, [token], text, [logprob] if logprob else None)
 

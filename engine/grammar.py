@@ -20,6 +20,7 @@ loop finds it cached), and cached by (kind, spec): a request gets a copy of the 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -39,12 +40,19 @@ PARSER_LIMITS: dict[str, Any] = {
     "step_max_items": 50_000,  # Earley items per mask, ~20k/ms
     "max_lexer_states": 250_000,  # ~1-2 kB each: caps a matcher's lexer memory near 0.5 GB
     "max_grammar_size": 500_000,  # symbols in the grammar's productions
+    "verbose_errors": False,  # else an error carries the parser state and the whole grammar (tens of KB)
 }
 _COMPACT: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
 class GrammarError(ValueError):
     """The schema, pattern or choice list cannot be compiled; the message is the compiler's reason."""
+
+
+class GrammarTooComplex(RuntimeError):
+    """A compiled grammar hit one of PARSER_LIMITS while the request ran (e.g. 4,500 optional properties: the
+    row after `{` holds 18,000 Earley items, past max_items_in_row): the request's response_format is at fault,
+    not the worker, so it ends `invalid_response_format`."""
 
 
 class GrammarCompiler:
@@ -150,8 +158,23 @@ class GrammarState:
         request ends `stop` without waiting for the model to sample EOS). A token the mask did not allow
         (only possible if another rule overrode the mask) raises."""
         if not self.matcher.consume_token(token_id):
+            error = _first_line(self.matcher.get_error())
+            if _past_a_limit(self.matcher.stop_reason(), error):
+                raise GrammarTooComplex(
+                    f"response_format grew past the grammar parser's limits while decoding ({error[:200]}): "
+                    "simplify it (fewer optional properties, alternatives or enum values)")
             raise RuntimeError(f"token {token_id} breaks the grammar: {_first_line(self.matcher.get_error())}")
         return bool(self.matcher.is_stopped())
+
+
+def _past_a_limit(stop_reason: str, error: str) -> bool:
+    """Did the matcher stop on one of PARSER_LIMITS? llguidance 1.9 says so in its stop reason for lexer and
+    some parser limits, but a row past max_items_in_row stops with `InternalError` and "... items; max is N"
+    (tests/test_grammar_gate.py's hostile schema catches a change of that wording)."""
+    return stop_reason in ("ParserTooComplex", "LexerTooComplex") or bool(_LIMIT_MESSAGE.search(error))
+
+
+_LIMIT_MESSAGE = re.compile(r"; max is \d+")
 
 
 def _first_line(message: str) -> str:
