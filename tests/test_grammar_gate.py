@@ -19,8 +19,18 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from stoker.schemas import Cancel, Done, Error, encode_cancel
-from worker_harness import ROOT, Space, check_sequence, job, make_space, produce, running_worker, wait_results
+from stoker.schemas import Cancel, Done, Error, decode_event, encode_cancel
+from worker_harness import (
+    ROOT,
+    Space,
+    check_sequence,
+    committed_offsets,
+    job,
+    make_space,
+    produce,
+    running_worker,
+    wait_results,
+)
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -247,6 +257,47 @@ async def test_a_shutdown_during_the_compile_hands_the_job_back_and_the_next_wor
     assert sum(isinstance(e, Done | Error) for e in outcome.events) == 1
 
 
+async def test_a_revoke_during_the_compile_still_ends_the_request_once(space, r, tiny_model):
+    """The partition is revoked (the rebalance listener's own code) while the grammar compiles: the request
+    runs on and answers once; the record is not committed by us, and the next owner of the partition finds the
+    result and answers nothing."""
+    engine = await asyncio.to_thread(_engine, tiny_model)
+    hook = CompileHook(engine, hold_s=60)
+    try:
+        async with running_worker(space, engine=engine, fake_engine=False, model=tiny_model, max_num_seqs=16,
+                                  claim_ttl_s=10, grammar_compile_timeout_s=30) as worker:
+            await produce(space.bootstrap, space.names.jobs_topic, [constrained("rv", slow_schema("r"))])
+            await until(lambda: hook.running == 1, 30, "the compile to start")
+            await worker.on_revoked(set(worker._assigned))
+            await asyncio.sleep(0.5)  # the revoke's consequences settle while the compile still runs
+            assert hook.running == 1
+            hook.release()
+            outcome = (await wait_results(r, space.names, ["rv"], timeout=30))["rv"]
+            await asyncio.sleep(0.3)
+            assert worker.requests.get("rv") is None
+    finally:
+        hook.release()
+    committed, end = await committed_offsets(space.bootstrap, space.group, space.names.jobs_topic)
+    assert committed < end, "the revoked partition's record was committed by the worker that lost it"
+    second = await asyncio.to_thread(_engine, tiny_model)
+    async with running_worker(space, engine=second, fake_engine=False, model=tiny_model, max_num_seqs=16,
+                              claim_ttl_s=10):
+        await until_async(lambda: committed_offsets(space.bootstrap, space.group, space.names.jobs_topic),
+                          lambda offsets: offsets[0] == offsets[1], 30, "the next owner to commit the record")
+    events: Any = await r.xrange(space.names.stream("rv"))
+    assert [decode_event(fields[b"data"]) for _, fields in events] == outcome.events
+    check_sequence(outcome)
+    assert isinstance(outcome.terminal, Done) and outcome.terminal.finish_reason == "stop"
+
+
+async def until_async(read: Callable[[], Any], check: Callable[[Any], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check(await read()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.2)
+
+
 async def test_a_cached_spec_does_not_go_through_the_pool(space, r, tiny_model):
     engine = await asyncio.to_thread(_engine, tiny_model)
     hook = CompileHook(engine)
@@ -292,3 +343,32 @@ async def test_compiles_run_at_most_threads_at_once_and_the_intake_pauses_while_
     for rid in ids:
         check_sequence(results[rid])
         assert isinstance(results[rid].terminal, Done)
+
+
+async def test_an_abort_that_comes_with_the_compiles_end_wins(tiny_model):
+    """The compile ends and a cancel lands in the same turn of the loop: the cancel has already gone to the
+    engine (before the request), so the request must not be added: the outcome is `cancelled`."""
+    from stoker.engine import EngineRequest, GuidedDecoding, SamplingParams
+    from stoker.worker.grammar_gate import GrammarGate, Outcome
+
+    engine = await asyncio.to_thread(_engine, tiny_model)
+    hook = CompileHook(engine, hold_s=60)
+    gate = GrammarGate(engine, threads=1, timeout_s=30)
+    results: list[Any] = []
+    request = EngineRequest("both", prompt="x", params=SamplingParams(
+        max_tokens=4, guided=GuidedDecoding("json_schema", json.dumps(slow_schema("b")))))
+    try:
+        assert gate.needs_compile(request)
+        gate.start(request, results.append)
+        await until(lambda: hook.running == 1, 30, "the compile to start")
+        hook.release()
+        while not hook.spans:  # blocks the loop on purpose: the compile's end and the abort meet in one turn
+            time.sleep(0.01)
+        time.sleep(0.05)
+        gate.abort("both")
+        await until(lambda: results, 10, "the outcome")
+    finally:
+        hook.release()
+        await gate.close()
+    assert [r.outcome for r in results] == [Outcome.CANCELLED]
+    assert not gate.needs_compile(request)  # compiled and cached all the same: the next one takes the fast path

@@ -124,13 +124,13 @@ class GrammarGate:
             return self._timeout_result(request, key)
         abort_wait = asyncio.ensure_future(aborted.wait())
         try:
-            if not await self._take_thread(abort_wait):
+            if not await self._take_thread(aborted, abort_wait):
                 return CompileResult(Outcome.CANCELLED)
-            return await self._compile(request, key, abort_wait)
+            return await self._compile(request, key, aborted, abort_wait)
         finally:
             abort_wait.cancel()
 
-    async def _take_thread(self, abort_wait: asyncio.Future[Any]) -> bool:
+    async def _take_thread(self, aborted: asyncio.Event, abort_wait: asyncio.Future[Any]) -> bool:
         """Wait for a free compile thread (False: aborted meanwhile)."""
         self.waiting += 1
         try:
@@ -139,16 +139,16 @@ class GrammarGate:
                 freed = asyncio.ensure_future(self._slot_freed.wait())
                 await asyncio.wait({freed, abort_wait}, return_when=asyncio.FIRST_COMPLETED)
                 freed.cancel()
-                if abort_wait.done():
+                if aborted.is_set():
                     return False
         finally:
             self.waiting -= 1
-        if abort_wait.done():
+        if aborted.is_set():
             return False
         self._free -= 1
         return True
 
-    async def _compile(self, request: EngineRequest, key: tuple[str, str],
+    async def _compile(self, request: EngineRequest, key: tuple[str, str], aborted: asyncio.Event,
                        abort_wait: asyncio.Future[Any]) -> CompileResult:
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._pool, self._engine.prepare_grammar, request)
@@ -156,6 +156,10 @@ class GrammarGate:
         self.offloaded += 1
         done, _ = await asyncio.wait({future, abort_wait}, timeout=self._timeout_s,
                                      return_when=asyncio.FIRST_COMPLETED)
+        # The abort first (the event: its waiter may not have run yet): one that came with the compile's end has
+        # already reached the engine (driver.abort), so a request added after it would run as if never cancelled.
+        if aborted.is_set():
+            return CompileResult(Outcome.CANCELLED)
         if future in done:
             exc = future.exception()
             if exc is None:
@@ -163,8 +167,6 @@ class GrammarGate:
             if isinstance(exc, EngineRequestError):
                 return CompileResult(Outcome.ERROR, exc.message)
             raise exc  # a bug, not the schema's fault: the worker answers `internal`
-        if abort_wait in done:
-            return CompileResult(Outcome.CANCELLED)
         log.warning("event=grammar_compile_timeout request_id=%s kind=%s spec_bytes=%d timeout_s=%g",
                     request.request_id, key[0], len(key[1]), self._timeout_s)
         self._timed_out[key] = (f"took longer than {self._timeout_s:g} s to compile and was given up: simplify it "
