@@ -35,6 +35,7 @@ from worker_harness import (
 pytestmark = [pytest.mark.stack, pytest.mark.slow, pytest.mark.timeout(240)]
 
 SLOW = "slow-compile"  # a schema whose title holds this compiles slowly under CompileHook
+CRASH = "crash-compile"  # ... and this one makes the compile raise what no schema should (a bug of ours)
 MAX_GAP_S = 0.75  # the longest a running request may go without a chunk while a grammar compiles
 HELD_S = 2.0  # how long CompileHook holds a slow compile unless released
 
@@ -88,6 +89,8 @@ class CompileHook:
         try:
             if SLOW in guided.spec:
                 self._released.wait(self.hold_s)
+            if CRASH in guided.spec:
+                raise RuntimeError("the compiler broke")
             return self._real(guided)
         finally:
             with self._lock:
@@ -208,6 +211,21 @@ async def test_a_compile_past_the_timeout_ends_invalid_response_format_once(spac
     assert (offloaded, compiles) == (1, 1), "the spec that timed out was compiled again"
     check_sequence(later["plain"])
     assert isinstance(later["plain"].terminal, Done) and later["plain"].terminal.finish_reason == "length"
+
+
+async def test_a_compile_that_breaks_ends_internal_once_and_the_worker_goes_on(space, r, tiny_model):
+    engine = await asyncio.to_thread(_engine, tiny_model)
+    CompileHook(engine)
+    async with running_worker(space, engine=engine, fake_engine=False, model=tiny_model, max_num_seqs=16,
+                              claim_ttl_s=10) as worker:
+        await produce(space.bootstrap, space.names.jobs_topic,
+                      [constrained("broke", {"title": CRASH, "enum": ["a"]}), job("next", max_tokens=4)])
+        results = await wait_results(r, space.names, ["broke", "next"], timeout=30)
+        assert worker._healthy() and worker.requests.get("broke") is None
+    error = the_error(results["broke"])
+    assert error.code == "internal" and "the compiler broke" in error.message, error
+    check_sequence(results["next"])
+    assert isinstance(results["next"].terminal, Done)
 
 
 async def test_a_cancel_during_the_compile_ends_the_request_cancelled_once(space, r, tiny_model):

@@ -42,14 +42,15 @@ _TIMED_OUT_KEPT = 1024  # distinct specs remembered as too slow (a flood of one 
 
 class Outcome(enum.Enum):
     OK = "ok"
-    ERROR = "error"
+    ERROR = "error"  # the response_format's fault: `invalid_response_format`
+    FAILED = "failed"  # ours (a bug, the engine refusing): `internal`
     CANCELLED = "cancelled"
 
 
 @dataclass(frozen=True, slots=True)
 class CompileResult:
     outcome: Outcome
-    message: str = ""  # with ERROR: what went wrong, for the request's `invalid_response_format` event
+    message: str = ""  # with ERROR or FAILED: what went wrong, for the request's error event
 
 
 OnCompiled = Callable[[CompileResult], None]
@@ -111,6 +112,10 @@ class GrammarGate:
     async def _run(self, request: EngineRequest, aborted: asyncio.Event, on_compiled: OnCompiled) -> None:
         try:
             result = await self._settle(request, aborted)
+        except Exception as exc:  # noqa: BLE001 -- the request must still get its answer
+            log.exception("event=grammar_compile_failed request_id=%s", request.request_id)
+            result = CompileResult(Outcome.FAILED, f"the worker failed to compile response_format: "
+                                                   f"{type(exc).__name__}: {exc}")
         finally:
             if self._aborts.get(request.request_id) is aborted:  # a later attempt of the id may have its own
                 del self._aborts[request.request_id]
@@ -166,7 +171,7 @@ class GrammarGate:
                 return CompileResult(Outcome.OK)
             if isinstance(exc, EngineRequestError):
                 return CompileResult(Outcome.ERROR, exc.message)
-            raise exc  # a bug, not the schema's fault: the worker answers `internal`
+            raise exc  # not the schema's fault (a bug): _run answers `internal`
         log.warning("event=grammar_compile_timeout request_id=%s kind=%s spec_bytes=%d timeout_s=%g",
                     request.request_id, key[0], len(key[1]), self._timeout_s)
         self._timed_out[key] = (f"took longer than {self._timeout_s:g} s to compile and was given up: simplify it "

@@ -509,6 +509,8 @@ class Worker:
             self._end_without_running(req, "cancelled")
         elif result.outcome is Outcome.ERROR:
             self._fail(req, ErrorCode.INVALID_RESPONSE_FORMAT, result.message)
+        elif result.outcome is Outcome.FAILED:
+            self._fail(req, ErrorCode.INTERNAL, result.message)
         else:
             self._submit(req, request)
 
