@@ -390,3 +390,24 @@ async def test_an_abort_that_comes_with_the_compiles_end_wins(tiny_model):
         await gate.close()
     assert [r.outcome for r in results] == [Outcome.CANCELLED]
     assert not gate.needs_compile(request)  # compiled and cached all the same: the next one takes the fast path
+
+
+def test_a_model_set_routes_the_grammar_checks_to_the_jobs_model(tiny_model):
+    """A multi-model worker: grammar_ready and prepare_grammar reach the engine of the job's `model`."""
+    from stoker.engine import EngineRequest, GuidedDecoding, SamplingParams
+    from stoker.worker.models import ModelSet
+
+    engines = {name: _engine(tiny_model) for name in ("a", "b")}
+    models = ModelSet(["a", "b"], engines.__getitem__)
+    params = SamplingParams(max_tokens=4, guided=GuidedDecoding("json_schema", json.dumps({"enum": ["p", "q"]})))
+    for_b = EngineRequest("rb", prompt="x", params=params, model="b")
+    for_a = EngineRequest("ra", prompt="x", params=params, model="a")
+    try:
+        assert not models.grammar_ready(for_b) and not models.grammar_ready(for_a)
+        models.prepare_grammar(for_b)
+        assert models.grammar_ready(for_b) and engines["b"].grammar_ready(for_b)
+        assert not models.grammar_ready(for_a)  # a's engine has its own cache, still cold
+        plain = EngineRequest("rp", prompt="x", params=SamplingParams(max_tokens=4), model="a")
+        assert models.grammar_ready(plain)
+    finally:
+        models.close()
