@@ -8,17 +8,19 @@ the finished) -> build the outputs. Input processing (engine/input_processor.py)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from stoker.engine.config import EngineConfig
-from stoker.engine.grammar import GrammarCompiler, GrammarError, GrammarState
+from stoker.engine.grammar import GrammarCompiler, GrammarError, GrammarState, GrammarTooComplex
 from stoker.engine.input_processor import InputProcessor
 from stoker.engine.model_config import ModelConfig
 from stoker.engine.model_runner import PendingSample
@@ -27,7 +29,7 @@ from stoker.engine.outputs import EngineRequestError, EngineStats, RequestOutput
 from stoker.engine.ranks import start_runner
 from stoker.engine.request import EngineRequest
 from stoker.engine.sampler import SamplingRequest
-from stoker.engine.sampling_params import SamplingParams
+from stoker.engine.sampling_params import GuidedDecoding, SamplingParams
 from stoker.engine.scheduler import SampledToken, ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from stoker.engine.sequence import FinishReason, Sequence
 from stoker.engine.tokenizer import Tokenizer
@@ -147,16 +149,29 @@ class LLMEngine:
                     raise GrammarError(f"this model's tokenizer cannot be used for structured output: {e}") from e
             return self._grammars
 
+    def grammar_ready(self, request: EngineRequest) -> bool:
+        """True when add_request(request) compiles nothing (no response_format, or its grammar is cached), so
+        that a caller on an event loop may call it directly; else it runs prepare_grammar on a thread first."""
+        guided = request.params.guided
+        if guided is None:
+            return True
+        with self._grammars_lock:
+            compiler = self._grammars
+        return compiler is not None and compiler.is_cached(guided)
+
+    def prepare_grammar(self, request: EngineRequest) -> None:
+        """Compile request's grammar into the cache, on the caller's thread (any thread): EngineRequestError
+        `invalid_response_format` when it cannot be compiled."""
+        guided = request.params.guided
+        if guided is not None:
+            with _response_format_errors(request.request_id, guided):
+                self.grammar_compiler().prepare(guided)
+
     def _grammar_state(self, request_id: str, params: SamplingParams) -> GrammarState:
         """Compile (or fetch from the cache) on the caller's thread, never the engine's."""
         assert params.guided is not None
-        try:
+        with _response_format_errors(request_id, params.guided):
             return self.grammar_compiler().new_state(params.guided)
-        except GrammarError as e:
-            raise EngineRequestError(
-                "invalid_response_format",
-                f"{request_id}: response_format ({params.guided.kind}) cannot be compiled: {e}",
-            ) from e
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -309,14 +324,17 @@ class LLMEngine:
 
     def _output(self, req: _Request, result: SampleResult, text: str) -> RequestOutput:
         if isinstance(result, Exception):
-            log.error(
-                "request %s failed in sampling/post-processing",
-                req.state.seq.request_id,
-                exc_info=(type(result), result, result.__traceback__),
-            )
+            rid = req.state.seq.request_id
+            if isinstance(result, GrammarTooComplex):  # the job's grammar, not us: a warning and its own code
+                log.warning("request %s: %s", rid, result)
+                error = ("invalid_response_format", str(result))
+            else:
+                log.error("request %s failed in sampling/post-processing", rid,
+                          exc_info=(type(result), result, result.__traceback__))
+                error = ("internal", f"{type(result).__name__}: {result}")
             self.scheduler.finish(req.state.seq, FinishReason.STOP)
             self._forget(req.state.seq)
-            return self.outputs.output(req.state, [], "", None, ("internal", f"{type(result).__name__}: {result}"))
+            return self.outputs.output(req.state, [], "", None, error)
         token, logprob = result
         return self.outputs.output(req.state, [token], text, [logprob] if logprob else None)
 
@@ -343,3 +361,14 @@ def _needs_history(params: SamplingParams) -> bool:
         or params.repetition_penalty != 1
         or params.guided is not None
     )
+
+
+@contextlib.contextmanager
+def _response_format_errors(request_id: str, guided: GuidedDecoding) -> Iterator[None]:
+    """A GrammarError becomes the request's `invalid_response_format` error, with the compiler's reason."""
+    try:
+        yield
+    except GrammarError as e:
+        raise EngineRequestError(
+            "invalid_response_format", f"{request_id}: response_format ({guided.kind}) cannot be compiled: {e}"
+        ) from e

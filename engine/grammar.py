@@ -11,14 +11,16 @@ thread, a synthetic 128,001-token byte-level vocabulary, batch 256, one mid-size
   threads with LLExecutor), xgrammar 38 us per row. Slower here, but no transformers at run time outweighs
   it; the lead's H200 benchmark measures the real step cost at batch 1,024.
 
-Grammars are compiled on the caller's thread (LLMEngine.add_request, the worker's event loop), never on
-the engine thread, and cached by (kind, spec): a request gets a copy of the cached matcher. JSON is compact
+Grammars are compiled on the caller's thread, never on the engine thread (the worker compiles an uncached one
+on its own compile threads, LLMEngine.prepare_grammar via worker.grammar_gate, so that add_request on its event
+loop finds it cached), and cached by (kind, spec): a request gets a copy of the cached matcher. JSON is compact
 (no free whitespace: a model cannot run on between tokens inside a bounded schema), as vLLM chose.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -26,11 +28,31 @@ from typing import Any
 from stoker.engine.sampling_params import GuidedDecoding
 
 _CACHE_SIZE = 256  # distinct (kind, spec) kept compiled; pipelines send the same schema thousands of times
+# llguidance's resource limits, set here rather than left implicit (values = its 1.9 defaults, kept after
+# ops/bench_grammar.py: no schema within the contract's 64 KiB needed more, and lower ones did not make the
+# slowest case cheaper: 4,500 optional properties cost ~2 s of matcher build whatever the limits, which is why
+# the worker bounds the compile by time instead, worker.grammar_gate). A grammar past one ends the request
+# with `invalid_response_format`, or (a step's lexer fuel or Earley items) stops the matcher mid-request.
+PARSER_LIMITS: dict[str, Any] = {
+    "max_items_in_row": 2_000,  # alternatives of one rule (an enum, anyOf)
+    "initial_lexer_fuel": 1_000_000,  # regex analysis at build, ~50k/ms (~20 ms)
+    "step_lexer_fuel": 200_000,  # lexing per mask (engine thread), ~14k/ms
+    "step_max_items": 50_000,  # Earley items per mask, ~20k/ms
+    "max_lexer_states": 250_000,  # ~1-2 kB each: caps a matcher's lexer memory near 0.5 GB
+    "max_grammar_size": 500_000,  # symbols in the grammar's productions
+    "verbose_errors": False,  # else an error carries the parser state and the whole grammar (tens of KB)
+}
 _COMPACT: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
 class GrammarError(ValueError):
     """The schema, pattern or choice list cannot be compiled; the message is the compiler's reason."""
+
+
+class GrammarTooComplex(RuntimeError):
+    """A compiled grammar hit one of PARSER_LIMITS while the request ran (e.g. 4,500 optional properties: the
+    row after `{` holds 18,000 Earley items, past max_items_in_row): the request's response_format is at fault,
+    not the worker, so it ends `invalid_response_format`."""
 
 
 class GrammarCompiler:
@@ -48,6 +70,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
         self._executor: Any = None
+        self._limits = llguidance.LLParserLimits(**PARSER_LIMITS)
 
     def new_state(self, guided: GuidedDecoding) -> GrammarState:
         """A fresh request state for guided (GrammarError when it cannot be compiled)."""
@@ -55,18 +78,35 @@ class GrammarCompiler:
 
     def matcher(self, guided: GuidedDecoding) -> Any:
         """A fresh matcher for guided (GrammarError when it cannot be compiled)."""
+        return self._template(guided).deep_copy()
+
+    def is_cached(self, guided: GuidedDecoding) -> bool:
+        """True when guided is compiled already: new_state is then a copy, cheap enough for any thread."""
+        with self._lock:
+            return (guided.kind, guided.spec) in self._cache
+
+    def prepare(self, guided: GuidedDecoding) -> None:
+        """Compile guided into the cache (GrammarError when it cannot be): the worker runs this on its
+        compile threads so that the add_request that follows on its event loop finds it cached."""
+        self._template(guided)
+
+    def compile_uncached(self, guided: GuidedDecoding) -> Any:
+        """A compile that bypasses the cache (benchmarks)."""
+        return self._compile(guided)
+
+    def _template(self, guided: GuidedDecoding) -> Any:
         key = (guided.kind, guided.spec)
         with self._lock:
             template = self._cache.get(key)
             if template is not None:
                 self._cache.move_to_end(key)
-                return template.deep_copy()
+                return template
         template = self._compile(guided)  # outside the lock: a large schema must not stall other adds
         with self._lock:
             self._cache[key] = template
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
-        return template.deep_copy()
+        return template
 
     def _compile(self, guided: GuidedDecoding) -> Any:
         llg = self._llg
@@ -84,10 +124,9 @@ class GrammarCompiler:
                 raise GrammarError(f"unknown response_format type {guided.kind!r}")
         except (ValueError, TypeError) as e:
             raise GrammarError(str(e)) from e
-        is_error, messages = Matcher.validate_grammar_with_warnings(grammar, self.tokenizer)
-        if is_error:
-            raise GrammarError(_first_line(messages[0]))
-        matcher = Matcher(self.tokenizer, grammar, log_level=0)
+        # No validate_grammar pass first: it builds the whole grammar once more (half of a hostile schema's
+        # compile: 4,500 optional properties 0.6 s of 2.4 s) and the matcher reports the same errors.
+        matcher = Matcher(self.tokenizer, grammar, log_level=0, limits=self._limits)
         if matcher.is_error():
             raise GrammarError(_first_line(matcher.get_error()))
         return matcher
@@ -119,8 +158,23 @@ class GrammarState:
         request ends `stop` without waiting for the model to sample EOS). A token the mask did not allow
         (only possible if another rule overrode the mask) raises."""
         if not self.matcher.consume_token(token_id):
+            error = _first_line(self.matcher.get_error())
+            if _past_a_limit(self.matcher.stop_reason(), error):
+                raise GrammarTooComplex(
+                    f"response_format grew past the grammar parser's limits while decoding ({error[:200]}): "
+                    "simplify it (fewer optional properties, alternatives or enum values)")
             raise RuntimeError(f"token {token_id} breaks the grammar: {_first_line(self.matcher.get_error())}")
         return bool(self.matcher.is_stopped())
+
+
+def _past_a_limit(stop_reason: str, error: str) -> bool:
+    """Did the matcher stop on one of PARSER_LIMITS? llguidance 1.9 says so in its stop reason for lexer and
+    some parser limits, but a row past max_items_in_row stops with `InternalError` and "... items; max is N"
+    (tests/test_grammar_gate.py's hostile schema catches a change of that wording)."""
+    return stop_reason in ("ParserTooComplex", "LexerTooComplex") or bool(_LIMIT_MESSAGE.search(error))
+
+
+_LIMIT_MESSAGE = re.compile(r"; max is \d+")
 
 
 def _first_line(message: str) -> str:

@@ -98,6 +98,10 @@ class WorkerConfig:
     min_free_kv_fraction: float = 0.02  # pause intake below this share of free KV blocks
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     drain_timeout_s: float = 30.0
+    # Structured output (worker.grammar_gate): a response_format not compiled yet compiles on one of these
+    # threads; one that takes longer ends its request with `invalid_response_format`
+    grammar_compile_threads: int = 2
+    grammar_compile_timeout_s: float = 5.0
     # Operations
     worker_id: str = field(default_factory=default_worker_id)
     metrics_host: str = "0.0.0.0"
@@ -157,6 +161,10 @@ class WorkerConfig:
             problems.append(f"claim_ttl_s must be >= 1 s (renewed every third of it), got {self.claim_ttl_s}")
         if self.redis_outage_leave_s <= 0:
             problems.append(f"redis_outage_leave_s must be > 0, got {self.redis_outage_leave_s}")
+        if self.grammar_compile_threads < 1:
+            problems.append(f"grammar_compile_threads must be >= 1, got {self.grammar_compile_threads}")
+        if self.grammar_compile_timeout_s <= 0:
+            problems.append(f"grammar_compile_timeout_s must be > 0 seconds, got {self.grammar_compile_timeout_s}")
         if self.drain_timeout_s < 0:
             problems.append(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if not 0 < self.switch_interval_s <= 0.1:

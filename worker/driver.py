@@ -56,6 +56,9 @@ class EngineDriver:
         self.steps = 0
         self.busy_s = 0.0  # time spent inside step(), for metrics
         self.last_stats: EngineStats | None = None
+        # Told of every abort before the engine is: a request still compiling its grammar (worker.grammar_gate)
+        # is not in the engine yet, and must learn of its cancel there.
+        self.on_abort: Callable[[str], None] | None = None
         set_waker = getattr(engine, "set_waker", None)  # a ModelSet wakes us when a model loads or idles out
         if set_waker is not None:
             set_waker(self.notify)
@@ -87,6 +90,8 @@ class EngineDriver:
         self.notify()
 
     def abort(self, request_id: str) -> None:
+        if self.on_abort is not None:
+            self.on_abort(request_id)
         self.engine.abort(request_id)
         self.notify()
 

@@ -120,6 +120,23 @@ class ModelSet:
             with self._lock:
                 model.adding -= 1
 
+    def grammar_ready(self, request: EngineRequest) -> bool:
+        """True when add_request compiles nothing here: the model's engine has the grammar cached, or the model
+        is not loaded (the request waits in its backlog, compiled later on the loader thread)."""
+        model = self.model(request.model)
+        with self._lock:
+            engine = model.engine if model.state == LOADED else None
+        ready = getattr(engine, "grammar_ready", None)
+        return ready is None or bool(ready(request))
+
+    def prepare_grammar(self, request: EngineRequest) -> None:
+        model = self.model(request.model)
+        with self._lock:
+            engine = model.engine if model.state == LOADED else None
+        prepare = getattr(engine, "prepare_grammar", None)
+        if prepare is not None:
+            prepare(request)
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             model = self._owner.get(request_id)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -35,7 +36,7 @@ from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from stoker.engine import EngineRequestError, EngineStats, RequestOutput
+from stoker.engine import EngineRequest, EngineRequestError, EngineStats, RequestOutput
 from stoker.schemas import (
     ContractError,
     Done,
@@ -55,6 +56,7 @@ from stoker.worker.admitter import Admitter
 from stoker.worker.config import WorkerConfig
 from stoker.worker.dead_letters import DeadLetter
 from stoker.worker.driver import EngineDriver, EngineLike
+from stoker.worker.grammar_gate import CompileResult, GrammarGate, Outcome
 from stoker.worker.membership import heartbeat, join_checked, leave, served_model_names
 from stoker.worker.metrics import HealthServer, WorkerMetrics
 from stoker.worker.models import model_states
@@ -155,6 +157,7 @@ class Worker:
         self.redis: aioredis.Redis | None = None
         self.rio: RedisIO | None = None
         self.driver: EngineDriver | None = None
+        self.grammars: GrammarGate | None = None  # compiles uncached response_formats off the loop
         self.health: HealthServer | None = None
         self.fatal: BaseException | None = None
 
@@ -177,6 +180,8 @@ class Worker:
         await self.rio.retry("ping", self.redis.ping)
         self.admitter.start(self.redis, self.rio.retry)
         self.driver = EngineDriver(self.engine, loop, self._on_step)
+        self.grammars = GrammarGate(self.engine, cfg.grammar_compile_threads, cfg.grammar_compile_timeout_s)
+        self.driver.on_abort = self.grammars.abort  # a cancel must reach a request still compiling
         self.metrics.watch_engine(self.driver)
         self.metrics.watch_models(self._model_states)
         self.driver.start()
@@ -339,6 +344,8 @@ class Worker:
             task.cancel()
         for task in self._tasks[2:]:
             await _reaped(task)
+        if self.grammars is not None:
+            await self.grammars.close()
         if self.driver is not None:
             await asyncio.to_thread(self.driver.stop)
         if self.consumer is not None:
@@ -449,6 +456,8 @@ class Worker:
             stats.kv_blocks_free / stats.kv_blocks_total < self.cfg.min_free_kv_fraction and stats.num_waiting > 0)
         if low_kv or self._outbox.qsize() > 64:
             return 0
+        if self.grammars is not None and self.grammars.waiting > 0:  # a flood of new schemas: none more until
+            return 0  # a compile thread frees
         held = self.requests.count(RUNNING) + self.requests.count(PARKED) + self.requests.count(CLAIMING)
         return min(self.cfg.max_num_seqs + self.cfg.max_waiting - held, self.cfg.max_poll_records)
 
@@ -542,21 +551,41 @@ class Worker:
             self._fail(req, ErrorCode.UNKNOWN_MODEL, f"this worker serves {served}, the job asked for "
                        f"{req.job.model!r}: send it to a topic served by that model, or omit `model`")
             return
+        self._submit(req)
+
+    def _submit(self, req: Request, request: EngineRequest | None = None) -> None:
+        """Hand the job to the engine; one whose response_format is not compiled yet compiles off the loop
+        first (worker.grammar_gate) and comes back through _compiled."""
+        assert self.driver is not None and self.grammars is not None
         try:
-            self._submit(req)
+            if request is None:
+                request = engine_request(req.job)
+                request.priority = self.admitter.engine_priority(req.request_id, request.priority)
+                if self.grammars.needs_compile(request):
+                    self.grammars.start(request, functools.partial(self._compiled, req, request))
+                    return
+            self.driver.add_request(request)
             self._observe("engine_added", req.record_ms, now_ms())
         except EngineRequestError as exc:
             # A valid message the model can't serve (e.g. too long): an error event, no DLQ, committed.
             self._fail(req, exc.code, exc.message)
         except Exception as exc:  # noqa: BLE001 -- one request's failure must not stop the worker
-            log.exception("event=add_request_failed request_id=%s", rid)
+            log.exception("event=add_request_failed request_id=%s", req.request_id)
             self._fail(req, ErrorCode.INTERNAL, f"the engine could not take the request: {exc}")
 
-    def _submit(self, req: Request) -> None:
-        assert self.driver is not None
-        request = engine_request(req.job)
-        request.priority = self.admitter.engine_priority(req.request_id, request.priority)
-        self.driver.add_request(request)
+    def _compiled(self, req: Request, request: EngineRequest, result: CompileResult) -> None:
+        """Its grammar compile settled: go on with admission, unless the request is no longer ours to answer
+        (claim lost, handed back at shutdown, group left: whoever runs it next answers it)."""
+        if self.requests.running(req.request_id) is not req or req.lost:
+            return
+        if result.outcome is Outcome.CANCELLED:  # aborted while compiling, still ours: only a cancel does that
+            self._end_without_running(req, "cancelled")
+        elif result.outcome is Outcome.ERROR:
+            self._fail(req, ErrorCode.INVALID_RESPONSE_FORMAT, result.message)
+        elif result.outcome is Outcome.FAILED:
+            self._fail(req, ErrorCode.INTERNAL, result.message)
+        else:
+            self._submit(req, request)
 
     def _apply_backpressure(self) -> None:
         """Pause a class's partitions while the backlog holds its share of bytes. A full engine pauses
