@@ -130,17 +130,27 @@ def test_fp8_cache_write_on_values_that_need_no_rounding(device: str, dtype: tor
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_fp8_cache_write_rounds_like_torch_on_the_gpu(dtype: torch.dtype) -> None:
     """Random k/v at random positions: the GPU's float32 -> e4m3 conversion (round to nearest even,
-    saturating) must store exactly the reference's bytes. The interpreter cannot run this (see above)."""
-    tokens, hq, hkv, head_dim = 9, 6, 2, 64
+    saturating) must store exactly quantize_kv of the k the kernel rotated (left in k: its rotary may round
+    differently from torch's, FMA contraction, which test_kernels.py tolerates) and of v. The interpreter
+    cannot run this (see above)."""
+    tokens, hq, hkv, head_dim, block_size = 9, 6, 2, 64, 4
     q = torch.randn(tokens, hq, head_dim, device="cuda", dtype=dtype)
     k = torch.randn(tokens, hkv, head_dim, device="cuda", dtype=dtype) * 5
     v = torch.randn(tokens, hkv, head_dim, device="cuda", dtype=dtype) * 5
+    v[0, 0, :4] = torch.tensor([100.0, -100.0, 3e-5, 0.0])  # saturates at +-448 / a subnormal / zero
     positions = torch.randint(0, 64, (tokens,), device="cuda")
-    slots = torch.randperm(32, device="cuda")[:tokens]
+    slots = torch.randperm(8 * block_size, device="cuda")[:tokens]
     slots[2] = -1
     k_scale, v_scale = torch.tensor([0.0421], device="cuda"), torch.tensor([0.0173], device="cuda")
-    (k_out, v_out), (k_ref, v_ref) = _write_both(q, k, v, positions, slots, k_scale, v_scale, 4)
-    assert _same_bytes(k_out, k_ref) and _same_bytes(v_out, v_ref)
+    cos_sin = rope_cos_sin(head_dim, 64, 10000.0, None, device="cuda")
+    shape = (8, block_size, hkv, head_dim)
+    k8, v8 = torch.zeros(shape, device="cuda").to(FP8_KV_DTYPE), torch.zeros(shape, device="cuda").to(FP8_KV_DTYPE)
+    rotated = k.clone()
+    rotary_and_cache_triton(q.clone(), rotated, v, positions, cos_sin, k8, v8, slots, k_scale, v_scale)
+    keep = slots >= 0
+    flat_k, flat_v = k8.view(-1, hkv, head_dim), v8.view(-1, hkv, head_dim)
+    assert _same_bytes(flat_k[slots[keep]], quantize_kv(rotated[keep], k_scale))
+    assert _same_bytes(flat_v[slots[keep]], quantize_kv(v[keep], v_scale))
 
 
 @pytest.mark.slow
