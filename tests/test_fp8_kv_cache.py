@@ -364,3 +364,22 @@ def test_worker_flag_and_variable_reach_the_engine_config(llama, capsys, monkeyp
     with pytest.raises(SystemExit) as exit_:
         worker_main.parse_config(["--model", path, "--kv-cache-dtype", "e5m2"], {})
     assert exit_.value.code == 2 and "--kv-cache-dtype must be auto or fp8, got 'e5m2'" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_engine_with_an_fp8_cache_matches_its_torch_reference_path(llama) -> None:
+    """On CUDA (float32, so the comparison is tight): the Triton cache write and both attention kernels' FP8
+    variants, under CUDA graphs, give the tokens and logprobs of the same engine on the torch references."""
+    path, _ = llama
+    runs = {}
+    for use_triton in (True, False):
+        engine = LLMEngine(EngineConfig(model_path=path, device="cuda", dtype="float32", num_kv_blocks=64,
+                                        kv_cache_dtype="fp8", use_triton=use_triton, max_num_seqs=8))
+        runs[use_triton] = [_run(engine, ids) for ids in PROMPTS]
+        engine.close()
+    for (fast_ids, fast_lps), (ref_ids, ref_lps) in zip(runs[True], runs[False], strict=True):
+        assert fast_ids == ref_ids
+        for fast, ref in zip(fast_lps, ref_lps, strict=True):
+            for a, b in zip(fast.top, ref.top, strict=True):
+                assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < LOGPROB_ATOL
