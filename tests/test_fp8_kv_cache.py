@@ -197,7 +197,7 @@ def test_cache_write_stores_rotated_k_and_v_over_their_scales_in_e4m3() -> None:
 def test_an_fp8_cache_without_its_scales_is_refused() -> None:
     case = _paged_case(4, [5], [5])
     k8, v8 = _e4m3(case["k"], K_SCALE), _e4m3(case["v"], V_SCALE)
-    with pytest.raises(ValueError, match="FP8 KV cache needs a float32 one-element scale"):
+    with pytest.raises(ValueError, match="FP8 KV cache needs a float32 one-element scale tensor on cpu"):
         _paged(case, k8, v8, False)
 
 

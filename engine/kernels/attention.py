@@ -30,8 +30,8 @@ def _check_cache(
     if v_cache.dtype != k_cache.dtype:
         raise ValueError(f"attention: k_cache is {k_cache.dtype} but v_cache {v_cache.dtype}")
     if is_fp8_cache(k_cache):  # the FP8 KV cache (kv_quant.py): read as stored * scale
-        check_scale(k_scale, "attention k_scale")
-        check_scale(v_scale, "attention v_scale")
+        check_scale(k_scale, "attention k_scale", k_cache.device)
+        check_scale(v_scale, "attention v_scale", k_cache.device)
     elif k_cache.dtype != q.dtype:
         raise ValueError(f"attention: q dtype {q.dtype} differs from cache dtype {k_cache.dtype}")
 

@@ -18,11 +18,12 @@ def is_fp8_cache(cache: torch.Tensor) -> bool:
     return cache.dtype == FP8_KV_DTYPE
 
 
-def check_scale(scale: torch.Tensor | None, what: str) -> None:
-    """An FP8 cache needs its scale as a float32 tensor of one element (on the cache's device)."""
-    if scale is None or scale.numel() != 1 or scale.dtype != torch.float32:
-        got = None if scale is None else f"{scale.dtype} {tuple(scale.shape)}"
-        raise ValueError(f"{what}: an FP8 KV cache needs a float32 one-element scale tensor, got {got}")
+def check_scale(scale: torch.Tensor | None, what: str, device: torch.device) -> None:
+    """An FP8 cache needs its scale as a float32 tensor of one element on the cache's device (the kernels
+    read it through a pointer: a host tensor would fault there)."""
+    if scale is None or scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != device:
+        got = None if scale is None else f"{scale.dtype} {tuple(scale.shape)} on {scale.device}"
+        raise ValueError(f"{what}: an FP8 KV cache needs a float32 one-element scale tensor on {device}, got {got}")
 
 
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -35,6 +36,6 @@ def dequantize_kv(stored: torch.Tensor, scale: torch.Tensor | None) -> torch.Ten
     """Cache rows -> float32 values: stored * scale for an FP8 cache (exact: e4m3 fits float32), else as is."""
     if not is_fp8_cache(stored):
         return stored.float()
-    check_scale(scale, "dequantize_kv")
+    check_scale(scale, "dequantize_kv", stored.device)
     assert scale is not None
     return stored.float() * scale.float()

@@ -87,8 +87,8 @@ def _check(
     if v_cache.dtype != k_cache.dtype:
         raise ValueError(f"rotary_and_cache: k_cache is {k_cache.dtype} but v_cache {v_cache.dtype}")
     if is_fp8_cache(k_cache):  # the FP8 KV cache (kv_quant.py): stores k / k_scale, v / v_scale
-        check_scale(k_scale, "rotary_and_cache k_scale")
-        check_scale(v_scale, "rotary_and_cache v_scale")
+        check_scale(k_scale, "rotary_and_cache k_scale", k_cache.device)
+        check_scale(v_scale, "rotary_and_cache v_scale", k_cache.device)
     elif k_cache.dtype != k.dtype or v.dtype != k.dtype:
         raise ValueError(f"rotary_and_cache: cache dtype {k_cache.dtype} differs from k/v dtype {k.dtype}")
 
