@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 _DTYPES = ("float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto = the model dtype; fp8 = float8_e4m3fn (engine/kernels/kv_quant.py)
 
 
 @dataclass(slots=True)
@@ -41,6 +42,9 @@ class EngineConfig:
     # Ranks (processes, one GPU each) the model is split over; > 1 spawns ranks 1.. beside this process
     # (engine/parallel). Whether the model's heads divide is checked when the model's config is read.
     tensor_parallel_size: int = 1
+    # "fp8": the KV cache in float8_e4m3fn with per-layer k/v scales (the checkpoint's, else 1.0): half the bytes,
+    # twice the blocks in the same budget. "auto": the model dtype.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         problems = []
@@ -83,6 +87,8 @@ class EngineConfig:
             problems.append(f"max_model_len must be >= 2 or None, got {self.max_model_len}")
         if self.quantization not in (None, "fp8"):
             problems.append(f"quantization must be 'fp8' or None, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            problems.append(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.tensor_parallel_size < 1:
             problems.append(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         elif self.tensor_parallel_size > 1 and self.device.startswith("cuda"):

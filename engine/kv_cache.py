@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from stoker.engine.config import EngineConfig
+from stoker.engine.kernels.kv_quant import FP8_KV_DTYPE
 from stoker.engine.model_config import ModelConfig
 
 CPU_DEFAULT_KV_BYTES = 256 * 2**20
@@ -13,6 +14,11 @@ CPU_DEFAULT_KV_BYTES = 256 * 2**20
 def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * itemsize
+
+
+def kv_cache_dtype(config: EngineConfig) -> torch.dtype:
+    """What the cache holds: float8_e4m3fn for kv_cache_dtype="fp8" (1 byte an element), else the model dtype."""
+    return FP8_KV_DTYPE if config.kv_cache_dtype == "fp8" else config.torch_dtype
 
 
 def activation_reserve_bytes(model: ModelConfig, config: EngineConfig) -> int:
@@ -34,7 +40,7 @@ def num_kv_blocks(model: ModelConfig, config: EngineConfig, weights_bytes: int =
     (CPU)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = kv_bytes_per_block(model, config.block_size, config.torch_dtype)
+    per_block = kv_bytes_per_block(model, config.block_size, kv_cache_dtype(config))
     budget = config.kv_cache_memory_bytes
     if budget is None and config.device != "cpu" and config.gpu_memory_share is not None:
         budget = _share_budget(model, config, weights_bytes, per_block)

@@ -44,11 +44,16 @@ class WeightMap:
     def __init__(self, model: torch.nn.Module):
         self.modules = {name: m for name, m in model.named_modules() if isinstance(m, WeightModule)}
         self.packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
+        self.renamed: dict[str, str] = getattr(model, "renamed_params", {})
         self.loaded: set[tuple[str, str]] = set()
 
     def destination(self, name: str) -> tuple[str, WeightModule, str, str] | None:
         """(module path, module, parameter, shard), or None for a tensor we do not use (rotary inv_freq,
         lm_head.weight of a tied model, a bias we run without, a layer past num_layers)."""
+        for suffix, ours in self.renamed.items():  # a parameter kept elsewhere than the checkpoint names it
+            if name.endswith("." + suffix):
+                name = name[: -len(suffix)] + ours
+                break
         module_name, _, param = name.rpartition(".")
         shard = ""
         parent, _, leaf = module_name.rpartition(".")

@@ -18,7 +18,7 @@ import torch
 from stoker.engine import kernels
 from stoker.engine.batch import AttentionMetadata, ModelInput, PackedStep
 from stoker.engine.config import EngineConfig
-from stoker.engine.kv_cache import allocate_kv_cache, num_kv_blocks, weights_bytes
+from stoker.engine.kv_cache import allocate_kv_cache, kv_cache_dtype, num_kv_blocks, weights_bytes
 from stoker.engine.loader import load_weights
 from stoker.engine.model_config import ModelConfig
 from stoker.engine.models import model_class
@@ -63,7 +63,7 @@ class ModelRunner:
         if comm is not None:  # every rank's cache has the same blocks: the fewest any rank's memory allows
             self.num_blocks = min(comm.gather_ints(self.num_blocks))
         self.kv_caches = allocate_kv_cache(
-            model_config, self.num_blocks, self.block_size, self.dtype, self.device
+            model_config, self.num_blocks, self.block_size, kv_cache_dtype(config), self.device
         )
         self.sampler = Sampler()
         self._tables = _BlockTables(-(-max_model_len // self.block_size))

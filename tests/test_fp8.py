@@ -193,7 +193,8 @@ PUBLISHED = {
 def test_published_llama31_layouts_load(layout, source, tmp_path) -> None:
     """A small model in exactly the published -FP8 / -FP8-dynamic layout (config keys, tensor names and
     dtypes, scale shapes; -FP8 with per-layer k_scale / v_scale for its kv_cache_scheme) loads and runs as
-    its dequantized reference. The KV cache stays in the model dtype (no FP8 KV cache yet): k/v scales unused."""
+    its dequantized reference. The KV cache stays in the model dtype here (kv_cache_dtype auto): the k/v scales
+    load but are unused (test_fp8_kv_cache.py runs them with an FP8 cache)."""
     from safetensors.torch import load_file, save_file
 
     src, model = source

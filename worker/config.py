@@ -45,6 +45,7 @@ class WorkerConfig:
     dtype: str | None = None  # float32 | float16 | bfloat16; None = bfloat16 on CUDA, float32 on CPU
     quantization: str | None = None  # "fp8": quantize an unquantized checkpoint at load (EngineConfig's field)
     tensor_parallel: int = 1  # GPUs (ranks) the model is split over (EngineConfig.tensor_parallel_size)
+    kv_cache_dtype: str = "auto"  # "fp8": the FP8 KV cache (EngineConfig.kv_cache_dtype)
     block_size: int = 16  # tokens per KV block (a power of two)
     num_kv_blocks: int | None = None  # None = as many as the memory budget allows
     gpu_memory_utilization: float = 0.9  # share of the GPU the engine may fill (without kv_cache_memory_bytes)
@@ -126,6 +127,8 @@ class WorkerConfig:
             problems.append(f"--tensor-parallel must be >= 1, got {self.tensor_parallel}")
         if self.quantization not in (None, "fp8"):
             problems.append(f"quantization must be fp8 or unset, got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            problems.append(f"--kv-cache-dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.dtype not in (None, "float32", "float16", "bfloat16"):
             problems.append(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

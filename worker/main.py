@@ -40,6 +40,8 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
     ("--dtype", "STOKER_DTYPE", str, None, "float32|float16|bfloat16 (default: bfloat16 on CUDA, float32 on CPU)"),
     ("--quantization", "STOKER_QUANTIZATION", str, None,
      "fp8: quantize an unquantized checkpoint's linears to FP8 at load (FP8 checkpoints need no flag)"),
+    ("--kv-cache-dtype", "STOKER_KV_CACHE_DTYPE", str, "auto",
+     "auto (the model dtype) or fp8 (float8_e4m3fn, the checkpoint's k/v scales else 1.0: twice the blocks)"),
     ("--tensor-parallel", "STOKER_TENSOR_PARALLEL", int, 1,
      "GPUs (one process each) the model is split over: the first N that CUDA_VISIBLE_DEVICES shows"),
     ("--block-size", "STOKER_BLOCK_SIZE", int, 16, "tokens per KV block (a power of two)"),
@@ -256,7 +258,7 @@ def _build_one(cfg: WorkerConfig, spec: ModelSpec | None) -> Any:
         "enable_prefix_caching": not cfg.no_prefix_caching, "cuda_graphs": not cfg.no_cuda_graphs,
         "async_scheduling": False if cfg.no_async_scheduling else None, "use_triton": not cfg.no_triton,
         "blocking_sync": not cfg.no_blocking_sync, "quantization": cfg.quantization,
-        "tensor_parallel_size": cfg.tensor_parallel,
+        "tensor_parallel_size": cfg.tensor_parallel, "kv_cache_dtype": cfg.kv_cache_dtype,
     }
     if cfg.served_model_name:
         kwargs["model_name"] = cfg.served_model_name

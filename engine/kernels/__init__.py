@@ -72,9 +72,12 @@ def rotary_and_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
+    """k_scale/v_scale: the FP8 KV cache's per-tensor scales (kv_quant.py); unused for other caches."""
     op = rotary_and_cache_triton if use_triton(q) else rotary_and_cache_ref
-    op(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    op(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(
@@ -85,9 +88,11 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     op = paged_attention_triton if use_triton(q) else paged_attention_ref
-    return op(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+    return op(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, k_scale, v_scale)
 
 
 def paged_decode_attention(
@@ -97,9 +102,13 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    op = paged_decode_attention_triton if use_triton(q) else paged_decode_attention_ref
-    return op(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if use_triton(q):
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                             k_scale=k_scale, v_scale=v_scale)
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,16 @@ from __future__ import annotations
 
 import torch
 from stoker.engine.kernels._triton import check_launchable, tl, triton
+from stoker.engine.kernels.kv_quant import check_scale, dequantize_kv, is_fp8_cache
 
 
-def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def _check_cache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
     if q.dim() != 3:
         raise ValueError(f"attention: q must be [tokens, Hq, D], got {tuple(q.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[3] != q.shape[2]:
@@ -20,7 +27,12 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
         )
     if q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"attention: Hq={q.shape[1]} is not a multiple of Hkv={k_cache.shape[2]}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"attention: k_cache is {k_cache.dtype} but v_cache {v_cache.dtype}")
+    if is_fp8_cache(k_cache):  # the FP8 KV cache (kv_quant.py): read as stored * scale
+        check_scale(k_scale, "attention k_scale", k_cache.device)
+        check_scale(v_scale, "attention v_scale", k_cache.device)
+    elif k_cache.dtype != q.dtype:
         raise ValueError(f"attention: q dtype {q.dtype} differs from cache dtype {k_cache.dtype}")
 
 
@@ -46,12 +58,15 @@ def paged_attention_ref(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D]. Sequence b's n_b queries q[query_start_loc[b]:query_start_loc[b+1]]
     sit at positions context_lens[b]-n_b .. context_lens[b]-1 and attend causally to the cached keys at
     positions 0 .. context_lens[b]-1. Softmax in float32. Reads only the blocks a sequence owns, so
-    padding entries in block_tables are never touched. Loops over sequences on the host (a reference)."""
-    _check_cache(q, k_cache, v_cache)
+    padding entries in block_tables are never touched. Loops over sequences on the host (a reference).
+    An FP8 cache (kv_quant.py) is dequantized on load with k_scale / v_scale, then the same float32 math."""
+    _check_cache(q, k_cache, v_cache, k_scale, v_scale)
     _check_batch(q.shape[0], block_tables, query_start_loc, context_lens)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
@@ -68,8 +83,8 @@ def paged_attention_ref(
             raise ValueError(f"attention: sequence {b} has {n} queries [{start}:{end}] but context {ctx}")
         pos = torch.arange(ctx, device=q.device)
         slots = block_tables[b, pos // block_size].long() * block_size + pos % block_size
-        keys = flat_k[slots].float().repeat_interleave(group, dim=1)  # [ctx, Hq, D]
-        values = flat_v[slots].float().repeat_interleave(group, dim=1)
+        keys = dequantize_kv(flat_k[slots], k_scale).repeat_interleave(group, dim=1)  # [ctx, Hq, D]
+        values = dequantize_kv(flat_v[slots], v_scale).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale  # [Hq, n, ctx]
         query_pos = torch.arange(ctx - n, ctx, device=q.device)
         scores.masked_fill_(pos[None, :] > query_pos[:, None], float("-inf"))
@@ -84,19 +99,26 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] -> [B, Hq, D]: one query per sequence at position context_lens[b]-1."""
     if q.dim() != 3 or q.shape[0] != context_lens.shape[0]:
         raise ValueError(f"decode attention: q must be [B, Hq, D] with B = len(context_lens) = "
                          f"{context_lens.shape[0]}, got {tuple(q.shape)}")
     query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+                               k_scale, v_scale)
 
 
 # ---------------------------------------------------------------------------------------------- Triton
 # Both kernels keep the scores in the log2 domain (scale * log2(e) folded into one multiply, exp2 instead
 # of exp) and run the online softmax in float32. K/V rows are gathered token by token through the block
 # table, so a tile of keys need not align with cache blocks and tile size is free of block_size.
+# FP8_CACHE (the FP8 KV cache, kv_quant.py): K/V tiles are converted to q's dtype in registers (exact: e4m3
+# fits fp16/bf16/fp32) and the per-tensor scales are applied outside the dots, k_scale folded into the score
+# multiply and v_scale into the output: one multiply per row instead of one per cached element. The scales
+# are read from device tensors, so a CUDA graph replays with whatever the checkpoint loaded.
 
 _LOG2E = 1.4426950408889634
 
@@ -123,11 +145,11 @@ def _check_kernel_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 @triton.jit(do_not_specialize=["block_table_stride"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, q_seq_stride, q_head_stride, block_table_stride, out_seq_stride, out_head_stride,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_CACHE: tl.constexpr,
 ):
     # Program (sequence, kv head, split): all GROUP query heads sharing this kv head are rows of one tile,
     # so each K/V row is read once per group; the context is cut into NUM_SPLITS contiguous pieces.
@@ -146,6 +168,8 @@ def _decode_split_kernel(
     dim_mask = dims < HEAD_DIM
     q = tl.load(q_ptr + seq * q_seq_stride + heads[:, None] * q_head_stride + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    if FP8_CACHE:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -156,16 +180,18 @@ def _decode_split_kernel(
         slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         kv_offset = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
         kv_mask = key_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offset, mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + kv_offset, mask=kv_mask, other=0.0).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         scores = tl.where(key_mask[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         correction = tl.exp2(running_max - new_max)
         probs = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * correction + tl.sum(probs, axis=1)
-        v = tl.load(v_cache_ptr + kv_offset, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offset, mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
         running_max = new_max
+    if FP8_CACHE:
+        acc = acc * tl.load(v_scale_ptr)
 
     out_mask = row_mask[:, None] & dim_mask[None, :]
     if NUM_SPLITS == 1:
@@ -226,9 +252,12 @@ def paged_decode_attention_triton(
     context_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """num_splits: None picks from the shapes (decode_num_splits); tests force 1 or several."""
-    _check_cache(q, k_cache, v_cache)
+    """num_splits: None picks from the shapes (decode_num_splits); tests force 1 or several. k_scale/v_scale:
+    an FP8 cache's scales (kv_quant.py), ignored for a cache in q's dtype."""
+    _check_cache(q, k_cache, v_cache, k_scale, v_scale)
     if q.shape[0] != context_lens.shape[0] or block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
         raise ValueError(f"decode attention: q [B, Hq, D], block_tables [B, max_blocks], context_lens [B] "
                          f"expected, got {tuple(q.shape)}, {tuple(block_tables.shape)}, {tuple(context_lens.shape)}")
@@ -249,12 +278,14 @@ def paged_decode_attention_triton(
         part_max = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
     block_d = triton.next_power_of_2(head_dim)
+    fp8 = is_fp8_cache(k_cache)
+    k_scale_arg, v_scale_arg = (k_scale, v_scale) if fp8 else (out, out)  # placeholders when not FP8
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max, part_sum,
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max, part_sum, k_scale_arg, v_scale_arg,
         scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=tile_n,
-        NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype), num_warps=4,
+        NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype), FP8_CACHE=fp8, num_warps=4,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_q_heads)](
@@ -268,10 +299,10 @@ def paged_decode_attention_triton(
 @triton.jit(do_not_specialize=["num_seqs", "block_table_stride"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, out_ptr,
-    qk_scale, num_seqs, q_token_stride, q_head_stride, block_table_stride, out_token_stride, out_head_stride,
+    k_scale_ptr, v_scale_ptr, qk_scale, num_seqs, q_token_stride, q_head_stride, block_table_stride, out_token_stride, out_head_stride,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8_CACHE: tl.constexpr,
 ):
     # Program (query tile, kv head). A tile is up to BLOCK_Q consecutive tokens of ONE sequence times the
     # GROUP query heads of this kv head: BLOCK_M = BLOCK_Q * GROUP rows (padded to a power of two), so
@@ -303,6 +334,8 @@ def _prefill_kernel(
         token = (seq_start + query).to(tl.int64)
         q = tl.load(q_ptr + token[:, None] * q_token_stride + heads[:, None] * q_head_stride + dims[None, :],
                     mask=row_mask[:, None] & dim_mask, other=0.0)
+        if FP8_CACHE:
+            qk_scale = qk_scale * tl.load(k_scale_ptr)
         query_pos = context_len - num_queries + query
         running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
         running_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -316,7 +349,7 @@ def _prefill_kernel(
                             mask=key_mask, other=0)
             slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
             kv_offset = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
-            k = tl.load(k_cache_ptr + kv_offset, mask=key_mask[:, None] & dim_mask, other=0.0)
+            k = tl.load(k_cache_ptr + kv_offset, mask=key_mask[:, None] & dim_mask, other=0.0).to(q.dtype)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             visible = key_mask[None, :] & (pos[None, :] <= query_pos[:, None])
             scores = tl.where(visible, scores, float("-inf"))
@@ -324,10 +357,12 @@ def _prefill_kernel(
             correction = tl.exp2(running_max - new_max)
             probs = tl.exp2(scores - new_max[:, None])
             running_sum = running_sum * correction + tl.sum(probs, axis=1)
-            v = tl.load(v_cache_ptr + kv_offset, mask=key_mask[:, None] & dim_mask, other=0.0)
+            v = tl.load(v_cache_ptr + kv_offset, mask=key_mask[:, None] & dim_mask, other=0.0).to(q.dtype)
             acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
             running_max = new_max
         out = acc / running_sum[:, None]
+        if FP8_CACHE:
+            out = out * tl.load(v_scale_ptr)
         tl.store(out_ptr + token[:, None] * out_token_stride + heads[:, None] * out_head_stride + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask)
 
@@ -340,8 +375,10 @@ def paged_attention_triton(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    _check_cache(q, k_cache, v_cache)
+    _check_cache(q, k_cache, v_cache, k_scale, v_scale)
     _check_batch(q.shape[0], block_tables, query_start_loc, context_lens)
     _check_kernel_inputs(q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -358,11 +395,13 @@ def paged_attention_triton(
     block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     num_tiles = num_tokens // block_q + num_seqs
+    fp8 = is_fp8_cache(k_cache)
+    k_scale_arg, v_scale_arg = (k_scale, v_scale) if fp8 else (out, out)  # placeholders when not FP8
     _prefill_kernel[(num_tiles, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, k_scale_arg, v_scale_arg,
         scale * _LOG2E, num_seqs, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=64 if q.is_cuda else 16,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=4,
+        DOT_PRECISION=_dot_precision(q.dtype), FP8_CACHE=fp8, num_warps=4,
     )
     return out

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from stoker.engine.kernels._triton import check_launchable, tl, triton
+from stoker.engine.kernels.kv_quant import FP8_E4M3_MAX, check_scale, is_fp8_cache, quantize_kv
 
 
 def _inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -58,6 +59,8 @@ def _check(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> None:
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
         raise ValueError(
@@ -81,7 +84,12 @@ def _check(
             f"rotary_and_cache: caches must be [num_blocks, block_size, {expect[0]}, {expect[1]}], "
             f"got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
         )
-    if k_cache.dtype != k.dtype or v_cache.dtype != v.dtype:
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"rotary_and_cache: k_cache is {k_cache.dtype} but v_cache {v_cache.dtype}")
+    if is_fp8_cache(k_cache):  # the FP8 KV cache (kv_quant.py): stores k / k_scale, v / v_scale
+        check_scale(k_scale, "rotary_and_cache k_scale", k_cache.device)
+        check_scale(v_scale, "rotary_and_cache v_scale", k_cache.device)
+    elif k_cache.dtype != k.dtype or v.dtype != k.dtype:
         raise ValueError(f"rotary_and_cache: cache dtype {k_cache.dtype} differs from k/v dtype {k.dtype}")
 
 
@@ -101,10 +109,14 @@ def rotary_and_cache_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Rotates q [T, Hq, D] and k [T, Hkv, D] in place (float32 math), then writes k and v into the paged
-    caches [num_blocks, block_size, Hkv, D] at flat slot_mapping[t]; slots < 0 (padding) are skipped."""
-    _check(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    caches [num_blocks, block_size, Hkv, D] at flat slot_mapping[t]; slots < 0 (padding) are skipped. An FP8
+    cache stores quantize_kv(k, k_scale) and quantize_kv(v, v_scale) (the rotated k, as the model dtype
+    holds it); q and k themselves stay unquantized."""
+    _check(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     half = q.shape[-1] // 2
     table = cos_sin[positions]  # [T, D]
     cos, sin = table[:, None, :half], table[:, None, half:]
@@ -113,8 +125,12 @@ def rotary_and_cache_ref(
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     num_kv_heads, head_dim = k.shape[1:]
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[keep]
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[keep]
+    k_rows, v_rows = k[keep], v[keep]
+    if is_fp8_cache(k_cache):
+        assert k_scale is not None and v_scale is not None  # _check
+        k_rows, v_rows = quantize_kv(k_rows, k_scale), quantize_kv(v_rows, v_scale)
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k_rows
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v_rows
 
 
 @triton.jit
@@ -136,12 +152,22 @@ def _rotate_heads(
     return out1, out2
 
 
+FP8_MAX: tl.constexpr = tl.constexpr(FP8_E4M3_MAX)
+
+
+@triton.jit
+def _to_fp8(x, scale):
+    """x / scale saturated to e4m3's range, still float32 (the store casts it, rounding to nearest even)."""
+    return tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -FP8_MAX, FP8_MAX)
+
+
 @triton.jit
 def _rotary_and_cache_kernel(
     q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    q_token_stride, q_head_stride, k_token_stride, k_head_stride, v_token_stride, v_head_stride,
+    k_scale_ptr, v_scale_ptr, q_token_stride, q_head_stride, k_token_stride, k_head_stride, v_token_stride, v_head_stride,
     num_q_heads, num_kv_heads,
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    FP8_CACHE: tl.constexpr,
 ):
     # One program per token, all heads at once: cos/sin are loaded once and reused by every head.
     token = tl.program_id(0).to(tl.int64)
@@ -158,12 +184,23 @@ def _rotary_and_cache_kernel(
     heads = tl.arange(0, BLOCK_HKV)[:, None]
     mask = (heads < num_kv_heads) & (dims < HALF) & (slot >= 0)  # slot < 0: a padding token
     cache_offset = slot * (num_kv_heads * 2 * HALF) + heads * (2 * HALF) + dims
+    v_ptr = v_ptr + token * v_token_stride + heads * v_head_stride + dims
+    v1 = tl.load(v_ptr, mask=mask)
+    v2 = tl.load(v_ptr + HALF, mask=mask)
+    if FP8_CACHE:
+        # kv_quant.quantize_kv: k is rounded to the model dtype first (what the unfused path caches), then
+        # divided in IEEE float32 (div_rn: plain "/" is approximate on the GPU) and saturated.
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+        k1 = _to_fp8(k1.to(k_ptr.dtype.element_ty), k_scale)
+        k2 = _to_fp8(k2.to(k_ptr.dtype.element_ty), k_scale)
+        v1 = _to_fp8(v1, v_scale)
+        v2 = _to_fp8(v2, v_scale)
     dtype = k_cache_ptr.dtype.element_ty
     tl.store(k_cache_ptr + cache_offset, k1.to(dtype), mask=mask)
     tl.store(k_cache_ptr + cache_offset + HALF, k2.to(dtype), mask=mask)
-    v_ptr = v_ptr + token * v_token_stride + heads * v_head_stride + dims
-    tl.store(v_cache_ptr + cache_offset, tl.load(v_ptr, mask=mask), mask=mask)
-    tl.store(v_cache_ptr + cache_offset + HALF, tl.load(v_ptr + HALF, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + cache_offset, v1.to(dtype), mask=mask)
+    tl.store(v_cache_ptr + cache_offset + HALF, v2.to(dtype), mask=mask)
 
 
 def rotary_and_cache_triton(
@@ -175,8 +212,10 @@ def rotary_and_cache_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    _check(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    _check(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     check_launchable(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
     if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("rotary_and_cache: the head_dim of q, k and v must be contiguous (row strides may vary)")
@@ -186,13 +225,16 @@ def rotary_and_cache_triton(
     if num_tokens == 0:
         return
     num_kv_heads = k.shape[1]
+    fp8 = is_fp8_cache(k_cache)
+    k_scale_arg, v_scale_arg = (k_scale, v_scale) if fp8 else (cos_sin, cos_sin)  # placeholders when not FP8
     _rotary_and_cache_kernel[(num_tokens,)](
-        q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
+        q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k_scale_arg, v_scale_arg,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         num_q_heads, num_kv_heads,
         HALF=head_dim // 2,
         BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        FP8_CACHE=fp8,
         num_warps=4,
     )

@@ -1,18 +1,46 @@
 """Attention over the paged KV cache: the split-K decode kernel when every sequence has one query token,
-the prefill kernel (chunks and decodes mixed) otherwise."""
+the prefill kernel (chunks and decodes mixed) otherwise.
+
+The module also owns the FP8 KV cache's per-tensor scales (`k_scale`, `v_scale`, float32 scalars): a
+checkpoint with a `kv_cache_scheme` ships them as `model.layers.N.self_attn.k_scale` / `v_scale` (the model's
+`renamed_params` maps them here); without one they stay 1.0, as vLLM does. They matter only when the cache is
+float8_e4m3fn (EngineConfig.kv_cache_dtype="fp8"): the cache write stores k / k_scale and attention reads
+stored * k_scale (engine/kernels/kv_quant.py)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from stoker.engine import kernels
 from stoker.engine.batch import AttentionMetadata
+from stoker.engine.layers.weights import WeightModule
 from torch import nn
 
 
-class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+class PagedAttention(WeightModule):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 kv_scales_required: bool = False):
+        """kv_scales_required: the checkpoint declares a kv_cache_scheme, so every layer's k_scale and v_scale
+        must be in it (the loader reports any that is missing)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.kv_scales_required = kv_scales_required
+        self.k_scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
+        self.v_scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
+
+    def load_weight(self, param_name: str, loaded: torch.Tensor, shard: str = "") -> None:
+        # Checkpoints save a scalar (shape []) or [1]; a scale must be a positive finite number.
+        if shard or loaded.numel() != 1:
+            raise ValueError(f"{param_name} must be one number per layer (a per-tensor scale), "
+                             f"got shape {tuple(loaded.shape)}")
+        value = float(loaded.float().reshape(()))
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{param_name} must be a positive finite number, got {value}")
+        self._parameters[param_name].data.fill_(value)  # type: ignore[union-attr]
+
+    def expected_shards(self) -> list[tuple[str, str]]:
+        return [("k_scale", ""), ("v_scale", "")] if self.kv_scales_required else []
 
     def forward(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
@@ -20,8 +48,9 @@ class PagedAttention(nn.Module):
         """q [T, Hq, D] (this step's keys and values already in the cache) -> [T, Hq, D]."""
         if meta.decode_only:
             return kernels.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale, self.k_scale, self.v_scale
             )
         return kernels.paged_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, self.scale
+            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, self.scale,
+            self.k_scale, self.v_scale,
         )

@@ -28,5 +28,7 @@ class RotaryEmbedding(nn.Module):
         k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [T] int64
+        k_scale: torch.Tensor | None = None,  # the FP8 KV cache's scales (layers/attention.py)
+        v_scale: torch.Tensor | None = None,
     ) -> None:
-        kernels.rotary_and_cache(q, k, v, positions, self.cos_sin, k_cache, v_cache, slot_mapping)
+        kernels.rotary_and_cache(q, k, v, positions, self.cos_sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)

@@ -46,7 +46,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
         self.rotary = rotary
-        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+        kv_scheme = quant is not None and quant.kv_cache_scheme is not None  # then k_scale/v_scale must load
+        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5, kv_scheme)
 
     def forward(
         self,
@@ -65,7 +66,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim))[0].view_as(q)
             k = self.k_norm(k.reshape(-1, self.head_dim))[0].view_as(k)
-        self.rotary(q, k, v, positions, k_cache, v_cache, meta.slot_mapping)
+        self.rotary(q, k, v, positions, k_cache, v_cache, meta.slot_mapping, self.attn.k_scale, self.attn.v_scale)
         attn = self.attn(q, k_cache, v_cache, meta)
         return self.o_proj(attn.reshape(num_tokens, self.q_size))
 
@@ -143,6 +144,8 @@ class LlamaForCausalLM(CausalLM):
         "gate_proj": ("gate_up_proj", "gate"),
         "up_proj": ("gate_up_proj", "up"),
     }
+    # Checkpoint parameter suffix -> ours: the FP8 KV cache's scales live on the attention module.
+    renamed_params = {"self_attn.k_scale": "self_attn.attn.k_scale", "self_attn.v_scale": "self_attn.attn.v_scale"}
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_position: int):
         super().__init__()
