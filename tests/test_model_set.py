@@ -252,6 +252,8 @@ def test_several_models_from_flags_env_and_file(tmp_path):
     (["--model", "/m/a", "--model", "/m/b", "--served-model-name", "z"], "give each a name="),
     (["--models-file", "/no/such.toml"], "cannot be read"),
     (["--model", "/m/a", "--model-idle-unload-s", "0"], "model_idle_unload_s must be > 0"),
+    (["--model", "/m/a,memory=0.4", "--model", "/m/b,memory=0.4", "--tensor-parallel", "2"],
+     "--tensor-parallel 2 serves one model per worker, got 2 models: run one worker per model"),
 ])
 def test_bad_model_sets_are_refused_with_a_reason(argv, needle, capsys):
     with pytest.raises(SystemExit):
