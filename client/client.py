@@ -284,6 +284,7 @@ class WorkerInfo:
     topic: str | None = None  # the job topic it reads; None from a worker older than the field
     group: str | None = None  # its Kafka consumer group; None likewise
     models: tuple[str, ...] = ()  # every model name it serves, sorted (an older worker's: its one `model`)
+    batch_topic: str | None = None  # its batch-class topic; "" reads none; None: older worker (topic + .batch)
 
     @classmethod
     def from_heartbeat(cls, worker_id: str, info: dict[str, Any]) -> WorkerInfo:
@@ -291,8 +292,9 @@ class WorkerInfo:
         model, topic, group = (v if isinstance(v, str) else None for v in map(info.get, ("model", "topic", "group")))
         models = info.get("models")
         names = [m for m in models if isinstance(m, str)] if isinstance(models, list) else [model] if model else []
+        batch_topic = info.get("batch_topic")
         return cls(worker_id, model, info.get("capacity"), info.get("version"), info, topic, group,
-                   tuple(sorted(set(names))))
+                   tuple(sorted(set(names))), batch_topic if isinstance(batch_topic, str) else None)
 
 
 class Client:

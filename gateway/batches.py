@@ -414,13 +414,16 @@ class BatchService:
         if model is None and len(table.models) == 1:  # as the live endpoints: lenient with one model
             model = table.models[0]
         route = table.routes.get(model) if model is not None else None
-        if route is None:
+        if route is None or route.batch_topic is None:
             if model not in self._held_models:
                 self._held_models.add(model)
-                log.warning("batch lines for model %r wait: %s", model, table.not_routable(model))
+                why = table.not_routable(model) if route is None else (
+                    f"the workers of topic {route.topic!r} read no batch topic (--no-batch-topic); start one "
+                    "without it, or give the gateway a --batch-topic that some worker of that model reads")
+                log.warning("batch lines for model %r wait: %s", model, why)
             return None
         self._held_models.discard(model)
-        return default_batch_topic(route.topic)
+        return route.batch_topic
 
     async def _scan_forever(self) -> None:
         swept_at = float("-inf")

@@ -189,7 +189,7 @@ class Worker:
         redis = self.redis
         await self.rio.retry("join_check", lambda: join_checked(
             redis, self.names.redis_prefix, cfg.worker_id, self.names.jobs_topic, cfg.group_id,
-            self.served_models, self._heartbeat(0), self._heartbeat_ttl_s()))
+            self.served_models, self._heartbeat(0), self._heartbeat_ttl_s(), cfg.batch_topic_name))
         self.consumer = AIOKafkaConsumer(
             bootstrap_servers=cfg.bootstrap_servers, group_id=cfg.group_id, enable_auto_commit=False,
             auto_offset_reset="earliest", client_id=f"stoker-worker-{cfg.worker_id}",
@@ -899,7 +899,8 @@ class Worker:
     def _heartbeat(self, running: int) -> bytes:
         cfg = self.cfg
         return heartbeat(cfg.worker_id, self.names.jobs_topic, cfg.group_id, self.served_models,
-                         capacity=cfg.max_num_seqs, running=running, version=VERSION, started_at=self._started_at)
+                         capacity=cfg.max_num_seqs, running=running, version=VERSION, started_at=self._started_at,
+                         batch_topic=cfg.batch_topic_name)
 
     def _heartbeat_ttl_s(self) -> int:
         return max(3, int(self.cfg.claim_ttl_s))  # a few renewals (every third of the claim TTL)
