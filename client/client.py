@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -628,24 +628,37 @@ class Client:
         return event
 
     async def workers(self) -> list[WorkerInfo]:
-        """Live workers, from their heartbeat keys (they expire when a worker stops renewing them)."""
+        """Live workers, from their heartbeat keys (they expire when a worker stops renewing them), found
+        through the worker index (one ZRANGE and one MGET at any keyspace size). Only while the index is
+        empty (every live worker older than it) are the keys found by a SCAN, which walks every key."""
+        ids = [i.decode() if isinstance(i, bytes) else str(i)
+               for i in await self.redis.zrange(self.names.workers_index, 0, -1)]
+        if not ids:
+            return await self._scanned_workers()
+        values = await self.redis.mget([f"{self.prefix}:worker:{worker_id}" for worker_id in ids])
+        return _worker_infos(zip(ids, values, strict=True))
+
+    async def _scanned_workers(self) -> list[WorkerInfo]:
         pattern = f"{self.prefix}:worker:*"
         keys = [k async for k in self.redis.scan_iter(match=pattern, count=500)]
         values = await self.redis.mget(keys) if keys else []
-        found = []
-        prefix_len = len(pattern) - 1
-        for key, value in zip(keys, values, strict=True):
-            if value is None:  # expired between SCAN and MGET
-                continue
-            try:
-                info = msgspec.json.decode(value)
-            except msgspec.DecodeError:
-                continue  # not a heartbeat of ours; skip rather than fail the whole listing
-            if not isinstance(info, dict):
-                continue
-            worker_id = key.decode()[prefix_len:]
-            found.append(WorkerInfo.from_heartbeat(worker_id, info))
-        return sorted(found, key=lambda w: w.worker_id)
+        return _worker_infos(zip([key.decode()[len(pattern) - 1:] for key in keys], values, strict=True))
+
+
+def _worker_infos(found: Iterable[tuple[str, bytes | str | None]]) -> list[WorkerInfo]:
+    """(worker id, heartbeat value) pairs -> WorkerInfo, sorted; a key gone (the worker stopped or died) or a
+    value that is no heartbeat of ours is skipped rather than failing the whole listing."""
+    infos = []
+    for worker_id, value in found:
+        if value is None:
+            continue
+        try:
+            info = msgspec.json.decode(value)
+        except msgspec.DecodeError:
+            continue
+        if isinstance(info, dict):
+            infos.append(WorkerInfo.from_heartbeat(worker_id, info))
+    return sorted(infos, key=lambda w: w.worker_id)
 
 
 async def _anext(agen: AsyncGenerator[Chunk | Done, None]) -> Chunk | Done:

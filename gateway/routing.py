@@ -93,7 +93,7 @@ def _batch_topic(topic: str, readers: list[WorkerInfo]) -> str | None:
 
 
 class RouteCache:
-    """The route table, rebuilt from the heartbeats at most every `max_age_s` (a SCAN of Redis) by one
+    """The route table, rebuilt from the heartbeats at most every `max_age_s` (the worker index and one MGET) by one
     caller at a time: a burst of requests on a stale table waits for one refresh, not one each."""
 
     def __init__(self, fetch: Callable[[], Awaitable[list[WorkerInfo]]], default_topic: str, max_age_s: float):

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+from stoker.schemas import Names
 
 log = logging.getLogger("stoker.worker.membership")
 
@@ -47,8 +48,8 @@ return 0
 
 
 def worker_index(prefix: str) -> str:
-    """The sorted set of worker ids with a heartbeat (see the module's docstring)."""
-    return f"{prefix}:workers"
+    """The sorted set of worker ids with a heartbeat (see the module's docstring; the client reads it too)."""
+    return Names(redis_prefix=prefix).workers_index
 
 
 def served_model_names(engine: Any, served_model_name: str | None = None) -> list[str]:
