@@ -312,6 +312,7 @@ class Client:
         poll_interval: float = 0.5,
         kafka_options: dict[str, Any] | None = None,
         redis_options: dict[str, Any] | None = None,
+        unindexed_scan_s: float = 30.0,
     ):
         if timeout <= 0 or poll_interval <= 0:
             raise ValueError(f"timeout ({timeout}) and poll_interval ({poll_interval}) must be > 0 seconds")
@@ -328,6 +329,11 @@ class Client:
         self._dispatcher: _Dispatcher | None = None
         self._producer_lock = asyncio.Lock()
         self._cleanups: set[asyncio.Future[Any]] = set()  # unsubscribe/cancel tasks still in flight
+        # workers(): how often a SCAN also looks for heartbeats missing from the worker index (workers older
+        # than it); 0 = at every call. Each SCAN walks the whole keyspace.
+        self.unindexed_scan_s = unindexed_scan_s
+        self._scanned_at = float("-inf")
+        self._unindexed: list[str] = []  # worker ids the last SCAN found outside the index
 
     async def __aenter__(self) -> Client:
         await self.start()
@@ -629,20 +635,22 @@ class Client:
 
     async def workers(self) -> list[WorkerInfo]:
         """Live workers, from their heartbeat keys (they expire when a worker stops renewing them), found
-        through the worker index (one ZRANGE and one MGET at any keyspace size). Only while the index is
-        empty (every live worker older than it) are the keys found by a SCAN, which walks every key."""
+        through the worker index (one ZRANGE and one MGET at any keyspace size). A SCAN, which walks every
+        key, also looks for workers older than the index, at most every `unindexed_scan_s` (and whenever the
+        index is empty), so such a worker shows up that much later."""
         ids = [i.decode() if isinstance(i, bytes) else str(i)
                for i in await self.redis.zrange(self.names.workers_index, 0, -1)]
-        if not ids:
-            return await self._scanned_workers()
-        values = await self.redis.mget([f"{self.prefix}:worker:{worker_id}" for worker_id in ids])
+        if not ids or time.monotonic() - self._scanned_at >= self.unindexed_scan_s:
+            self._scanned_at = time.monotonic()
+            indexed = set(ids)
+            self._unindexed = [worker_id for worker_id in await self._scanned_ids() if worker_id not in indexed]
+        ids += self._unindexed
+        values = await self.redis.mget([f"{self.prefix}:worker:{worker_id}" for worker_id in ids]) if ids else []
         return _worker_infos(zip(ids, values, strict=True))
 
-    async def _scanned_workers(self) -> list[WorkerInfo]:
+    async def _scanned_ids(self) -> list[str]:
         pattern = f"{self.prefix}:worker:*"
-        keys = [k async for k in self.redis.scan_iter(match=pattern, count=500)]
-        values = await self.redis.mget(keys) if keys else []
-        return _worker_infos(zip([key.decode()[len(pattern) - 1:] for key in keys], values, strict=True))
+        return [key.decode()[len(pattern) - 1:] async for key in self.redis.scan_iter(match=pattern, count=500)]
 
 
 def _worker_infos(found: Iterable[tuple[str, bytes | str | None]]) -> list[WorkerInfo]:

@@ -80,8 +80,9 @@ async def two_groups(space: Space) -> AsyncIterator[tuple[Worker, Worker, str]]:
 @pytest.fixture
 async def gateway(space: Space, two_groups: tuple[Worker, Worker, str]) -> AsyncIterator[httpx.AsyncClient]:
     fallback = two_groups[2]
+    # unindexed_scan_s=0: a heartbeat written outside the worker index (an older worker's) shows at once
     app = create_app(lambda: Client(space.bootstrap, space.redis_url, prefix=space.names.redis_prefix,
-                                    topic=fallback), timeout=30.0)
+                                    topic=fallback, unindexed_scan_s=0), timeout=30.0)
     transport = httpx.ASGITransport(app=app)
     async with app.router.lifespan_context(app), \
             httpx.AsyncClient(transport=transport, base_url="http://gw/v1", timeout=30) as h:
