@@ -240,3 +240,33 @@ async def test_each_heartbeat_renews_the_workers_index_entry(space: Space, r: ai
         await asyncio.sleep(1.5)
         score = await r.zscore(index, a.cfg.worker_id)
         assert score is not None and abs(score - time.time() * 1000) < 5_000
+
+
+async def test_another_model_set_appearing_in_the_group_later_is_logged_and_counted(
+        space: Space, r: aioredis.Redis, caplog: pytest.LogCaptureFixture) -> None:
+    """The group check at start can't see what comes after it (a worker older than the check, a heartbeat
+    written past the lock): the running worker re-checks every claim TTL (3 s here), logs event=group_conflict
+    naming the intruder and sets stoker_group_conflicts, back to 0 once it is gone."""
+    prefix = space.names.redis_prefix
+    async with running_worker(space, FakeEngine("model-a")) as a:
+        def conflicts_now() -> float | None:
+            return a.metrics.registry.get_sample_value("stoker_group_conflicts")
+
+        assert conflicts_now() == 0
+        beat = heartbeat("intruder", "elsewhere", space.group, ["model-z"], capacity=1, running=0, version="t",
+                         started_at=0.0)
+        await r.set(f"{prefix}:worker:intruder", beat, ex=30)
+        await r.zadd(f"{prefix}:workers", {"intruder": time.time() * 1000})
+        for _ in range(100):
+            if conflicts_now() == 1:
+                break
+            await asyncio.sleep(0.1)
+        assert conflicts_now() == 1
+        logged = [rec for rec in caplog.records if "event=group_conflict" in rec.getMessage()]
+        assert logged and logged[0].levelname == "ERROR" and "intruder" in logged[0].getMessage()
+        await r.delete(f"{prefix}:worker:intruder")
+        for _ in range(100):
+            if conflicts_now() == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert conflicts_now() == 0

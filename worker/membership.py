@@ -169,6 +169,17 @@ async def join_checked(client: aioredis.Redis, prefix: str, worker_id: str, topi
     log.info("event=group_checked worker=%s topic=%s group=%s models=%s", worker_id, topic, group, ",".join(models))
 
 
+async def recheck(client: aioredis.Redis, prefix: str, worker_id: str, topic: str, group: str, models: list[str],
+                  batch_topic: str | None) -> list[Beat]:
+    """The group check again, while running (no lock: nothing is decided, only reported). The start's check
+    keeps a new worker out; this one finds what slipped past it: a worker older than the check, one started
+    with a new prefix's lock lost, or a heartbeat written by hand. Logged loudly each time it finds some."""
+    others = conflicts(worker_id, topic, group, models, await live_beats(client, prefix), batch_topic)
+    if others:
+        log.error("event=group_conflict worker=%s error=%r", worker_id, refusal(topic, group, models, others))
+    return others
+
+
 async def leave(client: aioredis.Redis, prefix: str, worker_id: str) -> None:
     """At a graceful stop: our heartbeat and index entry go at once (not at their TTL)."""
     async with client.pipeline(transaction=False) as pipe:

@@ -55,7 +55,7 @@ from stoker.worker.admitter import Admitter
 from stoker.worker.config import WorkerConfig
 from stoker.worker.dead_letters import DeadLetter
 from stoker.worker.driver import EngineDriver, EngineLike
-from stoker.worker.membership import heartbeat, join_checked, leave, served_model_names
+from stoker.worker.membership import heartbeat, join_checked, leave, recheck, served_model_names
 from stoker.worker.metrics import HealthServer, WorkerMetrics
 from stoker.worker.models import model_states
 from stoker.worker.offsets import OffsetTracker
@@ -198,7 +198,7 @@ class Worker:
         self.consumer.subscribe(self._topics(), listener=_Rebalance(self))
         await self.consumer.start()
         for loop_fn in (self._poll_loop, self._admit_loop, self._publish_loop, self._commit_loop, self._renew_loop,
-                        self._parked_loop, self._cancel_loop, self._redis_watch_loop):
+                        self._parked_loop, self._cancel_loop, self._redis_watch_loop, self._membership_loop):
             task = asyncio.create_task(loop_fn(), name=loop_fn.__name__)
             task.add_done_callback(self._on_task_done)
             self._tasks.append(task)
@@ -895,6 +895,18 @@ class Worker:
                 await asyncio.wait_for(self._update_lag(), interval)
             await self.admitter.renew()  # the tenants' running-set leases, as often as the claims
             await asyncio.sleep(interval)
+
+    async def _membership_loop(self) -> None:
+        """The start's group check again every claim TTL: another model set in our group, topic or batch
+        topic is logged (event=group_conflict) and counted (stoker_group_conflicts) until it is gone."""
+        assert self.rio is not None and self.redis is not None
+        cfg, redis = self.cfg, self.redis
+        while True:
+            await asyncio.sleep(cfg.claim_ttl_s)
+            others = await self.rio.retry("group_recheck", lambda: recheck(
+                redis, self.names.redis_prefix, cfg.worker_id, self.names.jobs_topic, cfg.group_id,
+                self.served_models, cfg.batch_topic_name))
+            self.metrics.group_conflicts.set(len(others))
 
     def _heartbeat(self, running: int) -> bytes:
         cfg = self.cfg
