@@ -674,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
         redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
-        st.ensure_topics(bootstrap, {names["topic"]: 4, names["topic"] + ".dlq": 1})
+        st.ensure_topics(bootstrap, {names["topic"]: 4, names["topic"] + ".dlq": 1, names["topic"] + ".batch": 4})
     log(f"stack {args.stack}: {bootstrap} {redis_url}, topic {names['topic']}; model folder {path}")
     try:
         res.update(write_model(args.shape, path, args.device))
