@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,7 +141,8 @@ class Worker:
         self._commit_wakeup = asyncio.Event()
         self._stopping = asyncio.Event()
         self._paused: set[int] = set()  # classes (admission.LIVE, BATCH) whose partitions are paused
-        self.admitter = Admitter(config, self.requests, self.metrics)  # the backlog read ahead, and who goes next
+        # the backlog read ahead, and who goes next
+        self.admitter = Admitter(config, self.requests, self.metrics, default_model=self.model_name)
         self._admit_wakeup = asyncio.Event()
         self._left_group = False  # left the consumer group during a long Redis outage (rejoins after it)
         self._assigned: set[TopicPartition] = set()
@@ -425,8 +426,10 @@ class Worker:
             if self.admitter.batch_topic_missing and time.monotonic() >= next_topic_check:
                 next_topic_check = time.monotonic() + admitter.BATCH_TOPIC_RECHECK_S
                 await self._look_for_batch_topic()
-            while not self._stopping.is_set() and (
-                    claims := await self.admitter.next_round(self._free_slots(), self._assigned)):
+            while not self._stopping.is_set():
+                free, room = self._free_slots()
+                if not (claims := await self.admitter.next_round(free, self._assigned, room)):
+                    break
                 await self._claim(claims)
 
     async def _look_for_batch_topic(self) -> None:
@@ -440,17 +443,20 @@ class Worker:
             log.info("event=batch_topic_found topic=%s", self.admitter.batch_topic)
             self.consumer.subscribe(self._topics(), listener=_Rebalance(self))
 
-    def _free_slots(self) -> int:
-        """Jobs the engine may take now: up to max_num_seqs running plus max_waiting queued in it (at most a
-        poll's worth at once), none while KV is short or the publisher lags (Redis slow)."""
-        assert self.cfg.max_waiting is not None
-        stats = self.driver.last_stats if self.driver else None
-        low_kv = stats is not None and stats.kv_blocks_total > 0 and (
-            stats.kv_blocks_free / stats.kv_blocks_total < self.cfg.min_free_kv_fraction and stats.num_waiting > 0)
-        if low_kv or self._outbox.qsize() > 64:
-            return 0
-        held = self.requests.count(RUNNING) + self.requests.count(PARKED) + self.requests.count(CLAIMING)
-        return min(self.cfg.max_num_seqs + self.cfg.max_waiting - held, self.cfg.max_poll_records)
+    def _free_slots(self) -> tuple[int, dict[str, int]]:
+        """Jobs the engines may take now (at most a poll's worth at once), in all and per served model
+        (admitter.model_room: max_num_seqs running plus max_waiting queued each, none while a model's KV is
+        short); none while the publisher lags (Redis slow). Jobs parked here, or of a model not served
+        (they fail at once), count against the total."""
+        cfg = self.cfg
+        assert cfg.max_waiting is not None
+        if self._outbox.qsize() > 64:
+            return 0, {}
+        held = Counter(self.admitter.lane(req.job.model) for state in (RUNNING, CLAIMING) for req in self.requests.of(state))
+        stats = {name: st for name, (_, st) in self._model_states().items()}
+        room = admitter.model_room(cfg.max_num_seqs + cfg.max_waiting, held, stats, cfg.min_free_kv_fraction)
+        free = sum(room.values()) - self.requests.count(PARKED) - sum(n for m, n in held.items() if m not in room)
+        return min(free, cfg.max_poll_records), room
 
     async def _claim(self, claims: list[Request]) -> None:
         assert self.rio is not None

@@ -1,0 +1,55 @@
+"""Admission per model in a worker serving several: one model saturated (its engine full, a long backlog of
+its jobs) must not hold back the jobs of another model whose engine is idle. Real Kafka and Redis; two
+stand-in engines behind one ModelSet."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis.asyncio as aioredis
+from stoker.schemas import Done, decode_event
+from stoker.worker.fake_engine import FakeEngine
+from stoker.worker.models import ModelSet
+from stoker.worker.requests import RequestState
+from worker_harness import job, make_space, produce, running_worker, wait_results
+
+pytestmark = [pytest.mark.stack, pytest.mark.timeout(120)]
+
+SLOTS = 2  # max_num_seqs and max_waiting of the worker, so each model's engine takes 4 jobs at once
+STEP_S = 0.02
+
+
+def two_models() -> ModelSet:
+    return ModelSet(["busy", "idle"], lambda name: FakeEngine(name, max_num_seqs=SLOTS, step_delay_s=STEP_S))
+
+
+async def test_a_saturated_model_does_not_hold_back_another_models_jobs(request: pytest.FixtureRequest,
+                                                                        redis_url: str) -> None:
+    """40 jobs of `busy` (20 steps each, 2 at a time: about 8 s of work) read first, then one job of `idle`:
+    the idle model's job is admitted at once, beside busy's backlog, and ends long before busy's jobs do
+    (before the fix it waited behind all 40: admission counted one set of slots for the whole worker)."""
+    space = await make_space(request, partitions=1)  # one partition: the worker reads them in this order
+    busy = [job(f"busy-{i}", model="busy", max_tokens=20, ignore_eos=True) for i in range(40)]
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        async with running_worker(space, two_models(), max_num_seqs=SLOTS, max_waiting=SLOTS,
+                                  claim_ttl_s=10) as worker:
+            await produce(space.bootstrap, space.names.jobs_topic, busy)
+            await asyncio.sleep(1.0)  # busy's jobs are in the backlog and its engine is full
+            sent = time.monotonic()
+            await produce(space.bootstrap, space.names.jobs_topic, [job("idle-0", model="idle", max_tokens=2)])
+            idle = await wait_results(r, space.names, ["idle-0"], timeout=30)
+            idle_s = time.monotonic() - sent
+            busy_done = sum(v is not None for v in await r.mget([space.names.result(j["request_id"]) for j in busy]))
+            assert isinstance(idle["idle-0"].terminal, Done) and idle["idle-0"].terminal.model == "idle"
+            assert idle_s < 2.0 and busy_done < 30, (idle_s, busy_done)
+            # ...and busy's engine still holds no more than its slots: the rest wait in the backlog
+            held = [req for req in worker.requests.of(RequestState.RUNNING) if req.job.model == "busy"]
+            assert len(held) <= 2 * SLOTS and len(worker.admitter.backlog) > 0, (len(held), len(worker.admitter.backlog))
+            await wait_results(r, space.names, [j["request_id"] for j in busy], timeout=60)
+            results = [decode_event(v) for v in await r.mget([space.names.result(j["request_id"]) for j in busy])]
+            assert all(isinstance(e, Done) and e.model == "busy" for e in results)
+    finally:
+        await r.aclose()
