@@ -369,3 +369,28 @@ def test_routing_entries_end_with_their_requests():
         models.add_request(request("long", "a", max_tokens=10_000))  # refused by the engine: not kept either
     drain(models)
     assert models._owner == {}  # noqa: SLF001 -- no entry outlives its request (a long-lived worker would leak)
+
+
+def test_an_engine_loaded_after_close_is_closed_not_installed():
+    """The worker stops (close) while a model reloads on demand: the engine the loader builds afterwards
+    must be closed by the loader, or it would hold its memory (and a tensor-parallel engine its ranks) with
+    nobody left to close it."""
+    clock = Clock()
+    gate = threading.Event()
+    built: list[CountingEngine] = []
+
+    def load(name: str) -> CountingEngine:
+        if built:  # the reload
+            assert gate.wait(10)
+        built.append(CountingEngine(name, []))
+        return built[-1]
+
+    models = ModelSet(["a"], load, idle_unload_s=30, clock=clock)  # type: ignore[arg-type]
+    clock.now += 31
+    models.step()  # unloads a
+    models.add_request(request("a1", "a"))  # reloads it on a loader thread, held at the gate
+    assert models.model_state("a") == "loading"
+    models.close()
+    gate.set()
+    wait_for(lambda: len(built) == 2 and built[1].closed)
+    assert models.model_state("a") == "unloaded"

@@ -256,14 +256,23 @@ class ModelSet:
         self._wake()
 
     def _replay_backlog(self, model: _Model, engine: EngineLike) -> None:
-        """Hand the held requests to the new engine in order; then it takes requests directly."""
+        """Hand the held requests to the new engine in order; then it takes requests directly. After close()
+        (the worker stopping) the engine is closed here instead: close() has already freed what it saw."""
         while True:
             with self._lock:
                 backlog, model.backlog = model.backlog, []
-                if not backlog:
+                closed = self._stop.is_set()  # close() sets it before it takes the lock: no engine slips past
+                if closed:
+                    model.state = UNLOADED
+                elif not backlog:
                     model.engine, model.state, model.last_used = engine, LOADED, self._clock()
                     model.last_error = None
                     return
+            if closed:
+                close = getattr(engine, "close", None)
+                if close is not None:
+                    close()
+                return
             failed = []
             for kind, item in backlog:
                 if kind == "abort":
