@@ -9,7 +9,7 @@ import time
 
 import pytest
 import redis.asyncio as aioredis
-from stoker.schemas import Done, decode_event
+from stoker.schemas import Done, Error, decode_event
 from stoker.worker.fake_engine import FakeEngine
 from stoker.worker.models import ModelSet
 from stoker.worker.requests import RequestState
@@ -53,3 +53,37 @@ async def test_a_saturated_model_does_not_hold_back_another_models_jobs(request:
             assert all(isinstance(e, Done) and e.model == "busy" for e in results)
     finally:
         await r.aclose()
+
+
+async def test_unknown_model_is_answered_at_intake_not_behind_the_tenants_limit(request: pytest.FixtureRequest,
+                                                                               redis_url: str) -> None:
+    """A job naming a model this worker does not serve can never run here: it is answered unknown_model when
+    read, not after waiting in the backlog for admission (behind its tenant's running limit here: one job
+    of `capped` runs for ~4 s, and its second job, for a model nobody serves, used to wait for it)."""
+    space = await make_space(request, partitions=1)
+    long_one = job("cap-long", tenant="capped", model="busy", max_tokens=200, ignore_eos=True)
+    wrong = job("cap-wrong", tenant="capped", model="no-such-model", max_tokens=2)
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        async with running_worker(space, two_models(), max_num_seqs=SLOTS, claim_ttl_s=10,
+                                  tenant_max_running=("capped=1",)):
+            await produce(space.bootstrap, space.names.jobs_topic, [long_one])
+            await wait_claimed(r, space.names.claim("cap-long"))
+            sent = time.monotonic()
+            await produce(space.bootstrap, space.names.jobs_topic, [wrong])
+            outcome = (await wait_results(r, space.names, ["cap-wrong"], timeout=30))["cap-wrong"]
+            waited = time.monotonic() - sent
+            assert isinstance(outcome.terminal, Error) and outcome.terminal.code == "unknown_model"
+            assert "no-such-model" in outcome.terminal.message and "busy" in outcome.terminal.message
+            assert waited < 2.0, waited
+            assert await r.get(space.names.result("cap-long")) is None  # the capped one still runs
+    finally:
+        await r.aclose()
+
+
+async def wait_claimed(r: aioredis.Redis, key: str) -> None:
+    for _ in range(200):
+        if await r.exists(key):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{key} was never claimed")

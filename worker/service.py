@@ -498,6 +498,12 @@ class Worker:
         rid = job.request_id
         if not self._join(rid, record):
             entry = Request(job, msgpack, record_ms, [record], (rec.key, rec.value, list(rec.headers or ())))
+            if job.model is not None and job.model not in self.model_names:
+                # It can never run here: answered now, not after its turn in the backlog (and its tenant's
+                # limits). Unclaimed, like a rejected record: stored only if the id has no result yet.
+                self._fail(entry.next_attempt(1), ErrorCode.UNKNOWN_MODEL, self._unknown_model(job.model),
+                           unless_ended=True)
+                return
             self.requests.put(entry, QUEUED)  # joinable by a duplicate read in the same round
             # The record's bytes twice: kept raw (for a dead letter) and decoded into the Job's strings.
             claims.append((entry, 2 * (len(rec.key or b"") + len(rec.value or b""))))
@@ -544,9 +550,7 @@ class Worker:
             self._end_without_running(req, "deadline")
             return
         if req.job.model is not None and req.job.model not in self.model_names:
-            served = f"model {self.model_name!r}" if len(self.model_names) == 1 else f"models {self.model_names}"
-            self._fail(req, ErrorCode.UNKNOWN_MODEL, f"this worker serves {served}, the job asked for "
-                       f"{req.job.model!r}: send it to a topic served by that model, or omit `model`")
+            self._fail(req, ErrorCode.UNKNOWN_MODEL, self._unknown_model(req.job.model))
             return
         try:
             self._submit(req)
@@ -557,6 +561,11 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 -- one request's failure must not stop the worker
             log.exception("event=add_request_failed request_id=%s", rid)
             self._fail(req, ErrorCode.INTERNAL, f"the engine could not take the request: {exc}")
+
+    def _unknown_model(self, model: str) -> str:
+        served = f"model {self.model_name!r}" if len(self.model_names) == 1 else f"models {self.model_names}"
+        return (f"this worker serves {served}, the job asked for {model!r}: send it to a topic served by that "
+                "model, or omit `model`")
 
     def _submit(self, req: Request) -> None:
         assert self.driver is not None
