@@ -87,3 +87,19 @@ async def wait_claimed(r: aioredis.Redis, key: str) -> None:
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"{key} was never claimed")
+
+
+def test_the_heartbeat_names_the_batch_topic_and_the_capacity_of_every_model() -> None:
+    """Each model's engine runs max_num_seqs requests at once, so a two-model worker's capacity is twice
+    that; the heartbeat also names the batch topic the worker reads (what the gateway's Batch API uses)."""
+    import json
+
+    from stoker.worker.config import WorkerConfig
+    from stoker.worker.service import Worker
+
+    cfg = WorkerConfig(fake_engine=True, max_num_seqs=SLOTS, job_topic="t.jobs", batch_topic="t.bulk",
+                       metrics_port=-1)
+    beat = json.loads(Worker(cfg, two_models())._heartbeat(0))
+    assert beat["capacity"] == 2 * SLOTS and beat["models"] == ["busy", "idle"] and beat["batch_topic"] == "t.bulk"
+    off = WorkerConfig(fake_engine=True, job_topic="t.jobs", no_batch_topic=True, metrics_port=-1)
+    assert json.loads(Worker(off, two_models())._heartbeat(0))["batch_topic"] == ""

@@ -925,8 +925,9 @@ class Worker:
 
     def _heartbeat(self, running: int) -> bytes:
         cfg = self.cfg
+        # capacity: each served model's engine runs max_num_seqs at once
         return heartbeat(cfg.worker_id, self.names.jobs_topic, cfg.group_id, self.served_models,
-                         capacity=cfg.max_num_seqs, running=running, version=VERSION, started_at=self._started_at,
+                         capacity=cfg.max_num_seqs * len(self.model_names), running=running, version=VERSION, started_at=self._started_at,
                          batch_topic=cfg.batch_topic_name)
 
     def _heartbeat_ttl_s(self) -> int:
