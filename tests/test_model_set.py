@@ -394,3 +394,38 @@ def test_an_engine_loaded_after_close_is_closed_not_installed():
     gate.set()
     wait_for(lambda: len(built) == 2 and built[1].closed)
     assert models.model_state("a") == "unloaded"
+
+
+def test_a_request_past_its_deadline_while_its_model_loads_ends_deadline_without_waiting_for_the_load():
+    """The contract ends a request past its deadline_ms "also if still queued": one held while its model
+    reloads (a GPU load can take a minute) ends `deadline` within about a second, the load still running;
+    one without a deadline waits for the load and runs."""
+    clock = Clock()
+    gate = threading.Event()
+    built: list[CountingEngine] = []
+
+    def load(name: str) -> CountingEngine:
+        if built:
+            assert gate.wait(20)
+        built.append(CountingEngine(name, []))
+        return built[-1]
+
+    models = ModelSet(["a"], load, idle_unload_s=30, clock=clock)  # type: ignore[arg-type]
+    woken = threading.Event()
+    models.set_waker(woken.set)
+    clock.now += 31
+    models.step()  # unloads a
+    late = request("late", "a")
+    late.deadline_ms = time.time() * 1000 + 200
+    models.add_request(late)
+    models.add_request(request("patient", "a", max_tokens=2))
+    assert models.model_state("a") == "loading"
+    ended: list = []
+    wait_for(lambda: bool(ended.extend(models.step()) or ended), timeout=5)
+    assert [(o.request_id, o.finished, o.finish_reason) for o in ended] == [("late", True, "deadline")]
+    assert woken.is_set() and models.model_state("a") == "loading"
+    gate.set()
+    wait_for(lambda: models.model_state("a") == "loaded")
+    outputs = drain(models)
+    assert set(outputs) == {"patient"} and outputs["patient"][-1].completion_tokens == 2
+    models.close()

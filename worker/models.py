@@ -225,8 +225,25 @@ class ModelSet:
         while not self._stop.wait(interval):
             with self._lock:
                 due = bool(self._idle_models())
-            if due:
+            if self._expire_held() or due:
                 self._wake()
+
+    def _expire_held(self) -> bool:
+        """Held requests (their model loading) past their deadline end now, as the engine's queue would end
+        them: a load may take a minute, and the contract ends a queued request at its deadline."""
+        now_ms = time.time() * 1000
+        with self._lock:
+            expired: set[str] = set()
+            for model in self._models:
+                expired |= {item.request_id for kind, item in model.backlog
+                            if kind == "add" and item.deadline_ms is not None and item.deadline_ms <= now_ms}
+            if not expired:
+                return False
+            for model in self._models:  # their held aborts go too: the engine will never know those ids
+                model.backlog = [(kind, item) for kind, item in model.backlog
+                                 if (item.request_id if kind == "add" else item) not in expired]
+            self._ready += [RequestOutput(rid, [], "", None, True, "deadline", 0, 0, 0) for rid in sorted(expired)]
+        return True
 
     # ---- reload on demand ----------------------------------------------------------------------------------
     def _start_load(self, model: _Model) -> None:
