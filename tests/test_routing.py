@@ -197,3 +197,13 @@ def test_a_route_carries_the_batch_topic_its_workers_read() -> None:
                           beat("mix2", "t.mix", "m-mix", "t.mix.batch")], DEFAULT)
     assert {m: r.batch_topic for m, r in table.routes.items()} == {
         "m-old": "t.old.batch", "m-c": "t.c.bulk", "m-n": None, "m-mix": "t.mix.batch"}
+
+
+def test_conflicts_when_one_workers_job_topic_is_anothers_batch_topic() -> None:
+    """Any topic read by both counts: our job topic as their custom batch topic, or as the .batch sibling
+    an older heartbeat (no batch_topic field) is taken to read."""
+    theirs_custom = Beat("w1", "t.other", "g.other", ("x",), "t")
+    older = Beat("w2", "u", "g.u", ("x",))  # reads u and, by default, u.batch
+    assert conflicts("me", "t", "g", ["a"], [theirs_custom, older]) == [theirs_custom]
+    assert conflicts("me", "u.batch", "g", ["a"], [theirs_custom, older]) == [older]
+    assert conflicts("me", "v", "g", ["a"], [Beat("w3", "u", "g.u", ("x",), "")], "u.batch") == []

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from stoker.schemas import Names
+from stoker.schemas import Names, default_batch_topic
 
 log = logging.getLogger("stoker.worker.membership")
 
@@ -98,12 +98,22 @@ def parse_beat(worker_id: str, raw: bytes | str) -> Beat | None:
 
 def conflicts(worker_id: str, topic: str, group: str, models: Iterable[str], beats: Iterable[Beat],
               batch_topic: str | None = None) -> list[Beat]:
-    """Live workers whose model set differs from ours while they share our group, our topic or our batch
-    topic (a custom --batch-topic two groups share would mix their Batch API lines). Our own id (a restart
-    that kept --worker-id) is no conflict; a heartbeat without topic and group can't be placed."""
+    """Live workers whose model set differs from ours while they share our group or any topic we read (job
+    or batch topic: a custom --batch-topic two groups share would mix their Batch API lines). Our own id (a
+    restart that kept --worker-id) is no conflict; a heartbeat without topic and group can't be placed."""
     ours = tuple(sorted(set(models)))
+    read = {topic} | ({batch_topic} if batch_topic else set())
     return [b for b in beats if b.worker_id != worker_id and b.models != ours
-            and (b.group == group or b.topic == topic or (bool(batch_topic) and b.batch_topic == batch_topic))]
+            and (b.group == group or bool(read & topics_read(b)))]
+
+
+def topics_read(beat: Beat) -> set[str]:
+    """The topics a worker reads, by its heartbeat: its job topic and batch topic (one older than the batch
+    topic field: its job topic + .batch, as the gateway assumes too)."""
+    if beat.topic is None:
+        return set()
+    batch = beat.batch_topic if beat.batch_topic is not None else default_batch_topic(beat.topic)
+    return {beat.topic} | ({batch} if batch else set())
 
 
 def refusal(topic: str, group: str, models: Iterable[str], others: list[Beat]) -> str:

@@ -190,7 +190,7 @@ class Worker:
         redis = self.redis
         await self.rio.retry("join_check", lambda: join_checked(
             redis, self.names.redis_prefix, cfg.worker_id, self.names.jobs_topic, cfg.group_id,
-            self.served_models, self._heartbeat(0), self._heartbeat_ttl_s(), cfg.batch_topic_name))
+            self.served_models, self._heartbeat(0), self._heartbeat_ttl_s(), cfg.batch_topic_name or ""))
         self.consumer = AIOKafkaConsumer(
             bootstrap_servers=cfg.bootstrap_servers, group_id=cfg.group_id, enable_auto_commit=False,
             auto_offset_reset="earliest", client_id=f"stoker-worker-{cfg.worker_id}",
@@ -920,7 +920,7 @@ class Worker:
             await asyncio.sleep(cfg.claim_ttl_s)
             others = await self.rio.retry("group_recheck", lambda: recheck(
                 redis, self.names.redis_prefix, cfg.worker_id, self.names.jobs_topic, cfg.group_id,
-                self.served_models, cfg.batch_topic_name))
+                self.served_models, cfg.batch_topic_name or ""))
             self.metrics.group_conflicts.set(len(others))
 
     def _heartbeat(self, running: int) -> bytes:
