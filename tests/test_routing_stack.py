@@ -187,7 +187,7 @@ async def test_the_same_model_set_in_another_order_joins_and_heartbeats_carry_to
             beat = json.loads(await r.get(f"{space.names.redis_prefix}:worker:{w.cfg.worker_id}"))
             assert (beat["topic"], beat["group"], beat["models"]) == (space.names.jobs_topic, space.group,
                                                                       ["m1", "m2"])
-            assert beat["capacity"] == 256 and beat["running"] == 0
+            assert beat["capacity"] == 2 * 256 and beat["running"] == 0  # max_num_seqs per served model
 
 
 async def _join(client: aioredis.Redis, prefix: str, worker_id: str, topic: str, group: str,
