@@ -266,15 +266,17 @@ class ModelSet:
             log.exception("event=model_load_failed model=%s", model.name)
             self._fail_backlog(model, f"model {model.name!r} could not be loaded: {type(exc).__name__}: {exc}")
             return
-        self._replay_backlog(model, engine)
+        if not self._replay_backlog(model, engine):
+            log.info("event=model_load_discarded model=%s reason=closed", model.name)
+            return
         model.loads += 1
         model.last_load_s = self._clock() - started
         log.info("event=model_loaded model=%s load_s=%.2f", model.name, model.last_load_s)
         self._wake()
 
-    def _replay_backlog(self, model: _Model, engine: EngineLike) -> None:
-        """Hand the held requests to the new engine in order; then it takes requests directly. After close()
-        (the worker stopping) the engine is closed here instead: close() has already freed what it saw."""
+    def _replay_backlog(self, model: _Model, engine: EngineLike) -> bool:
+        """Hand the held requests to the new engine in order; then it takes requests directly (True). After
+        close() (the worker stopping) the engine is closed here instead (False): close() freed what it saw."""
         while True:
             with self._lock:
                 backlog, model.backlog = model.backlog, []
@@ -284,12 +286,12 @@ class ModelSet:
                 elif not backlog:
                     model.engine, model.state, model.last_used = engine, LOADED, self._clock()
                     model.last_error = None
-                    return
+                    return True
             if closed:
                 close = getattr(engine, "close", None)
                 if close is not None:
                     close()
-                return
+                return False
             failed = []
             for kind, item in backlog:
                 if kind == "abort":
