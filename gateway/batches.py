@@ -458,8 +458,9 @@ class BatchService:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # Kafka or Redis away: the next scan takes the batch again (from the disk)
+            where = repr(self.batch_topic) if self.routes is None else "that its models' workers name"
             log.warning("batch %s: stopped on %s: %s; retried at the next scan (is Kafka up, and does the batch "
-                        "topic %r exist?)", batch_id, type(exc).__name__, exc, self.batch_topic)
+                        "topic %s exist?)", batch_id, type(exc).__name__, exc, where)
         finally:
             self._runners.pop(batch_id, None)
             with contextlib.suppress(Exception):  # gone with Redis: the lease's TTL frees it anyway
