@@ -10,8 +10,11 @@ RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['p
 print('\n'.join(p['dependencies'] + p['optional-dependencies']['gateway']))" > /tmp/requirements.txt \
  && pip install -r /tmp/requirements.txt
 COPY . .
+# The Batch API's files (--storage-path): made here, owned by stoker, so a fresh named volume mounted on it
+# (docker-compose.yml) starts writable by the gateway.
 RUN pip install --no-deps ".[gateway]" && pip check \
- && useradd --create-home stoker
+ && useradd --create-home stoker \
+ && mkdir -p /var/lib/stoker/batches && chown stoker /var/lib/stoker/batches
 USER stoker
 EXPOSE 8000
 ENTRYPOINT ["stoker-gateway"]

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -284,6 +284,7 @@ class WorkerInfo:
     topic: str | None = None  # the job topic it reads; None from a worker older than the field
     group: str | None = None  # its Kafka consumer group; None likewise
     models: tuple[str, ...] = ()  # every model name it serves, sorted (an older worker's: its one `model`)
+    batch_topic: str | None = None  # its batch-class topic; "" reads none; None: older worker (topic + .batch)
 
     @classmethod
     def from_heartbeat(cls, worker_id: str, info: dict[str, Any]) -> WorkerInfo:
@@ -291,8 +292,9 @@ class WorkerInfo:
         model, topic, group = (v if isinstance(v, str) else None for v in map(info.get, ("model", "topic", "group")))
         models = info.get("models")
         names = [m for m in models if isinstance(m, str)] if isinstance(models, list) else [model] if model else []
+        batch_topic = info.get("batch_topic")
         return cls(worker_id, model, info.get("capacity"), info.get("version"), info, topic, group,
-                   tuple(sorted(set(names))))
+                   tuple(sorted(set(names))), batch_topic if isinstance(batch_topic, str) else None)
 
 
 class Client:
@@ -310,6 +312,7 @@ class Client:
         poll_interval: float = 0.5,
         kafka_options: dict[str, Any] | None = None,
         redis_options: dict[str, Any] | None = None,
+        unindexed_scan_s: float = 30.0,
     ):
         if timeout <= 0 or poll_interval <= 0:
             raise ValueError(f"timeout ({timeout}) and poll_interval ({poll_interval}) must be > 0 seconds")
@@ -326,6 +329,11 @@ class Client:
         self._dispatcher: _Dispatcher | None = None
         self._producer_lock = asyncio.Lock()
         self._cleanups: set[asyncio.Future[Any]] = set()  # unsubscribe/cancel tasks still in flight
+        # workers(): how often a SCAN also looks for heartbeats missing from the worker index (workers older
+        # than it); 0 = at every call. Each SCAN walks the whole keyspace.
+        self.unindexed_scan_s = unindexed_scan_s
+        self._scanned_at = float("-inf")
+        self._unindexed: list[str] = []  # worker ids the last SCAN found outside the index
 
     async def __aenter__(self) -> Client:
         await self.start()
@@ -626,24 +634,39 @@ class Client:
         return event
 
     async def workers(self) -> list[WorkerInfo]:
-        """Live workers, from their heartbeat keys (they expire when a worker stops renewing them)."""
+        """Live workers, from their heartbeat keys (they expire when a worker stops renewing them), found
+        through the worker index (one ZRANGE and one MGET at any keyspace size). A SCAN, which walks every
+        key, also looks for workers older than the index, at most every `unindexed_scan_s` (and whenever the
+        index is empty), so such a worker shows up that much later."""
+        ids = [i.decode() if isinstance(i, bytes) else str(i)
+               for i in await self.redis.zrange(self.names.workers_index, 0, -1)]
+        if not ids or time.monotonic() - self._scanned_at >= self.unindexed_scan_s:
+            self._scanned_at = time.monotonic()
+            indexed = set(ids)
+            self._unindexed = [worker_id for worker_id in await self._scanned_ids() if worker_id not in indexed]
+        ids += self._unindexed
+        values = await self.redis.mget([f"{self.prefix}:worker:{worker_id}" for worker_id in ids]) if ids else []
+        return _worker_infos(zip(ids, values, strict=True))
+
+    async def _scanned_ids(self) -> list[str]:
         pattern = f"{self.prefix}:worker:*"
-        keys = [k async for k in self.redis.scan_iter(match=pattern, count=500)]
-        values = await self.redis.mget(keys) if keys else []
-        found = []
-        prefix_len = len(pattern) - 1
-        for key, value in zip(keys, values, strict=True):
-            if value is None:  # expired between SCAN and MGET
-                continue
-            try:
-                info = msgspec.json.decode(value)
-            except msgspec.DecodeError:
-                continue  # not a heartbeat of ours; skip rather than fail the whole listing
-            if not isinstance(info, dict):
-                continue
-            worker_id = key.decode()[prefix_len:]
-            found.append(WorkerInfo.from_heartbeat(worker_id, info))
-        return sorted(found, key=lambda w: w.worker_id)
+        return [key.decode()[len(pattern) - 1:] async for key in self.redis.scan_iter(match=pattern, count=500)]
+
+
+def _worker_infos(found: Iterable[tuple[str, bytes | str | None]]) -> list[WorkerInfo]:
+    """(worker id, heartbeat value) pairs -> WorkerInfo, sorted; a key gone (the worker stopped or died) or a
+    value that is no heartbeat of ours is skipped rather than failing the whole listing."""
+    infos = []
+    for worker_id, value in found:
+        if value is None:
+            continue
+        try:
+            info = msgspec.json.decode(value)
+        except msgspec.DecodeError:
+            continue
+        if isinstance(info, dict):
+            infos.append(WorkerInfo.from_heartbeat(worker_id, info))
+    return sorted(infos, key=lambda w: w.worker_id)
 
 
 async def _anext(agen: AsyncGenerator[Chunk | Done, None]) -> Chunk | Done:

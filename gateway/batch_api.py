@@ -57,8 +57,8 @@ def batch_options(f: F) -> F:
     for decl, env, kind, default, text in reversed([
         ("--storage-path", "STOKER_STORAGE_PATH", Path, Path.home() / ".local/share/stoker/gateway",
          "folder of the Batch API's files and batch states (shared by replicas that serve the same batches)"),
-        ("--batch-topic", "STOKER_BATCH_TOPIC", str, None, "topic of batch jobs (default: the job topic + .batch, "
-         "which workers read below the live topic)"),
+        ("--batch-topic", "STOKER_BATCH_TOPIC", str, None, "topic of every batch job (default: per line, the batch "
+         "topic that the workers serving its model name in their heartbeats)"),
         ("--batch-max-in-flight", "STOKER_BATCH_MAX_IN_FLIGHT", int, 2048, "lines of one batch out at a time"),
         ("--batch-lease-ttl", "STOKER_BATCH_LEASE_TTL_S", float, 10.0,
          "seconds before another replica takes over the batches of one that died"),

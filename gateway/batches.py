@@ -414,13 +414,16 @@ class BatchService:
         if model is None and len(table.models) == 1:  # as the live endpoints: lenient with one model
             model = table.models[0]
         route = table.routes.get(model) if model is not None else None
-        if route is None:
+        if route is None or route.batch_topic is None:
             if model not in self._held_models:
                 self._held_models.add(model)
-                log.warning("batch lines for model %r wait: %s", model, table.not_routable(model))
+                why = table.not_routable(model) if route is None else (
+                    f"the workers of topic {route.topic!r} read no batch topic (--no-batch-topic); start one "
+                    "without it, or give the gateway a --batch-topic that some worker of that model reads")
+                log.warning("batch lines for model %r wait: %s", model, why)
             return None
         self._held_models.discard(model)
-        return default_batch_topic(route.topic)
+        return route.batch_topic
 
     async def _scan_forever(self) -> None:
         swept_at = float("-inf")
@@ -455,8 +458,9 @@ class BatchService:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # Kafka or Redis away: the next scan takes the batch again (from the disk)
+            where = repr(self.batch_topic) if self.routes is None else "that its models' workers name"
             log.warning("batch %s: stopped on %s: %s; retried at the next scan (is Kafka up, and does the batch "
-                        "topic %r exist?)", batch_id, type(exc).__name__, exc, self.batch_topic)
+                        "topic %s exist?)", batch_id, type(exc).__name__, exc, where)
         finally:
             self._runners.pop(batch_id, None)
             with contextlib.suppress(Exception):  # gone with Redis: the lease's TTL frees it anyway

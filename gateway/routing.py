@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from stoker.client.client import WorkerInfo
+from stoker.schemas import default_batch_topic
 
 log = logging.getLogger("stoker.gateway.routing")
 
@@ -31,6 +32,7 @@ class ModelRoute:
     topic: str
     groups: tuple[str, ...]  # the consumer groups reading the topic (for messages and logs)
     workers: int  # live workers reading the topic
+    batch_topic: str | None = None  # where its Batch API lines go; None: no reader of `topic` reads a batch topic
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,14 +77,23 @@ def build_routes(workers: Iterable[WorkerInfo], default_topic: str) -> RouteTabl
                 unroutable[model] = (f"topic {topic!r} is read by workers that do not all serve it: "
                                      f"{_describe(lacking)} would answer unknown_model")
     routes = {model: ModelRoute(topics[0], tuple(sorted({w.group or "?" for w in readers[topics[0]]})),
-                           len(readers[topics[0]])) for model, topics in candidates.items()}
+                                len(readers[topics[0]]), _batch_topic(topics[0], readers[topics[0]]))
+              for model, topics in candidates.items()}
     choices = {model: tuple(topics) for model, topics in candidates.items() if len(topics) > 1}
     return RouteTable(routes, {m: why for m, why in unroutable.items() if m not in routes}, choices,
                       sum(len(on_topic) for on_topic in readers.values()))
 
 
+def _batch_topic(topic: str, readers: list[WorkerInfo]) -> str | None:
+    """The batch topic the readers of `topic` read (their heartbeats say; an older worker's is topic + .batch).
+    Every reader serves the route's models, so one that some of them read is enough; the first in name order
+    keeps every gateway's choice the same. None when all run with --no-batch-topic."""
+    read = {w.batch_topic if w.batch_topic is not None else default_batch_topic(topic) for w in readers} - {""}
+    return min(read) if read else None
+
+
 class RouteCache:
-    """The route table, rebuilt from the heartbeats at most every `max_age_s` (a SCAN of Redis) by one
+    """The route table, rebuilt from the heartbeats at most every `max_age_s` (the worker index and one MGET) by one
     caller at a time: a burst of requests on a stale table waits for one refresh, not one each."""
 
     def __init__(self, fetch: Callable[[], Awaitable[list[WorkerInfo]]], default_topic: str, max_age_s: float):

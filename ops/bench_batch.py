@@ -127,7 +127,6 @@ def queue_side(args: argparse.Namespace, path: str, vocab: int, settings: Any, b
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     wenv = env | bench_e2e.worker_env_vars(args, path, settings, bootstrap, redis_url, names, r)
-    wenv["STOKER_JOB_TOPIC"] = names["topic"] + ".batch"  # the worker reads the batch class's topic
     file = Path(args.log_dir) / "batch-input.jsonl"
     r["input_bytes"] = write_batch_file(file, args.lines, args.prompt, args.new, vocab, seed=7)
     log(f"input: {args.lines} lines, {r['input_bytes'] / 1e6:.1f} MB")
@@ -219,7 +218,8 @@ def stack(args: argparse.Namespace, topic: str) -> Any:
     """(bootstrap, redis url) of a private stack (started and wiped here) or the external one."""
     from stoker.devstack import stack as st
 
-    topics = {topic: 4, topic + ".batch": 4, topic + ".batch.dlq": 1}
+    # The worker reads the job topic and its .batch sibling (where the gateway sends the batch's lines).
+    topics = {topic: 4, topic + ".dlq": 1, topic + ".batch": 4}
     if args.stack == "external":
         bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
         redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")

@@ -29,7 +29,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import resource
 import secrets
 import select
@@ -252,10 +251,12 @@ def free_port() -> int:
 
 
 def worker_flags() -> set[str]:
-    """The environment variables `stoker-worker --help` lists (what it accepts today)."""
-    out = subprocess.run([sys.executable, "-m", "stoker.worker.main", "--help"], capture_output=True, text=True,
-                         cwd=ROOT, env=os.environ | {"COLUMNS": "200"})
-    return set(re.findall(r"\[env ([A-Z0-9_]+)\]", out.stdout))
+    """The environment variables `stoker-worker` reads (what it accepts today), from its click command: its
+    --help wraps them as `[env var: NAME; default: ...]` over lines, which a pattern over the text missed
+    (every engine setting was reported "not accepted" and the two sides "differing")."""
+    from stoker.worker.main import _command
+
+    return {p.envvar for p in _command().params if isinstance(getattr(p, "envvar", None), str)}
 
 
 def worker_env(settings: Any, defaults: Any, accepted: set[str]) -> tuple[dict[str, str], list[str]]:
@@ -674,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
         redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
-        st.ensure_topics(bootstrap, {names["topic"]: 4, names["topic"] + ".dlq": 1})
+        st.ensure_topics(bootstrap, {names["topic"]: 4, names["topic"] + ".dlq": 1, names["topic"] + ".batch": 4})
     log(f"stack {args.stack}: {bootstrap} {redis_url}, topic {names['topic']}; model folder {path}")
     try:
         res.update(write_model(args.shape, path, args.device))

@@ -83,7 +83,8 @@ class WorkerProc:
         admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
         await admin.start()
         try:
-            await admin.create_topics([NewTopic(topic, 4, 1), NewTopic(topic + ".dlq", 1, 1)])
+            await admin.create_topics([NewTopic(topic, 4, 1), NewTopic(topic + ".dlq", 1, 1),
+                                       NewTopic(topic + ".batch", 4, 1)])  # the worker reads it by default
         finally:
             await admin.close()
         log = Path(tempfile.gettempdir()) / f"stoker-bench-worker-{tag}.log"

@@ -39,7 +39,7 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from stoker.devstack import stack
-from stoker.schemas import Chunk, Done, Error, Names, decode_event
+from stoker.schemas import Chunk, Done, Error, Names, decode_event, default_batch_topic
 
 ROOT = Path(__file__).resolve().parents[1]
 CLAIM_TTL_S = 3.0
@@ -234,7 +234,9 @@ class Chaos:
         admin = AIOKafkaAdminClient(bootstrap_servers=self.stack_cfg.kafka_bootstrap)
         await admin.start()
         try:
-            await admin.create_topics([NewTopic(self.names.jobs_topic, 4, 1), NewTopic(self.names.dlq_topic, 1, 1)])
+            # The .batch sibling too: workers read it by default and log it missing otherwise.
+            await admin.create_topics([NewTopic(self.names.jobs_topic, 4, 1), NewTopic(self.names.dlq_topic, 1, 1),
+                                       NewTopic(default_batch_topic(self.names.jobs_topic), 4, 1)])
         finally:
             await admin.close()
 

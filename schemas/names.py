@@ -98,6 +98,12 @@ class Names:
         return self._key("claim", request_id)
 
     @property
+    def workers_index(self) -> str:
+        """Sorted set of worker ids with a heartbeat (score: epoch ms of its last write), so readers find the
+        heartbeat keys without a SCAN of the whole keyspace."""
+        return f"{self.redis_prefix}:workers"
+
+    @property
     def cancel_channel(self) -> str:
         """Pub/sub channel every worker listens on for `cancel` messages."""
         return f"{self.redis_prefix}:cancel"

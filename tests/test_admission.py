@@ -312,3 +312,40 @@ def test_the_backlog_keeps_no_garbage_across_many_empty_and_refill_cycles():
         clock.now += 1
     assert len(b) == 0 and all(len(h) <= 3 for h in b._priorities)  # noqa: SLF001 -- the leak it guards
     assert len(b.shares.version) < 1000  # tenants long idle are forgotten at a rebase
+
+
+def lane_q(name: str, lane: str, tenant: str = "a") -> Queued[str]:
+    return Queued(name, LIVE, 0, tenant, 100, 10, lane=lane)
+
+
+def test_a_full_lane_is_skipped_and_a_tenants_order_across_lanes_is_kept():
+    """A model whose engine is full (its lane) holds back none of the jobs behind its own: they are popped
+    past it, in order; with no lane full a tenant's jobs still come in arrival order across models."""
+    b = backlog()
+    for i in range(50):
+        b.add(lane_q(f"busy{i}", "busy"))
+    b.add(lane_q("idle0", "idle"))
+    b.add(lane_q("idle1", "idle", tenant="t2"))
+    assert [b.pop(full_lanes={"busy"}).item for _ in range(2)] == ["idle0", "idle1"]  # type: ignore[union-attr]
+    assert b.pop(full_lanes={"busy"}) is None and len(b) == 50
+    assert drain(b) == [f"busy{i}" for i in range(50)]
+    mixed = backlog()
+    for i in range(6):
+        mixed.add(lane_q(f"j{i}", "m1" if i % 2 else "m2"))
+    assert drain(mixed) == [f"j{i}" for i in range(6)]
+
+
+def test_model_room_is_per_model_slots_and_per_model_kv():
+    """Each model's room is its own: slots less its own held jobs, and zero only when its OWN KV cache is
+    short with requests waiting (summing free blocks over models let a full model take more)."""
+    from stoker.engine import EngineStats
+    from stoker.worker.admitter import model_room
+
+    def stats(free: int, total: int, waiting: int) -> EngineStats:
+        zero = {name: 0 for name in EngineStats.__dataclass_fields__}
+        return EngineStats(**(zero | {"kv_blocks_free": free, "kv_blocks_total": total, "num_waiting": waiting}))
+
+    room = model_room(8, {"a": 3, "b": 8, "gone": 2},
+                      {"a": stats(90, 100, 0), "b": stats(100, 100, 0), "short": stats(1, 100, 2), "new": None}, 0.05)
+    assert room == {"a": 5, "b": 0, "short": 0, "new": 8}
+    assert model_room(8, {}, {"short": stats(1, 100, 0)}, 0.05) == {"short": 8}  # nothing waits in it: room

@@ -479,3 +479,48 @@ async def test_each_line_goes_to_the_group_that_serves_its_model(stack: BatchSta
     async with stack.client() as c:  # gamma's lines never became jobs
         assert not any([await c.known(f"{batch_id}:{line}") for line in (41, 42, 43)])  # lines count from 1
         assert await c.known(f"{batch_id}:40")
+
+
+async def topic_records(bootstrap: str, topic: str) -> int:
+    """Records ever produced to `topic` (the sum of its partitions' end offsets)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap)
+    await consumer.start()
+    try:
+        cluster = await consumer._client.fetch_all_metadata()  # noqa: SLF001 -- a fresh client's metadata
+        parts = [TopicPartition(topic, p) for p in cluster.partitions_for_topic(topic) or set()]
+        return sum((await consumer.end_offsets(parts)).values())
+    finally:
+        await consumer.stop()
+
+
+async def test_lines_go_to_the_custom_batch_topic_the_workers_read(stack: BatchStack) -> None:
+    """A worker group with its own --batch-topic says so in its heartbeat, and the gateway sends the batch's
+    lines there: the default sibling (which exists, and nobody reads) gets none."""
+    custom = f"{stack.topic}.bulk"
+    await create_topics(stack.bootstrap, {custom: 2})
+    await stack.start_worker(STOKER_BATCH_TOPIC=custom)
+    port = await stack.start_gateway()
+    async with stack.oai(port) as oai:
+        batch_id = await submit(oai, jsonl([chat_line(i) for i in range(10)]), window="20s")
+        batch = await wait_for(oai, batch_id, finished, timeout=60)
+        output = await lines_of(oai, batch.output_file_id)
+    assert batch.status == "completed" and batch.request_counts.completed == 10
+    once_each(output, {f"req-{i}" for i in range(10)})
+    assert await topic_records(stack.bootstrap, custom) == 10
+    assert await topic_records(stack.bootstrap, stack.batch_topic) == 0
+
+
+async def test_lines_wait_while_the_workers_read_no_batch_topic(stack: BatchStack) -> None:
+    """Workers started with --no-batch-topic read no batch topic: the gateway produces no line (none would
+    ever be read) and they expire with the window."""
+    await stack.start_worker(STOKER_NO_BATCH_TOPIC="1")
+    port = await stack.start_gateway()
+    async with stack.oai(port) as oai:
+        batch_id = await submit(oai, jsonl([chat_line(i) for i in range(5)]), window="4s")
+        batch = await wait_for(oai, batch_id, finished, timeout=60)
+        errors = await lines_of(oai, batch.error_file_id)
+    assert batch.status == "expired" and {e["error"]["code"] for e in errors} == {"batch_expired"}
+    assert len(errors) == 5
+    assert await topic_records(stack.bootstrap, stack.batch_topic) == 0

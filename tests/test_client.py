@@ -14,9 +14,11 @@ import gc
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import pytest
@@ -406,6 +408,38 @@ async def test_workers_lists_live_heartbeats(kafka_bootstrap: str, redis_url: st
         await c.redis.set(f"{prefix}:worker:w-1", msgspec.json.encode(beat | {"model": "other"}), ex=10)
         found = await c.workers()
     assert [(w.worker_id, w.model, w.capacity) for w in found] == [("w-1", "other", 64), ("w-2", "tiny-llama", 64)]
+
+
+@pytest.mark.stack
+async def test_workers_reads_the_worker_index_and_scans_only_without_one(kafka_bootstrap: str, redis_url: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the index (`{prefix}:workers`) holding ids, workers() reads it and SCANs the keyspace (for workers
+    older than the index) only every unindexed_scan_s, not at each call (the gateway asks every 2 s); an id
+    whose heartbeat key is gone (stopped, died) is skipped. With the index empty, a SCAN finds the older
+    workers at once."""
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    beat = {"model": "m", "capacity": 8, "topic": "t", "group": "g", "models": ["m"]}
+    async with Client(kafka_bootstrap, redis_url, prefix=prefix, unindexed_scan_s=3600) as c:
+        scans: list[object] = []  # one entry per walk of the keyspace
+        real_scan_iter = c.redis.scan_iter
+
+        def counted_scan_iter(*args: Any, **kwargs: Any) -> Any:
+            scans.append(kwargs)
+            return real_scan_iter(*args, **kwargs)
+
+        monkeypatch.setattr(c.redis, "scan_iter", counted_scan_iter)
+        await c.redis.set(f"{prefix}:worker:old", msgspec.json.encode(beat), ex=10)
+        assert [w.worker_id for w in await c.workers()] == ["old"]  # no index yet: found by SCAN
+        assert len(scans) == 1
+        await c.redis.set(f"{prefix}:worker:new", msgspec.json.encode(beat), ex=10)
+        await c.redis.zadd(c.names.workers_index, {"new": time.time() * 1000, "died": time.time() * 1000})
+        for _ in range(3):
+            assert [w.worker_id for w in await c.workers()] == ["new", "old"]  # old: the last SCAN's
+        assert len(scans) == 1
+        c.unindexed_scan_s = 0
+        await c.redis.delete(f"{prefix}:worker:old")
+        assert [w.worker_id for w in await c.workers()] == ["new"]
+        assert len(scans) == 2
 
 
 @pytest.mark.stack

@@ -241,6 +241,17 @@ def test_gateway_service_reaches_the_workers_topic_and_redis(compose: dict[str, 
     assert "/health" in " ".join(gateway["healthcheck"]["test"])
 
 
+def test_the_batch_api_files_are_on_a_volume_the_gateway_can_write(compose: dict[str, Any]) -> None:
+    """The gateway's --storage-path holds every batch's input, output and state: on the container's own
+    layer a restart or an upgrade of the gateway would lose the batches in flight."""
+    gateway = compose["services"]["gateway"]
+    path = env_of(gateway)["STOKER_STORAGE_PATH"]
+    assert f"gateway-batches:{path}" in gateway["volumes"] and "gateway-batches" in compose["volumes"]
+    # A fresh named volume takes the image folder's owner: the gateway stage makes it, owned by its user.
+    stage = stages((ROOT / "Dockerfile").read_text())["gateway"]
+    assert f"mkdir -p {path} && chown stoker {path}" in stage and stage.index("chown") < stage.index("USER stoker")
+
+
 def test_the_triton_cache_is_on_a_volume_and_port_clashes_are_said(compose: dict[str, Any]) -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     cache_dir = re.search(r"TRITON_CACHE_DIR=(\S+)", dockerfile)

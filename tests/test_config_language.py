@@ -89,3 +89,16 @@ def test_worker_env_twins_and_flags_keep_working() -> None:
                                                            "STOKER_PREFIX": ""})
     assert cfg.fake_engine and cfg.job_topic == "a.b" and cfg.redis_url == "redis://r:1/0"
     assert cfg.prefix == "stoker"  # an empty variable counts as unset
+
+
+def test_the_benchmarks_see_every_variable_the_worker_reads():
+    """ops/bench_e2e.py hands the engine settings to the worker as STOKER_* variables and reports the ones
+    the worker does not read; it found them by a pattern over --help that click's wrapped `[env var: ...]`
+    never matched, so every setting was reported unread and both sides "differing"."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops"))
+    import bench_e2e
+
+    assert {var for var, _ in bench_e2e.WORKER_ENV.values()} <= bench_e2e.worker_flags()

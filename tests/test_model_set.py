@@ -252,6 +252,8 @@ def test_several_models_from_flags_env_and_file(tmp_path):
     (["--model", "/m/a", "--model", "/m/b", "--served-model-name", "z"], "give each a name="),
     (["--models-file", "/no/such.toml"], "cannot be read"),
     (["--model", "/m/a", "--model-idle-unload-s", "0"], "model_idle_unload_s must be > 0"),
+    (["--model", "/m/a,memory=0.4", "--model", "/m/b,memory=0.4", "--tensor-parallel", "2"],
+     "--tensor-parallel 2 serves one model per worker, got 2 models: run one worker per model"),
 ])
 def test_bad_model_sets_are_refused_with_a_reason(argv, needle, capsys):
     with pytest.raises(SystemExit):
@@ -367,3 +369,63 @@ def test_routing_entries_end_with_their_requests():
         models.add_request(request("long", "a", max_tokens=10_000))  # refused by the engine: not kept either
     drain(models)
     assert models._owner == {}  # noqa: SLF001 -- no entry outlives its request (a long-lived worker would leak)
+
+
+def test_an_engine_loaded_after_close_is_closed_not_installed():
+    """The worker stops (close) while a model reloads on demand: the engine the loader builds afterwards
+    must be closed by the loader, or it would hold its memory (and a tensor-parallel engine its ranks) with
+    nobody left to close it."""
+    clock = Clock()
+    gate = threading.Event()
+    built: list[CountingEngine] = []
+
+    def load(name: str) -> CountingEngine:
+        if built:  # the reload
+            assert gate.wait(10)
+        built.append(CountingEngine(name, []))
+        return built[-1]
+
+    models = ModelSet(["a"], load, idle_unload_s=30, clock=clock)  # type: ignore[arg-type]
+    clock.now += 31
+    models.step()  # unloads a
+    models.add_request(request("a1", "a"))  # reloads it on a loader thread, held at the gate
+    assert models.model_state("a") == "loading"
+    models.close()
+    gate.set()
+    wait_for(lambda: len(built) == 2 and built[1].closed)
+    assert models.model_state("a") == "unloaded"
+
+
+def test_a_request_past_its_deadline_while_its_model_loads_ends_deadline_without_waiting_for_the_load():
+    """The contract ends a request past its deadline_ms "also if still queued": one held while its model
+    reloads (a GPU load can take a minute) ends `deadline` within about a second, the load still running;
+    one without a deadline waits for the load and runs."""
+    clock = Clock()
+    gate = threading.Event()
+    built: list[CountingEngine] = []
+
+    def load(name: str) -> CountingEngine:
+        if built:
+            assert gate.wait(20)
+        built.append(CountingEngine(name, []))
+        return built[-1]
+
+    models = ModelSet(["a"], load, idle_unload_s=30, clock=clock)  # type: ignore[arg-type]
+    woken = threading.Event()
+    models.set_waker(woken.set)
+    clock.now += 31
+    models.step()  # unloads a
+    late = request("late", "a")
+    late.deadline_ms = time.time() * 1000 + 200
+    models.add_request(late)
+    models.add_request(request("patient", "a", max_tokens=2))
+    assert models.model_state("a") == "loading"
+    ended: list = []
+    wait_for(lambda: bool(ended.extend(models.step()) or ended), timeout=5)
+    assert [(o.request_id, o.finished, o.finish_reason) for o in ended] == [("late", True, "deadline")]
+    assert woken.is_set() and models.model_state("a") == "loading"
+    gate.set()
+    wait_for(lambda: models.model_state("a") == "loaded")
+    outputs = drain(models)
+    assert set(outputs) == {"patient"} and outputs["patient"][-1].completion_tokens == 2
+    models.close()

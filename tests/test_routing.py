@@ -144,7 +144,9 @@ def test_heartbeat_round_trip_and_older_heartbeats() -> None:
     body = json.loads(raw)
     assert (body["topic"], body["group"], body["models"], body["model"]) == ("t", "g", ["a", "b"], "a")
     assert (body["capacity"], body["running"]) == (4, 1)
-    assert parse_beat("w1", raw) == Beat("w1", "t", "g", ("a", "b"))
+    assert parse_beat("w1", raw) == Beat("w1", "t", "g", ("a", "b"), "")  # "": reads no batch topic
+    custom = heartbeat("w1", "t", "g", ["a"], capacity=1, running=0, version="v", started_at=0.0, batch_topic="t.bulk")
+    assert json.loads(custom)["batch_topic"] == "t.bulk" and parse_beat("w1", custom).batch_topic == "t.bulk"
     assert parse_beat("old", b'{"model": "m", "capacity": 1}') == Beat("old", None, None, ("m",))
     assert parse_beat("x", b"not json") is None and parse_beat("x", b"[1]") is None
 
@@ -170,3 +172,38 @@ def test_refusal_names_the_workers_their_models_and_what_to_do() -> None:
     assert "'g'" in text and "'t'" in text and "models a, b" in text
     assert "w1 (topic t, group g, models x, y)" in text
     assert "--job-topic" in text and "--group-id" in text
+
+
+def test_conflicts_by_a_shared_custom_batch_topic_but_not_by_none() -> None:
+    """Two groups on their own live topics that read one custom batch topic would take each other's Batch API
+    lines: a conflict when their model sets differ. Workers reading no batch topic ("") share nothing."""
+    shares_bulk = Beat("w1", "t.other", "g.other", ("x",), "bulk")
+    reads_none = Beat("w2", "t.2", "g.2", ("x",), "")
+    assert conflicts("me", "t", "g", ["a"], [shares_bulk, reads_none], "bulk") == [shares_bulk]
+    assert conflicts("me", "t", "g", ["a"], [shares_bulk, reads_none], "") == []
+    assert "batch topic bulk" in refusal("t", "g", ["a"], [shares_bulk])
+
+
+def test_a_route_carries_the_batch_topic_its_workers_read() -> None:
+    """The Batch API sends a model's lines to the batch topic the workers of its route read: the default
+    sibling for an older worker (no field), a custom one when set, none when every reader has
+    --no-batch-topic (a mix: the one some of them read)."""
+    def beat(worker_id: str, topic: str, model: str, batch: str | None) -> WorkerInfo:
+        body: dict[str, object] = {"topic": topic, "group": "g." + topic, "models": [model]}
+        return WorkerInfo.from_heartbeat(worker_id, body if batch is None else body | {"batch_topic": batch})
+
+    table = build_routes([beat("old", "t.old", "m-old", None), beat("c", "t.c", "m-c", "t.c.bulk"),
+                          beat("n", "t.n", "m-n", ""), beat("mix1", "t.mix", "m-mix", ""),
+                          beat("mix2", "t.mix", "m-mix", "t.mix.batch")], DEFAULT)
+    assert {m: r.batch_topic for m, r in table.routes.items()} == {
+        "m-old": "t.old.batch", "m-c": "t.c.bulk", "m-n": None, "m-mix": "t.mix.batch"}
+
+
+def test_conflicts_when_one_workers_job_topic_is_anothers_batch_topic() -> None:
+    """Any topic read by both counts: our job topic as their custom batch topic, or as the .batch sibling
+    an older heartbeat (no batch_topic field) is taken to read."""
+    theirs_custom = Beat("w1", "t.other", "g.other", ("x",), "t")
+    older = Beat("w2", "u", "g.u", ("x",))  # reads u and, by default, u.batch
+    assert conflicts("me", "t", "g", ["a"], [theirs_custom, older]) == [theirs_custom]
+    assert conflicts("me", "u.batch", "g", ["a"], [theirs_custom, older]) == [older]
+    assert conflicts("me", "v", "g", ["a"], [Beat("w3", "u", "g.u", ("x",), "")], "u.batch") == []

@@ -80,8 +80,9 @@ async def two_groups(space: Space) -> AsyncIterator[tuple[Worker, Worker, str]]:
 @pytest.fixture
 async def gateway(space: Space, two_groups: tuple[Worker, Worker, str]) -> AsyncIterator[httpx.AsyncClient]:
     fallback = two_groups[2]
+    # unindexed_scan_s=0: a heartbeat written outside the worker index (an older worker's) shows at once
     app = create_app(lambda: Client(space.bootstrap, space.redis_url, prefix=space.names.redis_prefix,
-                                    topic=fallback), timeout=30.0)
+                                    topic=fallback, unindexed_scan_s=0), timeout=30.0)
     transport = httpx.ASGITransport(app=app)
     async with app.router.lifespan_context(app), \
             httpx.AsyncClient(transport=transport, base_url="http://gw/v1", timeout=30) as h:
@@ -186,7 +187,7 @@ async def test_the_same_model_set_in_another_order_joins_and_heartbeats_carry_to
             beat = json.loads(await r.get(f"{space.names.redis_prefix}:worker:{w.cfg.worker_id}"))
             assert (beat["topic"], beat["group"], beat["models"]) == (space.names.jobs_topic, space.group,
                                                                       ["m1", "m2"])
-            assert beat["capacity"] == 256 and beat["running"] == 0
+            assert beat["capacity"] == 2 * 256 and beat["running"] == 0  # max_num_seqs per served model
 
 
 async def _join(client: aioredis.Redis, prefix: str, worker_id: str, topic: str, group: str,
@@ -239,3 +240,33 @@ async def test_each_heartbeat_renews_the_workers_index_entry(space: Space, r: ai
         await asyncio.sleep(1.5)
         score = await r.zscore(index, a.cfg.worker_id)
         assert score is not None and abs(score - time.time() * 1000) < 5_000
+
+
+async def test_another_model_set_appearing_in_the_group_later_is_logged_and_counted(
+        space: Space, r: aioredis.Redis, caplog: pytest.LogCaptureFixture) -> None:
+    """The group check at start can't see what comes after it (a worker older than the check, a heartbeat
+    written past the lock): the running worker re-checks every claim TTL (3 s here), logs event=group_conflict
+    naming the intruder and sets stoker_group_conflicts, back to 0 once it is gone."""
+    prefix = space.names.redis_prefix
+    async with running_worker(space, FakeEngine("model-a")) as a:
+        def conflicts_now() -> float | None:
+            return a.metrics.registry.get_sample_value("stoker_group_conflicts")
+
+        assert conflicts_now() == 0
+        beat = heartbeat("intruder", "elsewhere", space.group, ["model-z"], capacity=1, running=0, version="t",
+                         started_at=0.0)
+        await r.set(f"{prefix}:worker:intruder", beat, ex=30)
+        await r.zadd(f"{prefix}:workers", {"intruder": time.time() * 1000})
+        for _ in range(100):
+            if conflicts_now() == 1:
+                break
+            await asyncio.sleep(0.1)
+        assert conflicts_now() == 1
+        logged = [rec for rec in caplog.records if "event=group_conflict" in rec.getMessage()]
+        assert logged and logged[0].levelname == "ERROR" and "intruder" in logged[0].getMessage()
+        await r.delete(f"{prefix}:worker:intruder")
+        for _ in range(100):
+            if conflicts_now() == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert conflicts_now() == 0

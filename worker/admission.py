@@ -11,6 +11,9 @@ and admits from it, in this order:
   4. arrival (the order the worker read the records in).
 A tenant is charged its job's estimated tokens when the job is admitted (so one admission round does not
 hand every slot to the tenant that was lowest at its start) and the difference to the real count when it ends.
+Each job also has a `lane` (the model it asks for): `pop` skips the lanes the caller names (a model whose
+engine is full), so one saturated model never holds back the jobs of another; a tenant's queue is kept per
+lane for that, its share stays one.
 
 Pure Python (no Kafka, no Redis, no clock but the one passed in), so it is tested alone
 (tests/test_admission.py). Every operation is O(log n) in the jobs and tenants held, but for `remove_if`
@@ -127,15 +130,17 @@ class Queued(Generic[T]):
     size_bytes: int
     cost_tokens: int
     arrival: int = 0  # set by the backlog
+    lane: str = ""  # the model it asks for: pop() may skip a lane
 
 
 @dataclass(slots=True)
 class _Level(Generic[T]):
-    """The jobs of one (class, priority): a queue per tenant and a heap of tenants by their share."""
+    """The jobs of one (class, priority): a queue per (tenant, lane) and a heap of those by tenant share."""
 
-    queues: dict[str, deque[Queued[T]]] = field(default_factory=dict)
-    # (share key, tenant's first arrival here, version, tenant); stale entries are skipped when popped
-    heap: list[tuple[float, int, int, str]] = field(default_factory=list)
+    queues: dict[tuple[str, str], deque[Queued[T]]] = field(default_factory=dict)
+    # (tenant's share key, first arrival in the queue, tenant's version, (tenant, lane)); stale entries are
+    # skipped when popped
+    heap: list[tuple[float, int, int, tuple[str, str]]] = field(default_factory=list)
 
 
 class Backlog(Generic[T]):
@@ -149,7 +154,7 @@ class Backlog(Generic[T]):
         self._levels: dict[tuple[int, int], _Level[T]] = {}
         self._priorities: list[list[int]] = [[], []]  # per class: heap of priorities with a level (lazy)
         self._in_heap: list[set[int]] = [set(), set()]  # what each class's heap holds (no duplicates)
-        self._tenant_levels: dict[str, set[tuple[int, int]]] = {}
+        self._tenant_levels: dict[str, set[tuple[int, int, str]]] = {}  # tenant -> (class, priority, lane)
         self._arrivals = itertools.count(1)
         self._rebases_seen = 0
         # Virtual time per class (weighted fair queueing over two classes): the busy class with the least goes.
@@ -191,29 +196,31 @@ class Backlog(Generic[T]):
             if queued.priority not in self._in_heap[queued.job_class]:
                 self._in_heap[queued.job_class].add(queued.priority)
                 heapq.heappush(self._priorities[queued.job_class], queued.priority)
-        queue = level.queues.get(queued.tenant)
+        queue_key = (queued.tenant, queued.lane)
+        queue = level.queues.get(queue_key)
         if queue is None:
-            queue = level.queues[queued.tenant] = deque()
-            self._tenant_levels.setdefault(queued.tenant, set()).add(level_key)
-            self._push_tenant(level, queued.tenant, queued.arrival)
+            queue = level.queues[queue_key] = deque()
+            self._tenant_levels.setdefault(queued.tenant, set()).add((queued.job_class, queued.priority, queued.lane))
+            self._push_tenant(level, queue_key, queued.arrival)
         if not queue or queued.arrival > queue[-1].arrival:
             queue.append(queued)
         elif queued.arrival < queue[0].arrival:  # put back at the head: the tenant's heap entry must say so
             queue.appendleft(queued)
-            self._push_tenant(level, queued.tenant, queued.arrival)
+            self._push_tenant(level, queue_key, queued.arrival)
         else:
             queue.insert(bisect.bisect([q.arrival for q in queue], queued.arrival), queued)
 
-    def _push_tenant(self, level: _Level[T], tenant: str, arrival: int) -> None:
-        shares = self.shares
-        heapq.heappush(level.heap, (shares.key(tenant), arrival, shares.version.get(tenant, 0), tenant))
+    def _push_tenant(self, level: _Level[T], queue_key: tuple[str, str], arrival: int) -> None:
+        shares, tenant = self.shares, queue_key[0]
+        heapq.heappush(level.heap, (shares.key(tenant), arrival, shares.version.get(tenant, 0), queue_key))
 
-    def pop(self, blocked: Container[str] = ()) -> Queued[T] | None:
-        """The next job to admit, skipping tenants in `blocked` (over a limit: their jobs keep waiting)."""
+    def pop(self, blocked: Container[str] = (), full_lanes: Container[str] = ()) -> Queued[T] | None:
+        """The next job to admit, skipping tenants in `blocked` (over a limit: their jobs keep waiting) and
+        lanes in `full_lanes` (a model whose engine has no room)."""
         self._check_rebase()
         busy = [c for c in (LIVE, BATCH) if self.jobs_by_class[c]]
         for job_class in self._class_order(busy):
-            queued = self._pop_class(job_class, blocked)
+            queued = self._pop_class(job_class, blocked, full_lanes)
             if queued is not None:
                 self._after_pop(queued, busy)
                 return queued
@@ -239,7 +246,7 @@ class Backlog(Generic[T]):
             del self.jobs_by_tenant[queued.tenant]
         self.charge(queued.tenant, queued.cost_tokens)
 
-    def _pop_class(self, job_class: int, blocked: Container[str]) -> Queued[T] | None:
+    def _pop_class(self, job_class: int, blocked: Container[str], full_lanes: Container[str]) -> Queued[T] | None:
         priorities = self._priorities[job_class]
         skipped: list[int] = []
         found = None
@@ -249,33 +256,34 @@ class Backlog(Generic[T]):
             if level is None:  # emptied earlier: drop the stale priority
                 self._in_heap[job_class].discard(heapq.heappop(priorities))
                 continue
-            found = self._pop_level(job_class, priority, level, blocked)
+            found = self._pop_level(job_class, priority, level, blocked, full_lanes)
             if found is None:  # every tenant here is blocked: look at the next priority
                 skipped.append(heapq.heappop(priorities))
         for priority in skipped:
             heapq.heappush(priorities, priority)
         return found
 
-    def _pop_level(self, job_class: int, priority: int, level: _Level[T],
-                   blocked: Container[str]) -> Queued[T] | None:
+    def _pop_level(self, job_class: int, priority: int, level: _Level[T], blocked: Container[str],
+                   full_lanes: Container[str]) -> Queued[T] | None:
         versions = self.shares.version
-        set_aside: list[tuple[float, int, int, str]] = []
+        set_aside: list[tuple[float, int, int, tuple[str, str]]] = []
         found = None
         while level.heap and found is None:
             entry = heapq.heappop(level.heap)
-            _, _, version, tenant = entry
-            queue = level.queues.get(tenant)
+            _, _, version, queue_key = entry
+            tenant, lane = queue_key
+            queue = level.queues.get(queue_key)
             if queue is None or version != versions.get(tenant, 0):
-                continue  # stale: the tenant left this level, or its share changed (a fresh entry exists)
-            if tenant in blocked:
+                continue  # stale: the queue emptied, or its tenant's share changed (a fresh entry exists)
+            if tenant in blocked or lane in full_lanes:
                 set_aside.append(entry)
                 continue
             found = queue.popleft()
             if queue:
-                self._push_tenant(level, tenant, queue[0].arrival)
+                self._push_tenant(level, queue_key, queue[0].arrival)
             else:
-                del level.queues[tenant]
-                self._tenant_levels[tenant].discard((job_class, priority))
+                del level.queues[queue_key]
+                self._tenant_levels[tenant].discard((job_class, priority, lane))
                 if not self._tenant_levels[tenant]:
                     del self._tenant_levels[tenant]
         for entry in set_aside:
@@ -291,9 +299,9 @@ class Backlog(Generic[T]):
             return
         self.shares.charge(tenant, tokens)
         self._check_rebase()
-        for level_key in self._tenant_levels.get(tenant, ()):
-            level = self._levels[level_key]
-            self._push_tenant(level, tenant, level.queues[tenant][0].arrival)
+        for job_class, priority, lane in self._tenant_levels.get(tenant, ()):
+            level = self._levels[job_class, priority]
+            self._push_tenant(level, (tenant, lane), level.queues[tenant, lane][0].arrival)
             if len(level.heap) > 4 * len(level.queues) + 64:  # stale entries piled up: rebuild
                 self._rebuild_heap(level)
 
@@ -306,8 +314,8 @@ class Backlog(Generic[T]):
 
     def _rebuild_heap(self, level: _Level[T]) -> None:
         level.heap = []
-        for tenant, queue in level.queues.items():
-            self._push_tenant(level, tenant, queue[0].arrival)
+        for queue_key, queue in level.queues.items():
+            self._push_tenant(level, queue_key, queue[0].arrival)
 
     def remove_if(self, drop: Callable[[Queued[T]], bool]) -> list[Queued[T]]:
         """Take out every job `drop` selects (a rebalance took their partitions); returns them."""

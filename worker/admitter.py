@@ -11,11 +11,12 @@ import heapq
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+from stoker.engine import EngineStats
 from stoker.worker.admission import (
     BATCH,
     LIVE,
@@ -42,6 +43,20 @@ BATCH_TOPIC_RECHECK_S = 30.0  # a missing batch topic is looked for again this o
 _LIMITED_RETRY_S = 0.1  # a tenant refused by its limits is skipped this long before it is asked again
 
 
+def model_room(cap: int, held: Mapping[str, int], stats: Mapping[str, EngineStats | None],
+               min_free_kv_fraction: float) -> dict[str, int]:
+    """Jobs each served model's engine may take now: `cap` (max_num_seqs running + max_waiting queued, per
+    engine) less the model's jobs held (claiming or running), and none while its own KV cache is short with
+    requests already waiting in it. Per model: each engine has its own slots and KV cache, so another
+    model's free blocks are no room for it, and one model's full engine holds back no other model's jobs."""
+    room = {}
+    for name, st in stats.items():
+        low_kv = st is not None and st.kv_blocks_total > 0 and st.num_waiting > 0 and \
+            st.kv_blocks_free / st.kv_blocks_total < min_free_kv_fraction
+        room[name] = 0 if low_kv else max(0, cap - held.get(name, 0))
+    return room
+
+
 @dataclass(slots=True)
 class _Admitted:
     tenant: str
@@ -51,8 +66,9 @@ class _Admitted:
 
 
 class Admitter:
-    def __init__(self, cfg: WorkerConfig, requests: RequestTable, metrics: WorkerMetrics):
+    def __init__(self, cfg: WorkerConfig, requests: RequestTable, metrics: WorkerMetrics, default_model: str = ""):
         self.cfg = cfg
+        self.default_model = default_model  # the lane of a job without `model`
         self.requests = requests
         self.metrics = metrics
         self.backlog: Backlog[Request] = Backlog(
@@ -102,24 +118,35 @@ class Admitter:
         self.requests.put(entry, RequestState.QUEUED)
         job = entry.job
         self.backlog.add(Queued(entry, self.class_of(entry.records[0][0].topic), job.priority,
-                                job.tenant or NO_TENANT, size_bytes + QUEUED_OVERHEAD_BYTES, estimate_tokens(job)))
+                                job.tenant or NO_TENANT, size_bytes + QUEUED_OVERHEAD_BYTES, estimate_tokens(job),
+                                lane=self.lane(job.model)))
         if job.deadline_ms is not None:
             heapq.heappush(self._deadlines, (job.deadline_ms, next(self._deadline_order), entry))
             if len(self._deadlines) > 2 * len(self.backlog) + 1024:  # entries admitted meanwhile piled up
                 self._deadlines = [d for d in self._deadlines if d[2].state is RequestState.QUEUED]
                 heapq.heapify(self._deadlines)
 
-    async def next_round(self, free: int, assigned: set[Any]) -> list[Request]:
-        """Up to `free` jobs in admission order, past the tenant limits, as CLAIMING entries to claim. When
-        every job picked was refused, picks again without those tenants (each pass skips one more)."""
+    def lane(self, model: str | None) -> str:
+        return self.default_model if model is None else model
+
+    async def next_round(self, free: int, assigned: set[Any], room: Mapping[str, int] | None = None) -> list[Request]:
+        """Up to `free` jobs in admission order, past the tenant limits, as CLAIMING entries to claim; at most
+        room[model] of a model's jobs (a model not in `room` is bounded by `free` alone). When every job
+        picked was refused, picks again without those tenants (each pass skips one more)."""
         while free > 0 and len(self.backlog):
             now = time.monotonic()
             self._limited_until = {t: until for t, until in self._limited_until.items() if until > now}
             limited = self._limited_until.keys()
+            left = dict(room or {})
+            full = {lane for lane, n in left.items() if n <= 0}
             picked: list[Queued[Request]] = []
-            while len(picked) < free and (queued := self.backlog.pop(limited)) is not None:
+            while len(picked) < free and (queued := self.backlog.pop(limited, full)) is not None:
                 picked.append(queued)
                 self.requests.put(queued.item, RequestState.CLAIMING)  # a revoke meanwhile leaves it to us
+                if queued.lane in left:
+                    left[queued.lane] -= 1
+                    if left[queued.lane] <= 0:
+                        full.add(queued.lane)
             if not picked:
                 return []
             if self.gate is not None:

@@ -198,6 +198,12 @@ class WorkerConfig:
             problems.append("served_model_name names the single model: with several, give each a name= instead")
         if self.model_idle_unload_s is not None and self.model_idle_unload_s <= 0:
             problems.append(f"model_idle_unload_s must be > 0 seconds (or unset: never), got {self.model_idle_unload_s}")
+        # Each engine of a ModelSet would start its own rank processes on the same first N GPUs, and memory=
+        # shares are not split per rank: untested, so refused rather than left to fail at load.
+        if self.tensor_parallel > 1 and len(self.models) > 1:
+            problems.append(f"--tensor-parallel {self.tensor_parallel} serves one model per worker, got "
+                            f"{len(self.models)} models: run one worker per model (each with its own --job-topic "
+                            "and --group-id), or drop --tensor-parallel")
         return problems
 
     def _tenancy_problems(self) -> list[str]:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+from stoker.schemas import Names, default_batch_topic
 
 log = logging.getLogger("stoker.worker.membership")
 
@@ -47,8 +48,8 @@ return 0
 
 
 def worker_index(prefix: str) -> str:
-    """The sorted set of worker ids with a heartbeat (see the module's docstring)."""
-    return f"{prefix}:workers"
+    """The sorted set of worker ids with a heartbeat (see the module's docstring; the client reads it too)."""
+    return Names(redis_prefix=prefix).workers_index
 
 
 def served_model_names(engine: Any, served_model_name: str | None = None) -> list[str]:
@@ -66,15 +67,17 @@ class Beat:
     topic: str | None  # None: a worker older than this field (its topic is unknown)
     group: str | None
     models: tuple[str, ...]
+    batch_topic: str | None = None  # "" reads none; None: a worker older than the field (its topic + ".batch")
 
 
 def heartbeat(worker_id: str, topic: str, group: str, models: list[str], *, capacity: int, running: int,
-              version: str, started_at: float) -> bytes:
-    """The heartbeat value (JSON): who, where it reads (topic, group), what it serves, its load. `model`
-    (the first served name) stays for readers older than `models`."""
-    return json.dumps({"worker": worker_id, "topic": topic, "group": group, "models": models, "model": models[0],
-                       "capacity": capacity, "running": running, "version": version,
-                       "started_at": started_at}).encode()
+              version: str, started_at: float, batch_topic: str | None = None) -> bytes:
+    """The heartbeat value (JSON): who, where it reads (topic, its batch-class topic, group), what it serves,
+    its load. `model` (the first served name) stays for readers older than `models`. `batch_topic` is ""
+    when the worker reads none (--no-batch-topic): absent would mean an older worker, read as topic + .batch."""
+    return json.dumps({"worker": worker_id, "topic": topic, "batch_topic": batch_topic or "", "group": group,
+                       "models": models, "model": models[0], "capacity": capacity, "running": running,
+                       "version": version, "started_at": started_at}).encode()
 
 
 def parse_beat(worker_id: str, raw: bytes | str) -> Beat | None:
@@ -88,23 +91,35 @@ def parse_beat(worker_id: str, raw: bytes | str) -> Beat | None:
     models = info.get("models")
     if not isinstance(models, list):
         models = [info["model"]] if isinstance(info.get("model"), str) else []
-    topic, group = info.get("topic"), info.get("group")
+    topic, group, batch_topic = info.get("topic"), info.get("group"), info.get("batch_topic")
     return Beat(worker_id, topic if isinstance(topic, str) else None, group if isinstance(group, str) else None,
-                tuple(sorted({str(m) for m in models})))
+                tuple(sorted({str(m) for m in models})), batch_topic if isinstance(batch_topic, str) else None)
 
 
-def conflicts(worker_id: str, topic: str, group: str, models: Iterable[str], beats: Iterable[Beat]) -> list[Beat]:
-    """Live workers whose model set differs from ours while they share our group or our topic. Our own id
-    (a restart that kept --worker-id) is no conflict; a heartbeat without topic and group can't be placed."""
+def conflicts(worker_id: str, topic: str, group: str, models: Iterable[str], beats: Iterable[Beat],
+              batch_topic: str | None = None) -> list[Beat]:
+    """Live workers whose model set differs from ours while they share our group or any topic we read (job
+    or batch topic: a custom --batch-topic two groups share would mix their Batch API lines). Our own id (a
+    restart that kept --worker-id) is no conflict; a heartbeat without topic and group can't be placed."""
     ours = tuple(sorted(set(models)))
+    read = {topic} | ({batch_topic} if batch_topic else set())
     return [b for b in beats if b.worker_id != worker_id and b.models != ours
-            and (b.group == group or b.topic == topic)]
+            and (b.group == group or bool(read & topics_read(b)))]
+
+
+def topics_read(beat: Beat) -> set[str]:
+    """The topics a worker reads, by its heartbeat: its job topic and batch topic (one older than the batch
+    topic field: its job topic + .batch, as the gateway assumes too)."""
+    if beat.topic is None:
+        return set()
+    batch = beat.batch_topic if beat.batch_topic is not None else default_batch_topic(beat.topic)
+    return {beat.topic} | ({batch} if batch else set())
 
 
 def refusal(topic: str, group: str, models: Iterable[str], others: list[Beat]) -> str:
     """The error a refused worker exits with: who is in the way, what they serve, what to do."""
-    listed = "; ".join(f"{b.worker_id} (topic {b.topic}, group {b.group}, models {', '.join(b.models) or '-'})"
-                       for b in others)
+    listed = "; ".join(f"{b.worker_id} (topic {b.topic}, " + (f"batch topic {b.batch_topic}, " if b.batch_topic else "")
+                       + f"group {b.group}, models {', '.join(b.models) or '-'})" for b in others)
     return (f"refusing to join consumer group {group!r} on topic {topic!r} with models {', '.join(sorted(models))}: "
             f"live workers there serve another model set: {listed}. All workers of one group serve the same "
             "models, and different model sets read different topics. Start this worker with the same models as "
@@ -148,13 +163,13 @@ async def live_beats(client: aioredis.Redis, prefix: str) -> list[Beat]:
 
 
 async def join_checked(client: aioredis.Redis, prefix: str, worker_id: str, topic: str, group: str,
-                       models: list[str], first_beat: bytes, ttl_s: int) -> None:
+                       models: list[str], first_beat: bytes, ttl_s: int, batch_topic: str | None = None) -> None:
     """Refuse (RuntimeError) when live workers of our group or topic serve another model set; else write our
     first heartbeat before letting go of the lock, so the next starter sees us."""
     index = worker_index(prefix)
     async with JoinLock(client, prefix):
         await client.zremrangebyscore(index, "-inf", time.time() * 1000 - INDEX_KEEP_MS)
-        others = conflicts(worker_id, topic, group, models, await live_beats(client, prefix))
+        others = conflicts(worker_id, topic, group, models, await live_beats(client, prefix), batch_topic)
         if others:
             raise RuntimeError(refusal(topic, group, models, others))
         async with client.pipeline(transaction=False) as pipe:
@@ -162,6 +177,17 @@ async def join_checked(client: aioredis.Redis, prefix: str, worker_id: str, topi
             pipe.zadd(index, {worker_id: time.time() * 1000})
             await pipe.execute()
     log.info("event=group_checked worker=%s topic=%s group=%s models=%s", worker_id, topic, group, ",".join(models))
+
+
+async def recheck(client: aioredis.Redis, prefix: str, worker_id: str, topic: str, group: str, models: list[str],
+                  batch_topic: str | None) -> list[Beat]:
+    """The group check again, while running (no lock: nothing is decided, only reported). The start's check
+    keeps a new worker out; this one finds what slipped past it: a worker older than the check, one started
+    with a new prefix's lock lost, or a heartbeat written by hand. Logged loudly each time it finds some."""
+    others = conflicts(worker_id, topic, group, models, await live_beats(client, prefix), batch_topic)
+    if others:
+        log.error("event=group_conflict worker=%s error=%r", worker_id, refusal(topic, group, models, others))
+    return others
 
 
 async def leave(client: aioredis.Redis, prefix: str, worker_id: str) -> None:

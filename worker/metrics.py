@@ -189,6 +189,9 @@ class WorkerMetrics:
         self.model_kv_usage = Gauge("stoker_model_kv_cache_usage", "share of this model's KV blocks in use (0-1)",
                                     ["model"], registry=r)
         self._models: ModelStates | None = None
+        self.group_conflicts = Gauge("stoker_group_conflicts", "live workers of this worker's group, topic or batch "
+                                     "topic that serve another model set (re-checked while running; should be 0)",
+                                     registry=r)
         # The backlog read ahead of the engine (worker.admission), and tenants held back by their limits.
         self.backlog_jobs = Gauge("stoker_backlog_jobs", "jobs read ahead, waiting for admission", ["class"],
                                   registry=r)

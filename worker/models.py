@@ -242,8 +242,25 @@ class ModelSet:
         while not self._stop.wait(interval):
             with self._lock:
                 due = bool(self._idle_models())
-            if due:
+            if self._expire_held() or due:
                 self._wake()
+
+    def _expire_held(self) -> bool:
+        """Held requests (their model loading) past their deadline end now, as the engine's queue would end
+        them: a load may take a minute, and the contract ends a queued request at its deadline."""
+        now_ms = time.time() * 1000
+        with self._lock:
+            expired: set[str] = set()
+            for model in self._models:
+                expired |= {item.request_id for kind, item in model.backlog
+                            if kind == "add" and item.deadline_ms is not None and item.deadline_ms <= now_ms}
+            if not expired:
+                return False
+            for model in self._models:  # their held aborts go too: the engine will never know those ids
+                model.backlog = [(kind, item) for kind, item in model.backlog
+                                 if (item.request_id if kind == "add" else item) not in expired]
+            self._ready += [RequestOutput(rid, [], "", None, True, "deadline", 0, 0, 0) for rid in sorted(expired)]
+        return True
 
     # ---- reload on demand ----------------------------------------------------------------------------------
     def _start_load(self, model: _Model) -> None:
@@ -266,21 +283,32 @@ class ModelSet:
             log.exception("event=model_load_failed model=%s", model.name)
             self._fail_backlog(model, f"model {model.name!r} could not be loaded: {type(exc).__name__}: {exc}")
             return
-        self._replay_backlog(model, engine)
+        if not self._replay_backlog(model, engine):
+            log.info("event=model_load_discarded model=%s reason=closed", model.name)
+            return
         model.loads += 1
         model.last_load_s = self._clock() - started
         log.info("event=model_loaded model=%s load_s=%.2f", model.name, model.last_load_s)
         self._wake()
 
-    def _replay_backlog(self, model: _Model, engine: EngineLike) -> None:
-        """Hand the held requests to the new engine in order; then it takes requests directly."""
+    def _replay_backlog(self, model: _Model, engine: EngineLike) -> bool:
+        """Hand the held requests to the new engine in order; then it takes requests directly (True). After
+        close() (the worker stopping) the engine is closed here instead (False): close() freed what it saw."""
         while True:
             with self._lock:
                 backlog, model.backlog = model.backlog, []
-                if not backlog:
+                closed = self._stop.is_set()  # close() sets it before it takes the lock: no engine slips past
+                if closed:
+                    model.state = UNLOADED
+                elif not backlog:
                     model.engine, model.state, model.last_used = engine, LOADED, self._clock()
                     model.last_error = None
-                    return
+                    return True
+            if closed:
+                close = getattr(engine, "close", None)
+                if close is not None:
+                    close()
+                return False
             failed = []
             for kind, item in backlog:
                 if kind == "abort":

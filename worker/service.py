@@ -25,7 +25,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,7 +57,7 @@ from stoker.worker.config import WorkerConfig
 from stoker.worker.dead_letters import DeadLetter
 from stoker.worker.driver import EngineDriver, EngineLike
 from stoker.worker.grammar_gate import CompileResult, GrammarGate, Outcome
-from stoker.worker.membership import heartbeat, join_checked, leave, served_model_names
+from stoker.worker.membership import heartbeat, join_checked, leave, recheck, served_model_names
 from stoker.worker.metrics import HealthServer, WorkerMetrics
 from stoker.worker.models import model_states
 from stoker.worker.offsets import OffsetTracker
@@ -143,7 +143,8 @@ class Worker:
         self._commit_wakeup = asyncio.Event()
         self._stopping = asyncio.Event()
         self._paused: set[int] = set()  # classes (admission.LIVE, BATCH) whose partitions are paused
-        self.admitter = Admitter(config, self.requests, self.metrics)  # the backlog read ahead, and who goes next
+        # the backlog read ahead, and who goes next
+        self.admitter = Admitter(config, self.requests, self.metrics, default_model=self.model_name)
         self._admit_wakeup = asyncio.Event()
         self._left_group = False  # left the consumer group during a long Redis outage (rejoins after it)
         self._assigned: set[TopicPartition] = set()
@@ -194,7 +195,7 @@ class Worker:
         redis = self.redis
         await self.rio.retry("join_check", lambda: join_checked(
             redis, self.names.redis_prefix, cfg.worker_id, self.names.jobs_topic, cfg.group_id,
-            self.served_models, self._heartbeat(0), self._heartbeat_ttl_s()))
+            self.served_models, self._heartbeat(0), self._heartbeat_ttl_s(), cfg.batch_topic_name or ""))
         self.consumer = AIOKafkaConsumer(
             bootstrap_servers=cfg.bootstrap_servers, group_id=cfg.group_id, enable_auto_commit=False,
             auto_offset_reset="earliest", client_id=f"stoker-worker-{cfg.worker_id}",
@@ -203,7 +204,7 @@ class Worker:
         self.consumer.subscribe(self._topics(), listener=_Rebalance(self))
         await self.consumer.start()
         for loop_fn in (self._poll_loop, self._admit_loop, self._publish_loop, self._commit_loop, self._renew_loop,
-                        self._parked_loop, self._cancel_loop, self._redis_watch_loop):
+                        self._parked_loop, self._cancel_loop, self._redis_watch_loop, self._membership_loop):
             task = asyncio.create_task(loop_fn(), name=loop_fn.__name__)
             task.add_done_callback(self._on_task_done)
             self._tasks.append(task)
@@ -432,8 +433,10 @@ class Worker:
             if self.admitter.batch_topic_missing and time.monotonic() >= next_topic_check:
                 next_topic_check = time.monotonic() + admitter.BATCH_TOPIC_RECHECK_S
                 await self._look_for_batch_topic()
-            while not self._stopping.is_set() and (
-                    claims := await self.admitter.next_round(self._free_slots(), self._assigned)):
+            while not self._stopping.is_set():
+                free, room = self._free_slots()
+                if not (claims := await self.admitter.next_round(free, self._assigned, room)):
+                    break
                 await self._claim(claims)
 
     async def _look_for_batch_topic(self) -> None:
@@ -447,19 +450,22 @@ class Worker:
             log.info("event=batch_topic_found topic=%s", self.admitter.batch_topic)
             self.consumer.subscribe(self._topics(), listener=_Rebalance(self))
 
-    def _free_slots(self) -> int:
-        """Jobs the engine may take now: up to max_num_seqs running plus max_waiting queued in it (at most a
-        poll's worth at once), none while KV is short or the publisher lags (Redis slow)."""
-        assert self.cfg.max_waiting is not None
-        stats = self.driver.last_stats if self.driver else None
-        low_kv = stats is not None and stats.kv_blocks_total > 0 and (
-            stats.kv_blocks_free / stats.kv_blocks_total < self.cfg.min_free_kv_fraction and stats.num_waiting > 0)
-        if low_kv or self._outbox.qsize() > 64:
-            return 0
+    def _free_slots(self) -> tuple[int, dict[str, int]]:
+        """Jobs the engines may take now (at most a poll's worth at once), in all and per served model
+        (admitter.model_room: max_num_seqs running plus max_waiting queued each, none while a model's KV is
+        short); none while the publisher lags (Redis slow). Jobs parked here, or of a model not served
+        (they fail at once), count against the total."""
+        cfg = self.cfg
+        assert cfg.max_waiting is not None
+        if self._outbox.qsize() > 64:
+            return 0, {}
         if self.grammars is not None and self.grammars.waiting > 0:  # a flood of new schemas: none more until
-            return 0  # a compile thread frees
-        held = self.requests.count(RUNNING) + self.requests.count(PARKED) + self.requests.count(CLAIMING)
-        return min(self.cfg.max_num_seqs + self.cfg.max_waiting - held, self.cfg.max_poll_records)
+            return 0, {}  # a compile thread frees
+        held = Counter(self.admitter.lane(req.job.model) for state in (RUNNING, CLAIMING) for req in self.requests.of(state))
+        stats = {name: st for name, (_, st) in self._model_states().items()}
+        room = admitter.model_room(cfg.max_num_seqs + cfg.max_waiting, held, stats, cfg.min_free_kv_fraction)
+        free = sum(room.values()) - self.requests.count(PARKED) - sum(n for m, n in held.items() if m not in room)
+        return min(free, cfg.max_poll_records), room
 
     async def _claim(self, claims: list[Request]) -> None:
         assert self.rio is not None
@@ -501,6 +507,12 @@ class Worker:
         rid = job.request_id
         if not self._join(rid, record):
             entry = Request(job, msgpack, record_ms, [record], (rec.key, rec.value, list(rec.headers or ())))
+            if job.model is not None and job.model not in self.model_names:
+                # It can never run here: answered now, not after its turn in the backlog (and its tenant's
+                # limits). Unclaimed, like a rejected record: stored only if the id has no result yet.
+                self._fail(entry.next_attempt(1), ErrorCode.UNKNOWN_MODEL, self._unknown_model(job.model),
+                           unless_ended=True)
+                return
             self.requests.put(entry, QUEUED)  # joinable by a duplicate read in the same round
             # The record's bytes twice: kept raw (for a dead letter) and decoded into the Job's strings.
             claims.append((entry, 2 * (len(rec.key or b"") + len(rec.value or b""))))
@@ -547,9 +559,7 @@ class Worker:
             self._end_without_running(req, "deadline")
             return
         if req.job.model is not None and req.job.model not in self.model_names:
-            served = f"model {self.model_name!r}" if len(self.model_names) == 1 else f"models {self.model_names}"
-            self._fail(req, ErrorCode.UNKNOWN_MODEL, f"this worker serves {served}, the job asked for "
-                       f"{req.job.model!r}: send it to a topic served by that model, or omit `model`")
+            self._fail(req, ErrorCode.UNKNOWN_MODEL, self._unknown_model(req.job.model))
             return
         self._submit(req)
 
@@ -586,6 +596,11 @@ class Worker:
             self._fail(req, ErrorCode.INTERNAL, result.message)
         else:
             self._submit(req, request)
+
+    def _unknown_model(self, model: str) -> str:
+        served = f"model {self.model_name!r}" if len(self.model_names) == 1 else f"models {self.model_names}"
+        return (f"this worker serves {served}, the job asked for {model!r}: send it to a topic served by that "
+                "model, or omit `model`")
 
     def _apply_backpressure(self) -> None:
         """Pause a class's partitions while the backlog holds its share of bytes. A full engine pauses
@@ -925,10 +940,24 @@ class Worker:
             await self.admitter.renew()  # the tenants' running-set leases, as often as the claims
             await asyncio.sleep(interval)
 
+    async def _membership_loop(self) -> None:
+        """The start's group check again every claim TTL: another model set in our group, topic or batch
+        topic is logged (event=group_conflict) and counted (stoker_group_conflicts) until it is gone."""
+        assert self.rio is not None and self.redis is not None
+        cfg, redis = self.cfg, self.redis
+        while True:
+            await asyncio.sleep(cfg.claim_ttl_s)
+            others = await self.rio.retry("group_recheck", lambda: recheck(
+                redis, self.names.redis_prefix, cfg.worker_id, self.names.jobs_topic, cfg.group_id,
+                self.served_models, cfg.batch_topic_name or ""))
+            self.metrics.group_conflicts.set(len(others))
+
     def _heartbeat(self, running: int) -> bytes:
         cfg = self.cfg
+        # capacity: each served model's engine runs max_num_seqs at once
         return heartbeat(cfg.worker_id, self.names.jobs_topic, cfg.group_id, self.served_models,
-                         capacity=cfg.max_num_seqs, running=running, version=VERSION, started_at=self._started_at)
+                         capacity=cfg.max_num_seqs * len(self.model_names), running=running, version=VERSION, started_at=self._started_at,
+                         batch_topic=cfg.batch_topic_name)
 
     def _heartbeat_ttl_s(self) -> int:
         return max(3, int(self.cfg.claim_ttl_s))  # a few renewals (every third of the claim TTL)
