@@ -88,7 +88,7 @@ class StackConfig:
     dlq_topic: str = ""  # empty: default_dlq_topic(job_topic), the worker's and the client's default too
     job_partitions: int = 4
     dlq_partitions: int = 1
-    kafka_heap_mb: int = 384
+    kafka_heap_mb: int = 1024  # 384 MiB ran out of heap at ~9,600 partitions (test topics pile up)
     redis_persistence: str = "none"  # none | everysec | always (AOF in <stack_dir>/redis)
     start_timeout_s: float = 120.0
     stop_timeout_s: float = 30.0
