@@ -357,12 +357,14 @@ async def test_files_list_retrieve_delete_and_expiry(stack: BatchStack) -> None:
 
 async def test_window_end_expires_the_lines_not_answered(stack: BatchStack) -> None:
     """completion_window becomes each job's deadline: lines not answered by then are error lines with code
-    batch_expired (those out end at the worker with finish_reason deadline) and the batch is expired. A job
-    takes 1 s (20 steps of 50 ms), so the ten out when the window ends are cut mid-run."""
+    batch_expired (those out end at the worker with finish_reason deadline) and the batch is expired. The
+    first 20 lines take 2 steps of 50 ms, the rest 400 steps (20 s): those out when the 6 s window ends are
+    cut mid-run whatever the machine's load."""
     await stack.start_worker(step_delay_s=0.05)
     port = await stack.start_gateway(None, "--batch-max-in-flight", "10")
+    lines = [chat_line(i, max_tokens=2 if i < 20 else 400) for i in range(200)]
     async with stack.oai(port) as oai:
-        batch_id = await submit(oai, jsonl([chat_line(i, max_tokens=20) for i in range(200)]), window="6s")
+        batch_id = await submit(oai, jsonl(lines), window="6s")
         batch = await wait_for(oai, batch_id, finished, timeout=60)
         output, errors = await lines_of(oai, batch.output_file_id), await lines_of(oai, batch.error_file_id)
     assert batch.status == "expired" and batch.expired_at is not None
