@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import os
 import re
+import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -121,6 +122,20 @@ def stack_services() -> Iterator[Endpoints]:
         # Idempotent; the local stack made them already, the other sources may not have.
         stack.ensure_topics(kafka, {JOB_TOPIC: 4, DLQ_TOPIC: 1})
         yield Endpoints(kafka, redis_url, source)
+        _delete_session_topics(kafka)
+
+
+def _delete_session_topics(bootstrap: str) -> None:
+    """The topics this session's stack tests made (tests/worker_harness.py records them); looked up in
+    sys.modules so that this file never imports the Kafka client itself (the GPU machine runs without it).
+    Best effort: a broker already gone only leaves them behind."""
+    harness = sys.modules.get("worker_harness")
+    if harness is None or not harness.CREATED_TOPICS:
+        return
+    try:
+        asyncio.run(harness.delete_created_topics(bootstrap))
+    except Exception as exc:  # noqa: BLE001 -- teardown must not fail the session
+        print(f"\n[conftest] left {len(harness.CREATED_TOPICS)} test topics on {bootstrap}: {exc!r}")
 
 
 @pytest.fixture(scope="session")

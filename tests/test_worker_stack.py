@@ -15,12 +15,14 @@ import socket
 import subprocess
 import time
 import urllib.request
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import msgspec
 import pytest
 import redis.asyncio as aioredis
+import worker_harness
 from stoker.devstack import stack
 from stoker.engine import EngineRequest, SamplingParams
 from stoker.schemas import DLQ_HEADERS, Cancel, Chunk, Done, Error, encode_cancel
@@ -232,6 +234,24 @@ async def test_two_workers_split_the_partitions(space, r):
     for o in results.values():
         check_sequence(o)
         assert o.terminal.attempt == 1
+
+
+async def test_the_topics_a_session_makes_are_recorded_and_deleted(space):
+    """conftest deletes, at the session's end, every topic made through worker_harness.create_topics (a
+    long-lived broker ran out of heap under ~9,600 test partitions): they are recorded and the deletion takes
+    exactly the names given, leaving others (this test's own space) in place."""
+    tag = uuid.uuid4().hex[:8]
+    mine = {f"cleanup.{tag}.a": 2, f"cleanup.{tag}.b": 1}
+    await create_topics(space.bootstrap, mine)
+    assert set(mine) <= worker_harness.CREATED_TOPICS and space.names.jobs_topic in worker_harness.CREATED_TOPICS
+    assert await worker_harness.delete_created_topics(space.bootstrap, set(mine)) == 2
+    assert not set(mine) & worker_harness.CREATED_TOPICS
+    for _ in range(100):  # the broker deletes in the background
+        left = set(stack.kafka_topics(space.bootstrap) or {})
+        if not set(mine) & left:
+            break
+        await asyncio.sleep(0.1)
+    assert not set(mine) & left and space.names.jobs_topic in left
 
 
 async def test_metrics_health_and_heartbeat(space, r):
