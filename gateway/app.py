@@ -29,7 +29,6 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import click
-import msgspec
 from aiokafka.errors import KafkaError
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -53,6 +52,7 @@ from stoker.gateway.mapping import (
     Choice,
     Plan,
     Shape,
+    json_object,
     plan_request,
     shape_for,
     sse,
@@ -290,12 +290,7 @@ class Gateway:
 
     async def _handle(self, request: Request, chat: bool) -> Response:
         try:
-            try:
-                body = msgspec.json.decode(await request.body())
-            except msgspec.DecodeError as exc:
-                raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
-            if not isinstance(body, dict):
-                raise APIError(400, "the body must be a JSON object")
+            body = json_object(await request.body())
             plan = plan_request(body, chat)
             model, route = await self._resolve_model(body)
             deadline_ms = int(time.time() * 1000 + self.timeout * 1000)

@@ -25,7 +25,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import msgspec
 from starlette.datastructures import FormData, UploadFile
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
@@ -34,7 +33,7 @@ from stoker.client.options import option
 from stoker.gateway.batch_lines import ENDPOINTS, NotJSONL, check_jsonl, parse_window
 from stoker.gateway.batch_state import BatchState, encode_state
 from stoker.gateway.batches import BatchConfig, BatchService
-from stoker.gateway.mapping import APIError
+from stoker.gateway.mapping import APIError, json_object
 from stoker.gateway.storage import FileObject, new_id
 
 log = logging.getLogger("stoker.gateway.batch_api")
@@ -230,12 +229,7 @@ class BatchAPI:
 
     # ---- batches ---------------------------------------------------------------------------------------------
     async def create_batch(self, request: Request) -> Response:
-        try:
-            body = msgspec.json.decode(await request.body())
-        except msgspec.DecodeError as exc:
-            raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the body must be a JSON object")
+        body = json_object(await request.body())
         state = self._new_state(body)
         await asyncio.to_thread(self.storage.put_state, state.id, encode_state(state))
         try:

@@ -42,6 +42,17 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
+def json_object(data: bytes) -> dict[str, Any]:
+    """A request body that must be a JSON object (every POST route's), or the 400 that says what it is not."""
+    try:
+        body = msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object")
+    return body
+
+
 
 def status_for(code: str) -> int:
     """The HTTP status of a request that failed with this contract error code."""
