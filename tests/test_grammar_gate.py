@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -26,9 +26,9 @@ from worker_harness import (
     check_sequence,
     committed_offsets,
     job,
-    make_space,
     produce,
     running_worker,
+    stack_fixtures,
     wait_results,
 )
 
@@ -48,16 +48,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(out)
 
 
-@pytest.fixture
-async def space(request: pytest.FixtureRequest) -> Space:
-    return await make_space(request, partitions=2)
-
-
-@pytest.fixture
-async def r(space: Space) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(space.redis_url)
-    yield client
-    await client.aclose()
+space, r = stack_fixtures(2)
 
 
 class CompileHook:

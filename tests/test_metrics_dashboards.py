@@ -6,14 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 from stoker.worker.fake_engine import FakeEngine
 from stoker.worker.metrics import WorkerMetrics
-from worker_harness import Space, job, make_space, produce, running_worker, scrape, wait_results
+from worker_harness import Space, job, produce, running_worker, scrape, stack_fixtures, wait_results
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "ops" / "grafana-dashboard.json"
 VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
@@ -48,16 +47,7 @@ def test_the_vllm_view_is_our_one_observation_under_a_second_name():
     assert len(dashboard_metrics()) >= 12
 
 
-@pytest.fixture
-async def space(request: pytest.FixtureRequest) -> Space:
-    return await make_space(request, partitions=2)
-
-
-@pytest.fixture
-async def r(space: Space) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(space.redis_url)
-    yield client
-    await client.aclose()
+space, r = stack_fixtures(2)
 
 
 @pytest.mark.stack

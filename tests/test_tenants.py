@@ -9,7 +9,6 @@ import logging
 import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -25,8 +24,8 @@ from worker_harness import (
     committed_offsets,
     create_topics,
     job,
-    make_space,
     running_worker,
+    stack_fixtures,
     start_worker_process,
     stop_process,
     wait_results,
@@ -35,16 +34,7 @@ from worker_harness import (
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(120)]
 
 
-@pytest.fixture
-async def space(request: pytest.FixtureRequest) -> Space:
-    return await make_space(request)
-
-
-@pytest.fixture
-async def r(space: Space) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(space.redis_url)
-    yield client
-    await client.aclose()
+space, r = stack_fixtures()
 
 
 async def batch_topic_of(space: Space) -> str:

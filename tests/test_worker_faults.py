@@ -14,12 +14,10 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
 import pytest
-import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from stoker.schemas import Cancel, Done, encode_cancel
 from stoker.worker.fake_engine import FakeEngine
@@ -30,9 +28,9 @@ from worker_harness import (
     committed_offsets,
     dead_letters,
     job,
-    make_space,
     produce,
     running_worker,
+    stack_fixtures,
     start_worker_process,
     stop_process,
     wait_results,
@@ -44,16 +42,7 @@ from chaos import RedisProxy  # noqa: E402
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(180)]
 
 
-@pytest.fixture
-async def space(request: pytest.FixtureRequest) -> Space:
-    return await make_space(request)
-
-
-@pytest.fixture
-async def r(space: Space) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(space.redis_url)
-    yield client
-    await client.aclose()
+space, r = stack_fixtures()
 
 
 def free_port() -> int:

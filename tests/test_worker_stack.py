@@ -16,7 +16,7 @@ import subprocess
 import time
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -40,6 +40,7 @@ from worker_harness import (
     produce,
     running_worker,
     scrape,
+    stack_fixtures,
     start_worker_process,
     stop_process,
     wait_results,
@@ -48,16 +49,7 @@ from worker_harness import (
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(120)]
 
 
-@pytest.fixture
-async def space(request: pytest.FixtureRequest) -> Space:
-    return await make_space(request)
-
-
-@pytest.fixture
-async def r(space: Space) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(space.redis_url)
-    yield client
-    await client.aclose()
+space, r = stack_fixtures()
 
 
 def expected_text(request_id: str, max_tokens: int) -> str:

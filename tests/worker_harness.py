@@ -119,6 +119,23 @@ async def make_space(request: pytest.FixtureRequest, partitions: int = 4) -> Spa
     return space
 
 
+def stack_fixtures(partitions: int = 4) -> tuple[Any, Any]:
+    """A stack test module's `space` (a fresh job topic pair and Redis prefix per test) and `r` (a Redis client,
+    closed after the test) fixtures: `space, r = stack_fixtures()` at module level (pytest finds fixtures in a
+    module's namespace). Not in conftest.py: it is loaded on the GPU machine too, without Kafka and Redis."""
+    @pytest.fixture(name="space")
+    async def space_fixture(request: pytest.FixtureRequest) -> Space:
+        return await make_space(request, partitions=partitions)
+
+    @pytest.fixture(name="r")
+    async def redis_fixture(space: Space) -> AsyncIterator[aioredis.Redis]:
+        client = aioredis.Redis.from_url(space.redis_url)
+        yield client
+        await client.aclose()
+
+    return space_fixture, redis_fixture
+
+
 def job(request_id: str, **fields: Any) -> dict[str, Any]:
     body: dict[str, Any] = {"type": "job", "request_id": request_id}
     if not any(k in fields for k in ("prompt", "messages", "prompt_token_ids")):
