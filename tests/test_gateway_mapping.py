@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from stoker.gateway.mapping import APIError, Choice, plan_request, shape_for, sse, status_for
+from stoker.gateway.mapping import APIError, Choice, json_object, plan_request, shape_for, sse, status_for
 from stoker.schemas import Chunk, Done, Timings, TokenLogprob, TopLogprob, Usage
 
 
@@ -182,3 +182,12 @@ def test_text_format_is_no_constraint_and_others_are_400s():
             job_fields({"prompt": "p", **body}, chat=False)
         assert info.value.status in (400, 422) and info.value.param == param, (body, info.value.param)
     assert status_for("invalid_response_format") == 400
+
+
+@pytest.mark.parametrize("data,says", [(b"{not json", "not valid JSON"), (b"[1, 2]", "must be a JSON object"),
+                                       (b'"text"', "must be a JSON object"), (b"", "not valid JSON")])
+def test_a_post_body_that_is_not_a_json_object_is_a_400_saying_so(data: bytes, says: str) -> None:
+    with pytest.raises(APIError) as err:
+        json_object(data)
+    assert err.value.status == 400 and says in err.value.message
+    assert json_object(b'{"model": "m"}') == {"model": "m"}
