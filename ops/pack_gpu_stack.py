@@ -12,7 +12,8 @@ Pieces (see ../shared/notes/queue-on-a-gpu-machine.md for why each is as it is):
   redis.tar.xz          Debian's redis-server with the shared libraries it needs beyond glibc (lib/) and
                         the rest of its ldd closure (lib-spare/: gpu_stack_env copies in only those the
                         target machine lacks, so none of them shadow the machine's own)
-  wheels/               msgspec, aiokafka, redis, async-timeout for cp312 manylinux x86_64 (wheels/spare:
+  wheels/               msgspec, aiokafka, redis, async-timeout, llguidance, starlette, uvicorn,
+                        python-multipart for cp312 manylinux x86_64 (wheels/spare:
                         packaging and typing_extensions, installed only when the target lacks them)
   manifest.txt          versions and sizes
 --check unpacks the result into a temporary folder and starts the broker and Redis from it (private ports
@@ -42,13 +43,17 @@ JLINK_MODULES = (
 NATIVE_SUFFIXES = (".so", ".dll", ".dylib", ".jnilib", ".a")
 KEEP_PLATFORMS = ("linux/amd64/", "linux/x86_64/")  # compared lower-case: snappy says Linux/x86_64
 # The Python packages the GPU image lacks (its torch stack brings packaging and typing_extensions, which
-# aiokafka needs: those travel as spares). Versions follow the project's venv when it has them.
-WHEELS = ("msgspec", "aiokafka", "redis", "async-timeout")
+# aiokafka needs: those travel as spares): the worker's (msgspec, aiokafka, redis), constrained decoding's
+# (llguidance) and the gateway's (starlette, uvicorn, python-multipart: ops/bench_batch.py runs it).
+# Versions follow the project's venv when it has them.
+WHEELS = ("msgspec", "aiokafka", "redis", "async-timeout", "llguidance", "starlette", "uvicorn", "python-multipart")
+# What those need that the GPU image already holds (KINDS.md's package list): not packed.
+ON_GPU_IMAGE = ("anyio", "click", "h11")
 SPARE_WHEELS = ("packaging", "typing_extensions")
 GLIBC = ("linux-vdso", "libc.so", "libm.so", "libdl.so", "libpthread.so", "librt.so", "ld-linux")
 # Beside glibc, the libraries the note found missing on the GPU machine: always put in lib/.
 REDIS_ALWAYS = ("libatomic.so", "liblzf.so", "libjemalloc.so")
-PIP_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
+PIP_PLATFORMS = ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
                  "manylinux2014_x86_64", "manylinux1_x86_64")
 
 
@@ -232,7 +237,7 @@ def pack_wheels(out: Path) -> dict[str, int | str]:
     wheels = out / "wheels"
     pip_download([pinned(n) for n in WHEELS], wheels)
     pip_download([pinned(n) for n in SPARE_WHEELS], wheels / "spare")
-    have = {n.replace("-", "_").lower() for n in WHEELS + SPARE_WHEELS}
+    have = {n.replace("-", "_").lower() for n in WHEELS + SPARE_WHEELS + ON_GPU_IMAGE}
     for w in sorted(wheels.glob("*.whl")):
         for req in requires(w):
             base = req.replace("-", "_").lower()

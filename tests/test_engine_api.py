@@ -204,6 +204,20 @@ def test_warm_up_runs_every_serving_path_then_leaves_the_engine_as_it_found_it(p
         {k: [o.new_token_ids for o in v] for k, v in drain(reference).items()}
 
 
+def test_the_light_warm_up_of_a_reload_runs_the_short_prompt_and_the_grammar_only(path):
+    from stoker.engine import warm_up
+
+    eng = LLMEngine(EngineConfig(path, device="cpu", num_kv_blocks=32, max_model_len=128,
+                                 max_num_batched_tokens=64, enable_prefix_caching=True))
+    report = warm_up(eng, light=True)
+    assert report.waves == ["short prompt", "structured output"]
+    assert report.mixed_steps == 0 and report.largest_step_tokens < 64
+    assert eng._grammars is not None  # constrained jobs after a reload do not pay for the vocabulary either
+    stats = eng.stats()
+    assert not eng.has_unfinished() and stats.kv_blocks_free == stats.kv_blocks_total == 32
+    assert eng.scheduler.block_manager.num_cached_blocks == 0
+
+
 def test_a_lone_prompt_longer_than_the_step_budget_is_prefilled_in_chunks(path):
     """No chunk of the first steps reaches the prompt's end, so those steps sample nothing. Before, sampling an
     empty batch raised and the step failed (in the worker: the engine thread died on one long prompt)."""

@@ -230,7 +230,8 @@ def test_every_engine_setting_reaches_the_engine_config(tmp_path, monkeypatch):
     from stoker.engine.warmup import WarmupReport
 
     warmed: list[object] = []
-    monkeypatch.setattr("stoker.engine.warm_up", lambda eng: warmed.append(eng) or WarmupReport(), raising=False)
+    monkeypatch.setattr("stoker.engine.warm_up", lambda eng, **kw: warmed.append(eng) or WarmupReport(),
+                        raising=False)
     ec = build_engine(cfg)
     assert warmed == []  # --no-warmup
     assert (ec.model_path, ec.device, ec.dtype, ec.block_size, ec.num_kv_blocks) == (str(tmp_path), "cpu", "float16",
@@ -242,6 +243,26 @@ def test_every_engine_setting_reaches_the_engine_config(tmp_path, monkeypatch):
     assert warmed == [defaults]  # warmed up before the worker serves, by default
     assert defaults.enable_prefix_caching and defaults.cuda_graphs and defaults.async_scheduling is None
     assert defaults.use_triton and defaults.blocking_sync and defaults.block_size == 16
+
+
+def test_a_model_reloaded_in_the_same_process_gets_the_light_warm_up(tmp_path, monkeypatch):
+    """The idle-unload reload path: the first build of a model warms it up in full, a later build of the same
+    served name (its kernels compiled in this process) runs the light warm-up; another model its own full one."""
+    from stoker.worker import main as worker_main
+    from stoker.worker.model_specs import parse_model_option
+
+    monkeypatch.setattr(worker_main, "_WARMED", set())
+    monkeypatch.setattr("stoker.engine.LLMEngine", lambda config: config, raising=False)
+    from stoker.engine.warmup import WarmupReport
+
+    calls: list[tuple[str, bool]] = []
+    monkeypatch.setattr("stoker.engine.warm_up",
+                        lambda eng, light=False: calls.append((eng.model_name, light)) or WarmupReport(), raising=False)
+    cfg = parse_config(["--device", "cpu"], {"STOKER_MODEL": str(tmp_path)})
+    a, b = parse_model_option(f"{tmp_path},name=a"), parse_model_option(f"{tmp_path},name=b")
+    for spec in (a, a, b, a):
+        worker_main._build_one(cfg, spec)
+    assert calls == [("a", False), ("a", True), ("b", False), ("a", True)]
 
 
 @pytest.mark.parametrize("kwargs, needle", [

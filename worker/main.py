@@ -274,11 +274,18 @@ def _build_one(cfg: WorkerConfig, spec: ModelSpec | None) -> Any:
     if not cfg.no_warmup:
         from stoker.engine import warm_up
 
-        report = warm_up(engine)
+        # A reload (idle unload, then a job) of a model this process has warmed: its kernels are compiled.
+        key = spec.served_name if spec is not None else cfg.model
+        report = warm_up(engine, light=key in _WARMED)
+        _WARMED.add(key)
         logging.getLogger("stoker.worker").info(
-            "event=engine_warmed_up seconds=%.2f requests=%d steps=%d largest_step_tokens=%d mixed_steps=%d",
-            report.seconds, report.requests, report.steps, report.largest_step_tokens, report.mixed_steps)
+            "event=engine_warmed_up seconds=%.2f requests=%d steps=%d largest_step_tokens=%d mixed_steps=%d "
+            "waves=%s", report.seconds, report.requests, report.steps, report.largest_step_tokens,
+            report.mixed_steps, ",".join(w.replace(" ", "_") for w in report.waves))
     return engine
+
+
+_WARMED: set[str | None] = set()  # the models this process has warmed up in full (by served name)
 
 
 async def serve(cfg: WorkerConfig) -> None:
