@@ -8,11 +8,14 @@ requantization) or one per 128 x 128 tile (`weight_scale` [ceil(N/128), ceil(K/1
   defines the semantics: the CPU runs it, the tests compare the GPU paths with it.
 - `gemv_fp8_triton` (M <= 16, the decode path): W8A16, the FP8 weight tile converted to the activation dtype
   in registers, row scales applied once to the float32 accumulator in the epilogue (block scales per K tile
-  inside the loop, since they change along K). Reads 1 byte per weight: the batch-1 floor halves.
+  inside the loop, since they change along K). Reads 1 byte per weight: the batch-1 floor halves. Launch
+  shape (tl.dot or CUDA cores, block sizes, warps, stages) from FP8_GEMV_CONFIGS per shape class and M,
+  which ops/bench_fp8_gemv.py sweeps on the GPU.
 - `scaled_mm_fp8` (M > 16 on CUDA, bfloat16): activations quantized per token (dynamic) or with the
-  checkpoint's per-tensor input_scale (static), then `torch._scaled_mm` with row-wise scales (scale_a [M, 1],
-  scale_b [1, N]) on the FP8 tensor cores; 1.3-1.9x bf16 from M = 512 up on the H200
-  (shared/notes/h200-gemm-facts.md). Activation quantization adds the FP8 rounding of x to the reference.
+  checkpoint's per-tensor input_scale (static) in one kernel (fp8_quant.py), then `torch._scaled_mm` with
+  row-wise scales (scale_a [M, 1], scale_b [1, N]) on the FP8 tensor cores; 1.3-1.9x bf16 from M = 512 up
+  on the H200 (shared/notes/h200-gemm-facts.md). Activation quantization adds the FP8 rounding of x to the
+  reference.
 """
 from __future__ import annotations
 
@@ -22,9 +25,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from stoker.engine.kernels._triton import check_launchable, tl, triton
+from stoker.engine.kernels.fp8_quant import (
+    FP8_DTYPE,
+    FP8_MAX,
+    QUANT_MAX_K,
+    quantize_activations_ref,
+    quantize_activations_triton,
+)
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite E4M3 value
 FP8_GEMV_MAX_M = 16  # the dot tile is 16 tokens tall; above it the tensor-core GEMM wins (h200-gemm-facts)
 
 
@@ -75,25 +83,30 @@ def fp8_linear_ref(
 
 
 # --------------------------------------------------------------------------- tensor cores (M > 16, CUDA)
-def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] -> (float8 [M, K], float32 [M, 1]): per token (amax / 448) when input_scale is None, else the
-    checkpoint's static per-tensor scale [1]. Values past +-448 saturate, as in the checkpoints' calibration."""
-    x32 = x.float()
-    if input_scale is None:
-        scale = (x32.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
-    else:
-        scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
-    return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
-
-
 def scaled_mm_fp8(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
     input_scale: torch.Tensor | None,
 ) -> torch.Tensor:
     """Row-wise scaled FP8 GEMM (bfloat16 out): x quantized per token or per tensor, W's row scales."""
     xq, x_scale = quantize_activations(x, input_scale)
+    return scaled_mm_quantized(xq, x_scale, weight, scale, bias, x.dtype)
+
+
+def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_quant's one kernel on CUDA (the eager reference was six kernels a linear); rows past its register
+    tile (K > QUANT_MAX_K, e.g. a 70B down_proj) take the reference."""
+    if x.is_cuda and x.shape[1] <= QUANT_MAX_K and x.stride(1) == 1:
+        return quantize_activations_triton(x, input_scale)
+    return quantize_activations_ref(x, input_scale)
+
+
+def scaled_mm_quantized(
+    xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """_scaled_mm on activations already in FP8 (xq [M, K], x_scale [M, 1]): row scales on both sides."""
     # weight [N, K] row-major is the column-major [K, N] operand _scaled_mm wants; scales float32.
-    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=out_dtype)
     return out if bias is None else out + bias
 
 
@@ -221,10 +234,10 @@ def gemv_fp8_triton(
         raise ValueError(f"gemv_fp8: bias must be [{n}] {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("gemv_fp8: x and weight need unit stride along K")
+    if config is not None and (config.block_m < num_tokens or (config.use_dot and config.block_m < 16)):
+        raise ValueError(f"gemv_fp8: config {config.label()} cannot hold M = {num_tokens} (tl.dot needs block_m 16)")
     check_launchable(x, weight, scale)
-    cfg = config or fp8_gemv_config(n, k, num_tokens, x.is_cuda)
-    if cfg.block_m < num_tokens or (cfg.use_dot and cfg.block_m < 16):
-        raise ValueError(f"gemv_fp8: config {cfg.label()} cannot hold M = {num_tokens} (tl.dot needs block_m 16)")
+    cfg = config or fp8_gemv_config(n, k, num_tokens, x.is_cuda)  # the table's entries hold their M (tested)
     block_k = cfg.block_k if block is None else _fit_block_k(cfg.block_k, block[1])
     out = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
     _gemv_fp8_kernel[(triton.cdiv(n, cfg.block_n),)](

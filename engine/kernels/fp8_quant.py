@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import torch
 from stoker.engine.kernels._triton import check_launchable, tl, triton
-from stoker.engine.kernels.fp8_linear import FP8_DTYPE, FP8_MAX
 from stoker.engine.kernels.rmsnorm import rms_norm_ref
 
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite E4M3 value
+QUANT_MAX_K = 16384  # the longest row one program holds in registers (32 float32 a thread at 16 warps)
 MIN_SCALE = 1e-12  # an all-zero row: any positive scale quantizes it to zeros; this one avoids 0 / 0
 
 
@@ -116,8 +118,8 @@ def _launch(
     check_launchable(*[t for t in (x, residual, norm_weight, input_scale) if t is not None])
     num_rows, k = x.shape
     block = triton.next_power_of_2(k)
-    if block > 16384:
-        raise ValueError(f"fp8 quant: rows of {k} > 16384 elements do not fit one program's registers")
+    if block > QUANT_MAX_K:
+        raise ValueError(f"fp8 quant: rows of {k} > {QUANT_MAX_K} elements do not fit one program's registers")
     xq = torch.empty(num_rows, k, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
     summed = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
