@@ -12,6 +12,11 @@ import torch
 
 triton = pytest.importorskip("triton")
 from kernel_harness import GPU, INTERPRET, NO_CUDA, cases, run_under_interpreter  # noqa: E402
+from stoker.engine import kernels  # noqa: E402
+from stoker.engine.kernels import fp8_linear_ref, rms_norm_ref  # noqa: E402
+from stoker.engine.kernels.fp8_linear import quantize_rows  # noqa: E402
+from stoker.engine.layers import fp8 as fp8_layers  # noqa: E402
+from stoker.engine.quant_config import Fp8Scheme  # noqa: E402
 from stoker.engine.kernels.fp8_quant import (  # noqa: E402
     quantize_activations_ref,
     quantize_activations_triton,
@@ -100,6 +105,54 @@ def test_quant_launchers_reject_bad_inputs(device: str, dtype: torch.dtype) -> N
 def test_quant_handles_zero_rows() -> None:
     xq, scale = quantize_activations_triton(torch.empty(0, 128, device="cuda", dtype=torch.bfloat16), None)
     assert xq.shape == (0, 128) and scale.shape == (0, 1)
+
+
+def fp8_layer(k: int, n: int, static: bool, device: str) -> fp8_layers.Fp8Linear:
+    """An Fp8Linear loaded as from a compressed-tensors channel checkpoint (static: with an input_scale)."""
+    scheme = Fp8Scheme("compressed-tensors", "channel", "static" if static else "dynamic")
+    with torch.device(device):
+        layer = fp8_layers.Fp8Linear(k, n, dtype=torch.bfloat16, scheme=scheme)
+    weight, scale = quantize_rows(torch.randn(n, k, device=device))
+    layer.load_weight("weight", weight)
+    layer.load_weight("weight_scale", scale[:, None])
+    if static:
+        layer.load_weight("input_scale", torch.tensor([0.05]))
+    layer.finish_loading()
+    return layer
+
+
+@pytest.mark.skipif(INTERPRET, reason="no kernel on the CPU path")
+def test_linear_after_norm_on_cpu_is_norm_then_linear() -> None:
+    """The fallback's wiring: the residual added before the norm, the sum returned, the norm weight applied."""
+    layer = fp8_layer(96, 48, False, "cpu")
+    x, res = torch.randn(5, 96).bfloat16(), torch.randn(5, 96).bfloat16()
+    g = (torch.rand(96) + 0.5).bfloat16()
+    out, summed = layer.forward_after_norm(x, res, g, 1e-5)
+    h, s = rms_norm_ref(x, g, 1e-5, res)
+    torch.testing.assert_close(summed, s, atol=0, rtol=0)
+    torch.testing.assert_close(out, fp8_linear_ref(h, layer.weight, layer.weight_scale), atol=0, rtol=0)
+
+
+@GPU
+@NO_CUDA
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_linear_after_norm_fuses_on_cuda(monkeypatch: pytest.MonkeyPatch, static: bool) -> None:
+    """Above 16 tokens the norm and the quantization run as one kernel and give what the unfused pair (the
+    norm kernel, then the layer's own _scaled_mm path) gives; at 16 tokens (the GEMV) the unfused pair runs."""
+    layer = fp8_layer(512, 384, static, "cuda")
+    g = (torch.rand(512, device="cuda") + 0.5).bfloat16()
+    calls = []
+    monkeypatch.setattr(fp8_layers, "rms_norm_quant_fp8_triton",
+                        lambda *a: calls.append(a[0].shape[0]) or rms_norm_quant_fp8_triton(*a))
+    for rows in (64, 16):
+        x, res = torch.randn(rows, 512, device="cuda").bfloat16(), torch.randn(rows, 512, device="cuda").bfloat16()
+        out, summed = layer.forward_after_norm(x, res, g, 1e-5)
+        h, s = kernels.rms_norm(x, g, 1e-5, res)
+        torch.testing.assert_close(summed, s, atol=0, rtol=0)
+        expected = layer(h)
+        rel = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+        assert rel < 1e-2, rel  # the same FP8 activations but for the rms's last bit
+    assert calls == [64]
 
 
 @pytest.mark.slow

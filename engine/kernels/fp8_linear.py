@@ -83,6 +83,13 @@ def fp8_linear_ref(
 
 
 # --------------------------------------------------------------------------- tensor cores (M > 16, CUDA)
+def takes_scaled_mm(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
+    """Whether the CUDA dispatch runs this linear on the FP8 tensor cores: more than 16 bfloat16 tokens, row
+    scales (no block GEMM yet), N and K multiples of 16 (cuBLASLt's FP8 layout rule)."""
+    return (x.shape[0] > FP8_GEMV_MAX_M and block is None and x.dtype == torch.bfloat16
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0)
+
+
 def scaled_mm_fp8(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
     input_scale: torch.Tensor | None,
