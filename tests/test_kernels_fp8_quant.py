@@ -15,14 +15,14 @@ from kernel_harness import GPU, INTERPRET, NO_CUDA, cases, run_under_interpreter
 from stoker.engine import kernels  # noqa: E402
 from stoker.engine.kernels import fp8_linear_ref, rms_norm_ref  # noqa: E402
 from stoker.engine.kernels.fp8_linear import quantize_rows  # noqa: E402
-from stoker.engine.layers import fp8 as fp8_layers  # noqa: E402
-from stoker.engine.quant_config import Fp8Scheme  # noqa: E402
 from stoker.engine.kernels.fp8_quant import (  # noqa: E402
     quantize_activations_ref,
     quantize_activations_triton,
     rms_norm_quant_fp8_ref,
     rms_norm_quant_fp8_triton,
 )
+from stoker.engine.layers import fp8 as fp8_layers  # noqa: E402
+from stoker.engine.quant_config import Fp8Scheme  # noqa: E402
 
 CASES = cases((torch.bfloat16, torch.float16))
 SHAPES = [(1, 40), (5, 300)] if INTERPRET else [(1, 40), (5, 300), (37, 4096), (130, 14336)]
