@@ -73,6 +73,26 @@ def test_gemv_fp8_configs_match_reference(device: str, dtype: torch.dtype, confi
                                rtol=TOLERANCE[dtype])
 
 
+@GPU
+@NO_CUDA
+@pytest.mark.parametrize("config", sorted(set(FP8_GEMV_CONFIGS.values()), key=Fp8GemvConfig.label),
+                         ids=lambda c: c.label().replace(" ", "-"))
+@pytest.mark.parametrize("block", [False, True], ids=["rows", "block"])
+def test_gemv_fp8_table_configs_on_cuda(config: Fp8GemvConfig, block: bool) -> None:
+    """Every config the table holds (the GPU picks them by shape, which the small cases above do not reach)
+    at each M it may serve, on an odd shape, bf16."""
+    n, k = 200, 1000
+    weight, scale = weights(n, k, block, "cuda")
+    blk = (128, 128) if block else None
+    for num_rows in sorted({1, min(3, config.block_m), config.block_m}):
+        x = torch.randn(num_rows, k, device="cuda").bfloat16()
+        out = gemv_fp8_triton(x, weight, scale, None, blk, config=config)
+        ref = fp8_linear_ref(x, weight, scale, None, blk)
+        scale_of = ref.float().abs().max().item()
+        torch.testing.assert_close(out.float() / scale_of, ref.float() / scale_of, atol=TOLERANCE[torch.bfloat16],
+                                   rtol=TOLERANCE[torch.bfloat16])
+
+
 def test_gemv_fp8_config_table_holds_every_m() -> None:
     """Each table entry (and the lookup for every Llama projection at M = 1..16) can hold its M tokens, so no
     decode step hits the launcher's refusal; the GPU lookup comes from the table, not the fallback."""
