@@ -5,6 +5,7 @@
 
     PYTHONPATH=. python3 ops/bench_fp8_gemv.py [--models 8b,1b] [--ms 1,2,4,8,16]      # CUDA, ~2 min
     TRITON_INTERPRET=1 PYTHONPATH=. python3 ops/bench_fp8_gemv.py --dry-run            # CPU, tiny shape
+    python3 ops/bench_fp8_gemv.py --apply fp8_gemv_sweep.json     # write its table into fp8_linear.py
 
 Timing as ops/bench_gemv.py (its helpers): each config is captured in a CUDA graph as a chain of calls over
 rotating FP8 weight copies (>= 512 MB in all, far past the L2, so every call streams its weights from HBM),
@@ -150,13 +151,54 @@ def derive_table(rows: list[dict]) -> dict[str, str]:
     return table
 
 
+KERNEL_FILE = Path(__file__).resolve().parents[1] / "engine" / "kernels" / "fp8_linear.py"
+TABLE_START = "# One config per (shape class"
+TABLE_END = "\n}\n"
+
+
+def table_source(sweep: dict) -> str:
+    """The FP8_GEMV_CONFIGS block of fp8_linear.py for a sweep's JSON, each entry with its measured us."""
+    meta = sweep["meta"]
+    lines = [
+        "# One config per (shape class, M rounded up to a power of two), picked at launch by a cached lookup.",
+        f"# From ops/bench_fp8_gemv.py's sweep ({meta['device']}, {meta.get('date', 'date not recorded')}):",
+        "# per class and M the config with the least summed slowdown over the class's shapes. Comments: us per",
+        "# call of that config on each shape (CUDA-graph replay over >= 512 MB of weights) and the shape's own",
+        "# best. A class the sweep did not see takes _FALLBACK_CONFIG.",
+        "FP8_GEMV_CONFIGS: dict[tuple[str, int], Fp8GemvConfig] = {",
+    ]
+    by_label = {cfg.label(): cfg for m in (1, 2, 4, 8, 16) for cfg in candidates(m)}
+    for key, label in sweep["table"].items():
+        cls, m = key.split(", ")
+        c = by_label[label]
+        members = [r for r in sweep["rows"] if r["class"] == cls and r["m"] == int(m)]
+        lines.append("    # " + ", ".join(f"{r['model']} {r['proj']} {r['configs'][label]:.1f} us (best "
+                                          f"{r['best_us']:.1f})" for r in members))
+        lines.append(f'    ("{cls}", {m}): Fp8GemvConfig({c.block_m}, {c.block_n}, {c.block_k}, {c.use_dot}, "
+                     f"{c.num_warps}, {c.num_stages}),")
+    return "\n".join(lines) + TABLE_END
+
+
+def apply(sweep_path: str, kernel_file: Path = KERNEL_FILE) -> None:
+    """Replace FP8_GEMV_CONFIGS (from its comment to its closing brace) with the sweep's table."""
+    source = kernel_file.read_text()
+    start = source.index(TABLE_START)
+    end = source.index(TABLE_END, source.index("FP8_GEMV_CONFIGS: dict", start)) + len(TABLE_END)
+    kernel_file.write_text(source[:start] + table_source(json.loads(Path(sweep_path).read_text())) + source[end:])
+    print(f"wrote the sweep's table into {kernel_file}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="8b,1b")
     parser.add_argument("--ms", default="1,2,4,8,16")
-    parser.add_argument("--budget-s", type=float, default=210.0, help="skip the shapes left after this long")
+    parser.add_argument("--apply", metavar="SWEEP_JSON", help="write a sweep's table into fp8_linear.py, then exit")
+    parser.add_argument("--budget-s", type=float, default=180.0, help="skip the shapes left after this long")
     parser.add_argument("--dry-run", action="store_true", help="CPU under TRITON_INTERPRET=1: tiny shape, 2 configs")
     opts = parser.parse_args()
+    if opts.apply:
+        apply(opts.apply)
+        return
     t0 = time.time()
     if opts.dry_run:
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -210,6 +252,7 @@ def main() -> None:
     out_dir = os.environ.get("OUT")
     if out_dir:
         meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)",
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 "copy_bandwidth_tbs": bw / 1e12, "torch": torch.__version__, "seconds": time.time() - t0}
         path = Path(out_dir) / "fp8_gemv_sweep.json"
         path.write_text(json.dumps({"meta": meta, "rows": rows, "table": table}, indent=1))
