@@ -174,8 +174,8 @@ def table_source(sweep: dict) -> str:
         members = [r for r in sweep["rows"] if r["class"] == cls and r["m"] == int(m)]
         lines.append("    # " + ", ".join(f"{r['model']} {r['proj']} {r['configs'][label]:.1f} us (best "
                                           f"{r['best_us']:.1f})" for r in members))
-        lines.append(f'    ("{cls}", {m}): Fp8GemvConfig({c.block_m}, {c.block_n}, {c.block_k}, {c.use_dot}, "
-                     f"{c.num_warps}, {c.num_stages}),")
+        args = f"{c.block_m}, {c.block_n}, {c.block_k}, {c.use_dot}, {c.num_warps}, {c.num_stages}"
+        lines.append(f'    ("{cls}", {m}): Fp8GemvConfig({args}),')
     return "\n".join(lines) + TABLE_END
 
 
