@@ -6,6 +6,7 @@
     PYTHONPATH=. python3 ops/bench_fp8_gemv.py [--models 8b,1b] [--ms 1,2,4,8,16]      # CUDA, ~2 min
     TRITON_INTERPRET=1 PYTHONPATH=. python3 ops/bench_fp8_gemv.py --dry-run            # CPU, tiny shape
     python3 ops/bench_fp8_gemv.py --apply fp8_gemv_sweep.json     # write its table into fp8_linear.py
+    PYTHONPATH=. python3 ops/bench_fp8_gemv.py --quant --skip-gemv    # activation quantization only, ~20 s
 
 Timing as ops/bench_gemv.py (its helpers): each config is captured in a CUDA graph as a chain of calls over
 rotating FP8 weight copies (>= 512 MB in all, far past the L2, so every call streams its weights from HBM),
@@ -15,7 +16,9 @@ Each config's output is checked once against F.linear on the dequantized weights
 but computes wrong is reported and never picked). Columns: cuBLAS = bf16 F.linear on bf16 weights of the
 same shape (what FP8 must beat), table = the config FP8_GEMV_CONFIGS picks today. With $OUT set, the rows
 and the derived table go to $OUT/fp8_gemv_sweep.json. The --dry-run (no CUDA: wall-clock timing, no
-graphs, one tiny shape, two configs) exists so the GPU run cannot die on a typo.
+graphs, one tiny shape, two configs) exists so the GPU run cannot die on a typo. --quant times the
+activation quantization in front of _scaled_mm (eager six ops, the fused kernel, RMSNorm fused in) at the
+prefill / W2-decode sizes, to say whether fusing the norm pays (fp8_quant.py, Fp8Linear.forward_after_norm).
 """
 from __future__ import annotations
 
@@ -34,12 +37,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the timing helpers of bench_gemv.py
 
 from bench_gemv import MODELS, copies_for, copy_bandwidth, graph_us  # noqa: E402
+from stoker.engine.kernels import rms_norm_triton  # noqa: E402
 from stoker.engine.kernels.fp8_linear import (  # noqa: E402
     FP8_DTYPE,
     Fp8GemvConfig,
     fp8_gemv_config,
     gemv_fp8_triton,
     shape_class,
+)
+from stoker.engine.kernels.fp8_quant import (  # noqa: E402
+    quantize_activations_ref,
+    quantize_activations_triton,
+    rms_norm_quant_fp8_triton,
 )
 
 DTYPE = torch.bfloat16  # the --dry-run uses float16: the Triton interpreter mishandles bfloat16 dots
@@ -151,6 +160,42 @@ def derive_table(rows: list[dict]) -> dict[str, str]:
     return table
 
 
+def quant_rows(shapes: list[tuple[int, int]], device: str, timer: Callable[[list], float], copies: int | None) -> list:
+    """us per call of the activation quantization before _scaled_mm, three ways: eager (the six-op reference),
+    the fused kernel alone after the RMSNorm kernel, and RMSNorm + quantization as one kernel; over rotating
+    activation copies (>= 512 MB) so each call reads them from HBM, as after a previous layer's kernels."""
+    print("\n## activation quantization before _scaled_mm (us per call; norm = RMSNorm with the residual add)")
+    print("| M x K | eager quant | quant kernel | norm kernel + quant kernel | norm+quant one kernel | saved |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for m, k in shapes:
+        n_copies = copies or copies_for(4 * m * k)  # x and residual, bf16
+        xs = [torch.randn(m, k, device=device, dtype=DTYPE) for _ in range(n_copies)]
+        rs = [torch.randn(m, k, device=device, dtype=DTYPE) for _ in range(n_copies)]
+        g = torch.rand(k, device=device, dtype=DTYPE) + 0.5
+        pairs = list(zip(xs, rs, strict=True))
+        row = {"m": m, "k": k, **{name: timer(chain(pairs, make)) for name, make in quant_ops(g).items()}}
+        rows.append(row)
+        print(f"| {m} x {k} | {row['eager']:.1f} | {row['kernel']:.1f} | {row['norm_then_kernel']:.1f} | "
+              f"{row['fused']:.1f} | {row['norm_then_kernel'] - row['fused']:.1f} |", flush=True)
+        del xs, rs, pairs
+    return rows
+
+
+def chain(pairs: list[tuple[torch.Tensor, torch.Tensor]], make: Callable) -> list[Callable[[], object]]:
+    return [make(x, r) for x, r in pairs] * max(1, 16 // len(pairs))
+
+
+def quant_ops(g: torch.Tensor) -> dict[str, Callable]:
+    """name -> (x, residual) -> the call to time."""
+    return {
+        "eager": lambda x, r: lambda: quantize_activations_ref(x, None),
+        "kernel": lambda x, r: lambda: quantize_activations_triton(x, None),
+        "norm_then_kernel": lambda x, r: lambda: quantize_activations_triton(rms_norm_triton(x, g, 1e-5, r)[0], None),
+        "fused": lambda x, r: lambda: rms_norm_quant_fp8_triton(x, g, 1e-5, r, None),
+    }
+
+
 KERNEL_FILE = Path(__file__).resolve().parents[1] / "engine" / "kernels" / "fp8_linear.py"
 TABLE_START = "# One config per (shape class"
 TABLE_END = "\n}\n"
@@ -181,10 +226,13 @@ def table_source(sweep: dict) -> str:
 
 def apply(sweep_path: str, kernel_file: Path = KERNEL_FILE) -> None:
     """Replace FP8_GEMV_CONFIGS (from its comment to its closing brace) with the sweep's table."""
+    sweep = json.loads(Path(sweep_path).read_text())
+    if not sweep.get("table"):
+        sys.exit(f"{sweep_path} holds no table (a run without the GEMV sweep?)")
     source = kernel_file.read_text()
     start = source.index(TABLE_START)
     end = source.index(TABLE_END, source.index("FP8_GEMV_CONFIGS: dict", start)) + len(TABLE_END)
-    kernel_file.write_text(source[:start] + table_source(json.loads(Path(sweep_path).read_text())) + source[end:])
+    kernel_file.write_text(source[:start] + table_source(sweep) + source[end:])
     print(f"wrote the sweep's table into {kernel_file}")
 
 
@@ -192,6 +240,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="8b,1b")
     parser.add_argument("--ms", default="1,2,4,8,16")
+    parser.add_argument("--quant", action="store_true",
+                        help="also time the activation quantization (eager, kernel, fused with RMSNorm)")
+    parser.add_argument("--skip-gemv", action="store_true", help="no GEMV sweep (with --quant: that alone)")
     parser.add_argument("--apply", metavar="SWEEP_JSON", help="write a sweep's table into fp8_linear.py, then exit")
     parser.add_argument("--budget-s", type=float, default=180.0, help="skip the shapes left after this long")
     parser.add_argument("--dry-run", action="store_true", help="CPU under TRITON_INTERPRET=1: tiny shape, 2 configs")
@@ -209,6 +260,7 @@ def main() -> None:
         device, timer, bw, copies, DTYPE = "cpu", wall_us, 0.0, 2, torch.float16
         work = [("tiny", "proj", 72, 40)]
         ms = [1, 3]
+        quant_shapes = [(5, 72)]
     else:
         if not torch.cuda.is_available():
             sys.exit("bench_fp8_gemv needs a CUDA GPU (or --dry-run under TRITON_INTERPRET=1)")
@@ -216,11 +268,18 @@ def main() -> None:
         bw = copy_bandwidth()
         work = shapes(opts.models.split(","))
         ms = [int(m) for m in opts.ms.split(",")]
+        quant_shapes = [(1024, 4096), (8192, 4096), (1024, 14336), (8192, 14336)]
         print(f"{torch.cuda.get_device_name()}  SMs={torch.cuda.get_device_properties(0).multi_processor_count}  "
               f"copy bandwidth {bw / 1e12:.2f} TB/s  torch {torch.__version__}", flush=True)
     torch.manual_seed(0)
-    print("| proj | M | FP8 MB | cuBLAS bf16 us | table us | best us | TB/s | % copy | vs cuBLAS | best config | table config |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    quant = quant_rows(quant_shapes, device, timer, copies) if opts.quant else []
+    if opts.skip_gemv:
+        work = []
+    if work:
+        print("\n## W8A16 GEMV configs (us per call; TB/s of the FP8 bytes a call moves)")
+        print("| proj | M | FP8 MB | cuBLAS bf16 us | table us | best us | TB/s | % copy | vs cuBLAS | best config "
+              "| table config |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for model, name, k, n in work:
         if time.time() - t0 > opts.budget_s:
@@ -242,9 +301,10 @@ def main() -> None:
         del shape
         if device == "cuda":
             torch.cuda.empty_cache()
-    table = derive_table(rows)
+    table = derive_table(rows) if rows else {}
     by_label = {cfg.label(): cfg for m in ms for cfg in candidates(m)}
-    print("\n## FP8_GEMV_CONFIGS from this sweep (paste into engine/kernels/fp8_linear.py)")
+    if table:
+        print("\n## FP8_GEMV_CONFIGS from this sweep (or --apply its JSON)")
     for key, label in table.items():
         cls, m = key.split(", ")
         print(f"    ({cls!r}, {m}): {by_label[label]!r},  # {label}")
@@ -254,8 +314,8 @@ def main() -> None:
         meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)",
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 "copy_bandwidth_tbs": bw / 1e12, "torch": torch.__version__, "seconds": time.time() - t0}
-        path = Path(out_dir) / "fp8_gemv_sweep.json"
-        path.write_text(json.dumps({"meta": meta, "rows": rows, "table": table}, indent=1))
+        path = Path(out_dir) / ("fp8_gemv_sweep.json" if rows else "fp8_quant_bench.json")
+        path.write_text(json.dumps({"meta": meta, "rows": rows, "table": table, "quant": quant}, indent=1))
         print(f"wrote {path}")
 
 
