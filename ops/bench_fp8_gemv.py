@@ -14,7 +14,8 @@ the graph replayed, us per call = replay time / chain length. TB/s counts the by
 weights, their float32 row scales, bf16 x in and y out) against the copy bandwidth measured in the same run.
 Each config's output is checked once against F.linear on the dequantized weights (a config that compiles
 but computes wrong is reported and never picked). Columns: cuBLAS = bf16 F.linear on bf16 weights of the
-same shape (what FP8 must beat), table = the config FP8_GEMV_CONFIGS picks today. With $OUT set, the rows
+same shape (what FP8 must beat), _scaled_mm (M = 16 only) = the path above the GEMV (activation quantization
+kernel + row-wise torch._scaled_mm), table = the config FP8_GEMV_CONFIGS picks today. With $OUT set, the rows
 and the derived table go to $OUT/fp8_gemv_sweep.json. The --dry-run (no CUDA: wall-clock timing, no
 graphs, one tiny shape, two configs) exists so the GPU run cannot die on a typo. --quant times the
 activation quantization in front of _scaled_mm (eager six ops, the fused kernel, RMSNorm fused in) at the
@@ -43,6 +44,7 @@ from stoker.engine.kernels.fp8_linear import (  # noqa: E402
     Fp8GemvConfig,
     fp8_gemv_config,
     gemv_fp8_triton,
+    scaled_mm_fp8,
     shape_class,
 )
 from stoker.engine.kernels.fp8_quant import (  # noqa: E402
@@ -138,12 +140,19 @@ def sweep_point(shape: Shape, m: int, cfgs: list[Fp8GemvConfig], timer: Callable
     table_cfg = fp8_gemv_config(shape.n, shape.k, m, shape.device != "cpu")
     table_us = timer(shape.chain(lambda w: (lambda: gemv_fp8_triton(x, w, shape.scale)), shape.ws))
     cublas_us = timer(shape.chain(lambda w: (lambda: F.linear(x, w)), shape.bf16))
+    scaled_mm_us = None
+    if m == 16 and shape.device == "cuda":  # the GEMV's upper end against the path above it (activation
+        try:  # quantization kernel + row-wise _scaled_mm): says whether FP8_GEMV_MAX_M is where it should be
+            scaled_mm_us = timer(shape.chain(lambda w: (lambda: scaled_mm_fp8(x, w, shape.scale, None, None)),
+                                             shape.ws))
+        except Exception as e:  # report, keep the sweep going
+            print(f"  scaled_mm at M = 16: {type(e).__name__}: {str(e)[:160]}", flush=True)
     timed = {label: us for label, us in results.items() if us is not None}
     if not timed:
         raise RuntimeError(f"no config ran at [{shape.n}, {shape.k}] M = {m}: see the errors above")
     best = min(timed, key=lambda label: timed[label])
     return {"m": m, "configs": results, "best": best, "best_us": timed[best], "table": table_cfg.label(),
-            "table_us": table_us, "cublas_bf16_us": cublas_us, "bytes": shape.nbytes(m)}
+            "table_us": table_us, "cublas_bf16_us": cublas_us, "scaled_mm_us": scaled_mm_us, "bytes": shape.nbytes(m)}
 
 
 def derive_table(rows: list[dict]) -> dict[str, str]:
@@ -277,9 +286,9 @@ def main() -> None:
         work = []
     if work:
         print("\n## W8A16 GEMV configs (us per call; TB/s of the FP8 bytes a call moves)")
-        print("| proj | M | FP8 MB | cuBLAS bf16 us | table us | best us | TB/s | % copy | vs cuBLAS | best config "
-              "| table config |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| proj | M | FP8 MB | cuBLAS bf16 us | _scaled_mm us | table us | best us | TB/s | % copy | vs cuBLAS "
+              "| best config | table config |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for model, name, k, n in work:
         if time.time() - t0 > opts.budget_s:
@@ -295,7 +304,8 @@ def main() -> None:
             rows.append(row)
             tbs = row["bytes"] / row["best_us"] / 1e6
             pct = f"{tbs * 1e12 / bw:5.0%}" if bw else "  n/a"
-            print(f"| {model} {name} {k}x{n} | {m:>2} | {n * k / 2**20:6.1f} | {row['cublas_bf16_us']:7.1f} | "
+            smm = f"{row['scaled_mm_us']:7.1f}" if row["scaled_mm_us"] is not None else "    n/a"
+            print(f"| {model} {name} {k}x{n} | {m:>2} | {n * k / 2**20:6.1f} | {row['cublas_bf16_us']:7.1f} | {smm} | "
                   f"{row['table_us']:7.1f} | {row['best_us']:7.1f} | {tbs:5.2f} | {pct} | "
                   f"{row['cublas_bf16_us'] / row['best_us']:4.2f}x | {row['best']} | {row['table']} |", flush=True)
         del shape
