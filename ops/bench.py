@@ -168,7 +168,7 @@ def drop_page_cache() -> bool:
 
 # ---- our engine ------------------------------------------------------------------------------------------
 def engine_config(path: str, max_num_seqs: int, device: str = "cuda", quantization: str | None = None,
-                  max_num_batched_tokens: int = 8192, tensor_parallel_size: int = 1):
+                  max_num_batched_tokens: int = 8192, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto"):
     """The bench's engine settings (ops/bench_e2e.py gives the worker the same ones, from this object)."""
     from stoker.engine import EngineConfig
 
@@ -189,15 +189,17 @@ def engine_config(path: str, max_num_seqs: int, device: str = "cuda", quantizati
         blocking_sync=blocking_sync,
         quantization=quantization,
         tensor_parallel_size=tensor_parallel_size,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
 def start_engine(path: str, max_num_seqs: int, device: str = "cuda", quantization: str | None = None,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto"):
     from stoker.engine import LLMEngine
 
     t0 = time.perf_counter()
-    eng = LLMEngine(engine_config(path, max_num_seqs, device, quantization, tensor_parallel_size=tensor_parallel_size))
+    eng = LLMEngine(engine_config(path, max_num_seqs, device, quantization, tensor_parallel_size=tensor_parallel_size,
+                                  kv_cache_dtype=kv_cache_dtype))
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     return eng, time.perf_counter() - t0
@@ -456,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="W1 kernel table and W2 host cProfile into $OUT")
     ap.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16",
                     help="fp8: the bf16 weights quantized to FP8 at load (--quantization fp8; lm_head stays bf16)")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                    help="fp8: the FP8 KV cache (scales 1.0: the bench's model has no kv_cache_scheme); the floors "
+                         "count 1 byte per cached element")
     ap.add_argument("--tensor-parallel", type=int, default=1,
                     help="GPUs the engine splits the model over (issue 17; NOT yet run: no multi-GPU machine lent). "
                          "The weight-byte floors below count rank 0's shard")
@@ -475,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         "argv": sys.argv[1:],
         "torch": torch.__version__,
         "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "tensor_parallel": args.tensor_parallel,
     }
     quantization = "fp8" if args.dtype == "fp8" else None
@@ -490,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
             f"weights written in {r['write_s']:.1f} s; cold start (page cache dropped: {r['page_cache_dropped']})"
         )
         eng, r["cold_ready_s"] = start_engine(path, args.max_num_seqs, quantization=quantization,
-                                              tensor_parallel_size=args.tensor_parallel)
+                                              tensor_parallel_size=args.tensor_parallel,
+                                              kv_cache_dtype=args.kv_cache_dtype)
         r["cold_startup"] = {k: v for k, v in eng.runner.startup.items()}
         eng.close()  # tensor parallel: its rank processes hold the other GPUs
         del eng
@@ -498,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     log("warm start")
     eng, r["warm_ready_s"] = start_engine(path, args.max_num_seqs, quantization=quantization,
-                                          tensor_parallel_size=args.tensor_parallel)
+                                          tensor_parallel_size=args.tensor_parallel, kv_cache_dtype=args.kv_cache_dtype)
     r["warm_startup"] = dict(eng.runner.startup)
     log(f"startup: {r['warm_startup']}")
     mc = eng.model_config
@@ -513,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     linear_rate = r["floors"].get("fp8_matmul_flops", rate)
     gemm_s = lambda tokens: 2 * tokens * ((params_active - lm_head_params) / linear_rate  # noqa: E731
                                           + lm_head_params / rate)
-    kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2
+    kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * (1 if args.kv_cache_dtype == "fp8" else 2)
     vocab = mc.vocab_size
 
     # W1

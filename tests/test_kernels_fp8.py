@@ -15,6 +15,9 @@ from kernel_harness import GPU, INTERPRET, NO_CUDA, TOLERANCE, cases, run_under_
 from stoker.engine.kernels import fp8_linear  # noqa: E402
 from stoker.engine.kernels.fp8_linear import (  # noqa: E402
     FP8_DTYPE,
+    FP8_GEMV_CONFIGS,
+    Fp8GemvConfig,
+    fp8_gemv_config,
     fp8_linear_ref,
     gemv_fp8_triton,
     quantize_rows,
@@ -46,6 +49,61 @@ def test_gemv_fp8_matches_reference(device: str, dtype: torch.dtype, num_rows: i
     scale_of = ref.float().abs().max().item()
     torch.testing.assert_close(out.float() / scale_of, ref.float() / scale_of, atol=TOLERANCE[dtype],
                                rtol=TOLERANCE[dtype])
+
+
+# Explicit launch shapes beyond the launcher's interpreter pick: the CUDA-core path with block scales (the
+# scale applied per element inside the loop), K steps of 256 / 512 that must shrink to the 128-column scale
+# tile, several programs along N with a masked last one; small, since the interpreter pays per program.
+CONFIGS = [Fp8GemvConfig(4, 16, 256, False, 4, 1), Fp8GemvConfig(16, 64, 512, True, 4, 1),
+           Fp8GemvConfig(16, 16, 256, True, 1, 2)]
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.label().replace(" ", "-"))
+@pytest.mark.parametrize("block", [False, True], ids=["rows", "block"])
+def test_gemv_fp8_configs_match_reference(device: str, dtype: torch.dtype, config: Fp8GemvConfig, block: bool) -> None:
+    n, k = 72, 400  # N not a multiple of 16 rows x 64; K spans 4 scale tiles, the last one partial
+    weight, scale = weights(n, k, block, device)
+    x = torch.randn(3, k, device=device).to(dtype)
+    blk = (128, 128) if block else None
+    out = gemv_fp8_triton(x, weight, scale, None, blk, config=config)
+    ref = fp8_linear_ref(x, weight, scale, None, blk)
+    scale_of = ref.float().abs().max().item()
+    torch.testing.assert_close(out.float() / scale_of, ref.float() / scale_of, atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])
+
+
+@GPU
+@NO_CUDA
+@pytest.mark.parametrize("config", sorted(set(FP8_GEMV_CONFIGS.values()), key=Fp8GemvConfig.label),
+                         ids=lambda c: c.label().replace(" ", "-"))
+@pytest.mark.parametrize("block", [False, True], ids=["rows", "block"])
+def test_gemv_fp8_table_configs_on_cuda(config: Fp8GemvConfig, block: bool) -> None:
+    """Every config the table holds (the GPU picks them by shape, which the small cases above do not reach)
+    at each M it may serve, on an odd shape, bf16."""
+    n, k = 200, 1000
+    weight, scale = weights(n, k, block, "cuda")
+    blk = (128, 128) if block else None
+    for num_rows in sorted({1, min(3, config.block_m), config.block_m}):
+        x = torch.randn(num_rows, k, device="cuda").bfloat16()
+        out = gemv_fp8_triton(x, weight, scale, None, blk, config=config)
+        ref = fp8_linear_ref(x, weight, scale, None, blk)
+        scale_of = ref.float().abs().max().item()
+        torch.testing.assert_close(out.float() / scale_of, ref.float() / scale_of, atol=TOLERANCE[torch.bfloat16],
+                                   rtol=TOLERANCE[torch.bfloat16])
+
+
+def test_gemv_fp8_config_table_holds_every_m() -> None:
+    """Each table entry (and the lookup for every Llama projection at M = 1..16) can hold its M tokens, so no
+    decode step hits the launcher's refusal; the GPU lookup comes from the table, not the fallback."""
+    for (cls, m), cfg in FP8_GEMV_CONFIGS.items():
+        assert cfg.block_m >= m and (not cfg.use_dot or cfg.block_m == 16), (cls, m, cfg)
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (3072, 2048), (2048, 8192)]:
+        for m in range(1, 17):
+            cfg = fp8_gemv_config(n, k, m, True)
+            assert cfg.block_m >= m and cfg in FP8_GEMV_CONFIGS.values()
+    with pytest.raises(ValueError, match="cannot hold M = 3"):
+        gemv_fp8_triton(torch.randn(3, 64), *weights(64, 64, False, "cpu"), config=Fp8GemvConfig(2, 16, 64, False))
 
 
 def test_gemv_fp8_rejects_bad_inputs() -> None:

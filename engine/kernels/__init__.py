@@ -18,6 +18,7 @@ from stoker.engine.kernels.fp8_linear import (
     fp8_linear_ref,
     gemv_fp8_triton,
     scaled_mm_fp8,
+    takes_scaled_mm,
 )
 from stoker.engine.kernels.gemv import (
     GEMV_MAX_M,
@@ -201,6 +202,6 @@ def fp8_linear(
         return fp8_linear_ref(x, weight, scale, bias, block)
     if x.shape[0] <= FP8_GEMV_MAX_M:
         return gemv_fp8_triton(x.contiguous(), weight, scale, bias, block)
-    if block is None and x.dtype == torch.bfloat16 and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0:
+    if takes_scaled_mm(x, weight, block):
         return scaled_mm_fp8(x.contiguous(), weight, scale, bias, input_scale)
     return fp8_linear_ref(x, weight, scale, bias, block)

@@ -8,20 +8,31 @@ requantization) or one per 128 x 128 tile (`weight_scale` [ceil(N/128), ceil(K/1
   defines the semantics: the CPU runs it, the tests compare the GPU paths with it.
 - `gemv_fp8_triton` (M <= 16, the decode path): W8A16, the FP8 weight tile converted to the activation dtype
   in registers, row scales applied once to the float32 accumulator in the epilogue (block scales per K tile
-  inside the loop, since they change along K). Reads 1 byte per weight: the batch-1 floor halves.
+  inside the loop, since they change along K). Reads 1 byte per weight: the batch-1 floor halves. Launch
+  shape (tl.dot or CUDA cores, block sizes, warps, stages) from FP8_GEMV_CONFIGS per shape class and M,
+  which ops/bench_fp8_gemv.py sweeps on the GPU.
 - `scaled_mm_fp8` (M > 16 on CUDA, bfloat16): activations quantized per token (dynamic) or with the
-  checkpoint's per-tensor input_scale (static), then `torch._scaled_mm` with row-wise scales (scale_a [M, 1],
-  scale_b [1, N]) on the FP8 tensor cores; 1.3-1.9x bf16 from M = 512 up on the H200
-  (shared/notes/h200-gemm-facts.md). Activation quantization adds the FP8 rounding of x to the reference.
+  checkpoint's per-tensor input_scale (static) in one kernel (fp8_quant.py), then `torch._scaled_mm` with
+  row-wise scales (scale_a [M, 1], scale_b [1, N]) on the FP8 tensor cores; 1.3-1.9x bf16 from M = 512 up
+  on the H200 (shared/notes/h200-gemm-facts.md). Activation quantization adds the FP8 rounding of x to the
+  reference.
 """
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from stoker.engine.kernels._triton import check_launchable, tl, triton
+from stoker.engine.kernels.fp8_quant import (
+    FP8_DTYPE,
+    FP8_MAX,
+    QUANT_MAX_K,
+    quantize_activations_ref,
+    quantize_activations_triton,
+)
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite E4M3 value
 FP8_GEMV_MAX_M = 16  # the dot tile is 16 tokens tall; above it the tensor-core GEMM wins (h200-gemm-facts)
 
 
@@ -72,15 +83,11 @@ def fp8_linear_ref(
 
 
 # --------------------------------------------------------------------------- tensor cores (M > 16, CUDA)
-def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] -> (float8 [M, K], float32 [M, 1]): per token (amax / 448) when input_scale is None, else the
-    checkpoint's static per-tensor scale [1]. Values past +-448 saturate, as in the checkpoints' calibration."""
-    x32 = x.float()
-    if input_scale is None:
-        scale = (x32.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
-    else:
-        scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
-    return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+def takes_scaled_mm(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
+    """Whether the CUDA dispatch runs this linear on the FP8 tensor cores: more than 16 bfloat16 tokens, row
+    scales (no block GEMM yet), N and K multiples of 16 (cuBLASLt's FP8 layout rule)."""
+    return (x.shape[0] > FP8_GEMV_MAX_M and block is None and x.dtype == torch.bfloat16
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0)
 
 
 def scaled_mm_fp8(
@@ -89,17 +96,51 @@ def scaled_mm_fp8(
 ) -> torch.Tensor:
     """Row-wise scaled FP8 GEMM (bfloat16 out): x quantized per token or per tensor, W's row scales."""
     xq, x_scale = quantize_activations(x, input_scale)
+    return scaled_mm_quantized(xq, x_scale, weight, scale, bias, x.dtype)
+
+
+def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_quant's one kernel on CUDA (the eager reference was six kernels a linear); rows past its register
+    tile (K > QUANT_MAX_K, e.g. a 70B down_proj) take the reference."""
+    if x.is_cuda and x.shape[1] <= QUANT_MAX_K and x.stride(1) == 1:
+        return quantize_activations_triton(x, input_scale)
+    return quantize_activations_ref(x, input_scale)
+
+
+def scaled_mm_quantized(
+    xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """_scaled_mm on activations already in FP8 (xq [M, K], x_scale [M, 1]): row scales on both sides."""
     # weight [N, K] row-major is the column-major [K, N] operand _scaled_mm wants; scales float32.
-    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=out_dtype)
     return out if bias is None else out + bias
 
 
 # ------------------------------------------------------------------------------------- W8A16 GEMV kernel
-@triton.jit
+@dataclass(frozen=True, slots=True)
+class Fp8GemvConfig:
+    """Launch shape of the W8A16 GEMV: BLOCK_M tokens x BLOCK_N weight rows per program, BLOCK_K columns
+    per step; use_dot: the 16-token tl.dot tile on the tensor cores (block_m 16), else CUDA-core
+    multiply-adds into a [BLOCK_M, BLOCK_N, BLOCK_K] float32 accumulator summed over K once at the end."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    use_dot: bool
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def label(self) -> str:
+        return (f"{'dot' if self.use_dot else 'cores'} {self.block_m}x{self.block_n}x{self.block_k} "
+                f"w{self.num_warps} s{self.num_stages}")
+
+
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel per config for every M, not one for M = 1, one for 16
 def _gemv_fp8_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
     M, N, K, x_stride, w_stride, out_stride, scale_stride,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_SCALES: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -110,24 +151,74 @@ def _gemv_fp8_kernel(
     m_mask = m < M
     ks = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + n.to(tl.int64)[:, None] * w_stride + ks[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
         k_mask = kk < K
         x = tl.load(x_ptr + m[:, None] * x_stride + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)  # FP8 -> x dtype in registers
-        if BLOCK_SCALES:  # one scale per (128-row, 128-col) tile; BLOCK_K divides SCALE_BK
+        if BLOCK_SCALES:  # one scale per (SCALE_BN-row, SCALE_BK-col) tile; BLOCK_K divides SCALE_BK
             s = tl.load(scale_ptr + (n // SCALE_BN) * scale_stride + k0 // SCALE_BK, mask=n_mask, other=0.0)
-            acc += part * s[None, :]
+            if USE_DOT:  # FP8 -> x dtype in registers; the tile's scale on its float32 partial
+                acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION) * s[None, :]
+            else:
+                acc += x.to(tl.float32)[:, None, :] * (w.to(tl.float32) * s[:, None])[None, :, :]
+        elif USE_DOT:
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
         else:
-            acc += part
-    if not BLOCK_SCALES:
+            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    if not USE_DOT:
+        acc = tl.sum(acc, axis=2)
+    if not BLOCK_SCALES:  # row scales: once, on the float32 sums
         acc = acc * tl.load(scale_ptr + n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
     tl.store(out_ptr + m[:, None] * out_stride + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+# One config per (shape class, M rounded up to a power of two), picked at launch by a cached lookup. Until the
+# H200 sweep (ops/bench_fp8_gemv.py) fills it these are guesses carried over from the bf16 GEMV's sweep
+# (engine/kernels/gemv.py gemv_config) with BLOCK_K doubled where a row tile was 512 bf16 bytes, since an
+# FP8 element is half the bytes: tl.dot with one warp and 16 rows for >= 4096 outputs, CUDA cores with
+# 4-row programs at M = 1 for the 1B-class projections (more programs for their few outputs).
+FP8_GEMV_CONFIGS: dict[tuple[str, int], Fp8GemvConfig] = {
+    **{(cls, 1): Fp8GemvConfig(16, 16, 512, True, 1, 4) for cls in ("n_mid", "n_mid_long_k", "n_large")},
+    **{(cls, 1): Fp8GemvConfig(1, 4, 2048, False, 4, 3) for cls in ("n_small", "n_small_long_k")},
+    **{(cls, m): Fp8GemvConfig(16, 16, 512, True, 1, 4)
+       for cls in ("n_mid", "n_mid_long_k", "n_large") for m in (2, 4, 8, 16)},
+    **{(cls, m): Fp8GemvConfig(16, 32, 256, True, 4, 4) for cls in ("n_small",) for m in (2, 4, 8, 16)},
+    **{(cls, m): Fp8GemvConfig(16, 16, 1024, True, 4, 3) for cls in ("n_small_long_k",) for m in (2, 4, 8, 16)},
+}
+_FALLBACK_CONFIG = Fp8GemvConfig(16, 32, 256, True, 4, 4)
+
+
+def shape_class(n: int, k: int) -> str:
+    """What sets a GEMV's speed at one M: the number of programs (N outputs) and the loop's length (K).
+    Llama 8B: qkv/o n_mid, gate_up n_large, down n_mid_long_k; 1B: qkv/o n_small, down n_small_long_k."""
+    rows = "n_large" if n >= 16384 else "n_mid" if n >= 4096 else "n_small"
+    return rows + ("_long_k" if k >= 8192 else "")
+
+
+@functools.lru_cache(maxsize=256)
+def fp8_gemv_config(n: int, k: int, num_tokens: int, on_gpu: bool) -> Fp8GemvConfig:
+    """The table's config for weight [n, k] and M tokens (a dict hit after the first launch of a shape)."""
+    m = triton.next_power_of_2(num_tokens)
+    if not on_gpu:  # the interpreter pays per program and numpy op: few wide programs, a few K slices
+        return Fp8GemvConfig(m, 32, 64, False, 4, 1) if m <= 4 else Fp8GemvConfig(16, 32, 64, True, 4, 1)
+    return FP8_GEMV_CONFIGS.get((shape_class(n, k), m), _FALLBACK_CONFIG)
+
+
+def _fit_block_k(block_k: int, scale_bk: int) -> int:
+    """Block scales change every scale_bk columns: the K step must divide it (halve it until it does)."""
+    while block_k > 16 and scale_bk % block_k:
+        block_k //= 2
+    if scale_bk % block_k:
+        raise ValueError(f"gemv_fp8: weight block {scale_bk} along K is not a multiple of 16")
+    return block_k
 
 
 def gemv_fp8_triton(
@@ -137,12 +228,10 @@ def gemv_fp8_triton(
     bias: torch.Tensor | None = None,
     block: tuple[int, int] | None = None,
     *,
-    block_n: int | None = None,
+    config: Fp8GemvConfig | None = None,
 ) -> torch.Tensor:
-    """fp8_linear_ref's semantics for M <= 16 tokens, weights read once as FP8.
-
-    block_n (rows per program): 32 up to N = 8192 (more programs for the small projections: qkv 6144 rows
-    makes 192 programs on 132 SMs), 64 above. A starting guess, not yet measured on the H200."""
+    """fp8_linear_ref's semantics for M <= 16 tokens, weights read once as FP8; config overrides the table
+    (the sweep uses it)."""
     check_fp8_args(x, weight, scale, block)
     num_tokens, k = x.shape
     n = weight.shape[0]
@@ -152,20 +241,18 @@ def gemv_fp8_triton(
         raise ValueError(f"gemv_fp8: bias must be [{n}] {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("gemv_fp8: x and weight need unit stride along K")
+    if config is not None and (config.block_m < num_tokens or (config.use_dot and config.block_m < 16)):
+        raise ValueError(f"gemv_fp8: config {config.label()} cannot hold M = {num_tokens} (tl.dot needs block_m 16)")
     check_launchable(x, weight, scale)
-    block_k = 128
-    if block is not None and block[1] % block_k:
-        raise ValueError(f"gemv_fp8: weight block {block} must be a multiple of {block_k} along K")
-    if block_n is None:
-        block_n = 32 if n <= 8192 else 64
+    cfg = config or fp8_gemv_config(n, k, num_tokens, x.is_cuda)  # the table's entries hold their M (tested)
+    block_k = cfg.block_k if block is None else _fit_block_k(cfg.block_k, block[1])
     out = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, block_n),)
-    _gemv_fp8_kernel[grid](
+    _gemv_fp8_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, scale, bias if bias is not None else scale, out,
         num_tokens, n, k, x.stride(0), weight.stride(0), out.stride(0), scale.stride(0),
-        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, USE_DOT=cfg.use_dot,
         BLOCK_SCALES=block is not None, SCALE_BN=block[0] if block else 1, SCALE_BK=block[1] if block else 1,
         HAS_BIAS=bias is not None, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
