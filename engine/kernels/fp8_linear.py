@@ -180,18 +180,62 @@ def _gemv_fp8_kernel(
     tl.store(out_ptr + m[:, None] * out_stride + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-# One config per (shape class, M rounded up to a power of two), picked at launch by a cached lookup. Until the
-# H200 sweep (ops/bench_fp8_gemv.py) fills it these are guesses carried over from the bf16 GEMV's sweep
-# (engine/kernels/gemv.py gemv_config) with BLOCK_K doubled where a row tile was 512 bf16 bytes, since an
-# FP8 element is half the bytes: tl.dot with one warp and 16 rows for >= 4096 outputs, CUDA cores with
-# 4-row programs at M = 1 for the 1B-class projections (more programs for their few outputs).
+# One config per (shape class, M rounded up to a power of two), picked at launch by a cached lookup.
+# From ops/bench_fp8_gemv.py's sweep (NVIDIA H200, 2026-12-01 11:30 UTC, BENCHMARKS.md):
+# per class and M the config with the least summed slowdown over the class's shapes. Comments: us per
+# call of that config on each shape (CUDA-graph replay over >= 512 MB of weights) and the shape's own
+# best. A class the sweep did not see takes _FALLBACK_CONFIG.
 FP8_GEMV_CONFIGS: dict[tuple[str, int], Fp8GemvConfig] = {
-    **{(cls, 1): Fp8GemvConfig(16, 16, 512, True, 1, 4) for cls in ("n_mid", "n_mid_long_k", "n_large")},
-    **{(cls, 1): Fp8GemvConfig(1, 4, 2048, False, 4, 3) for cls in ("n_small", "n_small_long_k")},
-    **{(cls, m): Fp8GemvConfig(16, 16, 512, True, 1, 4)
-       for cls in ("n_mid", "n_mid_long_k", "n_large") for m in (2, 4, 8, 16)},
-    **{(cls, m): Fp8GemvConfig(16, 32, 256, True, 4, 4) for cls in ("n_small",) for m in (2, 4, 8, 16)},
-    **{(cls, m): Fp8GemvConfig(16, 16, 1024, True, 4, 3) for cls in ("n_small_long_k",) for m in (2, 4, 8, 16)},
+    # 8b gate_up 44.8 us (best 44.8), 1b gate_up 16.3 us (best 15.7)
+    ("n_large", 1): Fp8GemvConfig(1, 8, 1024, False, 4, 3),
+    # 8b gate_up 45.8 us (best 45.8), 1b gate_up 16.7 us (best 15.7)
+    ("n_large", 2): Fp8GemvConfig(16, 32, 512, True, 4, 3),
+    # 8b gate_up 45.8 us (best 45.8), 1b gate_up 16.6 us (best 15.7)
+    ("n_large", 4): Fp8GemvConfig(16, 32, 512, True, 4, 3),
+    # 8b gate_up 45.5 us (best 45.5), 1b gate_up 16.6 us (best 15.8)
+    ("n_large", 8): Fp8GemvConfig(16, 32, 512, True, 4, 3),
+    # 8b gate_up 45.6 us (best 45.6), 1b gate_up 16.7 us (best 15.8)
+    ("n_large", 16): Fp8GemvConfig(16, 32, 512, True, 4, 3),
+    # 8b qkv 13.0 us (best 12.3), 8b o 8.6 us (best 8.6)
+    ("n_mid", 1): Fp8GemvConfig(1, 8, 1024, False, 4, 3),
+    # 8b qkv 15.7 us (best 15.7), 8b o 11.8 us (best 11.7)
+    ("n_mid", 2): Fp8GemvConfig(16, 32, 512, True, 4, 3),
+    # 8b qkv 15.7 us (best 15.7), 8b o 11.8 us (best 11.8)
+    ("n_mid", 4): Fp8GemvConfig(16, 32, 512, True, 4, 3),
+    # 8b qkv 15.7 us (best 15.7), 8b o 11.9 us (best 11.9)
+    ("n_mid", 8): Fp8GemvConfig(16, 32, 512, True, 4, 3),
+    # 8b qkv 15.7 us (best 15.7), 8b o 11.8 us (best 11.8)
+    ("n_mid", 16): Fp8GemvConfig(16, 32, 512, True, 4, 3),
+    # 8b down 23.0 us (best 23.0)
+    ("n_mid_long_k", 1): Fp8GemvConfig(1, 8, 1024, False, 4, 3),
+    # 8b down 33.7 us (best 33.7)
+    ("n_mid_long_k", 2): Fp8GemvConfig(16, 32, 512, True, 4, 3),
+    # 8b down 33.7 us (best 33.7)
+    ("n_mid_long_k", 4): Fp8GemvConfig(16, 32, 512, True, 4, 3),
+    # 8b down 33.9 us (best 33.9)
+    ("n_mid_long_k", 8): Fp8GemvConfig(16, 32, 512, True, 4, 3),
+    # 8b down 33.8 us (best 33.8)
+    ("n_mid_long_k", 16): Fp8GemvConfig(16, 32, 512, True, 4, 3),
+    # 1b qkv 5.1 us (best 5.1), 1b o 4.5 us (best 4.2)
+    ("n_small", 1): Fp8GemvConfig(1, 8, 1024, False, 4, 3),
+    # 1b qkv 7.0 us (best 6.3), 1b o 4.8 us (best 4.8)
+    ("n_small", 2): Fp8GemvConfig(2, 4, 1024, False, 4, 3),
+    # 1b qkv 7.2 us (best 7.2), 1b o 6.9 us (best 6.9)
+    ("n_small", 4): Fp8GemvConfig(16, 32, 512, True, 4, 3),
+    # 1b qkv 7.2 us (best 7.2), 1b o 6.9 us (best 6.9)
+    ("n_small", 8): Fp8GemvConfig(16, 32, 512, True, 4, 3),
+    # 1b qkv 7.2 us (best 7.2), 1b o 6.9 us (best 6.9)
+    ("n_small", 16): Fp8GemvConfig(16, 32, 512, True, 4, 3),
+    # 1b down 8.7 us (best 8.7)
+    ("n_small_long_k", 1): Fp8GemvConfig(1, 4, 2048, False, 4, 3),
+    # 1b down 11.7 us (best 11.7)
+    ("n_small_long_k", 2): Fp8GemvConfig(2, 4, 1024, False, 4, 3),
+    # 1b down 18.5 us (best 18.5)
+    ("n_small_long_k", 4): Fp8GemvConfig(16, 16, 1024, True, 4, 3),
+    # 1b down 18.4 us (best 18.4)
+    ("n_small_long_k", 8): Fp8GemvConfig(16, 16, 1024, True, 4, 3),
+    # 1b down 18.8 us (best 18.8)
+    ("n_small_long_k", 16): Fp8GemvConfig(16, 16, 1024, True, 4, 3),
 }
 _FALLBACK_CONFIG = Fp8GemvConfig(16, 32, 256, True, 4, 4)
 
