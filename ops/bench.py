@@ -560,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         profile_w1(eng, vocab, args.prompt)
         from stoker.ops.step_profile import profile_w2_steps
 
-        prefill_tokens = (eng.config.max_num_batched_tokens // args.prompt) * args.prompt
+        prefill_tokens = min(args.w2_requests, eng.config.max_num_batched_tokens // args.prompt) * args.prompt
         r["w2_step_profile"] = profile_w2_steps(eng, vocab, args.w2_requests, args.prompt, prefill_tokens,
                                                 os.environ.get("OUT") or ".", log)
         cprofile_w2(eng, vocab, args.w2_requests, args.prompt)

@@ -6,6 +6,10 @@ same code on a tiny model (no GPU: CPU-side op times only, no graph replay):
 
     PYTHONPATH=. python ops/step_profile.py --shape tiny [--requests 8] [--prompt 64]
 
+and on a GPU, alone (writes the bench's random 8B folder first when it is missing):
+
+    PYTHONPATH=. python ops/step_profile.py --shape 8b --requests 1024 --prompt 512
+
 How: run_requests-like adds of `requests` prompts; a hook on the runner's forward waits for the first
 forward that is decode-only at full batch (and the first pure prefill of `prefill_tokens` tokens), lets it
 run as usual, then repeats exactly that input under torch.profiler. Repeating a forward rewrites the same
@@ -19,6 +23,7 @@ upload, the pending-token gather, static-buffer copies, sampling).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -120,8 +125,8 @@ def profile_w2_steps(eng: Any, vocab: int, requests: int, prompt: int, prefill_t
         res["prefill_tokens"] = int(inp.input_ids.shape[0])
         res["prefill_kernel_ms"] = _device_total_ms(prof, device)
         texts["prefill"] = (
-            f"ONE prefill step of {res['prefill_tokens']} tokens ({res['prefill_tokens'] // prompt} prompts x "
-            f"{prompt}), eager (prefill never uses a graph); device kernel time summed: "
+            f"ONE prefill step of {res['prefill_tokens']} tokens ({int(inp.meta.context_lens.shape[0])} prompt "
+            f"chunks of prompts of {prompt}), eager (prefill never uses a graph); device kernel time summed: "
             f"{res['prefill_kernel_ms']:.2f} ms\n" + kernel_table(prof, device)
         )
 
@@ -145,8 +150,9 @@ def profile_w2_steps(eng: Any, vocab: int, requests: int, prompt: int, prefill_t
         )
 
     hooks = [
-        _StepHook(runner, lambda inp: not inp.meta.decode_only and inp.input_ids.shape[0] == prefill_tokens
-                  and inp.sample_indices.shape[0] == inp.meta.context_lens.shape[0], on_prefill),
+        # The batch's first forward is all prompt chunks (the engine ran nothing before): a budget's worth.
+        _StepHook(runner, lambda inp: not inp.meta.decode_only and inp.input_ids.shape[0] >= prefill_tokens,
+                  on_prefill),
         _StepHook(runner, lambda inp: inp.meta.decode_only and inp.input_ids.shape[0] == requests, on_decode),
     ]
     gen = torch.Generator().manual_seed(21)
@@ -196,15 +202,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
-    path = f"/tmp/stoker-bench-{args.shape}-{args.device}"
+    # The bench's folder on a GPU (its weights are reused when there); a folder of its own for CPU dry runs.
+    path = f"/tmp/stoker-bench-{args.shape}" + ("" if args.device.startswith("cuda") else "-cpu")
     bench.write_model(path, bench.SHAPES[args.shape], device=args.device)
     eng, _ = bench.start_engine(path, args.requests, device=args.device)
     try:
+        # The first step of a fresh batch: as many whole prompts as the token budget holds, nothing else.
+        prefill_tokens = min(args.requests, eng.config.max_num_batched_tokens // args.prompt) * args.prompt
         res = profile_w2_steps(eng, bench.SHAPES[args.shape]["vocab_size"], args.requests, args.prompt,
-                               args.requests * args.prompt, os.environ.get("OUT") or ".")
+                               prefill_tokens, os.environ.get("OUT") or ".")
     finally:
         eng.close()
-    print(res)
+    print(json.dumps(res))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "w2_step_profile.json"), "w") as f:
+            json.dump(res, f, indent=2)
     return 0 if "decode_batch" in res and "prefill_tokens" in res else 1
 
 
