@@ -296,21 +296,45 @@ def paged_decode_attention_triton(
     return out
 
 
-@triton.jit(do_not_specialize=["num_seqs", "block_table_stride"])
+@triton.jit
+def _zero_padding_rows(
+    out_ptr, query_start_loc_ptr, num_seqs, num_tokens, pad_program, kv_head, out_token_stride, out_head_stride,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAD_ROWS: tl.constexpr,
+):
+    # Rows query_start_loc[B] .. T-1 (batch padding) belong to no sequence: zero this program's PAD_ROWS of
+    # them for the GROUP heads of kv_head. Most such programs cover real rows only and store nothing.
+    token = (pad_program * PAD_ROWS + tl.arange(0, PAD_ROWS)).to(tl.int64)
+    token_mask = (token >= tl.load(query_start_loc_ptr + num_seqs)) & (token < num_tokens)
+    dims = tl.arange(0, BLOCK_D)
+    mask = token_mask[:, None] & (dims[None, :] < HEAD_DIM)
+    zeros = tl.zeros([PAD_ROWS, BLOCK_D], out_ptr.dtype.element_ty)
+    for g in tl.static_range(GROUP):
+        head = kv_head * GROUP + g
+        tl.store(out_ptr + token[:, None] * out_token_stride + head * out_head_stride + dims[None, :], zeros,
+                 mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_tiles", "block_table_stride"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, out_ptr,
-    k_scale_ptr, v_scale_ptr, qk_scale, num_seqs, q_token_stride, q_head_stride, block_table_stride, out_token_stride, out_head_stride,
+    k_scale_ptr, v_scale_ptr, qk_scale, num_seqs, num_tokens, num_tiles,
+    q_token_stride, q_head_stride, block_table_stride, out_token_stride, out_head_stride,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FP8_CACHE: tl.constexpr,
+    PAD_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_CACHE: tl.constexpr,
 ):
     # Program (query tile, kv head). A tile is up to BLOCK_Q consecutive tokens of ONE sequence times the
     # GROUP query heads of this kv head: BLOCK_M = BLOCK_Q * GROUP rows (padded to a power of two), so
     # each K/V tile is loaded once for the whole group. Sequence b's tiles are numbered from
     # query_start_loc[b] // BLOCK_Q + b on, which leaves gaps but needs no host-side prefix sum: the grid
     # is sized by the bound T // BLOCK_Q + B and a binary search finds each tile's sequence.
+    # Programs past num_tiles write the batch padding's rows instead (the output is allocated empty).
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
+    if tile >= num_tiles:
+        _zero_padding_rows(out_ptr, query_start_loc_ptr, num_seqs, num_tokens, tile - num_tiles, kv_head,
+                           out_token_stride, out_head_stride, GROUP, HEAD_DIM, BLOCK_D, PAD_ROWS)
+        return
     lo = 0
     hi = num_seqs
     while lo < hi:  # first sequence whose tiles start after this one, minus one
@@ -377,31 +401,43 @@ def paged_attention_triton(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """out: where to write [T, Hq, D] (every row is written, padding rows with zeros); None allocates."""
     _check_cache(q, k_cache, v_cache, k_scale, v_scale)
     _check_batch(q.shape[0], block_tables, query_start_loc, context_lens)
     _check_kernel_inputs(q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = context_lens.shape[0]
-    # Zeros, not empty: rows past query_start_loc[-1] (batch padding) belong to no tile; keep them finite
-    # like the reference does. A memset of T*Hq*D is negligible next to the attention itself.
-    out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
-    if num_tokens == 0 or num_seqs == 0:
+    # Empty, not zeros: the kernel writes every row, the batch padding's (past query_start_loc[-1]) with
+    # zeros like the reference. A memset of T*Hq*D was ~67 MB per layer per 8k-token step at the 8B shape.
+    if out is None:
+        out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(2) != 1:
+        raise ValueError(f"attention: out must be {tuple(q.shape)} {q.dtype} on {q.device} with a contiguous "
+                         f"head_dim, got {tuple(out.shape)} {out.dtype} on {out.device}")
+    if num_tokens == 0:
         return out
+    if num_seqs == 0:
+        return out.zero_()
     group = num_q_heads // num_kv_heads
     # 64 rows x 64 keys x 128 dims in fp16 keeps q, k, v tiles at 16 KiB each (fits with 4 warps).
     block_m = 64 if q.is_cuda else 16
     block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     num_tiles = num_tokens // block_q + num_seqs
+    # Padding programs: which rows are padding is known only on the device, so cover all T rows; the ones
+    # over real rows load one int and store nothing (T=8192: 128 programs per kv head, ~1% of the grid).
+    pad_rows = 64 if q.is_cuda else 16
     fp8 = is_fp8_cache(k_cache)
     k_scale_arg, v_scale_arg = (k_scale, v_scale) if fp8 else (out, out)  # placeholders when not FP8
-    _prefill_kernel[(num_tiles, num_kv_heads)](
+    _prefill_kernel[(num_tiles + triton.cdiv(num_tokens, pad_rows), num_kv_heads)](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, k_scale_arg, v_scale_arg,
-        scale * _LOG2E, num_seqs, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        scale * _LOG2E, num_seqs, num_tokens, num_tiles,
+        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=64 if q.is_cuda else 16,
-        DOT_PRECISION=_dot_precision(q.dtype), FP8_CACHE=fp8, num_warps=4,
+        PAD_ROWS=pad_rows, DOT_PRECISION=_dot_precision(q.dtype), FP8_CACHE=fp8, num_warps=4,
     )
     return out
