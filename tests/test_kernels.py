@@ -189,6 +189,31 @@ def test_paged_decode_attention(
     close(out, paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, 0.1), dtype)
 
 
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_paged_decode_attention_reads_only_live_splits(
+    device: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Empty splits (a short context in a grid sized for a long one, as inside a CUDA graph) write no
+    partials and the reduce must not read them: the split-K scratch starts as NaN here."""
+    from stoker.engine.kernels import attention
+
+    def poisoned(*args: object, **kwargs: object) -> tuple[torch.Tensor, ...]:
+        return tuple(t.fill_(float("nan")) for t in real(*args, **kwargs))
+
+    real = attention._decode_partials
+    monkeypatch.setattr(attention, "_decode_partials", poisoned)
+    lens = [1, 20, 3, 50]
+    k_cache, v_cache, block_tables = paged_batch(lens, 2, 32, 8, device, dtype)
+    wide = torch.zeros(len(lens), 40, dtype=torch.int32, device=device)  # a static table, 320 tokens wide
+    wide[:, : block_tables.shape[1]] = block_tables
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(lens), 6, 32, device=device, dtype=dtype)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, 0.2)
+    for num_splits in (None, 7):
+        out = paged_decode_attention_triton(q, k_cache, v_cache, wide, context_lens, 0.2, num_splits)
+        close(out, ref, dtype)
+
+
 def test_decode_num_splits_fills_the_gpu() -> None:
     # Batch 1, 8 kv heads, 132 SMs (H200): 33 splits give 264 programs, 2 waves.
     assert decode_num_splits(1, 8, 8192, 132, 64) == 33
