@@ -81,7 +81,10 @@ def _replay_ms(runner: Any, inp: Any, reps: int = 5) -> float | None:
 
 def _eager_forward(runner: Any, inp: Any) -> torch.Tensor:
     """The forward without the CUDA graph: the same kernels the graph holds, launched one by one."""
-    hidden = runner.model(inp.input_ids, inp.positions, inp.meta, runner.kv_caches)
+    from stoker.engine.batch import resolve_pending
+
+    hidden = runner.model(resolve_pending(inp.input_ids, inp.prev_tokens), inp.positions, inp.meta,
+                          runner.kv_caches)
     return runner.model.compute_logits(hidden[inp.sample_indices])
 
 
