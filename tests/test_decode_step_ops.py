@@ -58,3 +58,56 @@ def test_lm_head_logits_one_gemm_to_float32_on_cuda(dtype: torch.dtype) -> None:
     assert (got.double() - exact).abs().max() <= (old.double() - exact).abs().max()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert not any("copy" in k.lower() or "elementwise" in k.lower() for k in kernels), kernels
+
+
+class _Replay:
+    """Stands in for a captured CUDA graph on the CPU: a replay re-runs the captured forward on the static
+    buffers, so everything DecodeGraphs does around a replay (static copies, padding rows, the in-graph
+    pending-token gather, the shared logits rows) runs as on the GPU."""
+
+    def __init__(self, graphs, bucket: int):
+        self.graphs, self.bucket = graphs, bucket
+
+    def replay(self) -> None:
+        self.graphs._forward(self.bucket)
+
+
+def test_decode_graph_bookkeeping_gives_the_eager_tokens(tmp_path) -> None:
+    """Overlapped greedy decoding through DecodeGraphs.run (replays faked on the CPU) gives the tokens of the
+    eager engine: batches of 1..5 sequences replay buckets 1, 2, 4, 8 with padding rows, and every decode
+    input holds pending tokens that only the graph's gather resolves."""
+    from engine_models import build_hf_model, prompts
+    from stoker.engine import EngineRequest, SamplingParams
+    from stoker.engine.config import EngineConfig
+    from stoker.engine.cuda_graphs import DecodeGraphs
+    from stoker.engine.engine import LLMEngine
+
+    build_hf_model("llama", str(tmp_path), seed=5)
+
+    def run(with_graphs: bool) -> tuple[dict[str, list[int]], int]:
+        engine = LLMEngine(EngineConfig(str(tmp_path), device="cpu", num_kv_blocks=48, max_num_seqs=8,
+                                        async_scheduling=True))
+        runner = engine.runner
+        graphs = None
+        if with_graphs:
+            graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.device, runner.block_size, 8,
+                                  engine.max_model_len)
+            vocab = runner.model.compute_logits(torch.zeros(1, engine.model_config.hidden_size)).shape[1]
+            graphs.logits = torch.full((8, vocab), float("nan"))  # rows a replay does not write stay NaN
+            graphs.graphs = {b: _Replay(graphs, b) for b in graphs.sizes}
+            runner.graphs = graphs
+        tokens: dict[str, list[int]] = {}
+        for i, ids in enumerate(prompts(11, [5, 9, 3, 12, 7])):
+            engine.add_request(EngineRequest(f"r{i}", prompt_token_ids=ids,
+                                             params=SamplingParams(temperature=0.0, max_tokens=6 + 2 * i)))
+            for out in engine.step():  # one add per step: decode batches grow 1, 2, .. 5 (and shrink)
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        return tokens, 0 if graphs is None else graphs.replays
+
+    eager, _ = run(False)
+    graphed, replays = run(True)
+    assert replays >= 10
+    assert graphed == eager and all(len(t) == 6 + 2 * int(r[1:]) for r, t in graphed.items())
