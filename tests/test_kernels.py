@@ -147,18 +147,14 @@ def test_paged_attention_mixed_batch(
     num_real = int(query_start_loc[-1])
     q = torch.randn(num_real + 3, hq, head_dim, device=device, dtype=dtype)  # 3 rows of batch padding
     scale = head_dim**-0.5
-    out = paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
-    ref = paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
-    assert out.shape == q.shape and out.dtype == dtype
-    close(out[:num_real], ref[:num_real], dtype)
-    assert torch.equal(out[num_real:], torch.zeros_like(out[num_real:]))
     # The output is not zero-filled first: into a NaN-poisoned buffer the kernel must write every row.
     poisoned = torch.full_like(q, float("nan"))
-    again = paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
-                                   out=poisoned)
-    assert again is poisoned
-    close(again[:num_real], ref[:num_real], dtype)
-    assert torch.equal(again[num_real:], torch.zeros_like(again[num_real:]))
+    out = paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+                                 out=poisoned)
+    ref = paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+    assert out is poisoned
+    close(out[:num_real], ref[:num_real], dtype)
+    assert torch.equal(out[num_real:], torch.zeros_like(out[num_real:]))
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
@@ -168,11 +164,13 @@ def test_paged_attention_padding_rows_past_many_programs(device: str, dtype: tor
     query_start_loc = torch.tensor([0, 9, 13], dtype=torch.int32, device=device)
     context_lens = torch.tensor([9, 4], dtype=torch.int32, device=device)
     q = torch.randn(13 + 37, 2, 16, device=device, dtype=dtype)
-    out = paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, 0.25,
-                                 out=torch.full_like(q, float("nan")))
     ref = paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, 0.25)
-    close(out[:13], ref[:13], dtype)
-    assert torch.equal(out[13:], torch.zeros_like(out[13:]))
+    for out in (None, torch.full_like(q, float("nan"))):  # allocated by the launcher, or poisoned
+        out = paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, 0.25,
+                                     out=out)
+        assert out.shape == q.shape and out.dtype == dtype
+        close(out[:13], ref[:13], dtype)
+        assert torch.equal(out[13:], torch.zeros_like(out[13:]))
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
