@@ -27,6 +27,18 @@ class ModelInput:
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # [N] int64: rows of the hidden states whose logits are sampled
+    # The previous step's sampled ids [P] when some input_ids are pending (encoded -1 - row), else None:
+    # resolve_pending() reads them on the device (eagerly, or inside the decode graph).
+    prev_tokens: torch.Tensor | None = None
+
+
+def resolve_pending(input_ids: torch.Tensor, prev_tokens: torch.Tensor | None) -> torch.Tensor:
+    """input_ids with each pending entry (-1 - r) replaced by prev_tokens[r]: a device-side gather, no host
+    round trip. Rows >= 0 pass through; a CUDA graph runs this every replay (the where is the identity then)."""
+    if prev_tokens is None:
+        return input_ids
+    rows = (-1 - input_ids).clamp(min=0, max=prev_tokens.shape[0] - 1)
+    return torch.where(input_ids < 0, prev_tokens[rows], input_ids)
 
 
 @dataclass(slots=True)

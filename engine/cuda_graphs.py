@@ -1,14 +1,17 @@
 """CUDA graphs for decode-only steps.
 
-At startup we capture, per batch-size bucket (1, 2, 4, ..., max_num_seqs), one graph of the whole decode
-forward (embedding -> layers -> final norm -> lm_head -> float32 logits) over static buffers: input_ids,
-positions, slot_mapping, block_tables, context_lens (and query_start_loc, which the decode kernel never
-reads). All graphs share one memory pool and are captured largest first, so the smaller ones reuse its
-blocks. A decode step of n sequences replays the smallest bucket >= n: rows n.. are padding that write
-their K/V nowhere (slot -1), attend over one key and whose logits nobody reads. The attention's split-K
-grid is fixed per bucket because the decode launcher picks num_splits from the batch and the static block
-table's width (max_model_len), never from context_lens values. Sampling stays outside the graph (its
-stages depend on per-batch settings); mixed and prefill steps run eagerly.
+At startup we capture, per batch-size bucket (bucket_sizes: 1, 2, 4, .., 64, then every 64 rows up to
+max_num_seqs), one graph of the whole decode forward (pending-token gather -> embedding -> layers -> final
+norm -> lm_head -> float32 logits) over static buffers: input_ids (with pending tokens encoded as -1 - row
+of prev_tokens, resolved inside the graph), prev_tokens, positions, slot_mapping, block_tables,
+context_lens (and query_start_loc, which the decode kernel never reads). All graphs share one memory pool
+and are captured largest first, so the smaller ones reuse its blocks; all write their logits into one
+static [max_batch, V] buffer. A decode step of n sequences replays the smallest bucket >= n: rows n.. are
+padding that write their K/V nowhere (slot -1), attend over one key and whose logits nobody reads. The
+attention's split-K grid is fixed per bucket because the decode launcher picks num_splits from the batch
+and the static block table's width (max_model_len), never from context_lens values (splits past a short
+context exit at once). Sampling stays outside the graph (its stages depend on per-batch settings); mixed
+and prefill steps run eagerly.
 """
 
 from __future__ import annotations
@@ -17,19 +20,33 @@ import bisect
 import time
 
 import torch
-from stoker.engine.batch import AttentionMetadata, ModelInput
+from stoker.engine.batch import AttentionMetadata, ModelInput, resolve_pending
 from stoker.engine.models.base import CausalLM
+
+FINE_BUCKETS_FROM = 64  # powers of two up to here, then a bucket every FINE_BUCKETS_FROM rows or more
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
-    """Powers of two below max_batch, then max_batch itself: 1, 2, 4, ..., max_batch."""
+    """1, 2, 4, .., 64, then a bucket every 64 rows (every eighth of an octave once that is larger: 1024-2048
+    in steps of 128), then max_batch itself; e.g. max_batch 1024: 22 buckets, 64..1024 in steps of 64.
+    Why: up to ~200 rows a decode step streams the weights once whatever the batch (8B shape, bf16 on an
+    H200: the GEMMs turn compute-bound near 200 rows), so padding 65 -> 128 costs little; above, a step's
+    GEMM time grows with its rows and powers of two made batches of 513..1023 pay for 1024 (up to 2x).
+    Steps of 64 rows bound the padding to 63 rows (<= 11% above 576) and keep cuBLAS on whole 64-row tiles.
+    Each bucket is one more capture at startup (~0.1 s at the 8B shape: the lead measures graph_capture_s)
+    and no more memory for the logits (one shared buffer), only per-bucket graph state."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     sizes, b = [], 1
     while b < max_batch:
         sizes.append(b)
-        b *= 2
+        b = b * 2 if b < FINE_BUCKETS_FROM else b + max(FINE_BUCKETS_FROM, _octave_start(b) // 8)
     return sizes + [max_batch]
+
+
+def _octave_start(b: int) -> int:
+    """The power of two <= b."""
+    return 1 << (b.bit_length() - 1)
 
 
 def pick_bucket(sizes: list[int], n: int) -> int:
@@ -57,7 +74,9 @@ class DecodeGraphs:
         self.max_batch = max_batch
         dev = device
         max_blocks = -(-max_model_len // block_size)
-        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=dev)  # < 0: -1 - row of prev_tokens
+        # The previous step's sampled ids (at most max_batch: every step samples <= max_num_seqs rows).
+        self.prev_tokens = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=dev)
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=dev)
@@ -74,13 +93,20 @@ class DecodeGraphs:
             for b in self.sizes
         }
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # bucket -> static [b, V] float32 output
+        # Bucket b's graph writes logits[:b] (every bucket shares the rows): one [max_batch, V] float32 buffer
+        # instead of a buffer per bucket (which at 22 buckets and V=128K would hold ~4.5 GB). Allocated by
+        # capture() (the warm-up's logits give V: this rank's LM head may not be the config's).
+        self.logits: torch.Tensor | None = None
+        self.hidden: dict[int, torch.Tensor] = {}  # bucket -> static hidden states (ranks without logits)
         self.replays = 0  # decode steps served from a graph (tests and stats read it)
         self.capture_s = 0.0
 
     def _forward(self, b: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:b], self.positions[:b], self._meta[b], self.kv_caches)
-        return self.model.compute_logits(hidden) if self.with_logits else hidden
+        input_ids = resolve_pending(self.input_ids[:b], self.prev_tokens)
+        hidden = self.model(input_ids, self.positions[:b], self._meta[b], self.kv_caches)
+        if not self.with_logits:
+            return hidden
+        return self.model.compute_logits(hidden, out=None if self.logits is None else self.logits[:b])
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -93,13 +119,17 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for b in (self.sizes[-1], self.sizes[0]):
-                self._forward(b)
+                out = self._forward(b)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize(self.device)
+        if self.with_logits:  # on the current stream, which replays use (not the side stream's pool)
+            self.logits = torch.empty(self.max_batch, out.shape[1], dtype=out.dtype, device=self.device)
         for b in reversed(self.sizes):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[b] = self._forward(b)
+                out = self._forward(b)
+            if not self.with_logits:
+                self.hidden[b] = out
             self.graphs[b] = graph
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
@@ -119,6 +149,8 @@ class DecodeGraphs:
         n, width = inp.input_ids.shape[0], inp.meta.block_tables.shape[1]
         b = pick_bucket(self.sizes, n)
         self.input_ids[:n].copy_(inp.input_ids, non_blocking=True)
+        if inp.prev_tokens is not None:  # pending ids: the graph reads them from here
+            self.prev_tokens[: inp.prev_tokens.shape[0]].copy_(inp.prev_tokens, non_blocking=True)
         self.positions[:n].copy_(inp.positions, non_blocking=True)
         self.slot_mapping[:n].copy_(inp.meta.slot_mapping, non_blocking=True)
         self.context_lens[:n].copy_(inp.meta.context_lens, non_blocking=True)
@@ -128,7 +160,9 @@ class DecodeGraphs:
             self.context_lens[n:b].fill_(1)
         self.graphs[b].replay()
         self.replays += 1
-        logits = self.logits[b]
+        if self.logits is None:  # (no LM head on this tensor-parallel rank)
+            return self.hidden[b]
+        logits = self.logits[:b]
         if inp.sample_indices.shape[0] == n:  # a decode step samples every row (the usual case)
             return logits[:n]
         return logits[inp.sample_indices]

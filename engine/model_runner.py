@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from stoker.engine import kernels
-from stoker.engine.batch import AttentionMetadata, ModelInput, PackedStep
+from stoker.engine.batch import AttentionMetadata, ModelInput, PackedStep, resolve_pending
 from stoker.engine.config import EngineConfig
 from stoker.engine.kv_cache import allocate_kv_cache, kv_cache_dtype, num_kv_blocks, weights_bytes
 from stoker.engine.loader import load_weights
@@ -184,13 +184,11 @@ class ModelRunner:
         o_ids, o_pos, o_slots, o_samples, o_qsl, o_ctx, o_tables = packed.offsets
         i64, i32 = self._upload(packed.host64), self._upload(packed.host32)
         T, N, B, width = packed.num_tokens, packed.num_samples, packed.num_seqs, packed.width
-        input_ids = i64[o_ids : o_ids + T]
-        if packed.num_prev:  # pending ids: one gather from the previous step's sampled ids, on the device
+        input_ids = i64[o_ids : o_ids + T]  # pending ids stay encoded: resolved by the eager forward or the graph
+        if packed.num_prev:
             assert prev_tokens is not None
-            pending = input_ids < 0
-            input_ids = torch.where(
-                pending, prev_tokens[(-1 - input_ids).clamp(min=0, max=prev_tokens.shape[0] - 1)], input_ids
-            )
+        else:
+            prev_tokens = None
         meta = AttentionMetadata(
             slot_mapping=i64[o_slots : o_slots + T],
             block_tables=i32[o_tables : o_tables + B * width].view(B, width),
@@ -198,7 +196,7 @@ class ModelRunner:
             context_lens=i32[o_ctx : o_ctx + B],
             decode_only=packed.decode_only,
         )
-        return ModelInput(input_ids, i64[o_pos : o_pos + T], meta, i64[o_samples : o_samples + N])
+        return ModelInput(input_ids, i64[o_pos : o_pos + T], meta, i64[o_samples : o_samples + N], prev_tokens)
 
     def close(self) -> None:
         """Drop the weights, the KV cache and the graphs (the runner is unusable after), and hand the freed
@@ -227,7 +225,8 @@ class ModelRunner:
     def _forward(self, inp: ModelInput) -> torch.Tensor:
         if self.graphs is not None and self.graphs.fits(inp):
             return self.graphs.run(inp)  # decode-only: replay the captured graph of the batch's bucket
-        hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
+        input_ids = resolve_pending(inp.input_ids, inp.prev_tokens)
+        hidden = self.model(input_ids, inp.positions, inp.meta, self.kv_caches)
         return self.model.compute_logits(hidden[inp.sample_indices])
 
     @torch.inference_mode()
@@ -236,7 +235,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(inp):
             self.graphs.run(inp)
         else:
-            self.model(inp.input_ids, inp.positions, inp.meta, self.kv_caches)
+            self.model(resolve_pending(inp.input_ids, inp.prev_tokens), inp.positions, inp.meta, self.kv_caches)
 
     @torch.inference_mode()
     def sample_async(self, logits: torch.Tensor, rows: list[SamplingRequest]) -> PendingSample:

@@ -455,7 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-cold", action="store_true", help="no cold start (page cache drop + first engine)")
-    ap.add_argument("--profile", action="store_true", help="W1 kernel table and W2 host cProfile into $OUT")
+    ap.add_argument("--profile", action="store_true",
+                    help="W1 kernel table, W2 decode/prefill step kernel tables (ops/step_profile.py) "
+                         "and W2 host cProfile into $OUT")
     ap.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16",
                     help="fp8: the bf16 weights quantized to FP8 at load (--quantization fp8; lm_head stays bf16)")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
@@ -563,6 +565,11 @@ def main(argv: list[str] | None = None) -> int:
     r["graph_replays"] = eng.runner.graphs.replays if eng.runner.graphs else 0
     if args.profile:
         profile_w1(eng, vocab, args.prompt)
+        from stoker.ops.step_profile import profile_w2_steps
+
+        prefill_tokens = min(args.w2_requests, eng.config.max_num_batched_tokens // args.prompt) * args.prompt
+        r["w2_step_profile"] = profile_w2_steps(eng, vocab, args.w2_requests, args.prompt, prefill_tokens,
+                                                os.environ.get("OUT") or ".", log)
         cprofile_w2(eng, vocab, args.w2_requests, args.prompt)
         # W2 again with one intra-op CPU thread: shows what torch's thread pool costs the host.
         threads = torch.get_num_threads()

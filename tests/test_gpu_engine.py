@@ -85,6 +85,20 @@ def test_bucket_sizes_and_pick() -> None:
         bucket_sizes(0)
 
 
+def test_buckets_above_64_step_by_64_rows() -> None:
+    """Past 64 rows a bucket every 64 (an eighth of an octave once that is larger): a batch of 513 replays
+    576, not 1024; the bucket count stays small enough to capture in a couple of seconds."""
+    sizes = bucket_sizes(1024)
+    assert sizes == [1, 2, 4, 8, 16, 32, 64, *range(128, 1025, 64)]
+    assert len(sizes) == 22
+    assert [pick_bucket(sizes, n) for n in (65, 129, 200, 513, 575, 577, 1023, 1024)] == [
+        128, 192, 256, 576, 576, 640, 1024, 1024]
+    assert max(pick_bucket(sizes, n) - n for n in range(65, 1025)) == 63
+    big = bucket_sizes(4096)  # 1024-2048 in steps of 128, 2048-4096 of 256
+    assert big[21:] == [*range(1024, 2048, 128), *range(2048, 4097, 256)]
+    assert bucket_sizes(1000)[-2:] == [960, 1000]  # max_batch off the grid: its own bucket
+
+
 def _fresh_model(path: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
     mc = ModelConfig.from_folder(path)
     with torch.device(device):

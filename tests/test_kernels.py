@@ -147,11 +147,30 @@ def test_paged_attention_mixed_batch(
     num_real = int(query_start_loc[-1])
     q = torch.randn(num_real + 3, hq, head_dim, device=device, dtype=dtype)  # 3 rows of batch padding
     scale = head_dim**-0.5
-    out = paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+    # The output is not zero-filled first: into a NaN-poisoned buffer the kernel must write every row.
+    poisoned = torch.full_like(q, float("nan"))
+    out = paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+                                 out=poisoned)
     ref = paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
-    assert out.shape == q.shape and out.dtype == dtype
+    assert out is poisoned
     close(out[:num_real], ref[:num_real], dtype)
     assert torch.equal(out[num_real:], torch.zeros_like(out[num_real:]))
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_paged_attention_padding_rows_past_many_programs(device: str, dtype: torch.dtype) -> None:
+    # More padding rows than one padding program covers, and padding starting mid-program.
+    k_cache, v_cache, block_tables = paged_batch([9, 4], 1, 16, 8, device, dtype)
+    query_start_loc = torch.tensor([0, 9, 13], dtype=torch.int32, device=device)
+    context_lens = torch.tensor([9, 4], dtype=torch.int32, device=device)
+    q = torch.randn(13 + 37, 2, 16, device=device, dtype=dtype)
+    ref = paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, 0.25)
+    for out in (None, torch.full_like(q, float("nan"))):  # allocated by the launcher, or poisoned
+        out = paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, 0.25,
+                                     out=out)
+        assert out.shape == q.shape and out.dtype == dtype
+        close(out[:13], ref[:13], dtype)
+        assert torch.equal(out[13:], torch.zeros_like(out[13:]))
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
@@ -166,6 +185,31 @@ def test_paged_decode_attention(
     q = torch.randn(len(lens), hq, head_dim, device=device, dtype=dtype)
     out = paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, 0.1, num_splits)
     close(out, paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, 0.1), dtype)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_paged_decode_attention_reads_only_live_splits(
+    device: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Empty splits (a short context in a grid sized for a long one, as inside a CUDA graph) write no
+    partials and the reduce must not read them: the split-K scratch starts as NaN here."""
+    from stoker.engine.kernels import attention
+
+    def poisoned(*args: object, **kwargs: object) -> tuple[torch.Tensor, ...]:
+        return tuple(t.fill_(float("nan")) for t in real(*args, **kwargs))
+
+    real = attention._decode_partials
+    monkeypatch.setattr(attention, "_decode_partials", poisoned)
+    lens = [1, 20, 3, 50]
+    k_cache, v_cache, block_tables = paged_batch(lens, 2, 32, 8, device, dtype)
+    wide = torch.zeros(len(lens), 40, dtype=torch.int32, device=device)  # a static table, 320 tokens wide
+    wide[:, : block_tables.shape[1]] = block_tables
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(lens), 6, 32, device=device, dtype=dtype)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, 0.2)
+    for num_splits in (None, 7):
+        out = paged_decode_attention_triton(q, k_cache, v_cache, wide, context_lens, 0.2, num_splits)
+        close(out, ref, dtype)
 
 
 def test_decode_num_splits_fills_the_gpu() -> None:

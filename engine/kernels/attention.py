@@ -157,9 +157,13 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), TILE_N) * TILE_N
+    split_len = _decode_split_len(context_len, NUM_SPLITS, TILE_N)
     start = split * split_len
     end = tl.minimum(start + split_len, context_len)
+    if (split > 0) & (start >= context_len):
+        # An empty split (the grid is sized for the longest context the block table can hold, fixed inside a
+        # CUDA graph): exit before loading q or storing a partial; the reduce reads only the live splits.
+        return
 
     rows = tl.arange(0, BLOCK_G)
     heads = kv_head * GROUP + rows
@@ -199,7 +203,7 @@ def _decode_split_kernel(
         tl.store(out_ptr + seq * out_seq_stride + heads[:, None] * out_head_stride + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # Partials [B, Hq, NUM_SPLITS(, D)]; an empty split (start >= context) leaves max=-inf, sum=0.
+        # Partials [B, Hq, NUM_SPLITS(, D)] of the live splits (split 0 is always live).
         part = (seq * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split
         tl.store(part_max_ptr + part, running_max, mask=row_mask)
         tl.store(part_sum_ptr + part, running_sum, mask=row_mask)
@@ -207,22 +211,30 @@ def _decode_split_kernel(
 
 
 @triton.jit
+def _decode_split_len(context_len, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr):
+    # Keys per split: the live context cut into NUM_SPLITS pieces, rounded up to whole key tiles (>= 1 tile).
+    return tl.cdiv(tl.cdiv(tl.maximum(context_len, 1), NUM_SPLITS), TILE_N) * TILE_N
+
+
+@triton.jit
 def _decode_reduce_kernel(
-    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, out_seq_stride, out_head_stride,
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, context_lens_ptr, out_seq_stride, out_head_stride,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, TILE_N: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
     part = (seq * NUM_Q_HEADS + head) * NUM_SPLITS + splits
-    split_mask = splits < NUM_SPLITS
+    # The splits the decode kernel ran (the empty ones exited without writing their partials).
+    context_len = tl.load(context_lens_ptr + seq)
+    split_mask = splits < tl.cdiv(context_len, _decode_split_len(context_len, NUM_SPLITS, TILE_N))
     part_max = tl.load(part_max_ptr + part, mask=split_mask, other=float("-inf"))
     part_sum = tl.load(part_sum_ptr + part, mask=split_mask, other=0.0)
     part_out = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :],
                        mask=split_mask[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
-    weight = tl.exp2(part_max - tl.max(part_max, axis=0))  # split 0 is never empty, so the max is finite
+    weight = tl.exp2(part_max - tl.max(part_max, axis=0))  # split 0 is live, so the max is finite
     out = tl.sum(part_out * weight[:, None], axis=0) / tl.sum(part_sum * weight, axis=0)
     tl.store(out_ptr + seq * out_seq_stride + head * out_head_stride + dims,
              out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
@@ -234,12 +246,29 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _decode_partials(
+    batch: int, num_q_heads: int, num_splits: int, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split-K scratch: partial outputs [B, Hq, S, D], maxima and sums [B, Hq, S] (float32). Left
+    uninitialized: only the live splits' entries are written, and only those are read (tests poison it)."""
+    part_out = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device)
+    part_max = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=device)
+    return part_out, part_max, torch.empty_like(part_max)
+
+
 def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count: int, tile_n: int) -> int:
     """Enough (seq, kv head, split) programs for ~2 waves over the SMs, but never a split shorter than one
     key tile. At small batches the kernel is latency-bound (a 640-token context is ~2.6 MB per layer, under
     a microsecond of bandwidth): one tile per program halves the serial loop of the old two-tile minimum,
     while the extra partials (8 KB each) and the wider reduce cost next to nothing.
-    Depends only on shapes, not on context_lens values, so it needs no host sync and is CUDA-graph safe."""
+    Depends only on shapes, not on context_lens values, so it needs no host sync and is CUDA-graph safe.
+    max_context is the block table's width in tokens: at eager launches the runner sizes the table to the
+    batch's longest live context, so the count already follows the live context; inside a CUDA graph the
+    table is the static one (max_model_len wide) and the grid stays fixed per bucket: splits past a short
+    context then exit at once (the kernel computes each split's range from the live context_lens, so the
+    live splits share the work evenly). Choosing the count from the live maximum inside a graph would need
+    that maximum on the host (a sync) or a grid per context bucket (more captures): not worth it while the
+    empty programs cost one load of context_lens each."""
     wanted = triton.cdiv(2 * sm_count, max(1, batch * num_kv_heads))
     return max(1, min(wanted, triton.cdiv(max_context, tile_n), 64))
 
@@ -274,9 +303,7 @@ def paged_decode_attention_triton(
         num_splits = decode_num_splits(batch, num_kv_heads, max_context, _sm_count(q.device), tile_n)
     part_out = part_max = part_sum = out  # placeholders, unused when there is one split
     if num_splits > 1:
-        part_out = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        part_max = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
-        part_sum = torch.empty_like(part_max)
+        part_out, part_max, part_sum = _decode_partials(batch, num_q_heads, num_splits, head_dim, q.device)
     block_d = triton.next_power_of_2(head_dim)
     fp8 = is_fp8_cache(k_cache)
     k_scale_arg, v_scale_arg = (k_scale, v_scale) if fp8 else (out, out)  # placeholders when not FP8
@@ -289,28 +316,52 @@ def paged_decode_attention_triton(
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_q_heads)](
-            out, part_out, part_max, part_sum, out.stride(0), out.stride(1),
+            out, part_out, part_max, part_sum, context_lens, out.stride(0), out.stride(1),
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), TILE_N=tile_n, num_warps=4,
         )
     return out
 
 
-@triton.jit(do_not_specialize=["num_seqs", "block_table_stride"])
+@triton.jit
+def _zero_padding_rows(
+    out_ptr, query_start_loc_ptr, num_seqs, num_tokens, pad_program, kv_head, out_token_stride, out_head_stride,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAD_ROWS: tl.constexpr,
+):
+    # Rows query_start_loc[B] .. T-1 (batch padding) belong to no sequence: zero this program's PAD_ROWS of
+    # them for the GROUP heads of kv_head. Most such programs cover real rows only and store nothing.
+    token = (pad_program * PAD_ROWS + tl.arange(0, PAD_ROWS)).to(tl.int64)
+    token_mask = (token >= tl.load(query_start_loc_ptr + num_seqs)) & (token < num_tokens)
+    dims = tl.arange(0, BLOCK_D)
+    mask = token_mask[:, None] & (dims[None, :] < HEAD_DIM)
+    zeros = tl.zeros([PAD_ROWS, BLOCK_D], out_ptr.dtype.element_ty)
+    for g in tl.static_range(GROUP):
+        head = kv_head * GROUP + g
+        tl.store(out_ptr + token[:, None] * out_token_stride + head * out_head_stride + dims[None, :], zeros,
+                 mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_tiles", "block_table_stride"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, out_ptr,
-    k_scale_ptr, v_scale_ptr, qk_scale, num_seqs, q_token_stride, q_head_stride, block_table_stride, out_token_stride, out_head_stride,
+    k_scale_ptr, v_scale_ptr, qk_scale, num_seqs, num_tokens, num_tiles,
+    q_token_stride, q_head_stride, block_table_stride, out_token_stride, out_head_stride,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FP8_CACHE: tl.constexpr,
+    PAD_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_CACHE: tl.constexpr,
 ):
     # Program (query tile, kv head). A tile is up to BLOCK_Q consecutive tokens of ONE sequence times the
     # GROUP query heads of this kv head: BLOCK_M = BLOCK_Q * GROUP rows (padded to a power of two), so
     # each K/V tile is loaded once for the whole group. Sequence b's tiles are numbered from
     # query_start_loc[b] // BLOCK_Q + b on, which leaves gaps but needs no host-side prefix sum: the grid
     # is sized by the bound T // BLOCK_Q + B and a binary search finds each tile's sequence.
+    # Programs past num_tiles write the batch padding's rows instead (the output is allocated empty).
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
+    if tile >= num_tiles:
+        _zero_padding_rows(out_ptr, query_start_loc_ptr, num_seqs, num_tokens, tile - num_tiles, kv_head,
+                           out_token_stride, out_head_stride, GROUP, HEAD_DIM, BLOCK_D, PAD_ROWS)
+        return
     lo = 0
     hi = num_seqs
     while lo < hi:  # first sequence whose tiles start after this one, minus one
@@ -377,31 +428,43 @@ def paged_attention_triton(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """out: where to write [T, Hq, D] (every row is written, padding rows with zeros); None allocates."""
     _check_cache(q, k_cache, v_cache, k_scale, v_scale)
     _check_batch(q.shape[0], block_tables, query_start_loc, context_lens)
     _check_kernel_inputs(q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = context_lens.shape[0]
-    # Zeros, not empty: rows past query_start_loc[-1] (batch padding) belong to no tile; keep them finite
-    # like the reference does. A memset of T*Hq*D is negligible next to the attention itself.
-    out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
-    if num_tokens == 0 or num_seqs == 0:
+    # Empty, not zeros: the kernel writes every row, the batch padding's (past query_start_loc[-1]) with
+    # zeros like the reference. A memset of T*Hq*D was ~67 MB per layer per 8k-token step at the 8B shape.
+    if out is None:
+        out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(2) != 1:
+        raise ValueError(f"attention: out must be {tuple(q.shape)} {q.dtype} on {q.device} with a contiguous "
+                         f"head_dim, got {tuple(out.shape)} {out.dtype} on {out.device}")
+    if num_tokens == 0:
         return out
+    if num_seqs == 0:
+        return out.zero_()
     group = num_q_heads // num_kv_heads
     # 64 rows x 64 keys x 128 dims in fp16 keeps q, k, v tiles at 16 KiB each (fits with 4 warps).
     block_m = 64 if q.is_cuda else 16
     block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     num_tiles = num_tokens // block_q + num_seqs
+    # Padding programs: which rows are padding is known only on the device, so cover all T rows; the ones
+    # over real rows load one int and store nothing (T=8192: 128 programs per kv head, ~1% of the grid).
+    pad_rows = 64 if q.is_cuda else 16
     fp8 = is_fp8_cache(k_cache)
     k_scale_arg, v_scale_arg = (k_scale, v_scale) if fp8 else (out, out)  # placeholders when not FP8
-    _prefill_kernel[(num_tiles, num_kv_heads)](
+    _prefill_kernel[(num_tiles + triton.cdiv(num_tokens, pad_rows), num_kv_heads)](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, k_scale_arg, v_scale_arg,
-        scale * _LOG2E, num_seqs, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        scale * _LOG2E, num_seqs, num_tokens, num_tiles,
+        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=64 if q.is_cuda else 16,
-        DOT_PRECISION=_dot_precision(q.dtype), FP8_CACHE=fp8, num_warps=4,
+        PAD_ROWS=pad_rows, DOT_PRECISION=_dot_precision(q.dtype), FP8_CACHE=fp8, num_warps=4,
     )
     return out

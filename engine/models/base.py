@@ -21,6 +21,6 @@ class CausalLM(nn.Module):
         """-> final hidden states [T, H] (normed)."""
         raise NotImplementedError
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] (only the rows we sample) -> [N, vocab] float32."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, H] (only the rows we sample) -> [N, vocab] float32 (into `out` when given: CUDA graphs)."""
         raise NotImplementedError

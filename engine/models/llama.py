@@ -164,6 +164,6 @@ class LlamaForCausalLM(CausalLM):
         """input_ids, positions: [T] -> final hidden states [T, H] (normed)."""
         return self.model(input_ids, positions, meta, kv_caches)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] (only the rows we sample) -> [N, vocab] float32."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, H] (only the rows we sample) -> [N, vocab] float32 (into `out` when given)."""
+        return self.lm_head(hidden, out)

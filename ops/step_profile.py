@@ -1,0 +1,227 @@
+"""Kernel tables of one W2 decode step and one full-budget prefill step (issue 13 item 3): where the batch
+step's GPU time goes, kernel by kernel.
+
+ops/bench.py --profile calls profile_w2_steps() on its warm engine. Run alone it is the CPU dry run of the
+same code on a tiny model (no GPU: CPU-side op times only, no graph replay):
+
+    PYTHONPATH=. python ops/step_profile.py --shape tiny [--requests 8] [--prompt 64]
+
+and on a GPU, alone (writes the bench's random 8B folder first when it is missing):
+
+    PYTHONPATH=. python ops/step_profile.py --shape 8b --requests 1024 --prompt 512
+
+How: run_requests-like adds of `requests` prompts; a hook on the runner's forward waits for the first
+forward that is decode-only at full batch (and the first pure prefill of `prefill_tokens` tokens), lets it
+run as usual, then repeats exactly that input under torch.profiler. Repeating a forward rewrites the same
+K/V values into the same slots, so the engine's state is unchanged. The decode repeat bypasses the CUDA
+graph (a replay is one opaque entry for the profiler): the table is of the same step run eagerly, and the
+replay's own wall time (CUDA events, mean of a few replays) is given beside it. A third table covers a few
+whole engine steps with graphs on: the replay plus every op that still runs eagerly around it (input
+upload, the pending-token gather, static-buffer copies, sampling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def _activities(device: torch.device) -> list[ProfilerActivity]:
+    acts = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(ProfilerActivity.CUDA)
+    return acts
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def kernel_table(prof: Any, device: torch.device, rows: int = 40) -> str:
+    """Per-kernel totals (count, total and mean time), sorted by device time (CPU time off the GPU)."""
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=90)
+
+
+def _device_total_ms(prof: Any, device: torch.device) -> float:
+    """Sum of the device time of kernels (not of the CPU ops that launched them, to count each once)."""
+    if device.type != "cuda":
+        return 0.0
+    total_us = 0.0
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total_us += e.self_device_time_total
+    return total_us / 1e3
+
+
+def _replay_ms(runner: Any, inp: Any, reps: int = 5) -> float | None:
+    """Mean wall time of the decode graph's replay of `inp` (CUDA events around graphs.run), or None when
+    this step has no graph (CPU, graphs off, a batch over the largest bucket)."""
+    graphs = runner.graphs
+    if graphs is None or not graphs.fits(inp):
+        return None
+    graphs.run(inp)  # warm: the same writes as the step itself
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graphs.run(inp)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _eager_forward(runner: Any, inp: Any) -> torch.Tensor:
+    """The forward without the CUDA graph: the same kernels the graph holds, launched one by one."""
+    from stoker.engine.batch import resolve_pending
+
+    hidden = runner.model(resolve_pending(inp.input_ids, inp.prev_tokens), inp.positions, inp.meta,
+                          runner.kv_caches)
+    return runner.model.compute_logits(hidden[inp.sample_indices])
+
+
+class _StepHook:
+    """Wraps runner.forward; calls on_match(inp) after the first forward for which match(inp) holds."""
+
+    def __init__(self, runner: Any, match: Callable[[Any], bool], on_match: Callable[[Any], None]):
+        self.runner, self.match, self.on_match = runner, match, on_match
+        self.done = False
+        self._orig = runner.forward
+
+        def forward(inp: Any) -> torch.Tensor:
+            logits = self._orig(inp)
+            if not self.done and self.match(inp):
+                self.done = True
+                self.on_match(inp)
+            return logits
+
+        runner.forward = forward
+
+    def close(self) -> None:
+        self.runner.forward = self._orig
+
+
+def profile_w2_steps(eng: Any, vocab: int, requests: int, prompt: int, prefill_tokens: int,
+                     out_dir: str, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Writes w2_decode_profile.txt and w2_prefill_profile.txt under out_dir; returns the headline figures."""
+    from stoker.engine import EngineRequest, SamplingParams
+
+    runner = eng.runner
+    device = runner.device
+    acts = _activities(device)
+    res: dict[str, Any] = {}
+    texts: dict[str, str] = {}
+
+    def on_prefill(inp: Any) -> None:
+        _sync(device)
+        with torch.inference_mode(), profile(activities=acts) as prof:
+            _eager_forward(runner, inp)
+            _sync(device)
+        res["prefill_tokens"] = int(inp.input_ids.shape[0])
+        res["prefill_kernel_ms"] = _device_total_ms(prof, device)
+        texts["prefill"] = (
+            f"ONE prefill step of {res['prefill_tokens']} tokens ({int(inp.meta.context_lens.shape[0])} prompt "
+            f"chunks of prompts of {prompt}), eager (prefill never uses a graph); device kernel time summed: "
+            f"{res['prefill_kernel_ms']:.2f} ms\n" + kernel_table(prof, device)
+        )
+
+    def on_decode(inp: Any) -> None:
+        _sync(device)
+        with torch.inference_mode(), profile(activities=acts) as prof:
+            _eager_forward(runner, inp)
+            _sync(device)
+        res["decode_batch"] = int(inp.input_ids.shape[0])
+        res["decode_context_max"] = int(inp.meta.context_lens.max())
+        res["decode_eager_kernel_ms"] = _device_total_ms(prof, device)
+        with torch.inference_mode():
+            res["decode_replay_ms"] = _replay_ms(runner, inp)
+        replay = res["decode_replay_ms"]
+        texts["decode"] = (
+            f"ONE decode step at batch {res['decode_batch']} (max context {res['decode_context_max']}), run "
+            f"EAGERLY with the CUDA graph bypassed (a replay is opaque to the profiler): same kernels as the "
+            f"graph; device kernel time summed: {res['decode_eager_kernel_ms']:.2f} ms. The graph's own "
+            f"replay of this step: {'n/a (no graph)' if replay is None else f'{replay:.2f} ms wall (CUDA events, mean of 5)'}\n"
+            + kernel_table(prof, device)
+        )
+
+    hooks = [
+        # The batch's first forward is all prompt chunks (the engine ran nothing before): a budget's worth.
+        _StepHook(runner, lambda inp: not inp.meta.decode_only and inp.input_ids.shape[0] >= prefill_tokens,
+                  on_prefill),
+        _StepHook(runner, lambda inp: inp.meta.decode_only and inp.input_ids.shape[0] == requests, on_decode),
+    ]
+    gen = torch.Generator().manual_seed(21)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for i, p in enumerate(torch.randint(2, vocab, (requests, prompt), generator=gen).tolist()):
+        eng.add_request(EngineRequest(f"stepprof{i}", prompt_token_ids=p, params=params))
+    steps_with_graphs = None
+    try:
+        while eng.has_unfinished():
+            if hooks[1].done and steps_with_graphs is None:
+                steps_with_graphs = _profile_engine_steps(eng, acts, device, 3)
+            eng.step()
+    finally:
+        for h in hooks:
+            h.close()
+    for name in ("prefill", "decode"):
+        text = texts.get(name, f"no {name} step matched (requests={requests}, prefill_tokens={prefill_tokens})\n")
+        if name == "decode" and steps_with_graphs is not None:
+            text += "\n" + steps_with_graphs
+        with open(os.path.join(out_dir, f"w2_{name}_profile.txt"), "w") as f:
+            f.write(text)
+        log(f"W2 {name} step profile:\n{text}")
+    return res
+
+
+def _profile_engine_steps(eng: Any, acts: list[ProfilerActivity], device: torch.device, steps: int) -> str:
+    """A few whole engine steps as they run (graphs on): the replay is one entry (cudaGraphLaunch); the rest
+    is what still runs eagerly around it."""
+    _sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            eng.step()
+        _sync(device)
+    wall = (time.perf_counter() - t0) / steps * 1e3
+    return (f"{steps} whole engine decode steps as they run (graphs on where they fit; {wall:.2f} ms wall per "
+            f"step): the replay is opaque, every other row ran eagerly around it\n" + kernel_table(prof, device))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CPU dry run (or a GPU run of its own) on a bench shape."""
+    from stoker.ops import bench  # the shapes, the model writer and the engine settings
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(bench.SHAPES), default="tiny")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    # The bench's folder on a GPU (its weights are reused when there); a folder of its own for CPU dry runs.
+    path = f"/tmp/stoker-bench-{args.shape}" + ("" if args.device.startswith("cuda") else "-cpu")
+    bench.write_model(path, bench.SHAPES[args.shape], device=args.device)
+    eng, _ = bench.start_engine(path, args.requests, device=args.device)
+    try:
+        # The first step of a fresh batch: as many whole prompts as the token budget holds, nothing else.
+        prefill_tokens = min(args.requests, eng.config.max_num_batched_tokens // args.prompt) * args.prompt
+        res = profile_w2_steps(eng, bench.SHAPES[args.shape]["vocab_size"], args.requests, args.prompt,
+                               prefill_tokens, os.environ.get("OUT") or ".")
+    finally:
+        eng.close()
+    print(json.dumps(res))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "w2_step_profile.json"), "w") as f:
+            json.dump(res, f, indent=2)
+    return 0 if "decode_batch" in res and "prefill_tokens" in res else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
