@@ -70,7 +70,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
-        self._executor: Any = None
+        self._executor = llguidance.LLExecutor()  # its threads start here (warm-up), not on a first step
         self._limits = llguidance.LLParserLimits(**PARSER_LIMITS)
 
     def new_state(self, guided: GuidedDecoding) -> GrammarState:
@@ -145,8 +145,6 @@ class GrammarCompiler:
         """bitmask: [len(matchers), ceil(V / 32)] int32 contiguous host tensor; row i <- matchers[i]'s allowed
         tokens (bit j of word k = token 32k + j). One call for the batch: llguidance fills the rows on its
         own threads without the GIL."""
-        if self._executor is None:
-            self._executor = self._llg.LLExecutor()
         self._executor.unsafe_compute_mask_ptr(
             [(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), bitmask.shape[1] * 4, len(matchers)
         )
