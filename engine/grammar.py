@@ -26,6 +26,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from stoker.engine.grammar_masks import MaskStaging
 from stoker.engine.sampling_params import GuidedDecoding
 
 _CACHE_SIZE = 256  # distinct (kind, spec) kept compiled; pipelines send the same schema thousands of times
@@ -71,6 +72,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
         self._executor = llguidance.LLExecutor()  # its threads start here (warm-up), not on a first step
+        self.staging = MaskStaging()  # the sampler's pinned mask buffers for this model's engine
         self._limits = llguidance.LLParserLimits(**PARSER_LIMITS)
 
     def new_state(self, guided: GuidedDecoding) -> GrammarState:

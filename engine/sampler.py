@@ -124,14 +124,11 @@ class SamplingBatch:
         grammar_rows = grammar_bitmask = None
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         if constrained:  # unconstrained batches skip this entirely
-            states = [rows[i].grammar for i in constrained]
-            bitmask = torch.zeros(len(states), (vocab_size + 31) // 32, dtype=torch.int32)
-            states[0].compiler.fill_bitmasks([s.matcher for s in states], bitmask)  # type: ignore[union-attr]
-            index = torch.tensor(constrained, dtype=torch.int64)
-            if cuda:
-                bitmask, index = bitmask.pin_memory(), index.pin_memory()
-            grammar_bitmask = bitmask.to(device, non_blocking=True)
-            grammar_rows = index.to(device, non_blocking=True)
+            states = [r.grammar for r in rows if r.grammar is not None]
+            compiler = states[0].compiler  # pinned staging, one upload (engine/grammar_masks.py)
+            grammar_bitmask, grammar_rows = compiler.staging.masks(
+                compiler, [s.matcher for s in states], constrained, vocab_size, torch.device(device)
+            )
         presence = frequency = repetition = None
         if want_counts:
             presence, frequency, repetition = columns(

@@ -9,6 +9,7 @@ import json
 import time
 
 import pytest
+import torch
 from engine_models import build_hf_model
 from stoker.engine import EngineRequest, GuidedDecoding, SamplingParams
 from stoker.engine.config import EngineConfig
@@ -143,3 +144,41 @@ def test_overlapped_engine_launches_the_next_forward_before_the_grammars_advance
     assert len(decode_steps) >= 10, steps
     for step_events in decode_steps:  # one forward, then both requests' tokens of the step before
         assert step_events == ["forward", "advance", "advance"], steps
+
+
+def _matchers_in_different_states(compiler: GrammarCompiler, count: int) -> list:
+    """count matchers of LONG, the i-th having consumed i tokens of one allowed path (so their masks differ)."""
+    guided = GuidedDecoding("json_schema", LONG)
+    walker = compiler.matcher(guided)
+    matchers = []
+    for _ in range(count):
+        matchers.append(walker.deep_copy())
+        mask = torch.frombuffer(bytearray(walker.compute_bitmask()), dtype=torch.uint8)
+        allowed = [t for t in range(compiler.vocab_size) if mask[t // 8] >> (t % 8) & 1]
+        assert walker.consume_token(allowed[len(matchers) * 7 % len(allowed)])
+    return matchers
+
+
+def _expected(compiler: GrammarCompiler, matchers: list, vocab: int) -> torch.Tensor:
+    words = (vocab + 31) // 32
+    rows = [torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.int32)[:words] for m in matchers]
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu), "cpu"])
+def test_staged_masks_equal_each_matchers_own_mask(model_path, device):
+    """Every row written (the staging buffers are reused, never zeroed), the row indices beside them, and a
+    buffer reused in the same step (the row-by-row fallback) not overwritten while its copy is in flight."""
+    compiler = engine_for(model_path).grammar_compiler()
+    vocab = compiler.vocab_size
+    matchers = _matchers_in_different_states(compiler, 11)
+    expected = _expected(compiler, matchers, vocab)
+    assert len({tuple(row.tolist()) for row in expected}) > 3  # the states' masks differ
+    staged = []
+    for start in range(0, 11, 2):  # several batches back to back, as the fallback builds them
+        part = matchers[start : start + 3]
+        rows = [5 + 2 * i for i in range(len(part))]
+        staged.append((start, rows, *compiler.staging.masks(compiler, part, rows, vocab, torch.device(device))))
+    for start, rows, bitmask, row_index in staged:
+        assert row_index.tolist() == rows and row_index.dtype == torch.int64
+        assert torch.equal(bitmask.cpu(), expected[start : start + len(rows)])
