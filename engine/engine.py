@@ -364,9 +364,9 @@ class LLMEngine:
 
 
 def _needs_history(params: SamplingParams) -> bool:
-    """Penalties and grammars read the output token values, which overlapped steps do not have on the host
-    in time: while such a request runs, every step is synchronous (the batch's other requests lose the
-    overlap); with none running, nothing changes for anyone."""
+    """Penalties and grammars read the output token values when a step samples: while such a request runs,
+    each step finishes the one before between its forward and its sampling (step()); with none running, the
+    sampling follows the forward at once."""
     return bool(
         params.presence_penalty
         or params.frequency_penalty

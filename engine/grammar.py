@@ -155,8 +155,8 @@ class GrammarCompiler:
 class GrammarState:
     """One request's matcher: it has consumed exactly the request's output tokens whose values reached the
     host. A preempted request keeps its output tokens (they are recomputed as prompt), so its matcher stays
-    valid; constrained requests make the engine step synchronously (engine.py), so a mask is never built
-    while a token is still in flight."""
+    valid; with constrained requests live the engine finishes step N before step N+1 samples (engine.py), so
+    a mask is never built while a token is still in flight."""
 
     __slots__ = ("compiler", "matcher")
 
