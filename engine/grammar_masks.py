@@ -25,24 +25,28 @@ class MaskStaging:
         self._copied: list[Any] = [None, None]  # torch.cuda.Event per buffer, recorded after its copy
         self._turn = 0
 
-    def masks(self, compiler: Any, matchers: list[Any], rows: list[int], vocab_size: int, device: torch.device
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (bitmask [R, ceil(V/32)] int32, rows [R] int64) on device, V = vocab_size (the logits' width);
-        row r of the bitmask holds matchers[r]'s allowed tokens, for logits row rows[r]."""
+    def masks(self, compiler: Any, matchers: list[Any], rows: list[int] | None, vocab_size: int,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (bitmask [R, ceil(V/32)] int32, rows [R] int64 or None) on device, V = vocab_size (the logits'
+        width); row r of the bitmask holds matchers[r]'s allowed tokens, for logits row rows[r] (rows None:
+        every logits row, in order)."""
         words = (vocab_size + 31) // 32
         count = len(matchers)
+        index = 0 if rows is None else count
         if device.type != "cuda":  # nothing to stage: fill the tensor the sampler reads
             bitmask = torch.empty(count, words, dtype=torch.int32)
             compiler.fill_bitmasks(matchers, bitmask)
-            return bitmask, torch.tensor(rows, dtype=torch.int64)
-        host = self._take(count * words + count)
+            return bitmask, None if rows is None else torch.tensor(rows, dtype=torch.int64)
+        host = self._take(count * words + index)
         bitmask = host[: count * words].view(count, words)
         compiler.fill_bitmasks(matchers, bitmask)
-        host[count * words :] = torch.as_tensor(rows, dtype=torch.int32)
+        if rows is not None:
+            host[count * words :] = torch.as_tensor(rows, dtype=torch.int32)
         on_device = host.to(device, non_blocking=True)
         self._copied[self._turn] = torch.cuda.Event(blocking=True)  # blocking: a wait sleeps, never spins
         self._copied[self._turn].record()
-        return on_device[: count * words].view(count, words), on_device[count * words :].long()
+        row_index = None if rows is None else on_device[count * words :].long()
+        return on_device[: count * words].view(count, words), row_index
 
     def _take(self, size: int) -> torch.Tensor:
         """The next buffer, at least size int32 long, once its last copy is done."""

@@ -68,8 +68,8 @@ class SamplingBatch:
     output_counts: torch.Tensor | None  # [N, V] float32 counts of output tokens (when a penalty is on)
     prompt_mask: torch.Tensor | None  # [N, V] bool: token in the prompt (when repetition_penalty != 1)
     banned: torch.Tensor | None  # [N, V] bool: stop ids masked until min_tokens
-    grammar_rows: torch.Tensor | None  # [R] int64: the rows with a grammar (None when no row has one)
-    grammar_bitmask: torch.Tensor | None  # [R, ceil(V/32)] int32 packed allowed tokens of those rows
+    grammar_rows: torch.Tensor | None  # [R] int64: the rows with a grammar (None when none or all have one)
+    grammar_bitmask: torch.Tensor | None  # [R, ceil(V/32)] int32 packed allowed tokens of those rows (None: none)
     num_logprobs: int  # max top-N asked in the batch; 0 = skip
     all_greedy: bool
     any_top_k: bool
@@ -126,8 +126,9 @@ class SamplingBatch:
         if constrained:  # unconstrained batches skip this entirely
             states = [r.grammar for r in rows if r.grammar is not None]
             compiler = states[0].compiler  # pinned staging, one upload (engine/grammar_masks.py)
+            every = len(constrained) == len(rows)  # then no row index: masked in place (token_bitmask)
             grammar_bitmask, grammar_rows = compiler.staging.masks(
-                compiler, [s.matcher for s in states], constrained, vocab_size, torch.device(device)
+                compiler, [s.matcher for s in states], None if every else constrained, vocab_size, torch.device(device)
             )
         presence = frequency = repetition = None
         if want_counts:
@@ -213,8 +214,7 @@ class Sampler:
         logits = apply_penalties(logits, b)
         if b.banned is not None:
             logits = logits.masked_fill(b.banned, float("-inf"))
-        if b.grammar_rows is not None:  # after the logprobs: those report the model's own distribution
-            assert b.grammar_bitmask is not None
+        if b.grammar_bitmask is not None:  # after the logprobs: those report the model's own distribution
             apply_token_bitmask(logits, b.grammar_bitmask, b.grammar_rows)
         token_ids = greedy_argmax(logits)
         if not b.all_greedy:
