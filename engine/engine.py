@@ -211,18 +211,23 @@ class LLMEngine:
         tokens, detokenizes, checks stops and builds the outputs; a sequence that turns out to have finished
         in N has its N+1 token discarded. Outputs of a step come back from the next step() call. Requests
         with penalties or a grammar (structured output: step N+1's mask needs N's token in the matcher) need
-        the token values on the host, so while one runs the engine steps synchronously."""
+        N's token values before N+1 samples, not before it runs: while one runs, N+1's forward is launched
+        first, then N is finished (tokens to the host, matchers advanced) while that forward runs, then N+1
+        samples (_launch). The GPU waits only if finishing N and building N+1's masks outlast the forward."""
         self._apply_inbox()
         self.last_step_tokens, self.last_step_mixed = 0, False
         outputs: list[RequestOutput] = []
-        if self._inflight is not None and self._num_history:
-            outputs += self._finish_step(self._inflight)
-            self._inflight = None
         out = self.scheduler.schedule()
         outputs += [self._ended_output(seq) for seq in out.ended]
-        launched = self._launch(out) if out.chunks else None
-        if self._inflight is not None:
-            outputs += self._finish_step(self._inflight)
+        prev, self._inflight = self._inflight, None
+        launched = None
+        if out.chunks:
+            launched, prev_outputs = self._launch(out, prev)
+            if prev_outputs is not None:  # prev was finished inside (history rows)
+                outputs += prev_outputs
+                prev = None
+        if prev is not None:
+            outputs += self._finish_step(prev)
         self._inflight = launched
         if launched is not None and not self.async_scheduling:
             outputs += self._finish_step(launched)
@@ -243,7 +248,10 @@ class LLMEngine:
             else:
                 self.scheduler.abort(item)
 
-    def _launch(self, out: SchedulerOutput) -> _Launched:
+    def _launch(self, out: SchedulerOutput, prev: _Launched | None) -> tuple[_Launched, list[RequestOutput] | None]:
+        """Forward and sampling of out (prev: the step in flight, whose tokens this forward reads on the device).
+        With history rows live, prev is finished between the two -> (this step, prev's outputs); else prev is
+        left to the caller -> (this step, None)."""
         now_ms = time.time() * 1000
         self.last_step_tokens = out.num_batched_tokens
         decodes = sum(c.start >= c.seq.num_prompt_tokens for c in out.chunks)
@@ -256,12 +264,16 @@ class LLMEngine:
                 state.first_scheduled_ms = now_ms
             if chunk.samples:
                 sampling.append(chunk)
-        prev = self._inflight
         inp = self.runner.prepare(out, *((prev.token_ids, prev.rows) if prev is not None else ()))
         logits = self.runner.forward(inp)
-        token_ids, parts = self._sample(logits, [requests[c.seq.request_id].row for c in sampling])
-        self.scheduler.update_from_launch(out)
-        return _Launched(sampling, {c.seq: i for i, c in enumerate(sampling)}, token_ids, parts)
+        rows = [requests[c.seq.request_id].row for c in sampling]  # before prev's end may forget some
+        prev_outputs = None
+        if prev is not None and self._num_history:
+            prev_outputs = self._finish_step(prev)  # while the forward runs; its sequences ended are skipped:
+            out.chunks = [c for c in out.chunks if not c.seq.is_finished]  # their rows' tokens are discarded
+        token_ids, parts = self._sample(logits, rows)
+        self.scheduler.update_from_launch(out)  # after sampling: rows see no placeholder of this step's token
+        return _Launched(sampling, {c.seq: i for i, c in enumerate(sampling)}, token_ids, parts), prev_outputs
 
     def _sample(
         self, logits: Any, rows: list[SamplingRequest]
@@ -352,9 +364,9 @@ class LLMEngine:
 
 
 def _needs_history(params: SamplingParams) -> bool:
-    """Penalties and grammars read the output token values, which overlapped steps do not have on the host
-    in time: while such a request runs, every step is synchronous (the batch's other requests lose the
-    overlap); with none running, nothing changes for anyone."""
+    """Penalties and grammars read the output token values when a step samples: while such a request runs,
+    each step finishes the one before between its forward and its sampling (step()); with none running, the
+    sampling follows the forward at once."""
     return bool(
         params.presence_penalty
         or params.frequency_penalty

@@ -13,7 +13,8 @@ thread, a synthetic 128,001-token byte-level vocabulary, batch 256, one mid-size
 
 Grammars are compiled on the caller's thread, never on the engine thread (the worker compiles an uncached one
 on its own compile threads, LLMEngine.prepare_grammar via worker.grammar_gate, so that add_request on its event
-loop finds it cached), and cached by (kind, spec): a request gets a copy of the cached matcher. JSON is compact
+loop finds it cached), with their first mask, and cached by (kind, spec): a request gets a copy of the cached
+matcher. JSON is compact
 (no free whitespace: a model cannot run on between tokens inside a bounded schema), as vLLM chose.
 """
 
@@ -25,6 +26,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from stoker.engine.grammar_masks import MaskStaging
 from stoker.engine.sampling_params import GuidedDecoding
 
 _CACHE_SIZE = 256  # distinct (kind, spec) kept compiled; pipelines send the same schema thousands of times
@@ -69,7 +71,8 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
-        self._executor: Any = None
+        self._executor = llguidance.LLExecutor()  # its threads start here (warm-up), not on a first step
+        self.staging = MaskStaging()  # the sampler's pinned mask buffers for this model's engine
         self._limits = llguidance.LLParserLimits(**PARSER_LIMITS)
 
     def new_state(self, guided: GuidedDecoding) -> GrammarState:
@@ -90,9 +93,10 @@ class GrammarCompiler:
         compile threads so that the add_request that follows on its event loop finds it cached."""
         self._template(guided)
 
-    def compile_uncached(self, guided: GuidedDecoding) -> Any:
-        """A compile that bypasses the cache (benchmarks)."""
-        return self._compile(guided)
+    def compile_uncached(self, guided: GuidedDecoding, first_mask: bool = True) -> Any:
+        """A compile that bypasses the cache (benchmarks, tests); first_mask=False leaves the first mask to be
+        computed by whoever masks first, as a request's copy on the engine thread once did."""
+        return self._compile(guided, first_mask)
 
     def _template(self, guided: GuidedDecoding) -> Any:
         key = (guided.kind, guided.spec)
@@ -108,7 +112,7 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return template
 
-    def _compile(self, guided: GuidedDecoding) -> Any:
+    def _compile(self, guided: GuidedDecoding, first_mask: bool = True) -> Any:
         llg = self._llg
         Matcher = llg.LLMatcher
         try:
@@ -129,14 +133,20 @@ class GrammarCompiler:
         matcher = Matcher(self.tokenizer, grammar, log_level=0, limits=self._limits)
         if matcher.is_error():
             raise GrammarError(_first_line(matcher.get_error()))
+        # The first mask here, on the compile thread and under its time bound (worker.grammar_gate): llguidance
+        # keeps a computed mask in the matcher and deep_copy carries it, so every request's first mask on the
+        # engine thread is a copy (4,500 optional properties, demo tokenizer: 335 ms once here, then 28 us a
+        # request; it was 220 ms a request on the engine thread).
+        if first_mask:
+            matcher.compute_bitmask()
+        if matcher.is_error():
+            raise GrammarError(_first_line(matcher.get_error()))
         return matcher
 
     def fill_bitmasks(self, matchers: list[Any], bitmask: Any) -> None:
         """bitmask: [len(matchers), ceil(V / 32)] int32 contiguous host tensor; row i <- matchers[i]'s allowed
         tokens (bit j of word k = token 32k + j). One call for the batch: llguidance fills the rows on its
         own threads without the GIL."""
-        if self._executor is None:
-            self._executor = self._llg.LLExecutor()
         self._executor.unsafe_compute_mask_ptr(
             [(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), bitmask.shape[1] * 4, len(matchers)
         )
@@ -145,8 +155,8 @@ class GrammarCompiler:
 class GrammarState:
     """One request's matcher: it has consumed exactly the request's output tokens whose values reached the
     host. A preempted request keeps its output tokens (they are recomputed as prompt), so its matcher stays
-    valid; constrained requests make the engine step synchronously (engine.py), so a mask is never built
-    while a token is still in flight."""
+    valid; with constrained requests live the engine finishes step N before step N+1 samples (engine.py), so
+    a mask is never built while a token is still in flight."""
 
     __slots__ = ("compiler", "matcher")
 

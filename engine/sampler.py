@@ -68,8 +68,8 @@ class SamplingBatch:
     output_counts: torch.Tensor | None  # [N, V] float32 counts of output tokens (when a penalty is on)
     prompt_mask: torch.Tensor | None  # [N, V] bool: token in the prompt (when repetition_penalty != 1)
     banned: torch.Tensor | None  # [N, V] bool: stop ids masked until min_tokens
-    grammar_rows: torch.Tensor | None  # [R] int64: the rows with a grammar (None when no row has one)
-    grammar_bitmask: torch.Tensor | None  # [R, ceil(V/32)] int32 packed allowed tokens of those rows
+    grammar_rows: torch.Tensor | None  # [R] int64: the rows with a grammar (None when none or all have one)
+    grammar_bitmask: torch.Tensor | None  # [R, ceil(V/32)] int32 packed allowed tokens of those rows (None: none)
     num_logprobs: int  # max top-N asked in the batch; 0 = skip
     all_greedy: bool
     any_top_k: bool
@@ -124,14 +124,12 @@ class SamplingBatch:
         grammar_rows = grammar_bitmask = None
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         if constrained:  # unconstrained batches skip this entirely
-            states = [rows[i].grammar for i in constrained]
-            bitmask = torch.zeros(len(states), (vocab_size + 31) // 32, dtype=torch.int32)
-            states[0].compiler.fill_bitmasks([s.matcher for s in states], bitmask)  # type: ignore[union-attr]
-            index = torch.tensor(constrained, dtype=torch.int64)
-            if cuda:
-                bitmask, index = bitmask.pin_memory(), index.pin_memory()
-            grammar_bitmask = bitmask.to(device, non_blocking=True)
-            grammar_rows = index.to(device, non_blocking=True)
+            states = [r.grammar for r in rows if r.grammar is not None]
+            compiler = states[0].compiler  # pinned staging, one upload (engine/grammar_masks.py)
+            every = len(constrained) == len(rows)  # then no row index: masked in place (token_bitmask)
+            grammar_bitmask, grammar_rows = compiler.staging.masks(
+                compiler, [s.matcher for s in states], None if every else constrained, vocab_size, torch.device(device)
+            )
         presence = frequency = repetition = None
         if want_counts:
             presence, frequency, repetition = columns(
@@ -216,8 +214,7 @@ class Sampler:
         logits = apply_penalties(logits, b)
         if b.banned is not None:
             logits = logits.masked_fill(b.banned, float("-inf"))
-        if b.grammar_rows is not None:  # after the logprobs: those report the model's own distribution
-            assert b.grammar_bitmask is not None
+        if b.grammar_bitmask is not None:  # after the logprobs: those report the model's own distribution
             apply_token_bitmask(logits, b.grammar_bitmask, b.grammar_rows)
         token_ids = greedy_argmax(logits)
         if not b.all_greedy:

@@ -1,7 +1,7 @@
 """Overlapped steps (EngineConfig.async_scheduling) on the CPU: everything a request sees (tokens, text,
 finish reason, usage, logprobs) equals the synchronous engine's, also when a request stops while its next
-token is already in flight, is aborted in flight, samples with seeds, or needs penalties (which make the
-engine step synchronously); and no KV block leaks."""
+token is already in flight, is aborted in flight, samples with seeds, or needs penalties (whose step finishes
+the step before between its forward and its sampling); and no KV block leaks."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def test_seeded_sampling_and_logprobs_match_sync(path):
     assert all(len(got[r[0]]["logprobs"]) == got[r[0]]["final"][1] for r in reqs)
 
 
-def test_penalties_force_sync_steps_and_match_sync(path):
+def test_penalties_read_the_step_befores_values_and_match_sync(path):
     ids = prompts(9, [5, 8])
     reqs = [
         (
@@ -130,7 +130,7 @@ def test_penalties_force_sync_steps_and_match_sync(path):
     engine.step()
     assert engine._inflight is not None  # overlapped while no penalties run
     engine.add_request(EngineRequest(reqs[0][0], prompt_token_ids=reqs[0][1], params=reqs[0][2]))
-    engine.step()  # drains first: the new request's penalties read output values
+    engine.step()  # finishes the step before ahead of sampling: the new request's penalties read its values
     for r in engine._requests.values():
         assert (
             r.state.seq.num_pending <= 1

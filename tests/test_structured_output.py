@@ -183,3 +183,17 @@ def test_bitmask_op_matches_reference(vocab, dtype):
     assert torch.equal(got, want)  # exact: the op only writes -inf or leaves a value alone
     assert torch.equal(got[[1, 2, 4, 6]], logits[[1, 2, 4, 6]])  # unconstrained rows untouched
     assert torch.isinf(got[rows]).any() and not torch.isinf(got[rows]).all()
+
+
+@pytest.mark.parametrize("vocab", [33, 1001])
+def test_bitmask_op_on_every_row_matches_reference(vocab):
+    """rows None (every request constrained): masked in place, row r by bitmask row r."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, (vocab + 31) // 32), generator=gen, dtype=torch.int64)
+    bitmask = bitmask.to(torch.int32)
+    want, got = logits.clone(), logits.clone()
+    apply_token_bitmask_ref(want, bitmask, torch.arange(5))
+    apply_token_bitmask(got, bitmask, None)
+    assert torch.equal(got, want)
+    assert torch.isinf(got).any(dim=1).all() and not torch.isinf(got).all(dim=1).any()

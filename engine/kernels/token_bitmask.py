@@ -13,32 +13,37 @@ import torch
 _BIT_OF_BYTE = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8)
 
 
-def _check(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
-    if logits.dim() != 2 or bitmask.dim() != 2 or rows.dim() != 1:
+def _check(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
+    num_rows = logits.shape[0] if rows is None else rows.shape[0]
+    if logits.dim() != 2 or bitmask.dim() != 2 or (rows is not None and rows.dim() != 1):
         raise ValueError(
-            f"apply_token_bitmask: want logits [N, V], bitmask [R, W], rows [R]; got {tuple(logits.shape)}, "
-            f"{tuple(bitmask.shape)}, {tuple(rows.shape)}"
+            f"apply_token_bitmask: want logits [N, V], bitmask [R, W], rows [R] or None; got {tuple(logits.shape)}, "
+            f"{tuple(bitmask.shape)}, {None if rows is None else tuple(rows.shape)}"
         )
-    if bitmask.dtype != torch.int32 or bitmask.shape[0] != rows.shape[0]:
-        raise ValueError("apply_token_bitmask: bitmask must be int32 with one row per entry of rows")
+    if bitmask.dtype != torch.int32 or bitmask.shape[0] != num_rows:
+        raise ValueError("apply_token_bitmask: bitmask must be int32 with one row per entry of rows (per logits row "
+                         "when rows is None)")
     if bitmask.shape[1] * 32 < logits.shape[1]:
         raise ValueError(
             f"apply_token_bitmask: bitmask width {bitmask.shape[1]} covers fewer than V={logits.shape[1]} tokens"
         )
 
 
-def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
-    """The definition, token by token (slow): logits[rows[r], t] = -inf where bit t of bitmask[r] is 0."""
+def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
+    """The definition, token by token (slow): logits[rows[r], t] = -inf where bit t of bitmask[r] is 0; rows None
+    means every row, in order (rows = 0 .. N-1)."""
     _check(logits, bitmask, rows)
     masks = bitmask.tolist()
-    for r, row in enumerate(rows.tolist()):
+    for r, row in enumerate(range(logits.shape[0]) if rows is None else rows.tolist()):
         for t in range(logits.shape[1]):
             if not (masks[r][t // 32] >> (t % 32)) & 1:
                 logits[row, t] = float("-inf")
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
-    """logits [N, V] float, bitmask [R, ceil(V/32)+] int32 on the logits' device, rows [R] int64: in place."""
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
+    """logits [N, V] float, bitmask [R, ceil(V/32)+] int32 on the logits' device, rows [R] int64 (or None: every
+    row, R = N, masked in place without gathering them and scattering them back: [256, 32000] float32 on one
+    CPU thread, best of 3 on the loaded 2-core VM, 91 -> 69 ms): in place."""
     _check(logits, bitmask, rows)
     vocab = logits.shape[1]
     # Unpack bytes, not int32 words: the [R, W * 4, 8] intermediate is uint8, a quarter of the memory traffic
@@ -46,5 +51,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     # rows: 37 -> 17.5 ms). Little-endian: byte 4k + b of word k holds tokens 32k + 8b .. 32k + 8b + 7.
     packed = bitmask.contiguous().view(torch.uint8)  # [R, W * 4]
     disallowed = (packed[:, :, None] & _BIT_OF_BYTE.to(packed.device)).eq(0).flatten(1)[:, :vocab]  # [R, V]
+    if rows is None:
+        logits.masked_fill_(disallowed, float("-inf"))
+        return
     picked = logits.index_select(0, rows).masked_fill_(disallowed, float("-inf"))
     logits.index_copy_(0, rows, picked)

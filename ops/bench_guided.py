@@ -1,0 +1,370 @@
+"""Decode step cost of structured output: every request constrained by one mid-size JSON Schema vs none.
+
+    PYTHONPATH=. python ops/bench_guided.py                          # H200: 8B shape, batches 1024 and 256
+    PYTHONPATH=. python ops/bench_guided.py --shape tiny --device cpu --batches 8 --steps 4   # dry run
+
+The model is ops/bench.py's random one (written there if absent, same folder), seen through a sibling folder
+(<model-dir>-guided) whose weights and config are links to it and whose tokenizer.json is a byte-level BPE of
+the model's vocabulary size (ops/bench_grammar.big_tokenizer_json: real-looking pieces, as Llama 3's 128K has;
+bench.py's own tokenizer has 384 tokens, which would make every mask trivially cheap). Built once, cached.
+
+For each batch: N requests (random prompt ids, greedy, ignore_eos) run through their prefill and --warm decode
+steps, then --steps decode steps are timed, first all unconstrained (overlapped steps, the engine's default on
+a GPU), then all constrained by SCHEMA, which cannot close within the steps measured (its array needs
+MIN_ITEMS objects), and for the first batch constrained again with overlap off ("schema (sync)": what the
+engine did before it overlapped constrained steps; --no-sync-case skips it). Per case: step wall p50 / mean, the constrained / unconstrained ratio (target <= 1.10 at
+1024), process CPU cores over the timed steps, the engine thread's CPU per step, and the mask work split:
+`fill` (llguidance computing the masks: wall and process CPU, which counts its own threads), `build`
+(SamplingBatch.build, which holds the fill and the upload), `advance` (matchers consuming the sampled tokens,
+engine thread CPU) and `apply` (the bitmask op: GPU ms from CUDA events; host ms on the CPU). Sanity: how
+many outputs a fresh matcher accepts as a prefix of the schema (constrained: all; unconstrained: ~none).
+Prints a table; writes $OUT/bench_guided.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+MIN_ITEMS = 100  # >= 3 tokens an item (keys, values, braces): cannot close before ~300 tokens
+
+
+def schema() -> dict[str, Any]:
+    """A mid-size extraction schema (~1 KB): an array of records (integers, bounded strings, an enum, an
+    array of enums, a nested object with a pattern, a bounded number, a boolean), then a summary string."""
+    record = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 1_000_000},
+            "name": {"type": "string", "minLength": 1, "maxLength": 40},
+            "kind": {"enum": ["person", "company", "place", "product", "event", "date", "amount", "other"]},
+            "tags": {"type": "array", "items": {"enum": ["new", "old", "hot", "cold", "red", "blue"]},
+                     "maxItems": 5},
+            "address": {"type": "object",
+                        "properties": {"street": {"type": "string", "maxLength": 60},
+                                       "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                        "required": ["street", "zip"], "additionalProperties": False},
+            "score": {"type": "number", "minimum": 0, "maximum": 1},
+            "active": {"type": "boolean"},
+        },
+        "required": ["id", "name", "kind", "tags", "address", "score", "active"],
+        "additionalProperties": False,
+    }
+    return {
+        "type": "object",
+        "properties": {
+            "records": {"type": "array", "items": record, "minItems": MIN_ITEMS, "maxItems": 200},
+            "summary": {"type": "string", "maxLength": 400},
+        },
+        "required": ["records", "summary"],
+        "additionalProperties": False,
+    }
+
+
+def log(msg: str) -> None:
+    print(f"[bench_guided {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---- the model folder ------------------------------------------------------------------------------------
+def guided_model_dir(base: str, vocab_size: int) -> tuple[str, float]:
+    """base's weights and config behind a byte-level tokenizer of vocab_size tokens -> (folder, seconds spent
+    building the tokenizer; 0 when cached)."""
+    from stoker.ops.bench_grammar import big_tokenizer_json
+
+    path = base.rstrip("/") + "-guided"
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(base):
+        if name.endswith((".safetensors", ".json")) and not name.startswith("tokenizer"):
+            link = os.path.join(path, name)
+            if not os.path.lexists(link):
+                os.symlink(os.path.join(os.path.abspath(base), name), link)
+    target = os.path.join(path, "tokenizer.json")
+    if os.path.isfile(target):
+        return path, 0.0
+    started = time.perf_counter()
+    text = big_tokenizer_json(vocab_size)  # <s> = 0, </s> = 1: bench.py's config's bos and eos
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}, f)
+    with open(target + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(target + ".tmp", target)  # last: a folder with tokenizer.json is complete
+    return path, time.perf_counter() - started
+
+
+# ---- instrumentation -------------------------------------------------------------------------------------
+class MaskMeter:
+    """Wraps the engine's mask work (class attributes, restored by close()) and sums its cost."""
+
+    def __init__(self, cuda: bool):
+        from stoker.engine import sampler
+        from stoker.engine.grammar import GrammarCompiler, GrammarState
+
+        self.cuda = cuda
+        self.totals: dict[str, float] = {}
+        self.apply_events: list[tuple[Any, Any]] = []
+        self._restore: list[tuple[Any, str, Any]] = []
+        self._wrap(GrammarCompiler, "fill_bitmasks", "fill", process=True)
+        self._wrap(GrammarState, "advance", "advance")
+        self._wrap_classmethod(sampler.SamplingBatch, "build", "build")
+        original_apply = sampler.apply_token_bitmask
+
+        def apply(*args: Any) -> None:
+            if not self.cuda:
+                started = time.perf_counter()
+                original_apply(*args)
+                self._add("apply_host_ms", (time.perf_counter() - started) * 1e3)
+                return
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            original_apply(*args)
+            end.record()
+            self.apply_events.append((start, end))
+
+        sampler.apply_token_bitmask = apply
+        self._restore.append((sampler, "apply_token_bitmask", original_apply))
+
+    def _add(self, key: str, value: float) -> None:
+        self.totals[key] = self.totals.get(key, 0.0) + value
+
+    def _timed(self, fn: Callable[..., Any], name: str, process: bool) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            wall, thread, proc = time.perf_counter(), time.thread_time(), time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._add(f"{name}_wall_ms", (time.perf_counter() - wall) * 1e3)
+                self._add(f"{name}_thread_cpu_ms", (time.thread_time() - thread) * 1e3)
+                if process:
+                    self._add(f"{name}_process_cpu_ms", (time.process_time() - proc) * 1e3)
+                self._add(f"{name}_calls", 1)
+
+        return run
+
+    def _wrap(self, owner: Any, attr: str, name: str, process: bool = False) -> None:
+        original = owner.__dict__[attr]
+        setattr(owner, attr, self._timed(original, name, process))
+        self._restore.append((owner, attr, original))
+
+    def _wrap_classmethod(self, owner: Any, attr: str, name: str) -> None:
+        original = owner.__dict__[attr]
+        setattr(owner, attr, classmethod(self._timed(original.__func__, name, False)))
+        self._restore.append((owner, attr, original))
+
+    def reset(self) -> None:
+        self.totals.clear()
+        self.apply_events.clear()
+
+    def snapshot(self) -> dict[str, float]:
+        out = dict(self.totals)
+        if self.apply_events:
+            torch.cuda.synchronize()
+            out["apply_gpu_ms"] = sum(s.elapsed_time(e) for s, e in self.apply_events)
+        return out
+
+    def close(self) -> None:
+        for owner, attr, original in reversed(self._restore):
+            setattr(owner, attr, original)
+
+
+# ---- one case --------------------------------------------------------------------------------------------
+def run_case(eng: Any, meter: MaskMeter, batch: int, guided: Any, args: argparse.Namespace, tag: str) -> dict[str, Any]:
+    from stoker.engine import EngineRequest, SamplingParams
+    from stoker.ops.bench import StepProbe, random_prompts
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.warm + args.steps + 64, ignore_eos=True, guided=guided)
+    outputs: dict[str, list[int]] = {}
+    ended: dict[str, str] = {}
+    prompts = random_prompts(batch, args.prompt, eng.model_config.vocab_size, 5)
+    started = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        rid = f"{tag}-{i}"
+        outputs[rid] = []
+        eng.add_request(EngineRequest(rid, prompt_token_ids=prompt, params=params))
+    add_s = time.perf_counter() - started
+
+    def step() -> None:
+        for out in eng.step():
+            if out.error_code:
+                raise RuntimeError(f"{out.request_id}: {out.error_code} {out.error_message}")
+            outputs[out.request_id] += out.new_token_ids
+            if out.finished:
+                ended[out.request_id] = str(out.finish_reason)
+
+    while min(len(v) for v in outputs.values()) < 1:  # every prefill done
+        step()
+    prefill_s = time.perf_counter() - started
+    for _ in range(args.warm):
+        step()
+    meter.reset()
+    probe = StepProbe(eng) if meter.cuda else None
+    walls: list[float] = []
+    tokens_before = sum(len(v) for v in outputs.values())
+    cpu0, thread0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
+    for _ in range(args.steps):
+        began = time.perf_counter()
+        step()
+        walls.append(time.perf_counter() - began)
+    wall = time.perf_counter() - t0
+    cpu, thread = time.process_time() - cpu0, time.thread_time() - thread0
+    work = meter.snapshot()
+    gpu = probe.close() if probe is not None else {}
+    tokens = sum(len(v) for v in outputs.values()) - tokens_before
+    closed = dict(ended)  # before the aborts below end the rest
+    for rid in outputs:
+        eng.abort(rid)
+    while eng.has_unfinished():
+        step()
+    per_step = {k: v / args.steps for k, v in work.items() if not k.endswith("_calls")}
+    return {
+        "batch": batch,
+        "constrained": guided is not None,
+        "steps": args.steps,
+        "tokens": tokens,
+        "add_s": add_s,
+        "prefill_s": prefill_s,
+        "step_p50_ms": statistics.median(walls) * 1e3,
+        "step_mean_ms": wall / args.steps * 1e3,
+        "step_max_ms": max(walls) * 1e3,
+        "process_cpu_cores": cpu / wall,
+        "engine_thread_cpu_ms_per_step": thread / args.steps * 1e3,
+        "mask_work_per_step": per_step,
+        # GPU time of a decode step, forward launch .. sampler's last kernel (CUDA events; 0 on the CPU)
+        "gpu_busy_ms_per_step": gpu.get("decode_busy_ms", 0.0) / max(1, gpu.get("decode_steps", 0)),
+        "closed_early_reasons": sorted(set(closed.values())),
+        "num_closed_early": len(closed),
+        "outputs": outputs,
+    }
+
+
+def valid_prefixes(compiler: Any, guided: Any, outputs: dict[str, list[int]]) -> int:
+    """How many outputs a fresh matcher takes whole (a valid prefix of the grammar)."""
+    count = 0
+    for tokens in outputs.values():
+        matcher = compiler.matcher(guided)
+        count += matcher.validate_tokens(tokens) == len(tokens) and bool(tokens)
+    return count
+
+
+# ---- main ------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="8b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model-dir", default=None, help="bench.py's folder; default /tmp/stoker-bench-<shape>")
+    ap.add_argument("--batches", default="1024,256")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--warm", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=1024)
+    ap.add_argument("--no-sync-case", dest="sync_case", action="store_false",
+                    help="skip the first batch's constrained case with synchronous steps (the old design)")
+    ap.add_argument("--budget-s", type=float, default=200.0,
+                    help="start no further case once this many seconds have passed since the start")
+    args = ap.parse_args(argv)
+    import logging
+
+    from stoker.engine import GuidedDecoding, LLMEngine
+    from stoker.ops.bench import SHAPES, engine_config, write_model
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        print("bench_guided: --device cuda needs a CUDA GPU (use --device cpu --shape tiny for a dry run)",
+              file=sys.stderr)
+        return 2
+    shape = SHAPES[args.shape]
+    base = args.model_dir or f"/tmp/stoker-bench-{args.shape}"
+    began = time.perf_counter()
+    r: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "argv": sys.argv[1:], "torch": torch.__version__,
+                         "gpu": torch.cuda.get_device_name() if cuda else "cpu", "host_cpus": os.cpu_count()}
+    log(f"model folder {base} (written if absent)")
+    r["write_s"] = write_model(base, shape, device="cuda" if cuda else "cpu")
+    path, r["tokenizer_build_s"] = guided_model_dir(base, shape["vocab_size"])
+    log(f"tokenizer ready ({r['tokenizer_build_s']:.1f} s); starting the engine")
+    started = time.perf_counter()
+    eng = LLMEngine(engine_config(path, args.max_num_seqs, device=args.device))
+    r["engine_start_s"] = time.perf_counter() - started
+    started = time.perf_counter()
+    compiler = eng.grammar_compiler()
+    r["lltokenizer_s"] = time.perf_counter() - started
+    r["tokenizer_vocab"] = eng.tokenizer.vocab_size
+    spec = json.dumps(schema(), separators=(",", ":"))
+    guided = GuidedDecoding("json_schema", spec)
+    started = time.perf_counter()
+    compiler.prepare(guided)
+    r["schema_bytes"], r["compile_ms"] = len(spec), (time.perf_counter() - started) * 1e3
+    meter = MaskMeter(cuda)
+    cases: list[dict[str, Any]] = []
+    try:
+        for index, batch in enumerate(int(b) for b in args.batches.split(",")):
+            # (grammar, synchronous steps): "sync" (the first batch only, unless --no-sync-case) is the constrained
+            # step with the engine's overlap off, what a constrained batch cost before the engine overlapped it
+            modes = [("none", False), ("schema", False)] + ([("schema", True)] if index == 0 and args.sync_case else [])
+            for mode, sync in modes:
+                if time.perf_counter() - began > args.budget_s:
+                    log(f"past --budget-s {args.budget_s:g}: batch {batch} {mode} sync={sync} skipped")
+                    r.setdefault("skipped", []).append([batch, mode, sync])
+                    continue
+                log(f"batch {batch}, {mode}{', synchronous steps' if sync else ''}")
+                overlap, eng.async_scheduling = eng.async_scheduling, eng.async_scheduling and not sync
+                try:
+                    case = run_case(eng, meter, batch, guided if mode == "schema" else None, args,
+                                    f"{mode[0]}{'s' if sync else ''}{batch}")
+                finally:
+                    eng.async_scheduling = overlap
+                case["sync_steps"] = sync or not overlap
+                outputs = case.pop("outputs")
+                case["valid_prefixes"] = valid_prefixes(compiler, guided, outputs)
+                sample = next(iter(outputs.values()))
+                case["sample_text"] = eng.tokenizer.decode(sample)[:160]
+                cases.append(case)
+                log(json.dumps({k: v for k, v in case.items() if k != "sample_text"}))
+    finally:
+        meter.close()
+    r["cases"] = cases
+    print_table(r)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_guided.json"), "w") as f:
+            json.dump(r, f, indent=2)
+    return 0
+
+
+def print_table(r: dict[str, Any]) -> None:
+    print(f"# {r['gpu']}, {r['host_cpus']} host CPUs; tokenizer {r['tokenizer_vocab']:,} tokens; schema "
+          f"{r['schema_bytes']} B compiled in {r['compile_ms']:.1f} ms; engine start {r['engine_start_s']:.1f} s")
+    head = ("batch", "grammar", "p50 ms", "mean ms", "ratio p50", "gpu ms", "cores", "eng thr ms", "fill ms",
+            "fill cpu ms", "build ms", "advance ms", "apply ms", "valid", "closed")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "|".join("---" for _ in head) + "|")
+    unconstrained = {c["batch"]: c for c in r["cases"] if not c["constrained"]}  # the ratio's denominator
+    for c in r["cases"]:
+        w = c["mask_work_per_step"]
+        base = unconstrained.get(c["batch"])
+        ratio = c["step_p50_ms"] / base["step_p50_ms"] if base and c["constrained"] else 1.0
+        apply_ms = w.get("apply_gpu_ms", w.get("apply_host_ms", 0.0))
+        grammar = ("schema" if c["constrained"] else "none") + (" (sync)" if c["sync_steps"] else "")
+        cells = (c["batch"], grammar, f"{c['step_p50_ms']:.2f}",
+                 f"{c['step_mean_ms']:.2f}", f"{ratio:.2f}x", f"{c['gpu_busy_ms_per_step']:.2f}",
+                 f"{c['process_cpu_cores']:.2f}",
+                 f"{c['engine_thread_cpu_ms_per_step']:.2f}", f"{w.get('fill_wall_ms', 0):.2f}",
+                 f"{w.get('fill_process_cpu_ms', 0):.2f}", f"{w.get('build_wall_ms', 0):.2f}",
+                 f"{w.get('advance_thread_cpu_ms', 0):.2f}", f"{apply_ms:.2f}",
+                 f"{c['valid_prefixes']}/{c['batch']}", c["num_closed_early"])
+        print("| " + " | ".join(str(x) for x in cells) + " |")
+    if r.get("skipped"):
+        print(f"# skipped (past --budget-s): {r['skipped']}")
+    for c in r["cases"]:
+        if c["constrained"]:
+            print(f"# batch {c['batch']} sample output: {c['sample_text']!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
