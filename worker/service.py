@@ -819,8 +819,8 @@ class Worker:
         head = req.head or self._head(req)
         if chunk is None:
             batch.out.add(head, TERMINAL, [terminal])
-        else:  # the chunk took seq - 1
-            batch.out.add(head, (FIRST if req.seq == 1 else CHUNK) + TERMINAL, [chunk, terminal])
+        else:  # the terminal event sets the stream's TTL: a first chunk in its group needs no FIRST
+            batch.out.add(head, CHUNK + TERMINAL, [chunk, terminal])
         batch.terminals.append(req)
         self.requests.put(req, FINISHING)
 
