@@ -239,3 +239,21 @@ async def test_on_step_writes_what_the_generic_path_would(rio: RedisIO) -> None:
     assert sample("stoker_inter_token_latency_seconds_sum") == pytest.approx(0.3)
     assert sample("stoker_inter_token_latency_seconds_bucket", {"le": "0.16"}) == 3
     assert sample("stoker_inter_token_latency_seconds_bucket", {"le": "0.08"}) == 0
+
+
+async def test_the_answer_to_a_rejected_record_goes_unclaimed(rio: RedisIO) -> None:
+    """_fail(unless_ended=True) (a bad record, an unknown model) claims nothing: beside another worker's live
+    claim of the id it writes nothing and reports no lost claim (a claimed group would be 'lost' and parked)."""
+    worker = Worker(WorkerConfig(fake_engine=True, metrics_port=-1, prefix=rio.names.redis_prefix), FakeEngine())
+    worker.rio = rio
+    await rio.client.set(rio.names.claim("taken"), "w2 1", px=9000)
+    for rid in ("taken", "free"):
+        req = Request(Job(request_id=rid, prompt_token_ids=[0]), False, 1_000.0, [], (None, None, []), attempt=1)
+        worker._fail(req, "invalid_job", "bad", unless_ended=True)
+    batch = PublishBatch()
+    while not worker._outbox.empty():
+        batch.extend(worker._outbox.get_nowait().out)
+    assert await rio.publish(batch) == set()
+    assert not await rio.client.exists(rio.names.result("taken"))
+    assert decode_event(await rio.client.get(rio.names.result("free"))).code == "invalid_job"  # type: ignore[union-attr]
+    assert await rio.client.get(rio.names.claim("taken")) == b"w2 1" and not await rio.client.exists(rio.names.claim("free"))
