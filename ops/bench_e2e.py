@@ -209,10 +209,12 @@ class LoadPool:
 
 
 # ---- the worker ---------------------------------------------------------------------------------------
-def proc_cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
+def proc_cpu_s(pid: int, tid: int | None = None) -> float:
+    """utime + stime of every thread, or of thread `tid` alone (the worker's main thread, pid itself, is its
+    asyncio loop: the event path with the Kafka and Redis clients; the engine steps on another thread)."""
+    with open(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, all threads
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -334,7 +336,7 @@ def queue_side(args: argparse.Namespace, path: str, vocab: int, settings: Any, e
 
         def phase(name: str, n: int, prompt: int, new: int, rate: float = 0.0, runs: int = 1,
                   procs: int = 1) -> dict[str, Any]:
-            m0, cpu0, t0 = scrape(worker.port), proc_cpu_s(pid), time.monotonic()
+            m0, cpu0, loop0, t0 = scrape(worker.port), proc_cpu_s(pid), proc_cpu_s(pid, pid), time.monotonic()
             records: list[list[Any]] = []
             client_cpu = 0.0
             for i in range(runs):
@@ -342,9 +344,10 @@ def queue_side(args: argparse.Namespace, path: str, vocab: int, settings: Any, e
                 records += recs
                 client_cpu += cpu
             wall = time.monotonic() - t0
-            cpu1, m1 = proc_cpu_s(pid), scrape(worker.port)
+            cpu1, loop1, m1 = proc_cpu_s(pid), proc_cpu_s(pid, pid), scrape(worker.port)
             s = summarize(records)
             s.update(worker_cpu_s=cpu1 - cpu0, worker_cpu_cores=(cpu1 - cpu0) / wall, phase_wall_s=wall,
+                     worker_loop_cpu_cores=(loop1 - loop0) / wall,
                      client_cpu_cores=client_cpu / wall, load_procs=procs, stages_ms=stage_means(m0, m1))
             if runs > 1:  # per-run TTFTs: the spread of a single request's
                 s["ttft_runs_ms"] = [round((x[1] - x[0]) * 1e3, 2) for x in records if x[1] is not None]
@@ -531,6 +534,7 @@ def table(q: dict[str, Any], e: dict[str, Any], args: argparse.Namespace) -> lis
     row(f"{w2}: output tok/s", g(qp, "W2", "tok_s"), g(ep, "W2", "tok_s"), "{:.0f}")
     row(f"{w2}: CPU cores (worker / engine process)", g(qp, "W2", "worker_cpu_cores"),
         g(ep, "W2", "process_cpu_cores"))
+    row(f"{w2}: worker loop-thread CPU cores (the event path)", g(qp, "W2", "worker_loop_cpu_cores"), None)
     curve = [*([1] if 1 in args.concurrency else []), *curve_points(args),
              *([args.w2_requests] if args.w2_requests in args.concurrency else [])]
     for c in curve:

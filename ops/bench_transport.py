@@ -9,7 +9,11 @@ clients together), the producer is this process, the subscriber a child process.
 1. Throughput: N concurrent requests of T tokens each (one chunk event per request per step); events/s
    = events / wall time from the first event published to the last result stored, and events per worker
    CPU-second over the same window.
-2. Latency: a fresh worker whose engine steps are paced so that B background requests stream chunk events
+2. Paced (W2's decode on the GPU): 1,024 streams, a stand-in step every 100 ms (~10,000 events/s); the
+   worker's CPU over a steady window, split into the loop thread (/proc/<pid>/task/<pid>: the event path,
+   Kafka and Redis clients) and the other threads (the stand-in engine's). `--profile-out` runs this
+   phase's worker under cProfile and prints where the loop thread's time goes.
+3. Latency: a fresh worker whose engine steps are paced so that B background requests stream chunk events
    at half the measured rate; probe jobs (one token each, P per second) measure produce -> first event on
    the request's pub/sub channel. The subscriber subscribes to the probe channels only (a pattern over all
    channels would also deliver the background stream, and the subscriber itself would fall behind).
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing as mp
 import os
 import re
@@ -59,9 +64,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _cpu_s(pid: int) -> float:
-    """utime + stime of the whole process (every thread), in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def _cpu_s(pid: int, tid: int | None = None) -> float:
+    """utime + stime in seconds: of the whole process (every thread), or of its thread `tid` alone."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -77,7 +83,7 @@ class WorkerProc:
 
     @classmethod
     async def start(cls, bootstrap: str, redis_url: str, max_num_seqs: int, step_delay_s: float,
-                    stream_maxlen: int) -> WorkerProc:
+                    stream_maxlen: int, profile_out: str | None = None) -> WorkerProc:
         tag = uuid.uuid4().hex[:8]
         topic, prefix, port = f"bench.{tag}", f"bench{tag}", _free_port()
         admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
@@ -88,7 +94,10 @@ class WorkerProc:
         finally:
             await admin.close()
         log = Path(tempfile.gettempdir()) / f"stoker-bench-worker-{tag}.log"
-        argv = [sys.executable, "-m", "stoker.worker.main", "--fake-engine", "--bootstrap-servers", bootstrap,
+        # cProfile sees the main thread only: the event loop, which is the event path's cost (the stand-in
+        # engine steps on its own thread). The profile is written when the worker exits (stop()).
+        wrap = ["-m", "cProfile", "-o", profile_out] if profile_out else []
+        argv = [sys.executable, *wrap, "-m", "stoker.worker.main", "--fake-engine", "--bootstrap-servers", bootstrap,
                 "--redis-url", redis_url, "--job-topic", topic, "--prefix", prefix, "--group-id", f"bench-{tag}",
                 "--metrics-host", "127.0.0.1", "--metrics-port", str(port), "--max-num-seqs", str(max_num_seqs),
                 "--max-waiting", str(max_num_seqs), "--max-model-len", "2000000", "--max-poll-records", "500",
@@ -123,6 +132,10 @@ class WorkerProc:
 
     def cpu_s(self) -> float:
         return _cpu_s(self.proc.pid)
+
+    def loop_cpu_s(self) -> float:
+        """The main thread's CPU: the asyncio loop (intake, claims, events, Kafka and Redis clients)."""
+        return _cpu_s(self.proc.pid, self.proc.pid)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -222,6 +235,57 @@ async def throughput(bootstrap: str, redis_url: str, requests: int, tokens: int)
         worker.stop()
 
 
+async def paced(bootstrap: str, redis_url: str, requests: int, step_ms: float, seconds: float,
+                profile_out: str | None) -> dict[str, float]:
+    """W2's decode phase on the GPU, with the stand-in engine: `requests` streams, one chunk each per step,
+    steps paced at step_ms (1,024 streams at ~100 ms: ~10,000 events/s). The worker's CPU over `seconds` of
+    steady streaming, split into the loop thread (the event path) and the rest (the stand-in engine's
+    thread, which stands for the real engine's); and the idle worker's CPU before any job, for reference."""
+    worker = await WorkerProc.start(bootstrap, redis_url, requests, step_ms / 1000, 1000, profile_out)
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=2)
+    await producer.start()
+    r = aioredis.Redis.from_url(redis_url)
+    ids = [f"p{i}" for i in range(requests)]
+    try:
+        cpu0, loop0, wall0 = worker.cpu_s(), worker.loop_cpu_s(), time.perf_counter()
+        await asyncio.sleep(3.0)
+        idle = {"idle_cores": (worker.cpu_s() - cpu0) / (time.perf_counter() - wall0),
+                "idle_loop_cores": (worker.loop_cpu_s() - loop0) / (time.perf_counter() - wall0)}
+        for rid in ids:
+            await producer.send(topic=worker.topic, value=_job(rid, 1_000_000), key=rid.encode())
+        await producer.flush()
+        # Steady state: every request streams (events per second near requests / step period).
+        while worker.metrics().get("stoker_events_published_total", 0.0) < 3 * requests:
+            await asyncio.sleep(0.05)
+        m0 = worker.metrics()
+        cpu0, loop0, wall0 = worker.cpu_s(), worker.loop_cpu_s(), time.perf_counter()
+        await asyncio.sleep(seconds)
+        cpu1, loop1, wall1 = worker.cpu_s(), worker.loop_cpu_s(), time.perf_counter()
+        m1 = worker.metrics()
+        events = m1["stoker_events_published_total"] - m0["stoker_events_published_total"]
+        wall = wall1 - wall0
+        # Time inside step() per step, beyond its paced sleep: the stand-in's own work for `requests` outputs
+        # plus whatever it waited for the GIL while the loop ran (the engine thread must not wait on the loop).
+        busy = m1["stoker_engine_busy_seconds_total"] - m0["stoker_engine_busy_seconds_total"]
+        step_extra_ms = busy / max(1.0, events / requests) * 1000 - step_ms
+        return idle | {"rate": events / wall, "cpu_share": (cpu1 - cpu0) / wall, "loop_share": (loop1 - loop0) / wall,
+                       "step_extra_ms": step_extra_ms,
+                       "per_cpu_s": events / max(1e-9, cpu1 - cpu0),
+                       "per_loop_cpu_s": events / max(1e-9, loop1 - loop0)}
+    finally:
+        pipe = r.pipeline(transaction=False)
+        for rid in ids:  # end the streams, so the worker's drain at stop is short
+            pipe.publish(f"{worker.prefix}:cancel", msgspec.json.encode({"type": "cancel", "request_id": rid}))
+        await pipe.execute()
+        deadline = time.monotonic() + 20
+        while await r.exists(*(f"{worker.prefix}:result:{rid}" for rid in ids)) < requests \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await producer.stop()
+        await r.aclose()
+        worker.stop()
+
+
 async def latency(bootstrap: str, redis_url: str, rate: float, bg_requests: int, probes: int,
                   probes_per_s: float) -> dict[str, Any]:
     # Each engine step makes one chunk event per background request: pace steps for rate/2 events/s.
@@ -277,36 +341,72 @@ async def latency(bootstrap: str, redis_url: str, rate: float, bg_requests: int,
         worker.stop()
 
 
-async def bench(args: argparse.Namespace) -> None:
-    if args.rate is None:
-        tp = await throughput(args.bootstrap_servers, args.redis_url, args.requests, args.tokens)
-    else:  # latency only, at half the rate given
-        tp = {"rate": args.rate, "cpu_share": float("nan"), "per_cpu_s": float("nan")}
-    lt = await latency(args.bootstrap_servers, args.redis_url, tp["rate"], args.bg_requests, args.latency_jobs,
-                       args.probes_per_s)
-    rows: list[tuple[str, str]] = [
-        ("throughput: requests x tokens", f"{args.requests} x {args.tokens}"),
-        ("chunk+done events/s (wall)", f"{tp['rate']:,.0f}"),
-        ("worker CPU (cores busy)", f"{tp['cpu_share']:.2f}"),
-        ("events per worker CPU-second", f"{tp['per_cpu_s']:,.0f}"),
-        ("latency phase: background events/s", f"{lt['bg_rate']:,.0f}"),
-        ("engine step period ms (paced)", f"{lt['step_ms']:.2f}"),
-        ("probe jobs measured / sent", f"{lt['measured']} / {args.latency_jobs}"),
-        ("  not seen, but has a result", f"{lt['missing_with_result']}"),
-        ("  not seen, no result (lost)", f"{lt['missing'] - lt['missing_with_result']}"),
-        ("produce -> first event p50 ms", f"{lt['p50']:.2f}"),
-        ("produce -> first event p99 ms", f"{lt['p99']:.2f}"),
-        ("produce -> first event max ms", f"{lt['max']:.2f}"),
-        ("worker CPU during latency phase", f"{lt['cpu_share']:.2f}"),
-    ]
-    print(f"\nStoker transport benchmark (fake engine), {os.cpu_count()} CPUs, worker in its own process")
-    print(f"{'phase':<36}{'value':>16}")
+def _print_table(title: str, rows: list[tuple[str, str]]) -> None:
+    print(f"\n{title}")
+    print(f"{'phase':<40}{'value':>16}")
     for name, value in rows:
-        print(f"{name:<36}{value:>16}")
-    print("\nworker stages, Kafka record time -> stage (probes; p50/p99 are histogram bucket bounds)")
-    print(f"{'stage':<16}{'mean ms':>10}{'p50 ms <=':>12}{'p99 ms <=':>12}")
-    for stage, mean, p50, p99 in lt["stages"]:
-        print(f"{stage:<16}{mean:>10.2f}{p50:>12.1f}{p99:>12.1f}")
+        print(f"{name:<40}{value:>16}")
+
+
+def _print_profile(path: str, top: int) -> None:
+    """The loop thread's heaviest functions by own time (cProfile inflates many small calls: read it for
+    where, and measure the gain with the paced phase, not with this)."""
+    import pstats
+
+    stats = pstats.Stats(path)
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]  # type: ignore[attr-defined]
+    total = stats.total_tt  # type: ignore[attr-defined]
+    print(f"\nloop thread profile (cProfile, {total:.2f} s in all), top {top} by own time")
+    print(f"{'own s':>8}{'own %':>7}{'cum s':>8}{'calls':>10}  function")
+    for (file, line, name), (_, calls, own, cum, _) in rows:
+        where = f"{Path(file).name}:{line}" if line else file
+        print(f"{own:>8.2f}{own / total * 100:>7.1f}{cum:>8.2f}{calls:>10}  {name} ({where})")
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    phases = set(args.phases.split(","))
+    results: dict[str, Any] = {"cpus": os.cpu_count()}
+    print(f"Stoker transport benchmark (fake engine), {os.cpu_count()} CPUs, worker in its own process")
+    if "throughput" in phases or ("latency" in phases and args.rate is None):
+        tp = results["throughput"] = await throughput(args.bootstrap_servers, args.redis_url, args.requests,
+                                                      args.tokens)
+        _print_table("throughput: as fast as the worker goes", [
+            ("requests x tokens", f"{args.requests} x {args.tokens}"),
+            ("chunk+done events/s (wall)", f"{tp['rate']:,.0f}"),
+            ("worker CPU (cores busy)", f"{tp['cpu_share']:.2f}"),
+            ("events per worker CPU-second", f"{tp['per_cpu_s']:,.0f}")])
+    if "paced" in phases:
+        pc = results["paced"] = await paced(args.bootstrap_servers, args.redis_url, args.paced_requests,
+                                            args.paced_step_ms, args.paced_seconds, args.profile_out)
+        _print_table(f"paced: {args.paced_requests} streams, a step every {args.paced_step_ms:g} ms (W2's decode)", [
+            ("idle worker CPU (cores; loop thread)", f"{pc['idle_cores']:.3f}; {pc['idle_loop_cores']:.3f}"),
+            ("chunk events/s (wall)", f"{pc['rate']:,.0f}"),
+            ("worker CPU (cores busy)", f"{pc['cpu_share']:.3f}"),
+            ("  of it the loop thread (event path)", f"{pc['loop_share']:.3f}"),
+            ("events per worker CPU-second", f"{pc['per_cpu_s']:,.0f}"),
+            ("events per loop-thread CPU-second", f"{pc['per_loop_cpu_s']:,.0f}"),
+            ("stand-in step() ms beyond its sleep", f"{pc['step_extra_ms']:.2f}")])
+        if args.profile_out:
+            _print_profile(args.profile_out, args.profile_top)
+    if "latency" in phases:
+        rate = args.rate if args.rate is not None else results["throughput"]["rate"]
+        lt = results["latency"] = await latency(args.bootstrap_servers, args.redis_url, rate, args.bg_requests,
+                                                args.latency_jobs, args.probes_per_s)
+        _print_table(f"latency: probes over a background load at half of {rate:,.0f} events/s", [
+            ("background events/s", f"{lt['bg_rate']:,.0f}"),
+            ("engine step period ms (paced)", f"{lt['step_ms']:.2f}"),
+            ("probe jobs measured / sent", f"{lt['measured']} / {args.latency_jobs}"),
+            ("  not seen, but has a result", f"{lt['missing_with_result']}"),
+            ("  not seen, no result (lost)", f"{lt['missing'] - lt['missing_with_result']}"),
+            ("produce -> first event p50 ms", f"{lt['p50']:.2f}"),
+            ("produce -> first event p99 ms", f"{lt['p99']:.2f}"),
+            ("produce -> first event max ms", f"{lt['max']:.2f}"),
+            ("worker CPU during latency phase", f"{lt['cpu_share']:.2f}")])
+        print("\nworker stages, Kafka record time -> stage (probes; p50/p99 are histogram bucket bounds)")
+        print(f"{'stage':<16}{'mean ms':>10}{'p50 ms <=':>12}{'p99 ms <=':>12}")
+        for stage, mean, p50, p99 in lt["stages"]:
+            print(f"{stage:<16}{mean:>10.2f}{p50:>12.1f}{p99:>12.1f}")
+    return results
 
 
 def main() -> None:
@@ -320,15 +420,32 @@ def main() -> None:
     parser.add_argument("--bg-requests", type=int, default=32, help="streaming requests in the latency phase")
     parser.add_argument("--rate", type=float, default=None,
                         help="skip the throughput phase; run the latency phase at half this events/s")
+    parser.add_argument("--phases", default="throughput,paced,latency",
+                        help="comma-separated, of throughput, paced, latency (default: all three)")
+    parser.add_argument("--paced-requests", type=int, default=1024, help="paced phase: streams (events per step)")
+    parser.add_argument("--paced-step-ms", type=float, default=100.0, help="paced phase: stand-in step period")
+    parser.add_argument("--paced-seconds", type=float, default=10.0, help="paced phase: measured window")
+    parser.add_argument("--profile-out", default=None,
+                        help="paced phase: run the worker under cProfile (its loop thread), write the stats here "
+                             "and print the heaviest functions")
+    parser.add_argument("--profile-top", type=int, default=30, help="functions the profile table lists")
+    parser.add_argument("--json-out", default=None, help="also write the figures as JSON here")
     args = parser.parse_args()
-    for name in ("requests", "tokens", "latency_jobs", "bg_requests"):
+    unknown = set(args.phases.split(",")) - {"throughput", "paced", "latency"}
+    if unknown:
+        parser.error(f"--phases: unknown {sorted(unknown)}; choose among throughput, paced, latency")
+    for name in ("requests", "tokens", "latency_jobs", "bg_requests", "paced_requests"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.rate is not None and args.rate <= 0:
         parser.error("--rate must be > 0 events/s")
     if args.probes_per_s <= 0:
         parser.error("--probes-per-s must be > 0")
-    asyncio.run(bench(args))
+    if args.paced_step_ms <= 0 or args.paced_seconds <= 0:
+        parser.error("--paced-step-ms and --paced-seconds must be > 0")
+    results = asyncio.run(bench(args))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from stoker.schemas.codec import (
     encode_cancel,
     encode_event,
     encode_job,
+    event_encoder,
     is_msgpack,
 )
 from stoker.schemas.errors import ContractError, ErrorCode
@@ -74,6 +75,6 @@ __all__ = [
     "Error", "ErrorCode", "Event", "FinishReason", "Inbound", "Job", "JsonObjectFormat",
     "JsonSchemaFormat", "JsonSchemaSpec", "Names", "RegexFormat", "ResponseFormat", "Role", "Terminal", "Timings",
     "TokenLogprob", "TopLogprob", "Usage", "content_type_for", "content_type_of", "decode_cancel", "decode_event",
-    "decode_job", "default_batch_topic", "default_dlq_topic", "dlq_headers", "encode", "encode_cancel", "encode_event", "encode_job",
+    "decode_job", "default_batch_topic", "default_dlq_topic", "dlq_headers", "encode", "encode_cancel", "encode_event", "encode_job", "event_encoder",
     "is_msgpack", "is_valid_request_id",
 ]

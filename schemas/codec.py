@@ -6,7 +6,7 @@ lets us enforce the size limit, reject a newer `v` before judging fields it may 
 fields with non-None defaults. Events come from our own workers and decode in one typed pass.
 """
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import msgspec
@@ -152,6 +152,12 @@ def encode(message: msgspec.Struct, msgpack: bool = False) -> bytes:
 
 def encode_event(event: Event, msgpack: bool = False) -> bytes:
     return encode(event, msgpack)
+
+
+def event_encoder(msgpack: bool = False) -> Callable[[Event], bytes]:
+    """encode_event's own encoder (the same bytes), for a caller that encodes an event per token (the worker):
+    two Python calls fewer per event."""
+    return (_msgpack_encoder if msgpack else _json_encoder).encode
 
 
 def _encode_checked(message: Job | Cancel, msgpack: bool, max_bytes: int) -> bytes:

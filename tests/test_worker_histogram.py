@@ -42,3 +42,19 @@ def test_label_misuse_is_an_error() -> None:
         LoopHistogram("z", "doc", BUCKETS, ("stage",)).labels("a", "b")
     with pytest.raises(ValueError, match="distinct"):
         LoopHistogram("w", "doc", (0.1, 0.1))
+
+
+def test_observe_many_is_observe_per_value() -> None:
+    rng = random.Random(3)
+    values = [rng.choice(BUCKETS) for _ in range(100)] + [rng.uniform(0, 2) for _ in range(500)] + [0.0, 50.0]
+    one, many = CollectorRegistry(), CollectorRegistry()
+    each = LoopHistogram("x_seconds", "doc", BUCKETS, registry=one)
+    batched = LoopHistogram("x_seconds", "doc", BUCKETS, registry=many)
+    for value in values:
+        each.observe(value)
+    batched.observe_many(values[:250])
+    batched.observe_many(values[250:])
+    batched.observe_many([])
+    assert _exposition(one) == _exposition(many)
+    with pytest.raises(ValueError, match="observe through labels"):
+        LoopHistogram("v", "doc", BUCKETS, ("stage",)).observe_many([1.0])

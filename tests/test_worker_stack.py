@@ -28,6 +28,7 @@ from stoker.engine import EngineRequest, SamplingParams
 from stoker.schemas import DLQ_HEADERS, Cancel, Chunk, Done, Error, encode_cancel
 from stoker.worker.config import WorkerConfig
 from stoker.worker.fake_engine import FAIL_MARKER, FakeEngine
+from stoker.worker.publish_batch import PublishBatch
 from stoker.worker.service import Worker
 from worker_harness import (
     Space,
@@ -504,10 +505,10 @@ async def test_duplicate_record_read_while_the_terminal_event_is_unpublished_doe
         assert w.rio is not None
         original, gate = w.rio.publish, asyncio.Event()
 
-        async def slow_terminals(events: list) -> set[tuple[str, int]]:
-            if any(ev.kind == 2 for ev in events):
+        async def slow_terminals(batch: PublishBatch) -> set[tuple[str, int]]:
+            if batch.terminals:
                 await gate.wait()
-            return await original(events)
+            return await original(batch)
 
         w.rio.publish = slow_terminals  # type: ignore[method-assign]
         await produce(space.bootstrap, names.jobs_topic, [job("again", max_tokens=3)])
@@ -547,7 +548,7 @@ async def test_a_crashed_background_task_stops_the_worker_and_hands_its_jobs_bac
         await asyncio.sleep(0.05)
     assert worker.rio is not None
 
-    async def broken(events: list) -> None:
+    async def broken(batch: PublishBatch) -> None:
         raise ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
 
     worker.rio.publish = broken  # type: ignore[method-assign]

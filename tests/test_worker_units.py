@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 import time
@@ -302,3 +303,21 @@ def test_tenant_labels_are_capped_and_the_absent_tenant_has_its_own():
     labels = TenantLabels(2)
     assert [labels(t) for t in ("a", None, "b", "c", "a", "b", "d")] == ["a", "", "b", "other", "a", "b", "other"]
     assert TenantLabels(0)("a") == "other"
+
+
+def test_settle_heap_freezes_the_startup_heap_and_widens_the_young_generation():
+    """In a fresh interpreter (the test process keeps its own collector): what was made before serving is out
+    of the collector's walks, and a step's burst of short-lived objects no longer sets off collections."""
+    import subprocess
+    import sys
+
+    code = ("import gc, json; from stoker.worker.main import settle_heap, _GC_YOUNG_THRESHOLD; import stoker.worker.service\n"
+            "before = len(gc.get_objects()); settle_heap(); after = len(gc.get_objects())\n"
+            "runs = gc.get_stats()[0]['collections']\n"
+            "burst = [[i] for i in range(_GC_YOUNG_THRESHOLD // 2)]\n"  # short-lived containers, as in a step
+            "print(json.dumps([before, gc.get_freeze_count(), after, gc.get_threshold()[0],"
+            " gc.get_stats()[0]['collections'] - runs]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    before, frozen, tracked, young, young_collections = json.loads(out.stdout)
+    assert frozen >= before * 0.9 and tracked < before / 5
+    assert young == 20_000 and young_collections == 0

@@ -21,9 +21,10 @@ def logprobs(out: RequestOutput) -> list[TokenLogprob] | None:
 
 
 def chunk(req: Request, out: RequestOutput) -> Chunk:
-    """The step's new tokens and text, at the request's current seq (the caller advances it)."""
-    return Chunk(request_id=req.request_id, attempt=req.attempt, seq=req.seq, text=out.text_delta,
-                 token_ids=out.new_token_ids, logprobs=logprobs(out))
+    """The step's new tokens and text, at the request's current seq (the caller advances it). Called per token:
+    the common case (no logprobs) makes no further call."""
+    return Chunk(request_id=req.job.request_id, attempt=req.attempt, seq=req.seq, text=out.text_delta,
+                 token_ids=out.new_token_ids, logprobs=logprobs(out) if out.logprobs else None)
 
 
 def finished(req: Request, out: RequestOutput, step_ms: float, model: str, worker: str) -> Done | Error:

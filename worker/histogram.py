@@ -11,7 +11,7 @@ server is asyncio). With one thread there is nothing to lock: observe is one bis
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -30,6 +30,13 @@ class _Series:
         # bisect_left: a value equal to a bound belongs to that bound's bucket (Prometheus's `le`)
         self.counts[bisect.bisect_left(self._bounds, value)] += 1
         self.sum += value
+
+    def observe_many(self, values: Iterable[float]) -> None:
+        counts, bounds, total = self.counts, self._bounds, self.sum  # summed in order: the same float as observe's
+        for value in values:
+            counts[bisect.bisect_left(bounds, value)] += 1
+            total += value
+        self.sum = total
 
 
 class LoopHistogram(Collector):
@@ -60,9 +67,16 @@ class LoopHistogram(Collector):
         return self._series.get(values) or self._new(values)
 
     def observe(self, value: float) -> None:
+        self._series_unlabelled().observe(value)
+
+    def observe_many(self, values: Iterable[float]) -> None:
+        """Every value of a batch (one engine step's inter-token times) in one call."""
+        self._series_unlabelled().observe_many(values)
+
+    def _series_unlabelled(self) -> _Series:
         if self._unlabelled is None:
             raise ValueError(f"histogram {self.name} has labels {self._labelnames}: observe through labels(...)")
-        self._unlabelled.observe(value)
+        return self._unlabelled
 
     def describe(self) -> Iterator[Metric]:
         yield HistogramMetricFamily(self.name, self.documentation, labels=self._labelnames)

@@ -241,12 +241,12 @@ class WorkerMetrics:
             self.model_waiting.labels(name).set(stats.num_waiting if stats else 0)
             self.model_kv_usage.labels(name).set(stats.kv_usage if stats and stats.kv_blocks_total else 0)
 
-    def add_tokens(self, prompt: dict[str, int], generated: dict[str, int]) -> None:
-        """One engine step's tokens, {tenant label: count}: one increment per tenant, not per request."""
-        for label, count in prompt.items():
-            self.prompt_tokens.labels(label).inc(count)
-        for label, count in generated.items():
-            self.generation_tokens.labels(label).inc(count)
+    def add_tokens(self, prompt: dict[str | None, int], generated: dict[str | None, int]) -> None:
+        """One engine step's tokens, {the jobs' tenant: count}: one increment per tenant, not per request."""
+        for tenant, count in prompt.items():
+            self.prompt_tokens.labels(self.tenant_label(tenant)).inc(count)
+        for tenant, count in generated.items():
+            self.generation_tokens.labels(self.tenant_label(tenant)).inc(count)
 
     def _sync_engine(self) -> None:
         if self._engine is None:

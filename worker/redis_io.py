@@ -25,7 +25,6 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -34,6 +33,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from stoker.schemas.names import STREAM_FIELD, Names
 from stoker.worker.membership import worker_index
+from stoker.worker.publish_batch import PublishBatch, StreamHead, bulk
 
 log = logging.getLogger("stoker.worker.redis")
 T = TypeVar("T")
@@ -43,8 +43,8 @@ T = TypeVar("T")
 # ARGV: cap, ttl_s, token, claim_ttl_ms, attempts_ttl_s, then per request group a header "<mode> <attempt>
 # <kinds>" and one payload per event; kinds has one digit per event: 0 = chunk, 1 = the attempt's first event
 # (sets the stream's TTL), 2 = terminal (TTL, result key, our claim released). KEYS per group: channel,
-# stream, claim, attempts, result. Arguments per event matter to the worker's CPU: RedisIO packs this one
-# command itself (see _evalsha) rather than through redis-py's generic per-argument packer.
+# stream, claim, attempts, result. Arguments per event matter to the worker's CPU: the command is packed by
+# worker.publish_batch (a request's keys once per attempt), not by redis-py's generic per-argument packer.
 # Mode 'c' (a claimed request): the group is written only while the claim still names this worker and
 # attempt; a claim that expired with nobody taking over is taken back only if no result exists and the
 # attempt counter still equals our attempt (or is gone with the claim). The result check stops a replay:
@@ -168,15 +168,6 @@ return 0
 """
 
 
-class EventKind(enum.IntEnum):
-    """What an event is to the publish script (its `kind` argument, 0-2; 3 is sent as 2 in an unclaimed group)."""
-
-    CHUNK = 0
-    FIRST = 1  # the attempt's first event: sets the stream's TTL
-    TERMINAL = 2  # TTL, result key, our claim released
-    UNCLAIMED_TERMINAL = 3  # the answer to a rejected record, which claims nothing (the script's mode 'u')
-
-
 class Admission(enum.StrEnum):
     """The admit script's status for one job."""
 
@@ -194,20 +185,8 @@ class Renewal(enum.IntEnum):
     CANCELLED = 2  # renewed, but its cancel key is set
 
 
-# EventKind -> the script's digit (an unclaimed terminal is a terminal in a 'u' group)
-_KIND_DIGIT = ("0", "1", "2", "2")
-
-
 class RedisAccessError(RuntimeError):
     """Redis answers but refuses us (wrong password, missing ACL permission): fatal, never retried."""
-
-
-@dataclass(slots=True)
-class OutEvent:
-    request_id: str
-    payload: bytes
-    kind: EventKind
-    attempt: int  # the attempt the event belongs to: published only while the claim names it
 
 
 class RedisIO:
@@ -228,24 +207,16 @@ class RedisIO:
         self._release = client.register_script(_RELEASE_LUA)
         self.stopping = False  # set at shutdown so retries give up instead of waiting forever
         self.down_since: float | None = None  # monotonic time of the first failure of the current outage
-        self._key_cache: dict[str, bytes] = {}
-        self._publish_head = b"".join(_bulk(str(v).encode()) for v in (stream_maxlen, ttl_s, token, claim_ttl_ms,
-                                                                        attempts_ttl_s))
+        self._publish_args = b"".join(bulk(str(v).encode()) for v in (stream_maxlen, ttl_s, token, claim_ttl_ms,
+                                                                       attempts_ttl_s))
 
-    def _request_keys(self, request_id: str) -> bytes:
-        """The publish script's five keys of a request (channel, stream, claim, attempts, result), packed
-        for the wire and kept while it streams: a request publishes once per engine step, and each key checks
-        the id when built."""
-        packed = self._key_cache.get(request_id)
-        if packed is None:
-            if len(self._key_cache) >= 16_384:
-                self._key_cache.clear()
-            names = self.names
-            keys = (names.events_channel(request_id), names.stream(request_id), names.claim(request_id),
-                    self.attempts_key(request_id), names.result(request_id))
-            packed = b"".join(_bulk(k.encode()) for k in keys)
-            self._key_cache[request_id] = packed
-        return packed
+    def head(self, request_id: str, attempt: int) -> StreamHead:
+        """The publish script's keys and chunk header of one attempt of a request, packed once: the caller
+        keeps it for the request's every step (each key also checks the id when built)."""
+        names = self.names
+        return StreamHead.of(request_id, attempt, (names.events_channel(request_id), names.stream(request_id),
+                                                   names.claim(request_id), self.attempts_key(request_id),
+                                                   names.result(request_id)))
 
     async def _evalsha(self, packed: bytes, script: str) -> Any:
         """Send one EVALSHA packed by the caller on a pooled connection and read its reply. A script Redis
@@ -301,42 +272,21 @@ class RedisIO:
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 2.0)
 
-    async def publish(self, events: list[OutEvent]) -> set[tuple[str, int]]:
+    async def publish(self, batch: PublishBatch) -> set[tuple[str, int]]:
         """One script call for a batch of steps' events (retried whole: a replay duplicates seqs the
         subscriber drops, never loses any). Returns the (request id, attempt) pairs whose claim was lost:
-        none of their events was written."""
-        if not events:
+        none of their events in this call was written."""
+        if not batch.groups:
             return set()
-        # Group by request and attempt (order kept within a group): one claim check per group.
-        groups: dict[tuple[str, int, bool], list[OutEvent]] = {}
-        for ev in events:
-            group_key = (ev.request_id, ev.attempt, ev.kind == EventKind.UNCLAIMED_TERMINAL)
-            group = groups.get(group_key)
-            if group is None:
-                groups[group_key] = [ev]
-            else:
-                group.append(ev)
-        # The command is packed here (RESP bulk strings), not by redis-py: its generic packer cost ~1/4 of the
-        # worker's event-loop CPU at 512 events per step (py-spy on ops/bench_transport.py).
-        keys: list[bytes] = []
-        args: list[bytes] = [self._publish_head]
-        order = list(groups)
-        for (rid, attempt, unclaimed), group in groups.items():
-            # one event of a request per batch is the common case: no join
-            kinds = _KIND_DIGIT[group[0].kind] if len(group) == 1 else "".join([_KIND_DIGIT[e.kind] for e in group])
-            keys.append(self._request_keys(rid))
-            header = f"{'u' if unclaimed else 'c'} {attempt} {kinds}".encode()
-            args.append(b"$%d\r\n%s\r\n" % (len(header), header))
-            for ev in group:
-                args.append(b"$%d\r\n%s\r\n" % (len(ev.payload), ev.payload))
-        num_keys = 5 * len(order)
-        packed = b"".join([_command_head(self._publish.sha, num_keys, num_keys + 5 + len(args) - 1), *keys, *args])
+        # Packed by PublishBatch, not by redis-py: its generic packer cost ~1/4 of the worker's event-loop CPU
+        # at 512 events per step (py-spy on ops/bench_transport.py).
+        packed = batch.command(self._publish.sha, self._publish_args)
 
         async def go() -> list[int]:
             return [int(x) for x in await self._evalsha(packed, _PUBLISH_LUA)]
 
         lost = await self.retry("publish", go)
-        return {(order[i - 1][0], order[i - 1][1]) for i in lost}
+        return {batch.groups[i - 1] for i in lost}
 
     async def admit(self, request_ids: list[str]) -> list[tuple[Admission, int]]:
         """Claim each request unless it has a result or another worker's live claim."""
@@ -387,16 +337,6 @@ class RedisIO:
         keys = [self.names.cancelled(rid) for rid in request_ids]
         flags = await self.retry("cancelled", lambda: self.client.mget(keys))
         return [rid for rid, flag in zip(request_ids, flags, strict=True) if flag is not None]
-
-
-def _bulk(value: bytes) -> bytes:
-    return b"$%d\r\n%s\r\n" % (len(value), value)
-
-
-def _command_head(sha: str, num_keys: int, num_values: int) -> bytes:
-    """EVALSHA, the sha and the key count, for a command of num_values keys and arguments after them."""
-    count = str(num_keys).encode()
-    return b"*%d\r\n$7\r\nEVALSHA\r\n%s%s" % (3 + num_values, _bulk(sha.encode()), _bulk(count))
 
 
 def _s(value: bytes | str) -> str:

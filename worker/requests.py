@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from stoker.engine import EngineRequest, GuidedDecoding, SamplingParams
 from stoker.schemas import ChoiceFormat, Job, JsonObjectFormat, JsonSchemaFormat, RegexFormat, ResponseFormat
+from stoker.worker.publish_batch import StreamHead
 
 Record = tuple[Any, int]  # (partition, offset); the partition is aiokafka's TopicPartition in the worker
 RawRecord = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]  # key, value, headers (for the DLQ)
@@ -56,6 +57,7 @@ class Request:
     # Records read while FINISHING: they finish with the terminal event (kept apart from `records`, which
     # a revoke leaves alone once the terminal event is queued).
     late_records: list[Record] = field(default_factory=list)
+    head: StreamHead | None = None  # this attempt's publish keys, packed at its first event (worker.publish_batch)
 
     @property
     def request_id(self) -> str:
@@ -82,6 +84,10 @@ class RequestTable:
 
     def running(self, request_id: str) -> Request | None:
         return self.get(request_id, RequestState.RUNNING)
+
+    def running_by_id(self) -> Mapping[str, Request]:
+        """The RUNNING entries by id, live (not a copy): for a lookup per engine output without a call each."""
+        return self._by_state[RequestState.RUNNING]
 
     def put(self, req: Request, state: RequestState) -> None:
         """Make `req` the entry of its id, in `state` (replacing whatever entry the id had)."""

@@ -47,6 +47,7 @@ from stoker.schemas import (
     decode_cancel,
     decode_job,
     encode_event,
+    event_encoder,
     is_msgpack,
     is_valid_request_id,
 )
@@ -61,7 +62,8 @@ from stoker.worker.membership import heartbeat, join_checked, leave, recheck, se
 from stoker.worker.metrics import HealthServer, WorkerMetrics
 from stoker.worker.models import model_states
 from stoker.worker.offsets import OffsetTracker
-from stoker.worker.redis_io import Admission, EventKind, OutEvent, RedisIO, Renewal
+from stoker.worker.publish_batch import CHUNK, FIRST, TERMINAL, PublishBatch, StreamHead
+from stoker.worker.redis_io import Admission, RedisIO, Renewal
 from stoker.worker.requests import Record, Request, RequestState, RequestTable, engine_request
 
 log = logging.getLogger("stoker.worker")
@@ -73,6 +75,7 @@ _CLOSE_TIMEOUT_S = 10.0  # at shutdown, how long the last commit and each Kafka 
 # A dead letter refused this long turns /healthz unhealthy: its record (and its partition's commits) is stuck
 # until an operator acts. Not at once: a broker restart refuses sends for a few seconds and heals by itself.
 DLQ_UNHEALTHY_AFTER_S = 10.0
+_EVENT_ENCODERS = (event_encoder(msgpack=False), event_encoder(msgpack=True))  # by Request.msgpack
 
 
 def now_ms() -> float:
@@ -105,7 +108,7 @@ async def _reaped(task: asyncio.Task[Any]) -> None:
 class Batch:
     """One pipeline's worth of output: events, records finished once they are stored, engine steps acked."""
 
-    events: list[OutEvent] = field(default_factory=list)
+    out: PublishBatch = field(default_factory=PublishBatch)  # the publish script's groups, packed
     terminals: list[Request] = field(default_factory=list)  # their records (and late duplicates') finish
     steps: int = 0
     first_event_record_ms: list[float] = field(default_factory=list)  # for the `published` stage metric
@@ -420,8 +423,12 @@ class Worker:
         next_sweep = 0.0
         next_topic_check = time.monotonic() + admitter.BATCH_TOPIC_RECHECK_S
         while not self._stopping.is_set():
+            # asyncio.timeout, not wait_for: wait_for runs the wait as a task of its own, three loop passes from
+            # the intake's set() to this task running (ops/bench_ttft.py measures the stages) and a task made
+            # 20 times a second while idle.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._admit_wakeup.wait(), 0.05)
+                async with asyncio.timeout(0.05):
+                    await self._admit_wakeup.wait()
             self._admit_wakeup.clear()
             if self._left_group:
                 continue
@@ -433,7 +440,7 @@ class Worker:
             if self.admitter.batch_topic_missing and time.monotonic() >= next_topic_check:
                 next_topic_check = time.monotonic() + admitter.BATCH_TOPIC_RECHECK_S
                 await self._look_for_batch_topic()
-            while not self._stopping.is_set():
+            while not self._stopping.is_set() and len(self.admitter.backlog):  # (_free_slots walks the running)
                 free, room = self._free_slots()
                 if not (claims := await self.admitter.next_round(free, self._assigned, room)):
                     break
@@ -626,11 +633,9 @@ class Worker:
         self._send_terminal(req, done, reason)
 
     def _fail(self, req: Request, code: str, message: str, unless_ended: bool = False) -> None:
-        kind = EventKind.UNCLAIMED_TERMINAL if unless_ended else EventKind.TERMINAL
-        self._send_terminal(req, events.error(req, code, message), str(code), kind=kind)
+        self._send_terminal(req, events.error(req, code, message), str(code), unclaimed=unless_ended)
 
-    def _send_terminal(self, req: Request, event: Done | Error, reason: str,
-                       kind: EventKind = EventKind.TERMINAL) -> None:
+    def _send_terminal(self, req: Request, event: Done | Error, reason: str, unclaimed: bool = False) -> None:
         rid = req.request_id
         self.metrics.finished.labels(reason, self.metrics.tenant_label(req.job.tenant)).inc()
         current = self.requests.get(rid)
@@ -638,8 +643,9 @@ class Worker:
         # under it, or its terminal event queued): records of the id keep joining that one.
         if current is None or current is req or current.state is CLAIMING:
             self.requests.put(req, FINISHING)
-        self._outbox.put_nowait(Batch([OutEvent(rid, encode_event(event, req.msgpack), kind, req.attempt)],
-                                      terminals=[req]))
+        batch = Batch(terminals=[req])
+        batch.out.add(req.head or self._head(req), TERMINAL, [encode_event(event, req.msgpack)], unclaimed=unclaimed)
+        self._outbox.put_nowait(batch)
 
     async def _dead_letter(self, rec_key: bytes | None, rec_value: bytes | None,
                            headers: list[tuple[str, bytes]], code: str, message: str, attempts: int) -> None:
@@ -731,55 +737,52 @@ class Worker:
 
     # -- output -------------------------------------------------------------------------------------------
     def _on_step(self, outputs: list[RequestOutput], stats: EngineStats | None, step_ms: float) -> None:
-        """On the loop thread, once per engine step: turn outputs into events, queue one Batch."""
+        """On the loop thread, once per engine step: turn outputs into events, queue one Batch. This runs once
+        per token of every request (~10,000 a second per worker): the common output, a running request's next
+        chunk, costs a dict lookup, one encode and one PublishBatch.chunk; per-tenant counts and histograms are
+        gathered and applied once per step."""
         assert self.driver is not None
         if self.driver.fatal is not None:
             self.fatal = self.driver.fatal
             self._stopping.set()
             return
         batch = Batch(steps=1)
-        m = self.metrics
-        prompt_tokens: dict[str, int] = {}  # tenant label -> tokens this step, counted once per tenant below
-        generated: dict[str, int] = {}
+        publish = batch.out
+        running = self.requests.running_by_id()
+        prompt_tokens: dict[str | None, int] = {}  # by the job's tenant: labelled once per step (add_tokens)
+        generated: dict[str | None, int] = {}
+        gaps: list[float] = []  # inter-token times, seconds
         for out in outputs:
-            req = self.requests.running(out.request_id)
+            req = running.get(out.request_id)
             if req is None or req.lost:
                 continue
-            tenant = m.tenant_label(req.job.tenant)
             if out.first_scheduled_ms is not None and req.first_scheduled_ms is None:
-                req.first_scheduled_ms = out.first_scheduled_ms
-                m.queue.observe(max(0.0, out.first_scheduled_ms - req.record_ms) / 1000)
-                prompt_tokens[tenant] = prompt_tokens.get(tenant, 0) + out.prompt_tokens
-            if out.new_token_ids:
-                generated[tenant] = generated.get(tenant, 0) + len(out.new_token_ids)
-            rid = out.request_id
-            if out.new_token_ids or out.text_delta:
+                self._first_scheduled(req, out, prompt_tokens)
+            new_ids = out.new_token_ids
+            chunk: bytes | None = None
+            if new_ids or out.text_delta:
+                if new_ids:
+                    tenant = req.job.tenant
+                    generated[tenant] = generated.get(tenant, 0) + len(new_ids)
+                last = req.last_chunk_ms
                 if req.first_token_ms is None:
-                    req.first_token_ms = step_ms
-                    m.ttft.observe(max(0.0, step_ms - req.record_ms) / 1000)
-                    self._observe("first_output", req.record_ms, step_ms)
-                    batch.first_event_record_ms.append(req.record_ms)
-                elif req.last_chunk_ms is not None:
-                    m.itl.observe(max(0.0, step_ms - req.last_chunk_ms) / 1000)
+                    self._first_token(req, step_ms, batch)
+                elif last is not None:
+                    gaps.append((step_ms - last) / 1000)
                 req.last_chunk_ms = step_ms
                 req.text.append(out.text_delta)
-                kind = EventKind.FIRST if req.seq == 0 else EventKind.CHUNK
-                batch.events.append(OutEvent(rid, encode_event(events.chunk(req, out), req.msgpack), kind,
-                                             req.attempt))
+                chunk = _EVENT_ENCODERS[req.msgpack](events.chunk(req, out))
                 req.seq += 1
-            if not out.finished:
-                continue
-            self.admitter.used(rid, out.prompt_tokens + out.completion_tokens)
-            event = events.finished(req, out, step_ms, req.job.model or self.model_name, self.cfg.worker_id)
-            if isinstance(event, Error):
-                reason = event.code
-            else:
-                reason = event.finish_reason
-                m.e2e.observe(max(0.0, step_ms - req.record_ms) / 1000)
-            m.finished.labels(reason, tenant).inc()
-            batch.events.append(OutEvent(rid, encode_event(event, req.msgpack), EventKind.TERMINAL, req.attempt))
-            batch.terminals.append(req)
-            self.requests.put(req, FINISHING)
+                if not out.finished:
+                    if req.seq > 1:
+                        publish.chunk(req.head or self._head(req), chunk)
+                    else:
+                        publish.add(req.head or self._head(req), FIRST, [chunk])
+                    continue
+            if out.finished:
+                self._finished(req, out, step_ms, batch, chunk)
+        m = self.metrics
+        m.itl.observe_many(gaps)
         m.add_tokens(prompt_tokens, generated)
         if stats is not None:
             m.running.set(stats.num_running)
@@ -787,24 +790,62 @@ class Worker:
             m.kv_usage.set(stats.kv_usage)
         self._outbox.put_nowait(batch)
 
+    def _head(self, req: Request) -> StreamHead:
+        """The request's packed publish keys for this attempt (made once, at its first event)."""
+        assert self.rio is not None
+        req.head = self.rio.head(req.request_id, req.attempt)
+        return req.head
+
+    def _first_scheduled(self, req: Request, out: RequestOutput, prompt_tokens: dict[str | None, int]) -> None:
+        req.first_scheduled_ms = out.first_scheduled_ms
+        self.metrics.queue.observe(max(0.0, (out.first_scheduled_ms or 0.0) - req.record_ms) / 1000)
+        prompt_tokens[req.job.tenant] = prompt_tokens.get(req.job.tenant, 0) + out.prompt_tokens
+
+    def _first_token(self, req: Request, step_ms: float, batch: Batch) -> None:
+        req.first_token_ms = step_ms
+        self.metrics.ttft.observe(max(0.0, step_ms - req.record_ms) / 1000)
+        self._observe("first_output", req.record_ms, step_ms)
+        batch.first_event_record_ms.append(req.record_ms)
+
+    def _finished(self, req: Request, out: RequestOutput, step_ms: float, batch: Batch, chunk: bytes | None) -> None:
+        """The engine finished the request: its terminal event (after this step's chunk, when it made one, in
+        one group), and the request waits in FINISHING until the event is stored."""
+        m = self.metrics
+        self.admitter.used(req.request_id, out.prompt_tokens + out.completion_tokens)
+        event = events.finished(req, out, step_ms, req.job.model or self.model_name, self.cfg.worker_id)
+        if isinstance(event, Error):
+            reason = event.code
+        else:
+            reason = event.finish_reason
+            m.e2e.observe(max(0.0, step_ms - req.record_ms) / 1000)
+        m.finished.labels(reason, m.tenant_label(req.job.tenant)).inc()
+        terminal = _EVENT_ENCODERS[req.msgpack](event)
+        head = req.head or self._head(req)
+        if chunk is None:
+            batch.out.add(head, TERMINAL, [terminal])
+        else:  # the terminal event sets the stream's TTL: a first chunk in its group needs no FIRST
+            batch.out.add(head, CHUNK + TERMINAL, [chunk, terminal])
+        batch.terminals.append(req)
+        self.requests.put(req, FINISHING)
+
     async def _publish_loop(self) -> None:
         assert self.rio is not None and self.driver is not None
         while True:
             batch = await self._outbox.get()
             taken = 1  # task_done() once stored: stop() waits on the queue's join()
             # Coalesce a backlog into one pipeline (bounded, so one call stays small).
-            while not self._outbox.empty() and len(batch.events) < 4096:
+            while not self._outbox.empty() and len(batch.out) < 4096:
                 more = self._outbox.get_nowait()
                 taken += 1
-                batch.events += more.events
+                batch.out.extend(more.out)
                 batch.terminals += more.terminals
                 batch.steps += more.steps
                 batch.first_event_record_ms += more.first_event_record_ms
-            lost = await self.rio.publish(batch.events)
+            lost = await self.rio.publish(batch.out)
             published_ms = now_ms()
             for record_ms in batch.first_event_record_ms:
                 self._observe("published", record_ms, published_ms)
-            self.metrics.events.inc(len(batch.events))
+            self.metrics.events.inc(len(batch.out))
             for rid, attempt in lost:
                 req = self.requests.running(rid)
                 if req is not None and req.attempt == attempt:
