@@ -34,16 +34,19 @@ MAX_TOKENS = [3, 5, 7, 5, 3]  # the decode batch goes 5 -> 3 -> 1 sequences
 
 
 def generate(engine: LLMEngine, ids: list[list[int]], max_tokens: list[int]) -> dict[str, Any]:
-    """Greedy with logprobs -> {rid: (tokens, [the sampled token's logprob per step])}."""
+    """Greedy with logprobs -> {rid: (tokens, [the sampled token's logprob per step], [the gap between the top
+    two logprobs per step])}."""
     for i, (p, n) in enumerate(zip(ids, max_tokens, strict=True)):
-        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1)
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2)
         engine.add_request(EngineRequest(f"r{i}", prompt_token_ids=p, params=params))
-    got: dict[str, tuple[list[int], list[float]]] = {f"r{i}": ([], []) for i in range(len(ids))}
+    got: dict[str, tuple[list[int], list[float], list[float]]] = {f"r{i}": ([], [], []) for i in range(len(ids))}
     while engine.has_unfinished():
         for out in engine.step():
             assert out.error_code is None, out.error_message
-            got[out.request_id][0].extend(out.new_token_ids)
-            got[out.request_id][1].extend(lp.logprob for lp in out.logprobs or [])
+            tokens, logprobs, gaps = got[out.request_id]
+            tokens.extend(out.new_token_ids)
+            logprobs.extend(lp.logprob for lp in out.logprobs or [])
+            gaps.extend(lp.top[0].logprob - lp.top[1].logprob for lp in out.logprobs or [])
     return got
 
 
@@ -93,7 +96,7 @@ def test_fused_decode_greedy_matches_transformers_and_unfused(arch, mode: str, m
     unfused = generate(cpu_engine(path, "cublas"), PROMPTS, MAX_TOKENS)
     assert spy.calls == 2 * decode_steps, "the cublas engine took the fused path"
     for i, (p, n) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
-        tokens, logprobs = got[f"r{i}"]
+        tokens, logprobs, _ = got[f"r{i}"]
         assert tokens == hf_greedy(hf, p, n), f"prompt {i}: fused tokens differ from transformers"
         assert tokens == unfused[f"r{i}"][0], f"prompt {i}: fused tokens differ from the unfused engine"
         # Every step's logprob against transformers' teacher-forced log-softmax and the unfused engine's.
@@ -144,7 +147,7 @@ def test_fp8_keeps_its_own_decode_path(arch, setting: str, monkeypatch) -> None:
     assert report["fused_layers"] == 0
     assert ("Fp8" in report["fallback"]) if setting == "fp8-weights" else ("float8" in report["fallback"])
     got = generate(engine, PROMPTS[:2], [3, 3])
-    assert spy.calls == 0 and all(len(t) == 3 for t, _ in got.values())
+    assert spy.calls == 0 and all(len(t) == 3 for t, _, _ in got.values())
 
 
 # ----------------------------------------------------------------------------------- anywhere: the setting
@@ -216,9 +219,9 @@ def _gpu_engine(path: str, dtype: str, decode_kernels: str, pdl: bool = False) -
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_bf16_fused_decode_matches_cublas_with_cuda_graphs(tmp_path) -> None:
     """Decode logprobs of the fused path (graph buckets 1..8) against the cublas path's, both bf16, and both
-    against transformers float32: the fused path no further off than cublas (x1.25 + bf16's step). Greedy
-    tokens equal on a smooth model (std 0.015: logits of std ~0.35, margins bf16 rounding does not flip over
-    a few tokens); PDL changes no logit."""
+    against transformers float32: the fused path no further off than cublas (x1.25 + 2e-2). Greedy tokens
+    equal to cublas's up to a near-tie (top two logprobs within 0.05, where two bf16 roundings may pick
+    differently) and for at least 3 steps; PDL changes no token."""
     hf = _hf_llama_gpu(str(tmp_path), 0.015).to("cuda")
     ids = prompts(7, [5, 37, 70, 12])
     max_tokens = [8, 8, 6, 4]
@@ -235,17 +238,22 @@ def test_bf16_fused_decode_matches_cublas_with_cuda_graphs(tmp_path) -> None:
     for i, (p, n) in enumerate(zip(ids, max_tokens, strict=True)):
         rid = f"r{i}"
         cublas, fused, pdl_run = runs["cublas", False][rid], runs["fused", False][rid], runs["fused", True][rid]
-        assert fused[0] == cublas[0], f"prompt {i}: greedy tokens differ (fused {fused[0]} vs {cublas[0]})"
-        assert pdl_run[0] == fused[0]
+        assert pdl_run[0] == fused[0]  # PDL changes when a kernel starts, not what it computes
         torch.testing.assert_close(pdl_run[1], fused[1], atol=1e-3, rtol=0)
+        # Greedy equal up to a near-tie: where the two bf16 paths part, cublas's top two were within bf16 noise.
+        same = next((t for t in range(n) if fused[0][t] != cublas[0][t]), n)
+        if same < n:
+            assert cublas[2][same] < 0.05, (f"prompt {i}: tokens part at step {same} although cublas's top two "
+                                            f"logprobs are {cublas[2][same]:.3f} apart: {fused[0]} vs {cublas[0]}")
+        assert same >= min(n, 3), f"prompt {i}: fused and cublas part at step {same}"
         with torch.no_grad():
             hf_lp = torch.log_softmax(hf(torch.tensor([p + fused[0][:-1]], device="cuda")).logits[0, len(p) - 1 :]
                                       .float(), dim=-1).cpu()
-        want = hf_lp[torch.arange(n), torch.tensor(fused[0])]
-        fused_err = (torch.tensor(fused[1]) - want).abs().max().item()
-        cublas_err = (torch.tensor(cublas[1]) - want).abs().max().item()
+        want = hf_lp[torch.arange(same), torch.tensor(fused[0][:same])]
+        fused_err = (torch.tensor(fused[1][:same]) - want).abs().max().item()
+        cublas_err = (torch.tensor(cublas[1][:same]) - want).abs().max().item()
         assert fused_err <= 1.25 * cublas_err + 2e-2, f"prompt {i}: fused {fused_err:.3e} vs cublas {cublas_err:.3e}"
-        torch.testing.assert_close(fused[1], cublas[1], atol=3e-2, rtol=0)
+        torch.testing.assert_close(fused[1][:same], cublas[1][:same], atol=3e-2, rtol=0)
 
 
 @pytest.mark.gpu
