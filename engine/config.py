@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 _DTYPES = ("float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto = the model dtype; fp8 = float8_e4m3fn (engine/kernels/kv_quant.py)
+# How decode steps of <= 16 sequences multiply (engine/models/fused_decode.py); see EngineConfig.decode_kernels.
+DECODE_KERNELS = ("auto", "fused", "fused-folded", "cublas")
 
 
 @dataclass(slots=True)
@@ -45,6 +47,15 @@ class EngineConfig:
     # "fp8": the KV cache in float8_e4m3fn with per-layer k/v scales (the checkpoint's, else 1.0): half the bytes,
     # twice the blocks in the same budget. "auto": the model dtype.
     kv_cache_dtype: str = "auto"
+    # Decode steps of <= 16 sequences (a CUDA-graph bucket takes its branch at capture): "fused" = the Triton
+    # GEMVs with the rotary + KV-cache write, SiLU-mul and residual-add epilogues (engine/models/fused_decode.py);
+    # "fused-folded" = the same with the RMSNorm weights folded into qkv / gate_up at load and the norm in their
+    # prologue (a win at 1B-class shapes, a loss at 8B: BENCHMARKS.md); "cublas" = the unfused kernels (F.linear);
+    # "auto" = "fused" on CUDA with Triton, "cublas" otherwise. FP8 and tensor-parallel linears keep their path.
+    decode_kernels: str = "auto"
+    # The fused decode GEMVs launched with programmatic dependent launch (their weight stream starts while the
+    # previous kernel drains): measured to help 1B-sized GEMVs, neutral at 8B (BENCHMARKS.md).
+    decode_pdl: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -89,6 +100,7 @@ class EngineConfig:
             problems.append(f"quantization must be 'fp8' or None, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             problems.append(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        problems += self._decode_kernel_problems()
         if self.tensor_parallel_size < 1:
             problems.append(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         elif self.tensor_parallel_size > 1 and self.device.startswith("cuda"):
@@ -99,6 +111,20 @@ class EngineConfig:
                                 f"{torch.cuda.device_count()} visible (CUDA_VISIBLE_DEVICES picks them)")
         if problems:
             raise ValueError("EngineConfig: " + "; ".join(problems))
+
+    def _decode_kernel_problems(self) -> list[str]:
+        if self.decode_kernels not in DECODE_KERNELS:
+            return [f"decode_kernels must be one of {DECODE_KERNELS}, got {self.decode_kernels!r}"]
+        if not self.decode_kernels.startswith("fused"):
+            return []
+        if not self.use_triton:
+            return [f"decode_kernels={self.decode_kernels!r} runs Triton kernels: drop use_triton=False "
+                    "(--no-triton) or pick 'cublas'"]
+        # Triton itself reads TRITON_INTERPRET from the environment: its CPU interpreter runs the kernels in tests.
+        if self.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            return [f"decode_kernels={self.decode_kernels!r} needs a CUDA device (or TRITON_INTERPRET=1, the "
+                    "Triton interpreter the CPU tests use); on the CPU pick 'auto' or 'cublas'"]
+        return []
 
     @property
     def torch_dtype(self):  # -> torch.dtype (torch imported lazily: this module stays cheap)

@@ -1,6 +1,7 @@
 """GPU bench of the engine at the Llama-3-8B shape, with floors measured in the same run and a transformers peer.
 
-    PYTHONPATH=. python ops/bench.py [--shape 8b|tiny] [--w2-requests 1024] [--hf-w2-requests 256]
+    PYTHONPATH=. python ops/bench.py [--shape 8b|1b|tiny] [--w2-requests 1024] [--hf-w2-requests 256]
+                                     [--decode-kernels cublas,fused,fused+pdl] [--skip-w2]
 
 Writes random bf16 weights once (safetensors, 4 shards) under --model-dir, then:
   floors  read bandwidth (device copy, bytes read + written / time) and bf16 matmul rate (8192^3); with
@@ -8,7 +9,8 @@ Writes random bf16 weights once (safetensors, 4 shards) under --model-dir, then:
           count the bytes stored (FP8 weights + scales, bf16 lm_head) and the FP8 rate for the linears;
   W3      engine start to ready: first (cold: page cache dropped when the kernel allows) and second (warm);
           weights-on-GPU time and graph-capture time from the engine's startup report;
-  W1      1 request, 512 prompt tokens, 256 new (greedy, ignore_eos): TPOT and tok/s;
+  W1      1 request, 512 prompt tokens, 256 new (greedy, ignore_eos): TPOT and tok/s; with several
+          --decode-kernels settings, W1 again on a fresh engine for each setting after the first (A/B);
   W2      N requests x 512 random prompt tokens x 256 new, all added at once: output tok/s and total time,
           process CPU seconds / wall, GPU idle share between decode steps (CUDA events);
   peer    transformers generate on the same folder: W1, and W2 at batch --hf-w2-requests.
@@ -37,6 +39,15 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_key_value_heads=8,
         head_dim=128,
         intermediate_size=14336,
+        vocab_size=128256,
+    ),
+    "1b": dict(  # Llama-3.2-1B-class (head_dim 64), its embedding untied here
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=8192,
         vocab_size=128256,
     ),
     "tiny": dict(
@@ -168,8 +179,10 @@ def drop_page_cache() -> bool:
 
 # ---- our engine ------------------------------------------------------------------------------------------
 def engine_config(path: str, max_num_seqs: int, device: str = "cuda", quantization: str | None = None,
-                  max_num_batched_tokens: int = 8192, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto"):
-    """The bench's engine settings (ops/bench_e2e.py gives the worker the same ones, from this object)."""
+                  max_num_batched_tokens: int = 8192, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
+                  decode: str = "auto"):
+    """The bench's engine settings (ops/bench_e2e.py gives the worker the same ones, from this object).
+    decode: an EngineConfig.decode_kernels value, "+pdl" appended for decode_pdl (see decode_setting)."""
     from stoker.engine import EngineConfig
 
     # A/B switches, read here at the edge (the engine itself reads no environment): STOKER_TRITON=0 runs the
@@ -190,16 +203,25 @@ def engine_config(path: str, max_num_seqs: int, device: str = "cuda", quantizati
         quantization=quantization,
         tensor_parallel_size=tensor_parallel_size,
         kv_cache_dtype=kv_cache_dtype,
+        **decode_setting(decode),
     )
 
 
+def decode_setting(text: str) -> dict[str, Any]:
+    """"fused+pdl" -> {"decode_kernels": "fused", "decode_pdl": True}: one --decode-kernels item."""
+    kernels, _, flag = text.partition("+")
+    if flag not in ("", "pdl"):
+        raise ValueError(f"--decode-kernels item {text!r}: a decode_kernels value, optionally with '+pdl'")
+    return {"decode_kernels": kernels, "decode_pdl": flag == "pdl"}
+
+
 def start_engine(path: str, max_num_seqs: int, device: str = "cuda", quantization: str | None = None,
-                 tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto"):
+                 tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto", decode: str = "auto"):
     from stoker.engine import LLMEngine
 
     t0 = time.perf_counter()
     eng = LLMEngine(engine_config(path, max_num_seqs, device, quantization, tensor_parallel_size=tensor_parallel_size,
-                                  kv_cache_dtype=kv_cache_dtype))
+                                  kv_cache_dtype=kv_cache_dtype, decode=decode))
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     return eng, time.perf_counter() - t0
@@ -346,11 +368,12 @@ def triton_variants() -> dict[str, int]:
     """Compiled variants per Triton kernel of the engine (each specialization is a host-side compile)."""
     import stoker.engine.kernels.activation as act
     import stoker.engine.kernels.attention as att
+    import stoker.engine.kernels.gemv as gemv
     import stoker.engine.kernels.rmsnorm as rms
     import stoker.engine.kernels.rotary as rot
 
     out = {}
-    for mod in (act, att, rms, rot):
+    for mod in (act, att, gemv, rms, rot):
         for name, fn in vars(mod).items():
             caches = getattr(fn, "device_caches", None)
             if caches is not None and name.endswith("_kernel"):
@@ -455,6 +478,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-cold", action="store_true", help="no cold start (page cache drop + first engine)")
+    ap.add_argument("--skip-w2", action="store_true", help="no W2 (nor --profile, which profiles W1 and W2 together)")
+    ap.add_argument("--decode-kernels", default="auto",
+                    help="comma-separated EngineConfig.decode_kernels settings (auto|fused|fused-folded|cublas, each "
+                         "optionally +pdl): the first runs everything; each other one runs W1 on a fresh engine")
     ap.add_argument("--profile", action="store_true",
                     help="W1 kernel table, W2 decode/prefill step kernel tables (ops/step_profile.py) "
                          "and W2 host cProfile into $OUT")
@@ -467,6 +494,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="GPUs the engine splits the model over (issue 17; NOT yet run: no multi-GPU machine lent). "
                          "The weight-byte floors below count rank 0's shard")
     args = ap.parse_args(argv)
+    decodes = args.decode_kernels.split(",")
+    for d in decodes:
+        decode_setting(d)  # a typo fails here, before the floors and the weights
     if not torch.cuda.is_available():
         print("ops/bench.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -499,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         eng, r["cold_ready_s"] = start_engine(path, args.max_num_seqs, quantization=quantization,
                                               tensor_parallel_size=args.tensor_parallel,
-                                              kv_cache_dtype=args.kv_cache_dtype)
+                                              kv_cache_dtype=args.kv_cache_dtype, decode=decodes[0])
         r["cold_startup"] = {k: v for k, v in eng.runner.startup.items()}
         eng.close()  # tensor parallel: its rank processes hold the other GPUs
         del eng
@@ -507,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     log("warm start")
     eng, r["warm_ready_s"] = start_engine(path, args.max_num_seqs, quantization=quantization,
-                                          tensor_parallel_size=args.tensor_parallel, kv_cache_dtype=args.kv_cache_dtype)
+                                          tensor_parallel_size=args.tensor_parallel, kv_cache_dtype=args.kv_cache_dtype,
+                                          decode=decodes[0])
     r["warm_startup"] = dict(eng.runner.startup)
     log(f"startup: {r['warm_startup']}")
     mc = eng.model_config
@@ -523,23 +554,15 @@ def main(argv: list[str] | None = None) -> int:
     gemm_s = lambda tokens: 2 * tokens * ((params_active - lm_head_params) / linear_rate  # noqa: E731
                                           + lm_head_params / rate)
     kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * (1 if args.kv_cache_dtype == "fp8" else 2)
-    vocab = mc.vocab_size
+    vocab = r["vocab"] = mc.vocab_size
 
     # W1
-    run_requests(eng, random_prompts(1, args.prompt, vocab, 1), 16, "warm")  # compile prefill shapes
-    probe = StepProbe(eng)
-    w1 = run_requests(eng, random_prompts(1, args.prompt, vocab, 2), args.new, "w1")
-    r["w1_gpu"] = probe.close()
-    st = w1.pop("stamps")
-    r["w1"] = {
-        "tpot_ms": (st[-1] - st[0]) / (len(st) - 1) * 1e3,
-        "ttft_ms": (st[0] - w1.pop("t0")) * 1e3,
-        "tok_s": w1["tok_s"],
-        "wall_s": w1["wall_s"],
-    }
     avg_ctx = args.prompt + args.new / 2
-    r["w1"]["floor_ms"] = (weight_bytes + avg_ctx * kv_per_token) / bw * 1e3
+    r["w1"], r["w1_gpu"] = measure_w1(eng, args, vocab, (weight_bytes + avg_ctx * kv_per_token) / bw * 1e3)
+    r["w1_by_decode"] = {decodes[0]: w1_summary(r["w1"], r["warm_startup"])}
     log(f"W1 {r['w1']}")
+    if args.skip_w2:
+        return finish(eng, r, args, path, decodes, quantization)
 
     # W2
     probe = StepProbe(eng)
@@ -582,11 +605,51 @@ def main(argv: list[str] | None = None) -> int:
         r["w2_one_thread"]["threads"] = busiest_threads(threads0, thread_cpu())
         torch.set_num_threads(threads)
         log(f"W2 threads {r['w2_threads']}; with 1 intra-op thread: {r['w2_one_thread']}")
-    eng.close()
-    del eng, probe
+    return finish(eng, r, args, path, decodes, quantization)
+
+
+def measure_w1(eng, args: argparse.Namespace, vocab: int, floor_ms: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """W1 on `eng` -> (TPOT, TTFT, tok/s, wall and floor; the GPU idle probe's figures)."""
+    run_requests(eng, random_prompts(1, args.prompt, vocab, 1), 16, "warm")  # compile prefill shapes
+    probe = StepProbe(eng)
+    w1 = run_requests(eng, random_prompts(1, args.prompt, vocab, 2), args.new, "w1")
+    gpu = probe.close()
+    st = w1.pop("stamps")
+    return {
+        "tpot_ms": (st[-1] - st[0]) / (len(st) - 1) * 1e3,
+        "ttft_ms": (st[0] - w1.pop("t0")) * 1e3,
+        "tok_s": w1["tok_s"],
+        "wall_s": w1["wall_s"],
+        "floor_ms": floor_ms,
+    }, gpu
+
+
+def w1_summary(w1: dict[str, Any], startup: dict[str, Any]) -> dict[str, Any]:
+    return {"tpot_ms": w1["tpot_ms"], "x_floor": w1["tpot_ms"] / w1["floor_ms"], "ttft_ms": w1["ttft_ms"],
+            "decode": startup.get("decode_kernels"), "graph_capture_s": startup.get("graph_capture_s")}
+
+
+def close_engine(eng) -> None:
+    eng.close()  # tensor parallel: its rank processes hold the other GPUs
     gc.collect()
     torch.cuda.empty_cache()
 
+
+def finish(eng, r: dict[str, Any], args: argparse.Namespace, path: str, decodes: list[str],
+           quantization: str | None) -> int:
+    """After W1 (and W2) of the first decode setting: W1 of each other setting on a fresh engine (the A/B),
+    the transformers peer, the table and $OUT/bench.json."""
+    close_engine(eng)
+    for decode in decodes[1:]:
+        log(f"W1 with --decode-kernels {decode}")
+        eng, _ = start_engine(path, args.max_num_seqs, quantization=quantization,
+                              tensor_parallel_size=args.tensor_parallel, kv_cache_dtype=args.kv_cache_dtype,
+                              decode=decode)
+        w1, _ = measure_w1(eng, args, eng.model_config.vocab_size, r["w1"]["floor_ms"])
+        r["w1_by_decode"][decode] = w1_summary(w1, eng.runner.startup)
+        log(f"W1 {decode}: {r['w1_by_decode'][decode]}")
+        close_engine(eng)
+    vocab = r["vocab"]
     if not args.skip_hf:
         log("transformers peer")
         try:
@@ -603,37 +666,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def print_table(r: dict[str, Any], args: argparse.Namespace) -> None:
-    hf, w1, w2, g = r.get("hf", {}), r["w1"], r["w2"], r["w2_gpu"]
-    ws = r["warm_startup"]
+def w1_decode_rows(r: dict[str, Any]) -> list[tuple[str, ...]]:
+    """One row per --decode-kernels setting (the A/B), when more than one ran."""
+    by = r.get("w1_by_decode", {})
+    if len(by) < 2:
+        return []
+    return [(f"W1 TPOT, decode {name}", f"{v['tpot_ms']:.3f} ms", f"{r['w1']['floor_ms']:.2f} ms", "",
+             f"{v['x_floor']:.3f}x floor; fused layers {(v['decode'] or {}).get('fused_layers')}")
+            for name, v in by.items()]
+
+
+def w2_rows(r: dict[str, Any], args: argparse.Namespace) -> list[tuple[str, ...]]:
+    hf, w2, g = r.get("hf", {}), r["w2"], r["w2_gpu"]
     hf_w2 = hf.get("w2_tok_s")
-    rows = [
-        ("floor: read bandwidth", f"{r['floors']['bandwidth_Bps'] / 1e12:.2f} TB/s", "", "", ""),
-        ("floor: bf16 matmul 8192^3", f"{r['floors']['matmul_flops'] / 1e12:.0f} TFLOP/s", "", "", ""),
-        *([("floor: fp8 matmul 8192^3 (row-wise)", f"{r['floors']['fp8_matmul_flops'] / 1e12:.0f} TFLOP/s", "", "",
-            "")] if "fp8_matmul_flops" in r["floors"] else []),
-        (
-            "W1 TPOT (bs 1, 512+256)",
-            f"{w1['tpot_ms']:.2f} ms",
-            f"{w1['floor_ms']:.2f} ms",
-            f"{hf.get('w1_tpot_ms', float('nan')):.2f} ms",
-            f"<= 1.10x floor: {w1['tpot_ms'] / w1['floor_ms']:.2f}x",
-        ),
-        (
-            "W1 tok/s",
-            f"{w1['tok_s']:.1f}",
-            f"{1e3 / w1['floor_ms']:.1f}",
-            f"{hf.get('w1_tok_s', float('nan')):.1f}",
-            f"TTFT {w1['ttft_ms']:.0f} ms",
-        ),
-        (
-            "W1 GPU idle between decode steps",
-            f"{100 * r['w1_gpu']['idle_share']:.1f} %",
-            "",
-            "",
-            f"GPU busy {r['w1_gpu']['decode_busy_ms'] / max(1, r['w1_gpu']['decode_steps']):.2f} ms/step, "
-            f"mean gap {r['w1_gpu']['mean_gap_ms']:.2f} ms",
-        ),
+    return [
         (
             f"W2 total ({args.w2_requests} x {args.prompt}+{args.new})",
             f"{w2['wall_s']:.2f} s",
@@ -674,6 +720,41 @@ def print_table(r: dict[str, Any], args: argparse.Namespace) -> None:
             "",
             f"< 5% ({g['decode_steps']} decode steps, mean gap {g['mean_gap_ms']:.2f} ms)",
         ),
+    ]
+
+
+def print_table(r: dict[str, Any], args: argparse.Namespace) -> None:
+    hf, w1 = r.get("hf", {}), r["w1"]
+    ws = r["warm_startup"]
+    rows = [
+        ("floor: read bandwidth", f"{r['floors']['bandwidth_Bps'] / 1e12:.2f} TB/s", "", "", ""),
+        ("floor: bf16 matmul 8192^3", f"{r['floors']['matmul_flops'] / 1e12:.0f} TFLOP/s", "", "", ""),
+        *([("floor: fp8 matmul 8192^3 (row-wise)", f"{r['floors']['fp8_matmul_flops'] / 1e12:.0f} TFLOP/s", "", "",
+            "")] if "fp8_matmul_flops" in r["floors"] else []),
+        (
+            "W1 TPOT (bs 1, 512+256)",
+            f"{w1['tpot_ms']:.2f} ms",
+            f"{w1['floor_ms']:.2f} ms",
+            f"{hf.get('w1_tpot_ms', float('nan')):.2f} ms",
+            f"<= 1.10x floor: {w1['tpot_ms'] / w1['floor_ms']:.2f}x",
+        ),
+        (
+            "W1 tok/s",
+            f"{w1['tok_s']:.1f}",
+            f"{1e3 / w1['floor_ms']:.1f}",
+            f"{hf.get('w1_tok_s', float('nan')):.1f}",
+            f"TTFT {w1['ttft_ms']:.0f} ms",
+        ),
+        (
+            "W1 GPU idle between decode steps",
+            f"{100 * r['w1_gpu']['idle_share']:.1f} %",
+            "",
+            "",
+            f"GPU busy {r['w1_gpu']['decode_busy_ms'] / max(1, r['w1_gpu']['decode_steps']):.2f} ms/step, "
+            f"mean gap {r['w1_gpu']['mean_gap_ms']:.2f} ms",
+        ),
+        *w1_decode_rows(r),
+        *(w2_rows(r, args) if "w2" in r else []),
         (
             "W3 weights on GPU (warm)",
             f"{ws.get('load_s', 0):.2f} s",

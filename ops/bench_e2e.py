@@ -70,6 +70,8 @@ WORKER_ENV: dict[str, tuple[str, Callable[[Any], str]]] = {
     "async_scheduling": ("STOKER_NO_ASYNC_SCHEDULING", _off),  # None (the default: on for CUDA) not passed
     "use_triton": ("STOKER_NO_TRITON", _off),
     "blocking_sync": ("STOKER_NO_BLOCKING_SYNC", _off),
+    "decode_kernels": ("STOKER_DECODE_KERNELS", str),
+    "decode_pdl": ("STOKER_DECODE_PDL", lambda v: "1" if v else "0"),
 }
 STAGES = ("polled", "claimed", "engine_added", "first_output", "published")
 

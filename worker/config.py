@@ -46,6 +46,8 @@ class WorkerConfig:
     quantization: str | None = None  # "fp8": quantize an unquantized checkpoint at load (EngineConfig's field)
     tensor_parallel: int = 1  # GPUs (ranks) the model is split over (EngineConfig.tensor_parallel_size)
     kv_cache_dtype: str = "auto"  # "fp8": the FP8 KV cache (EngineConfig.kv_cache_dtype)
+    decode_kernels: str = "auto"  # auto | fused | fused-folded | cublas (EngineConfig.decode_kernels)
+    decode_pdl: bool = False  # the fused decode GEMVs with programmatic dependent launch (EngineConfig.decode_pdl)
     block_size: int = 16  # tokens per KV block (a power of two)
     num_kv_blocks: int | None = None  # None = as many as the memory budget allows
     gpu_memory_utilization: float = 0.9  # share of the GPU the engine may fill (without kv_cache_memory_bytes)
@@ -129,6 +131,8 @@ class WorkerConfig:
             problems.append(f"quantization must be fp8 or unset, got {self.quantization!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             problems.append(f"--kv-cache-dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
+        if self.decode_kernels not in ("auto", "fused", "fused-folded", "cublas"):
+            problems.append(f"--decode-kernels must be auto, fused, fused-folded or cublas, got {self.decode_kernels!r}")
         if self.dtype not in (None, "float32", "float16", "bfloat16"):
             problems.append(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -43,6 +43,11 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
      "fp8: quantize an unquantized checkpoint's linears to FP8 at load (FP8 checkpoints need no flag)"),
     ("--kv-cache-dtype", "STOKER_KV_CACHE_DTYPE", str, "auto",
      "auto (the model dtype) or fp8 (float8_e4m3fn, the checkpoint's k/v scales else 1.0: twice the blocks)"),
+    ("--decode-kernels", "STOKER_DECODE_KERNELS", str, "auto",
+     "decode steps of <= 16 sequences: auto (fused on CUDA), fused (Triton GEMVs with the rotary/KV-write, "
+     "SiLU and residual epilogues), fused-folded (also the RMSNorm in the GEMV prologue) or cublas (A/B)"),
+    ("--decode-pdl", "STOKER_DECODE_PDL", bool, False,
+     "launch the fused decode GEMVs with programmatic dependent launch (A/B)"),
     ("--tensor-parallel", "STOKER_TENSOR_PARALLEL", int, 1,
      "GPUs (one process each) the model is split over: the first N that CUDA_VISIBLE_DEVICES shows"),
     ("--block-size", "STOKER_BLOCK_SIZE", int, 16, "tokens per KV block (a power of two)"),
@@ -260,6 +265,7 @@ def _build_one(cfg: WorkerConfig, spec: ModelSpec | None) -> Any:
         "async_scheduling": False if cfg.no_async_scheduling else None, "use_triton": not cfg.no_triton,
         "blocking_sync": not cfg.no_blocking_sync, "quantization": cfg.quantization,
         "tensor_parallel_size": cfg.tensor_parallel, "kv_cache_dtype": cfg.kv_cache_dtype,
+        "decode_kernels": cfg.decode_kernels, "decode_pdl": cfg.decode_pdl,
     }
     if cfg.served_model_name:
         kwargs["model_name"] = cfg.served_model_name

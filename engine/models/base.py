@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from stoker.engine.batch import AttentionMetadata
 from torch import nn
@@ -24,3 +26,9 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[N, H] (only the rows we sample) -> [N, vocab] float32 (into `out` when given: CUDA graphs)."""
         raise NotImplementedError
+
+    def plan_decode(self, mode: str, pdl: bool, kv_dtype: torch.dtype) -> dict[str, Any]:
+        """Called once after loading: pick each layer's decode path for `mode` (a resolved
+        EngineConfig.decode_kernels: "fused", "fused-folded" or "cublas"; engine/models/fused_decode.py) and
+        re-lay weights it needs re-laid. Returns the startup report's entry. This default has no fused path."""
+        return {"mode": "cublas", "fused_layers": 0, "fallback": f"{type(self).__name__} has no fused decode path"}

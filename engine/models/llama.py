@@ -9,6 +9,8 @@ loop over tokens or sequences and no host sync, so a CUDA graph can capture it.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 from stoker.engine import kernels
 from stoker.engine.batch import AttentionMetadata
@@ -25,6 +27,13 @@ from stoker.engine.layers import (
 )
 from stoker.engine.model_config import ModelConfig
 from stoker.engine.models.base import CausalLM
+from stoker.engine.models.fused_decode import (
+    FusedDecode,
+    bind_fused_decode,
+    decode_report,
+    fused_decode_layer,
+    takes_fused_decode,
+)
 from torch import nn
 
 
@@ -86,8 +95,7 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     """Norm -> attention -> norm -> MLP, the residual carried beside the hidden states and added inside the
-    next norm. A fused decode path would replace this forward (not the modules): e.g. one kernel that takes
-    post_attention_layernorm.weight and mlp.gate_up_proj.weight."""
+    next norm. Small decode steps take models/fused_decode.py's path instead (same modules and weights)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, rotary: RotaryEmbedding, prefix: str):
         super().__init__()
@@ -95,6 +103,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, dtype, rotary, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = LlamaMLP(cfg, dtype, f"{prefix}.mlp")
+        self.fused_decode: FusedDecode | None = None  # set after loading (LlamaForCausalLM.plan_decode)
 
     def forward(
         self,
@@ -104,7 +113,9 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.fused_decode is not None and takes_fused_decode(hidden, meta):
+            return fused_decode_layer(self.fused_decode, hidden, residual, positions, meta, k_cache, v_cache)
         x, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(x, positions, meta, k_cache, v_cache)
         x, residual = self.post_attention_layernorm(hidden, residual)
@@ -129,7 +140,7 @@ class LlamaModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
+        residual: torch.Tensor | None = None  # stays None after fused decode layers (their output is the sum)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, positions, meta, k_cache, v_cache)
         return self.norm(hidden, residual)[0]
@@ -167,3 +178,15 @@ class LlamaForCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[N, H] (only the rows we sample) -> [N, vocab] float32 (into `out` when given)."""
         return self.lm_head(hidden, out)
+
+    def plan_decode(self, mode: str, pdl: bool, kv_dtype: torch.dtype) -> dict[str, Any]:
+        reasons: list[str | None] = []
+        for layer in cast(list[LlamaDecoderLayer], list(self.model.layers)):
+            attn = layer.self_attn
+            planned = None if mode == "cublas" else bind_fused_decode(
+                mode, pdl, kv_dtype, input_norm=layer.input_layernorm, qkv=attn.qkv_proj, q_norm=attn.q_norm,
+                k_norm=attn.k_norm, rotary=attn.rotary, attention=attn.attn, o_proj=attn.o_proj,
+                post_norm=layer.post_attention_layernorm, gate_up=layer.mlp.gate_up_proj, down=layer.mlp.down_proj)
+            layer.fused_decode = planned if isinstance(planned, FusedDecode) else None
+            reasons.append(planned if isinstance(planned, str) else None)
+        return decode_report(mode, pdl, reasons)

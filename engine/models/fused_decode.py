@@ -1,0 +1,171 @@
+"""The fused small-M decode path of a Llama-family decoder layer (issue 13): a decode step of M <= GEMV_MAX_M
+tokens runs, per layer,
+
+    RMSNorm -> qkv GEMV + rotary + KV-cache write -> decode attention -> o_proj GEMV + residual add
+            -> RMSNorm -> gate_up GEMV + SiLU-and-mul -> down GEMV + residual add
+
+(engine/kernels/gemv.py's kernels: 8 launches where the unfused path has 12: no rotary, SiLU or split-K reduce
+kernels). The residual add sits in the o_proj and down epilogues, so the layer's output is already the new
+residual stream: it returns (stream, None) and the next RMSNorm has nothing to add. With "fused-folded" the
+RMSNorm weight lives in qkv_proj / gate_up_proj and both norms run in the GEMV prologues (6 launches); measured
+a loss at 8B (+12 us qkv, +21 us gate_up: the rms pre-pass delays the weight stream) and a win at 1B only.
+
+Weights: the kernels read the nn.Linear layout [N, K] as it is (16-byte loads along K; gemv.py says why no
+re-layout pays), so the fused path multiplies the very parameters the unfused one does: no second copy. Folding
+rewrites qkv / gate_up in place (W' = W diag(g), a chunk of rows at a time so the float32 temporary stays
+small) and sets the norm weight to ones: the unfused path (prefill, batches > 16) then computes the same
+function from the same tensors.
+
+Which layers take it (`bind_fused_decode`'s reasons; the answer is the same for every layer of a model):
+- Qwen2's q/k/v bias: added in the qkv epilogue. Qwen3's per-head q/k RMSNorm: in the qkv epilogue too (one
+  program per head, so a little slower at batch 1 than without it).
+- FP8 linears keep their own W8A16 GEMV (engine/layers/fp8.py, tuned on its own branch); tensor-parallel
+  linears keep F.linear and their all-reduce (a residual add cannot precede the row-parallel sum).
+- The FP8 KV cache falls back: the rotary epilogue writes the model dtype, without kv_quant's scaling.
+- The LM head (tied or not) stays on F.linear in every mode: its float32 logits are issue 13 item 2's, and a
+  tied head is the embedding, so the final norm is never folded into it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from stoker.engine.batch import AttentionMetadata
+from stoker.engine.config import EngineConfig
+from stoker.engine.kernels._triton import HAS_TRITON
+from stoker.engine.kernels.gemv import GEMV_MAX_M, fold_norm_weight, gemv_rotary_cache_triton, gemv_triton
+from stoker.engine.layers import GateUpLinear, Linear, PagedAttention, QKVLinear, RMSNorm, RotaryEmbedding
+from torch import nn
+
+_FOLD_ROWS = 1024  # rows folded per chunk: a 16 MB float32 temporary at hidden 4096
+
+
+@dataclass(frozen=True, slots=True)
+class FusedDecode:
+    """A decoder layer's fused decode: how, and the layer's own modules it reads (no weight is copied)."""
+
+    folded: bool  # the RMSNorm weights are folded into qkv / gate_up (the norms run in their prologues)
+    pdl: bool  # launch the GEMVs with programmatic dependent launch
+    input_norm: RMSNorm
+    qkv: QKVLinear
+    q_norm: RMSNorm | None  # Qwen3's per-head q / k norms
+    k_norm: RMSNorm | None
+    rotary: RotaryEmbedding
+    attention: PagedAttention
+    o_proj: Linear
+    post_norm: RMSNorm
+    gate_up: GateUpLinear
+    down: Linear
+
+
+def resolve_decode_kernels(config: EngineConfig) -> str:
+    """"auto" -> "fused" on CUDA with Triton, else "cublas"; other values as they are."""
+    if config.decode_kernels != "auto":
+        return config.decode_kernels
+    on_cuda = config.device is not None and config.device.startswith("cuda")
+    return "fused" if on_cuda and config.use_triton and HAS_TRITON else "cublas"
+
+
+def bind_fused_decode(
+    mode: str, pdl: bool, kv_dtype: torch.dtype, *, input_norm: RMSNorm, qkv: nn.Module, q_norm: RMSNorm | None,
+    k_norm: RMSNorm | None, rotary: RotaryEmbedding, attention: PagedAttention, o_proj: nn.Module,
+    post_norm: RMSNorm, gate_up: nn.Module, down: nn.Module,
+) -> FusedDecode | str:
+    """A layer's FusedDecode for `mode` ("fused" or "fused-folded"; called once the weights are in, and
+    folding them for fused-folded), or why the layer must keep the unfused decode path."""
+    # Exact types: the FP8 twins are other classes, the tensor-parallel twins subclasses of these.
+    kinds = (type(qkv), type(o_proj), type(gate_up), type(down))
+    if kinds != (QKVLinear, Linear, GateUpLinear, Linear):
+        return ("FP8 or tensor-parallel linears keep their own GEMV / all-reduce path: "
+                + ", ".join(k.__name__ for k in kinds))
+    linears = cast(QKVLinear, qkv), cast(Linear, o_proj), cast(GateUpLinear, gate_up), cast(Linear, down)
+    dtype = input_norm.weight.dtype
+    if any(lin.weight.dtype != dtype for lin in linears):
+        return f"linear weights not in the model dtype {dtype}"
+    if linears[1].bias is not None or linears[3].bias is not None:
+        return "an o_proj / down_proj bias: the add epilogue takes only the residual"
+    if kv_dtype != dtype:
+        return f"the KV cache is {kv_dtype}: the rotary epilogue writes the model dtype without kv_quant's scaling"
+    folded = mode == "fused-folded"
+    if folded:  # again after a first fold: W' * 1 is W' exactly, so planning twice changes nothing
+        _fold_norm_into(linears[0], input_norm)
+        _fold_norm_into(linears[2], post_norm)
+    return FusedDecode(folded, pdl, input_norm, linears[0], q_norm, k_norm, rotary, attention, linears[1],
+                       post_norm, linears[2], linears[3])
+
+
+def decode_report(mode: str, pdl: bool, reasons: list[str | None]) -> dict[str, Any]:
+    """The startup report's entry: the mode, how many layers are fused and why the others are not."""
+    report: dict[str, Any] = {"mode": mode, "pdl": pdl, "fused_layers": 0}
+    if mode == "cublas":
+        return report
+    report["fused_layers"] = sum(r is None for r in reasons)
+    fallbacks = sorted({r for r in reasons if r is not None})
+    if fallbacks:
+        report["fallback"] = "; ".join(fallbacks)
+    return report
+
+
+@torch.no_grad()
+def _fold_norm_into(linear: Linear, norm: RMSNorm) -> None:
+    weight, gain = linear.weight.data, norm.weight.data
+    for start in range(0, weight.shape[0], _FOLD_ROWS):
+        rows = weight[start : start + _FOLD_ROWS]
+        rows.copy_(fold_norm_weight(rows, gain))
+    gain.fill_(1.0)
+
+
+def takes_fused_decode(hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """Decode-only steps of <= GEMV_MAX_M tokens. M is fixed per CUDA-graph bucket, so the branch is taken
+    once per bucket at capture and is fixed in its graph."""
+    return meta.decode_only and hidden.shape[0] <= GEMV_MAX_M
+
+
+def fused_decode_layer(
+    fd: FusedDecode,
+    hidden: torch.Tensor,  # [M, H]
+    residual: torch.Tensor | None,  # [M, H]; None after a fused layer (its output is the stream itself)
+    positions: torch.Tensor,  # [M] int64
+    meta: AttentionMetadata,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+) -> tuple[torch.Tensor, None]:
+    """LlamaDecoderLayer.forward's semantics for a decode step -> (the new residual stream [M, H], None)."""
+    if fd.folded:  # the qkv GEMV normalises the stream itself
+        stream = hidden if residual is None else hidden + residual
+        x = stream
+    else:
+        x, stream = fd.input_norm(hidden, residual)
+    qkv = _qkv_rotary_cache(fd, x, positions, meta, k_cache, v_cache)
+    num_tokens, num_heads, head_dim = x.shape[0], fd.attention.num_heads, fd.attention.head_dim
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    out = fd.attention(q, k_cache, v_cache, meta).reshape(num_tokens, num_heads * head_dim)
+    stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=fd.pdl)
+    x = stream if fd.folded else fd.post_norm(stream)[0]
+    act, _ = gemv_triton(x, fd.gate_up.weight, silu_mul=True, norm_folded=fd.folded, eps=fd.post_norm.eps,
+                         pdl=fd.pdl)
+    stream, _ = gemv_triton(act, fd.down.weight, add=stream, pdl=fd.pdl)
+    return stream, None
+
+
+def _qkv_rotary_cache(
+    fd: FusedDecode,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    meta: AttentionMetadata,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """qkv [M, (Hq + 2 Hkv) D] with q and k rotated; k and v written to the caches (slot -1: padding)."""
+    q_norm = fd.q_norm.weight if fd.q_norm is not None else None
+    k_norm = fd.k_norm.weight if fd.k_norm is not None else None
+    # One eps serves the prologue norm and Qwen3's q/k norm: the model builds all of them from rms_norm_eps.
+    eps = fd.input_norm.eps if fd.folded or fd.q_norm is None else fd.q_norm.eps
+    qkv, _ = gemv_rotary_cache_triton(
+        x, fd.qkv.weight, fd.qkv.bias, num_heads=fd.attention.num_heads, num_kv_heads=fd.attention.num_kv_heads,
+        positions=positions, cos_sin=fd.rotary.cos_sin, k_cache=k_cache, v_cache=v_cache,
+        slot_mapping=meta.slot_mapping, eps=eps, q_norm=q_norm, k_norm=k_norm, pdl=fd.pdl, norm_folded=fd.folded,
+    )
+    return qkv
