@@ -29,6 +29,10 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite E4M3 value
 QUANT_MAX_K = 16384  # the longest row one program holds in registers (32 float32 a thread at 16 warps)
 MIN_SCALE = 1e-12  # an all-zero row: any positive scale quantizes it to zeros; this one avoids 0 / 0
+# The kernels' copies: a @triton.jit function reads module globals only when they are constexpr (the CPU
+# interpreter reads any global, so only the GPU compile failed on the plain floats).
+_FP8_MAX_C = tl.constexpr(FP8_MAX)
+_MIN_SCALE_C = tl.constexpr(MIN_SCALE)
 
 
 # -------------------------------------------------------------------------------------------- reference
@@ -93,8 +97,8 @@ def _quant_fp8_kernel(
     if STATIC:
         scale = tl.load(static_scale_ptr).to(tl.float32)
     else:
-        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x32), axis=0), FP8_MAX), MIN_SCALE)
-    q = tl.minimum(tl.maximum(tl.div_rn(x32, scale), -FP8_MAX), FP8_MAX)
+        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x32), axis=0), _FP8_MAX_C), _MIN_SCALE_C)
+    q = tl.minimum(tl.maximum(tl.div_rn(x32, scale), -_FP8_MAX_C), _FP8_MAX_C)
     tl.store(xq_ptr + row * xq_stride + cols, _round_to_e4m3(q).to(xq_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 

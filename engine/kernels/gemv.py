@@ -39,6 +39,7 @@ the RMSNorm weight into the next projection (fold_norm_weight).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -366,8 +367,11 @@ class GemvConfig:
     num_stages: int = 3
 
 
-def gemv_config(kind: str, num_rows: int, n_out: int, hidden: int, on_gpu: bool) -> GemvConfig:
+def gemv_config(kind: str, num_rows: int, n_out: int, hidden: int, on_gpu: bool, elem_bytes: int = 2) -> GemvConfig:
     """Block sizes for M tokens; kind is "plain" (also the norm / bias / add variants), "silu" or "rope".
+    elem_bytes: the operands' element size. The sweeps were of 16-bit operands; a float32 tile of the same
+    shape needs twice the shared memory per pipeline stage (the SiLU config's 5 stages then asked 240 KB of the
+    H200's 227 KB and failed to launch), so 4-byte operands take half the K slice: the same bytes per stage.
 
     From the H200 sweeps of ops/bench_gemv.py (--sweep, --ablate; bf16, us per call in CUDA-graph replay):
     - M = 1, >= 4096 outputs: the tl.dot path with ONE warp and 16 rows per program (8B qkv 14.6 us vs 15.1
@@ -384,6 +388,13 @@ def gemv_config(kind: str, num_rows: int, n_out: int, hidden: int, on_gpu: bool)
         if num_rows <= 4:
             return GemvConfig(triton.next_power_of_2(num_rows), 32, 64, False, 4, 1)
         return GemvConfig(16, 32, 64, True, 4, 1)
+    cfg = _gpu_gemv_config(kind, num_rows, n_out, hidden)
+    if elem_bytes > 2:
+        return dataclasses.replace(cfg, block_k=max(16, cfg.block_k * 2 // elem_bytes))
+    return cfg
+
+
+def _gpu_gemv_config(kind: str, num_rows: int, n_out: int, hidden: int) -> GemvConfig:
     if kind == "silu":
         return GemvConfig(16, 32, 128, True, 2, 5)
     if kind == "rope":
@@ -484,7 +495,8 @@ def gemv_triton(
     s = x if norm_residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
     if num_rows == 0 or n_out == 0:
         return out, s
-    cfg = config or gemv_config("silu" if silu_mul else "plain", num_rows, n_out, hidden, x.is_cuda)
+    cfg = config or gemv_config("silu" if silu_mul else "plain", num_rows, n_out, hidden, x.is_cuda,
+                                x.element_size())
     _launch(x, weight, out, n_out, triton.cdiv(n_out, cfg.block_n), cfg, bias, norm_weight, eps,
             norm_residual, s, silu_mul, add, pdl, norm_folded=norm_folded)
     return out, s
@@ -549,7 +561,7 @@ def gemv_rotary_cache_triton(
     if num_rows == 0:
         return out, s
     half = head_dim // 2
-    cfg = config or gemv_config("rope", num_rows, n_total // 2, hidden, x.is_cuda)
+    cfg = config or gemv_config("rope", num_rows, n_total // 2, hidden, x.is_cuda, x.element_size())
     block_n = min(cfg.block_n, triton.next_power_of_2(half))
     if q_norm is not None:
         block_n = triton.next_power_of_2(half)  # the per-head norm needs the whole head in one program
