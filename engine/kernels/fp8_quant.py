@@ -40,7 +40,11 @@ def quantize_activations_ref(x: torch.Tensor, input_scale: torch.Tensor | None) 
     """[M, K] -> (float8 [M, K], float32 [M, 1]): per token when input_scale is None, else the static [1]."""
     x32 = x.float()
     if input_scale is None:
-        scale = (x32.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+        # A tensor divisor, not the Python float: on CUDA, torch divides by a scalar as a multiply by its
+        # reciprocal (1 ulp off the kernel's correctly rounded division in about half the rows, seen on the H200).
+        # full_like, not torch.tensor: no host-to-device copy, so this eager path stays legal in graph capture.
+        amax = x32.abs().amax(dim=1, keepdim=True)
+        scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
     else:
         scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
     return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
