@@ -159,7 +159,11 @@ def profile_w2_steps(eng: Any, vocab: int, requests: int, prompt: int, prefill_t
         _StepHook(runner, lambda inp: inp.meta.decode_only and inp.input_ids.shape[0] == requests, on_decode),
     ]
     gen = torch.Generator().manual_seed(21)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    # Every request must still be running when the last prompt chunk is in: the budget takes requests x
+    # prompt / budget steps to prefill them all, and a request prefilled in the first step decodes in each
+    # one after (with 8 tokens, the first ones finished long before: no decode step ever held all of them).
+    prefill_steps = -(-requests * prompt // max(1, eng.config.max_num_batched_tokens))
+    params = SamplingParams(temperature=0.0, max_tokens=prefill_steps + 8, ignore_eos=True)
     for i, p in enumerate(torch.randint(2, vocab, (requests, prompt), generator=gen).tolist()):
         eng.add_request(EngineRequest(f"stepprof{i}", prompt_token_ids=p, params=params))
     steps_with_graphs = None
