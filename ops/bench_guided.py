@@ -179,7 +179,11 @@ def run_case(eng: Any, meter: MaskMeter, batch: int, guided: Any, args: argparse
     from stoker.engine import EngineRequest, SamplingParams
     from stoker.ops.bench import StepProbe, random_prompts
 
-    params = SamplingParams(temperature=0.0, max_tokens=args.warm + args.steps + 64, ignore_eos=True, guided=guided)
+    # Seeded per request when sampling, so runs repeat; greedy (the default) drives a random model's rows
+    # through the same states (every row the same string), sampling makes them diverge as real ones do.
+    def params_for(i: int) -> Any:
+        return SamplingParams(temperature=args.temperature, seed=i if args.temperature > 0 else None,
+                              max_tokens=args.warm + args.steps + 64, ignore_eos=True, guided=guided)
     outputs: dict[str, list[int]] = {}
     ended: dict[str, str] = {}
     prompts = random_prompts(batch, args.prompt, eng.model_config.vocab_size, 5)
@@ -187,7 +191,7 @@ def run_case(eng: Any, meter: MaskMeter, batch: int, guided: Any, args: argparse
     for i, prompt in enumerate(prompts):
         rid = f"{tag}-{i}"
         outputs[rid] = []
-        eng.add_request(EngineRequest(rid, prompt_token_ids=prompt, params=params))
+        eng.add_request(EngineRequest(rid, prompt_token_ids=prompt, params=params_for(i)))
     add_s = time.perf_counter() - started
 
     def step() -> None:
@@ -263,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--warm", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy (a random model then walks every row through the same states); > 0: sampled, "
+                         "seeded per request, so the constrained rows diverge (both cases use it)")
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--no-sync-case", dest="sync_case", action="store_false",
                     help="skip the first batch's constrained case with synchronous steps (the old design)")
@@ -284,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     base = args.model_dir or f"/tmp/stoker-bench-{args.shape}"
     began = time.perf_counter()
     r: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "argv": sys.argv[1:], "torch": torch.__version__,
-                         "gpu": torch.cuda.get_device_name() if cuda else "cpu", "host_cpus": os.cpu_count()}
+                         "gpu": torch.cuda.get_device_name() if cuda else "cpu", "host_cpus": os.cpu_count(),
+                         "temperature": args.temperature}
     log(f"model folder {base} (written if absent)")
     r["write_s"] = write_model(base, shape, device="cuda" if cuda else "cpu")
     path, r["tokenizer_build_s"] = guided_model_dir(base, shape["vocab_size"])
@@ -323,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                 case["sync_steps"] = sync or not overlap
                 outputs = case.pop("outputs")
                 case["valid_prefixes"] = valid_prefixes(compiler, guided, outputs)
+                case["distinct_outputs"] = len({tuple(tokens) for tokens in outputs.values()})
                 sample = next(iter(outputs.values()))
                 case["sample_text"] = eng.tokenizer.decode(sample)[:160]
                 cases.append(case)
@@ -338,10 +347,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(r: dict[str, Any]) -> None:
-    print(f"# {r['gpu']}, {r['host_cpus']} host CPUs; tokenizer {r['tokenizer_vocab']:,} tokens; schema "
+    print(f"# temperature {r.get('temperature', 0.0)}; {r['gpu']}, {r['host_cpus']} host CPUs; tokenizer {r['tokenizer_vocab']:,} tokens; schema "
           f"{r['schema_bytes']} B compiled in {r['compile_ms']:.1f} ms; engine start {r['engine_start_s']:.1f} s")
     head = ("batch", "grammar", "p50 ms", "mean ms", "ratio p50", "gpu ms", "cores", "eng thr ms", "fill ms",
-            "fill cpu ms", "build ms", "advance ms", "apply ms", "valid", "closed")
+            "fill cpu ms", "build ms", "advance ms", "apply ms", "valid", "distinct", "closed")
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")
     unconstrained = {c["batch"]: c for c in r["cases"] if not c["constrained"]}  # the ratio's denominator
@@ -357,7 +366,7 @@ def print_table(r: dict[str, Any]) -> None:
                  f"{c['engine_thread_cpu_ms_per_step']:.2f}", f"{w.get('fill_wall_ms', 0):.2f}",
                  f"{w.get('fill_process_cpu_ms', 0):.2f}", f"{w.get('build_wall_ms', 0):.2f}",
                  f"{w.get('advance_thread_cpu_ms', 0):.2f}", f"{apply_ms:.2f}",
-                 f"{c['valid_prefixes']}/{c['batch']}", c["num_closed_early"])
+                 f"{c['valid_prefixes']}/{c['batch']}", c["distinct_outputs"], c["num_closed_early"])
         print("| " + " | ".join(str(x) for x in cells) + " |")
     if r.get("skipped"):
         print(f"# skipped (past --budget-s): {r['skipped']}")

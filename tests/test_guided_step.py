@@ -185,3 +185,50 @@ def test_staged_masks_equal_each_matchers_own_mask(model_path, device):
         else:
             assert row_index is not None and row_index.tolist() == rows and row_index.dtype == torch.int64
         assert torch.equal(bitmask.cpu(), expected[start : start + bitmask.shape[0]])
+
+
+class _RecordingExecutor:
+    """Stands in for llguidance's executor: records which rows it is asked to fill, then fills them."""
+
+    def __init__(self, executor):
+        self.executor, self.rows = executor, []
+
+    def unsafe_compute_mask_ptr(self, interpreters, *args):
+        self.rows.append([i for _, i in interpreters])
+        return self.executor.unsafe_compute_mask_ptr(interpreters, *args)
+
+
+def test_rows_in_one_state_share_one_mask_computation(model_path):
+    """States walked through the same tokens get equal keys and one computed mask, copied to the others;
+    different tokens or another spec give other keys. Every row still equals its own matcher's mask."""
+    compiler = engine_for(model_path).grammar_compiler()
+    vocab = compiler.vocab_size
+    guided = GuidedDecoding("json_schema", LONG)
+    states = [compiler.new_state(guided) for _ in range(6)]
+    other_spec = compiler.new_state(GuidedDecoding("json_object"))
+    assert other_spec.key != states[0].key
+    def allowed_now() -> list[int]:
+        mask = _expected(compiler, [states[0].matcher], vocab)[0]
+        return [t for t in range(vocab) if int(mask[t // 32]) >> (t % 32) & 1]
+
+    tokens = allowed_now()
+    for _ in range(20):  # through the forced opening (`{"items":[{` ...) to a choice
+        if len(tokens) > 1:
+            break
+        for state in states:
+            state.advance(tokens[0])
+        tokens = allowed_now()
+    assert len(tokens) > 1
+    for i, state in enumerate(states):  # rows 0, 2, 4 take one token; rows 1, 3, 5 another
+        state.advance(tokens[i % 2])
+    assert states[0].key == states[2].key == states[4].key != states[1].key == states[3].key == states[5].key
+    recorder = _RecordingExecutor(compiler._executor)
+    compiler._executor = recorder
+    words = (vocab + 31) // 32
+    bitmask = torch.full((6, words), -7, dtype=torch.int32)  # every row must be written
+    compiler.fill_bitmasks([s.matcher for s in states], bitmask, [s.key for s in states])
+    assert recorder.rows == [[0, 1]]
+    assert torch.equal(bitmask, _expected(compiler, [s.matcher for s in states], vocab))
+    recorder.rows.clear()
+    compiler.fill_bitmasks([s.matcher for s in states], bitmask)  # no keys: every row computed
+    assert recorder.rows == [[0, 1, 2, 3, 4, 5]]
