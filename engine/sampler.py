@@ -35,7 +35,17 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
     key = _mix32(key ^ (positions & _M32))
     index = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     h = _mix32(_mix32((key[:, None] + index[None, :] * 0x9E3779B1) & _M32))
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in float32, never 0 or 1
+    return unit_float(h)
+
+
+def unit_float(h: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes (int64 holding 0..2^32-1) -> float32 in (0, 1): the top 23 bits, + 0.5, / 2^23.
+
+    23 bits, not 24: (2^24 - 1) + 0.5 needs 25 bits and rounds to 2^24 in float32, so 24 bits gave exactly 1.0
+    for one hash in 2^24; its Gumbel noise was +inf, and on a masked or banned token (-inf) the sum was NaN,
+    which argmax takes: about one sampled row-step in 250 at a 66K vocabulary picked a token whatever its
+    probability, masked ones included (constrained requests broke their grammar: 7 of 64 within 40 tokens)."""
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass(slots=True)

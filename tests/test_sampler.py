@@ -16,6 +16,7 @@ from stoker.engine.sampler import (
     SamplingRequest,
     apply_penalties,
     uniform_noise,
+    unit_float,
 )
 
 V = 50
@@ -49,6 +50,14 @@ def test_noise_is_a_pure_uniform_function_of_seed_position_index():
     assert not torch.equal(u[0], u[3]) and not torch.equal(u[0], u[1])  # position and seed both matter
     hist = torch.histc(u.flatten(), bins=16, min=0, max=1) / u.numel()
     assert (hist - 1 / 16).abs().max() < 0.01
+
+
+def test_every_hash_maps_strictly_inside_the_unit_interval():
+    """Exhaustive over the 24 top bits a hash can have (the low 8 cannot move a float32 in [0.5, 1)): 24 bits +
+    0.5 once rounded to exactly 1.0, whose Gumbel noise is +inf (NaN on a masked token, which argmax picks)."""
+    u = unit_float(torch.arange(1 << 24, dtype=torch.int64) << 8 | 0xFF)
+    assert float(u.min()) > 0 and float(u.max()) < 1
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()
 
 
 def test_seeded_row_does_not_depend_on_the_batch():
