@@ -20,7 +20,6 @@ matcher. JSON is compact
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import threading
@@ -78,8 +77,7 @@ class GrammarCompiler:
 
     def new_state(self, guided: GuidedDecoding) -> GrammarState:
         """A fresh request state for guided (GrammarError when it cannot be compiled)."""
-        key = hashlib.blake2b(f"{guided.kind}\0{guided.spec}".encode(), digest_size=16).digest()
-        return GrammarState(self, self.matcher(guided), key)
+        return GrammarState(self, self.matcher(guided))
 
     def matcher(self, guided: GuidedDecoding) -> Any:
         """A fresh matcher for guided (GrammarError when it cannot be compiled)."""
@@ -145,37 +143,13 @@ class GrammarCompiler:
             raise GrammarError(_first_line(matcher.get_error()))
         return matcher
 
-    def fill_bitmasks(self, matchers: list[Any], bitmask: Any, keys: list[bytes] | None = None) -> None:
+    def fill_bitmasks(self, matchers: list[Any], bitmask: Any) -> None:
         """bitmask: [len(matchers), ceil(V / 32)] int32 contiguous host tensor; row i <- matchers[i]'s allowed
         tokens (bit j of word k = token 32k + j). One call for the batch: llguidance fills the rows on its
-        own threads without the GIL.
-
-        keys (GrammarState.key per row): rows whose keys are equal are in the same state, so llguidance
-        computes the mask of the first of them only and the others get a copy of its row. Why: a pipeline's
-        requests share one schema, and every row walks the same forced prefix (`{"records":[{"id":`) before
-        they diverge; measured on the H200, 1,024 rows in one state kept llguidance's threads on that one
-        state (125 ms a step for 148 ms of CPU), where varied states fill at 3-6 ms (BENCHMARKS.md)."""
-        rows: list[int] | range = range(len(matchers))
-        sources: list[int] = []
-        copies: list[int] = []
-        if keys is not None:
-            first: dict[bytes, int] = {}
-            unique = []
-            for i, key in enumerate(keys):
-                j = first.setdefault(key, i)
-                if j == i:
-                    unique.append(i)
-                else:
-                    sources.append(j)
-                    copies.append(i)
-            rows = unique
+        own threads without the GIL."""
         self._executor.unsafe_compute_mask_ptr(
-            [(matchers[i], i) for i in rows], bitmask.data_ptr(), bitmask.shape[1] * 4, len(matchers)
+            [(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), bitmask.shape[1] * 4, len(matchers)
         )
-        if copies:
-            import torch
-
-            bitmask.index_copy_(0, torch.tensor(copies), bitmask.index_select(0, torch.tensor(sources)))
 
 
 class GrammarState:
@@ -184,11 +158,10 @@ class GrammarState:
     valid; with constrained requests live the engine finishes step N before step N+1 samples (engine.py), so
     a mask is never built while a token is still in flight."""
 
-    __slots__ = ("compiler", "key", "matcher")
+    __slots__ = ("compiler", "matcher")
 
-    def __init__(self, compiler: GrammarCompiler, matcher: Any, key: bytes = b""):
-        # key: a digest of the spec and every token consumed since: equal keys, equal states (equal masks).
-        self.compiler, self.matcher, self.key = compiler, matcher, key
+    def __init__(self, compiler: GrammarCompiler, matcher: Any):
+        self.compiler, self.matcher = compiler, matcher
 
     def advance(self, token_id: int) -> bool:
         """Consume a sampled token -> True when the grammar is complete (nothing but EOS may follow: the
@@ -201,7 +174,6 @@ class GrammarState:
                     f"response_format grew past the grammar parser's limits while decoding ({error[:200]}): "
                     "simplify it (fewer optional properties, alternatives or enum values)")
             raise RuntimeError(f"token {token_id} breaks the grammar: {_first_line(self.matcher.get_error())}")
-        self.key = hashlib.blake2b(self.key + token_id.to_bytes(4, "little"), digest_size=16).digest()
         return bool(self.matcher.is_stopped())
 
 
