@@ -1,0 +1,79 @@
+"""Compile kernels for the H200 (sm_90) on a machine without a GPU: Triton's own compiler and ptxas, no launch.
+
+Why: the CPU tests run the kernels under TRITON_INTERPRET=1, which accepts what the GPU compiler refuses. On
+the H200 (2026-12-01) two such bugs cost a GPU call: the FP8 quantization kernel read plain float module
+globals (the interpreter reads any global; the compiler only constexpr ones: 42 GPU tests failed), and a
+float32 GEMV config asked 240 KB of shared memory (the H200 has 227 KB a block). Both show here, at compile.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # the kernels are interpreted functions then: nothing to compile
+    pytest.skip("compiling for sm_90 needs Triton's JIT, not its interpreter", allow_module_level=True)
+triton = pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+H200 = GPUTarget("cuda", 90, 32)
+H200_SHARED_BYTES = 232_448  # per block (the limit the launch checks against)
+
+
+def _compile(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], warps: int, stages: int = 3) -> Any:
+    try:
+        return triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=H200,
+                              options={"num_warps": warps, "num_stages": stages})
+    except RuntimeError as e:  # no CUDA toolchain in this triton install (ptxas ships with the wheel)
+        if "ptxas" in str(e).lower():
+            pytest.skip(f"no ptxas for sm_90 here: {e}")
+        raise
+
+
+@pytest.mark.parametrize("norm, static", [(False, False), (False, True), (True, False), (True, True)])
+def test_fp8_quantization_kernel_compiles_for_sm90(norm: bool, static: bool) -> None:
+    from stoker.engine.kernels import fp8_quant
+
+    signature = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "norm_ptr": "*bf16", "sum_ptr": "*bf16",
+                 "xq_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "static_scale_ptr": "*fp32", "x_stride": "i32",
+                 "residual_stride": "i32", "sum_stride": "i32", "xq_stride": "i32", "K": "i32", "eps": "fp32",
+                 "NORM": "constexpr", "HAS_RESIDUAL": "constexpr", "STATIC": "constexpr", "BLOCK": "constexpr"}
+    kernel = _compile(fp8_quant._quant_fp8_kernel, signature,
+                      {"NORM": norm, "HAS_RESIDUAL": norm, "STATIC": static, "BLOCK": 4096}, warps=8)
+    assert kernel.metadata.shared <= H200_SHARED_BYTES
+
+
+_GEMV_POINTERS = ("x_ptr", "w_ptr", "out_ptr", "bias_ptr", "norm_ptr", "hres_ptr", "res_out_ptr", "add_ptr",
+                  "positions_ptr", "cos_sin_ptr", "k_cache_ptr", "v_cache_ptr", "slot_ptr", "q_norm_ptr",
+                  "k_norm_ptr")
+_GEMV_INTS = ("M", "N_OUT", "K", "x_stride", "w_stride", "out_stride", "hres_stride", "res_out_stride",
+              "add_stride", "NUM_Q_HEADS", "NUM_KV_HEADS")
+
+
+def _gemv_signature(dtype: str) -> dict[str, str]:
+    signature = {name: f"*{dtype}" for name in _GEMV_POINTERS}
+    signature.update(positions_ptr="*i64", slot_ptr="*i64", cos_sin_ptr="*fp32", eps="fp32")
+    signature.update({name: "i32" for name in _GEMV_INTS})
+    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_DOT", "DOT_PRECISION", "NORM", "PRO_RESIDUAL", "APPLY_G",
+                 "HAS_BIAS", "SILU_MUL", "ADD", "ROTARY", "QK_NORM", "HALF", "SPLITS_PER_HEAD", "PAIRED", "USE_PDL"):
+        signature[name] = "constexpr"
+    return signature
+
+
+@pytest.mark.parametrize("dtype, elem_bytes", [("bf16", 2), ("fp32", 4)])
+@pytest.mark.parametrize("kind, rows", [("silu", 8), ("rope", 8), ("plain", 1)])
+def test_gemv_configs_fit_the_h200s_shared_memory(dtype: str, elem_bytes: int, kind: str, rows: int) -> None:
+    """The configs gemv_config picks for the 8B shape compile for sm_90 and fit a block's shared memory (the
+    float32 rotary tile of the bf16 sweep's shape asked 245,760 bytes)."""
+    from stoker.engine.kernels import gemv
+
+    cfg = gemv.gemv_config(kind, rows, 4096, 4096, True, elem_bytes)
+    constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
+                      DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", NORM=False, PRO_RESIDUAL=False,
+                      APPLY_G=False, HAS_BIAS=False, SILU_MUL=kind == "silu", ADD=False, ROTARY=kind == "rope",
+                      QK_NORM=False, HALF=64, SPLITS_PER_HEAD=2, PAIRED=kind in ("silu", "rope"), USE_PDL=False)
+    kernel = _compile(gemv._gemv_kernel, _gemv_signature(dtype), constexprs, cfg.num_warps, cfg.num_stages)
+    assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)
