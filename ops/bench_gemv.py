@@ -252,8 +252,7 @@ def ablate(dtype: torch.dtype) -> None:
                         row.append(f"{graph_us([variants(w, cfg)[kind] for w in p.ws] * max(1, 16 // len(p.ws))):10.1f}")
                     except Exception as e:  # e.g. out of shared memory: report and go on
                         row.append(f"{type(e).__name__[:10]:>10}")
-                label = f"{'dot' if cfg.use_dot else 'cores'} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-                print(f"  {label:<30} " + " ".join(row), flush=True)
+                print(f"  {cfg.label():<30} " + " ".join(row), flush=True)
             del p
             torch.cuda.empty_cache()
 
@@ -343,8 +342,7 @@ def main() -> None:
                 label = f"{model} {name}{'+rope+cache' if name == 'qkv' else ''} {p.k}x{p.n}"
                 print(f"| {label} | {m:>2} | {p.wbytes / 2**20:7.1f} | {cub:6.1f} | {unf:7.1f} | {plain:6.1f} | "
                       f"{fus:6.1f} | {pdl:7.1f} | {tbs:5.2f} | {tbs / bw * 1e12:5.0%} | {unf / best:5.2f}x | "
-                      f"{'dot' if cfg.use_dot else 'cores'} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} "
-                      f"w{cfg.num_warps} s{cfg.num_stages} |", flush=True)
+                      f"{cfg.label()} |", flush=True)
                 del p
                 torch.cuda.empty_cache()
         for m in ms:

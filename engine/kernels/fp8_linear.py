@@ -20,7 +20,6 @@ requantization) or one per 128 x 128 tile (`weight_scale` [ceil(N/128), ceil(K/1
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +31,7 @@ from stoker.engine.kernels.fp8_quant import (
     quantize_activations_ref,
     quantize_activations_triton,
 )
+from stoker.engine.kernels.gemv import GemvConfig
 
 FP8_GEMV_MAX_M = 16  # the dot tile is 16 tokens tall; above it the tensor-core GEMM wins (h200-gemm-facts)
 
@@ -118,22 +118,10 @@ def scaled_mm_quantized(
 
 
 # ------------------------------------------------------------------------------------- W8A16 GEMV kernel
-@dataclass(frozen=True, slots=True)
-class Fp8GemvConfig:
-    """Launch shape of the W8A16 GEMV: BLOCK_M tokens x BLOCK_N weight rows per program, BLOCK_K columns
-    per step; use_dot: the 16-token tl.dot tile on the tensor cores (block_m 16), else CUDA-core
-    multiply-adds into a [BLOCK_M, BLOCK_N, BLOCK_K] float32 accumulator summed over K once at the end."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    use_dot: bool
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def label(self) -> str:
-        return (f"{'dot' if self.use_dot else 'cores'} {self.block_m}x{self.block_n}x{self.block_k} "
-                f"w{self.num_warps} s{self.num_stages}")
+# The launch shape is the bf16 GEMV's (block sizes, tl.dot or CUDA cores, warps, stages); with CUDA cores the
+# W8A16 kernel sums a [BLOCK_M, BLOCK_N, BLOCK_K] float32 accumulator over K once at the end. The name stays:
+# FP8_GEMV_CONFIGS and ops/bench_fp8_gemv.py --apply write it.
+Fp8GemvConfig = GemvConfig
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel per config for every M, not one for M = 1, one for 16

@@ -359,12 +359,20 @@ def _gemv_kernel(
 # ---------------------------------------------------------------------------------------------- launcher
 @dataclass(frozen=True, slots=True)
 class GemvConfig:
+    """Launch shape of a GEMV (this module's and the W8A16 one of fp8_linear): BLOCK_M tokens x BLOCK_N weight
+    rows per program, BLOCK_K columns per step; use_dot: the 16-token tl.dot tile on the tensor cores
+    (block_m 16), else CUDA-core multiply-adds."""
+
     block_m: int
     block_n: int
     block_k: int
     use_dot: bool
     num_warps: int = 4
     num_stages: int = 3
+
+    def label(self) -> str:
+        return (f"{'dot' if self.use_dot else 'cores'} {self.block_m}x{self.block_n}x{self.block_k} "
+                f"w{self.num_warps} s{self.num_stages}")
 
 
 def gemv_config(kind: str, num_rows: int, n_out: int, hidden: int, on_gpu: bool, elem_bytes: int = 2) -> GemvConfig:
