@@ -120,11 +120,16 @@ def profile_w2_steps(eng: Any, vocab: int, requests: int, prompt: int, prefill_t
     res: dict[str, Any] = {}
     texts: dict[str, str] = {}
 
-    def on_prefill(inp: Any) -> None:
+    def profiled(inp: Any) -> Any:
+        """The step's forward again, eagerly, under the profiler (the same K/V written to the same slots)."""
         _sync(device)
         with torch.inference_mode(), profile(activities=acts) as prof:
             _eager_forward(runner, inp)
             _sync(device)
+        return prof
+
+    def on_prefill(inp: Any) -> None:
+        prof = profiled(inp)
         res["prefill_tokens"] = int(inp.input_ids.shape[0])
         res["prefill_kernel_ms"] = _device_total_ms(prof, device)
         texts["prefill"] = (
@@ -134,10 +139,7 @@ def profile_w2_steps(eng: Any, vocab: int, requests: int, prompt: int, prefill_t
         )
 
     def on_decode(inp: Any) -> None:
-        _sync(device)
-        with torch.inference_mode(), profile(activities=acts) as prof:
-            _eager_forward(runner, inp)
-            _sync(device)
+        prof = profiled(inp)
         res["decode_batch"] = int(inp.input_ids.shape[0])
         res["decode_context_max"] = int(inp.meta.context_lens.max())
         res["decode_eager_kernel_ms"] = _device_total_ms(prof, device)
