@@ -216,13 +216,16 @@ def decode_setting(text: str) -> dict[str, Any]:
 
 
 def start_engine(path: str, max_num_seqs: int, device: str = "cuda", quantization: str | None = None,
-                 tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto", decode: str = "auto"):
+                 tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto", decode: str = "auto", config=None):
+    """The engine and its seconds to ready; `config` (an EngineConfig) replaces the other settings when given."""
     from stoker.engine import LLMEngine
 
     t0 = time.perf_counter()
-    eng = LLMEngine(engine_config(path, max_num_seqs, device, quantization, tensor_parallel_size=tensor_parallel_size,
-                                  kv_cache_dtype=kv_cache_dtype, decode=decode))
-    if device.startswith("cuda"):
+    if config is None:
+        config = engine_config(path, max_num_seqs, device, quantization, tensor_parallel_size=tensor_parallel_size,
+                               kv_cache_dtype=kv_cache_dtype, decode=decode)
+    eng = LLMEngine(config)
+    if str(config.device).startswith("cuda"):
         torch.cuda.synchronize()
     return eng, time.perf_counter() - t0
 

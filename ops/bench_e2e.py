@@ -72,6 +72,8 @@ WORKER_ENV: dict[str, tuple[str, Callable[[Any], str]]] = {
     "blocking_sync": ("STOKER_NO_BLOCKING_SYNC", _off),
     "decode_kernels": ("STOKER_DECODE_KERNELS", str),
     "decode_pdl": ("STOKER_DECODE_PDL", lambda v: "1" if v else "0"),
+    "quantization": ("STOKER_QUANTIZATION", str),
+    "kv_cache_dtype": ("STOKER_KV_CACHE_DTYPE", str),
 }
 STAGES = ("polled", "claimed", "engine_added", "first_output", "published")
 
@@ -423,12 +425,13 @@ def brief(s: dict[str, Any]) -> str:
 
 
 # ---- the engine alone (the one place that touches the engine's API: keep it small) ---------------------
-def engine_side(args: argparse.Namespace, path: str, rate: float) -> dict[str, Any]:
+def engine_side(args: argparse.Namespace, path: str, rate: float, settings: Any) -> dict[str, Any]:
+    """settings: the EngineConfig the worker was given (the two sides run the same engine settings)."""
     import bench
     from stoker.engine import EngineRequest, SamplingParams
 
     r: dict[str, Any] = {"phases": {}}
-    eng, r["ready_s"] = bench.start_engine(path, args.max_num_seqs, args.device)
+    eng, r["ready_s"] = bench.start_engine(path, args.max_num_seqs, args.device, config=settings)
     vocab = eng.model_config.vocab_size
     r["kv_blocks"] = getattr(eng.runner, "num_blocks", None)
     r["startup"] = dict(getattr(eng.runner, "startup", {}))
@@ -581,6 +584,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model-dir", default=None, help="default /tmp/stoker-bench-<shape> (ops/bench.py's)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--max-num-seqs", type=int, default=1024)
+    ap.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16",
+                    help="fp8: the bench's bf16 weights quantized to FP8 at load, on both sides (issue 14)")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="fp8: the FP8 KV cache, both sides")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
                     help="the step's token budget (trades W2's inter-token p99 against throughput)")
     ap.add_argument("--prompt", type=int, default=512)
@@ -692,7 +698,9 @@ def main(argv: list[str] | None = None) -> int:
             res["stack_up_s"] = box["info"].elapsed_s
         log(f"weights ready ({res['write_s']:.1f} s to write); stack up ({res.get('stack_up_s', 0):.1f} s)")
         settings = bench.engine_config(path, args.max_num_seqs, args.device,
-                                       max_num_batched_tokens=args.max_num_batched_tokens)
+                                       None if args.dtype == "bf16" else args.dtype,
+                                       max_num_batched_tokens=args.max_num_batched_tokens,
+                                       kv_cache_dtype=args.kv_cache_dtype)
         res["engine_settings"] = {f: getattr(settings, f) for f in WORKER_ENV}
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
@@ -707,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_engine:
         rate = res["queue"].get("rate_req_s", args.rate or 1.0)
         log("the engine alone")
-        res["engine"] = engine_side(args, path, rate)
+        res["engine"] = engine_side(args, path, rate, settings)
     res["total_s"] = time.monotonic() - t_start
     rows = table(res["queue"], res.get("engine", {}), args)
     res["table"] = rows
