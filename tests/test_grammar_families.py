@@ -1,0 +1,94 @@
+"""Issue 15's fix for the serialised mask fill: one grammar compiles into several independent templates
+("families", engine/grammar.py), because llguidance's deep copies of one template share its lexer behind one
+mutex that every mask computation holds. Requests of one grammar are dealt over the families, the batch's rows go
+to the executor grouped by family and still land in their own bitmask rows, and extra compiles stop at their
+time budget."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from stoker.engine import grammar
+from stoker.engine.grammar import GrammarCompiler
+from stoker.engine.make_model import write_tokenizer
+from stoker.engine.sampling_params import GuidedDecoding
+
+VOCAB = 512
+EOS = 1
+# Two branches that need disjoint lexer states: a walk down one derives states the other never uses.
+TWO_BRANCHES = GuidedDecoding("regex", "[a-z]{0,30}x|[0-9]{0,30}y")
+WALKS = ("abcdefghijklmnopqrstuvwxyzabcd", "012345678901234567890123456789")
+# Lexer states (llguidance's max_lexer_states) enough for one walk of WALKS alone on the test tokenizer (each
+# needs ~60), not for both walks in one lexer.
+ONE_WALKS_STATES = 100
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = str(tmp_path_factory.mktemp("tok"))
+    write_tokenizer(path, VOCAB)
+    with open(os.path.join(path, "tokenizer.json"), encoding="utf-8") as f:
+        return f.read()
+
+
+def _walk(compiler: GrammarCompiler, state: grammar.GrammarState, text: str) -> bool:
+    """Mask, then consume, each token of text (masks derive the lexer states) -> True when all were taken."""
+    for token in compiler.tokenizer.tokenize_str(text):
+        state.matcher.compute_bitmask()
+        if not state.matcher.consume_token(token):
+            return False
+    return True
+
+
+def _two_walks(tokenizer_json: str, families: int, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    monkeypatch.setattr(grammar, "PARSER_LIMITS", dict(grammar.PARSER_LIMITS, max_lexer_states=ONE_WALKS_STATES))
+    compiler = GrammarCompiler(tokenizer_json, VOCAB, [EOS], mask_threads=2, families=families)
+    states = [compiler.new_state(TWO_BRANCHES) for _ in WALKS]
+    return [_walk(compiler, state, text) for state, text in zip(states, WALKS, strict=True)]
+
+
+def test_deep_copies_of_one_template_share_a_lexer(tokenizer_json, monkeypatch):
+    """The premise of the fix (llguidance 1.9's LLMatcher.deep_copy): two copies of one template fill one lexer,
+    so the second walk runs out of the states that either walk alone fits in. If a later llguidance gives each
+    copy its own lexer, this fails and the families can go."""
+    assert _two_walks(tokenizer_json, 1, monkeypatch) == [True, False]
+
+
+def test_requests_of_one_grammar_get_independent_lexers(tokenizer_json, monkeypatch):
+    """With the compiler's default families (one per mask thread), two requests of one grammar do not share a
+    lexer: both walks fit."""
+    monkeypatch.setattr(grammar, "PARSER_LIMITS", dict(grammar.PARSER_LIMITS, max_lexer_states=ONE_WALKS_STATES))
+    compiler = GrammarCompiler(tokenizer_json, VOCAB, [EOS], mask_threads=2)
+    assert compiler.num_families(TWO_BRANCHES) == 2
+    states = [compiler.new_state(TWO_BRANCHES) for _ in WALKS]
+    assert [s.family for s in states] == [0, 1]
+    assert [_walk(compiler, s, text) for s, text in zip(states, WALKS, strict=True)] == [True, True]
+
+
+def test_families_are_dealt_in_turn_and_fill_their_own_rows(tokenizer_json):
+    """Requests go to families 0, 1, 2, 0, ...; a fill handed families (rows reordered for the executor) writes
+    row i with matcher i's mask, equal to what that matcher computes alone."""
+    compiler = GrammarCompiler(tokenizer_json, VOCAB, [EOS], mask_threads=2, families=3)
+    states = [compiler.new_state(TWO_BRANCHES) for _ in range(7)]
+    assert [s.family for s in states] == [0, 1, 2, 0, 1, 2, 0]
+    for i, state in enumerate(states):  # different states: i tokens down one branch or the other
+        assert state.matcher.consume_tokens(compiler.tokenizer.tokenize_str(WALKS[i % 2][: i * 3]))
+    words = (VOCAB + 31) // 32
+    expected = torch.stack([torch.frombuffer(bytearray(s.matcher.compute_bitmask()), dtype=torch.int32)[:words]
+                            for s in states])
+    assert len({tuple(row.tolist()) for row in expected}) == 3  # start, in letters, in digits: rows differ
+    bitmask = torch.full((len(states), words), -7, dtype=torch.int32)
+    families = [s.family for s in states]
+    compiler.fill_bitmasks([s.matcher for s in states], bitmask, families)
+    assert torch.equal(bitmask, expected)
+
+
+def test_extra_templates_stop_at_the_compile_budget(tokenizer_json, monkeypatch):
+    """A grammar whose compile costs more than FAMILY_COMPILE_BUDGET_S gets one template (a hostile schema
+    must not be compiled 12 times); a cheap one gets all of them."""
+    compiler = GrammarCompiler(tokenizer_json, VOCAB, [EOS], mask_threads=4, families=4)
+    assert compiler.num_families(TWO_BRANCHES) == 4
+    monkeypatch.setattr(grammar, "FAMILY_COMPILE_BUDGET_S", 0.0)
+    assert compiler.num_families(GuidedDecoding("regex", "[0-9]{3}")) == 1
