@@ -143,8 +143,26 @@ def timed_fill(compiler: Any, matchers: list[Any], families: list[int] | None, b
     return wall / len(matchers) * 1e6, cpu / len(matchers) * 1e6
 
 
+def fills_at(probe: Probe, compiler: Any, parents: list[Any], step: int, args: argparse.Namespace,
+             bitmask: torch.Tensor, labels: dict[str, Any]) -> list[dict[str, Any]]:
+    """The cold fill of fresh copies of parents, then per order the median of --repeat fills."""
+    cold = timed_fill(compiler, *fresh(probe, parents, step), bitmask)
+    rows = []
+    for order in args.orders.split(",") if labels["families"] > 1 else ["batch order"]:
+        samples = []
+        for _ in range(args.repeat):
+            matchers, families = fresh(probe, parents, step)
+            samples.append(timed_fill(compiler, matchers, families if order == "grouped" else None, bitmask))
+        wall, cpu = statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)
+        rows.append(dict(labels, order=order, cold_wall_us=cold[0], wall_us=wall, cpu_us=cpu, cores=cpu / wall))
+        print(f"families {labels['families']:2d} ({labels['built']:2d} built) step {step:3d} threads "
+              f"{labels['threads']:2d} {order:11s} cold {cold[0]:8.1f}  wall {wall:8.1f}  cpu {cpu:8.1f} us/row  "
+              f"cores {cpu / wall:5.2f}", flush=True)
+    return rows
+
+
 def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
-    """save(partial result) after each family count, so that a run cut by its time bound keeps what it has."""
+    """save(partial result) after each step, so that a run cut by its time bound keeps what it has."""
     record = json.loads(read_text(args.record))
     probe = Probe(record, read_text(args.tokenizer_json), args.case)
     threads = [int(t) for t in args.threads.split(",")]
@@ -156,39 +174,27 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
            "tokenizer_tokens": probe.tokenizer_tokens, "host_cpus": os.cpu_count(),
            "affinity": len(os.sched_getaffinity(0)), "results": results, "kinds": kinds}
     began = time.perf_counter()
-    for families in (int(f) for f in args.families.split(",")):
-        # one compiler per thread count: an executor's size is fixed at its creation
-        compilers = {t: probe.compiler(families, t) for t in threads}
-        built = compilers[threads[0]].num_families(probe.guided)
-        lineage = {t: Parents(probe, compilers[t], args.rows) for t in threads}
-        for step in steps:
-            row_kinds = [probe.kind(probe.rows[i % len(probe.rows)], step) for i in range(args.rows)]
-            for t in threads:  # the families' lexers are per compiler: derive each one's states untimed
-                parents = lineage[t].at(step)
-                cold = timed_fill(compilers[t], *fresh(probe, parents, step), bitmask)
-                for order in args.orders.split(",") if families > 1 else ["batch order"]:
-                    samples = []
-                    for _ in range(args.repeat):
-                        matchers, fams = fresh(probe, parents, step)
-                        samples.append(timed_fill(compilers[t], matchers, fams if order == "grouped" else None,
-                                                  bitmask))
-                    wall = statistics.median(s[0] for s in samples)
-                    cpu = statistics.median(s[1] for s in samples)
-                    results.append(dict(families=families, built=built, step=step, threads=t, order=order,
-                                        cold_wall_us=cold[0], wall_us=wall, cpu_us=cpu, cores=cpu / wall))
-                    print(f"families {families:2d} ({built:2d} built) step {step:3d} threads {t:2d} {order:11s} "
-                          f"cold {cold[0]:8.1f}  wall {wall:8.1f}  cpu {cpu:8.1f} us/row  cores {cpu / wall:5.2f}",
-                          flush=True)
+    family_counts = [int(f) for f in args.families.split(",")]
+    # one compiler per (families, threads): an executor's size is fixed at its creation, and each compiler's
+    # templates derive their own lexer states
+    compilers = {(f, t): probe.compiler(f, t) for f in family_counts for t in threads}
+    built = {f: compilers[f, threads[0]].num_families(probe.guided) for f in family_counts}
+    lineage = {key: Parents(probe, compiler, args.rows) for key, compiler in compilers.items()}
+    for step in steps:  # step-major, saved after each: a run cut by its time bound keeps whole steps
+        row_kinds = [probe.kind(probe.rows[i % len(probe.rows)], step) for i in range(args.rows)]
+        for families in family_counts:
+            for t in threads:
+                results += fills_at(probe, compilers[families, t], lineage[families, t].at(step), step, args,
+                                    bitmask, dict(families=families, built=built[families], step=step, threads=t))
             t = threads[-1]
-            parents = lineage[t].at(step)
-            every, families_of = fresh(probe, parents, step)  # then the rows of each kind alone
+            every, families_of = fresh(probe, lineage[families, t].at(step), step)  # the rows of each kind alone
             for kind in sorted(set(row_kinds)):
                 index = [i for i, k in enumerate(row_kinds) if k == kind]
-                wall, cpu = timed_fill(compilers[t], [every[i] for i in index], [families_of[i] for i in index],
-                                       bitmask)
+                wall, cpu = timed_fill(compilers[families, t], [every[i] for i in index],
+                                       [families_of[i] for i in index], bitmask)
                 kinds.append(dict(families=families, step=step, threads=t, kind=kind, rows=len(index),
                                   wall_us=wall, cpu_us=cpu))
-            print(f"# families {families} step {step} done at {time.perf_counter() - began:.1f} s", flush=True)
+        print(f"# step {step} done at {time.perf_counter() - began:.1f} s", flush=True)
         save(out)
     return out
 
