@@ -278,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--no-sync-case", dest="sync_case", action="store_false",
                     help="skip the first batch's constrained case with synchronous steps (the old design)")
+    ap.add_argument("--grammar-families", type=int, default=None,
+                    help="independent templates per grammar (default: the compiler's, one per mask thread; 1: the "
+                         "engine before issue 15's fix, every request a copy of one template)")
     ap.add_argument("--no-unconstrained-case", dest="unconstrained_case", action="store_false",
                     help="only the constrained cases (recording rows on the CPU)")
     ap.add_argument("--vocab-size", type=int, default=None, help="the model's vocabulary (default: the shape's)")
@@ -315,12 +318,16 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     compiler = eng.grammar_compiler()
     r["lltokenizer_s"] = time.perf_counter() - started
+    if args.grammar_families:
+        compiler.families = args.grammar_families  # before the schema's compile below
+    r["mask_threads"], r["grammar_families"] = compiler.mask_threads, compiler.families
     r["tokenizer_vocab"] = eng.tokenizer.vocab_size
     spec = json.dumps(schema(), separators=(",", ":"))
     guided = GuidedDecoding("json_schema", spec)
     started = time.perf_counter()
     compiler.prepare(guided)
     r["schema_bytes"], r["compile_ms"] = len(spec), (time.perf_counter() - started) * 1e3
+    r["templates"] = compiler.num_families(guided)
     meter = MaskMeter(cuda)
     cases: list[dict[str, Any]] = []
     recorded: dict[str, list[list[int]]] = {}  # case -> the constrained rows' output token ids (--record)
@@ -366,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_table(r: dict[str, Any]) -> None:
     print(f"# temperature {r.get('temperature', 0.0)}; {r['gpu']}, {r['host_cpus']} host CPUs; tokenizer {r['tokenizer_vocab']:,} tokens; schema "
-          f"{r['schema_bytes']} B compiled in {r['compile_ms']:.1f} ms; engine start {r['engine_start_s']:.1f} s")
+          f"{r['schema_bytes']} B compiled in {r['compile_ms']:.1f} ms into {r['templates']} templates (mask threads "
+          f"{r['mask_threads']}); engine start {r['engine_start_s']:.1f} s")
     head = ("batch", "grammar", "p50 ms", "mean ms", "ratio p50", "gpu ms", "cores", "eng thr ms", "fill ms",
             "fill cpu ms", "build ms", "advance ms", "apply ms", "valid", "distinct", "closed")
     print("| " + " | ".join(head) + " |")
