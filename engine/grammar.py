@@ -13,9 +13,9 @@ thread, a synthetic 128,001-token byte-level vocabulary, batch 256, one mid-size
 
 Grammars are compiled on the caller's thread, never on the engine thread (the worker compiles an uncached one
 on its own compile threads, LLMEngine.prepare_grammar via worker.grammar_gate, so that add_request on its event
-loop finds it cached), with their first mask, and cached by (kind, spec): a request gets a copy of the cached
-matcher. JSON is compact
-(no free whitespace: a model cannot run on between tokens inside a bounded schema), as vLLM chose.
+loop finds it cached), with their first mask, and cached by (kind, spec): a request gets a copy of one of the
+grammar's cached templates (several per grammar, each with its own lexer: FAMILY_COMPILE_BUDGET_S says why). JSON
+is compact (no free whitespace: a model cannot run on between tokens inside a bounded schema), as vLLM chose.
 """
 
 from __future__ import annotations
