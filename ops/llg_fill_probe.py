@@ -199,6 +199,36 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
     return out
 
 
+def string_sweep(tokenizer_json: str, vocab_size: int, max_lengths: list[int]) -> list[dict[str, Any]]:
+    """One matcher of {"type": "string", "maxLength": N} per N, walked one single-byte token at a time: the
+    mask's thread CPU (best of 3 fresh copies) at every other position, to show where in a bounded string the
+    masks get dear."""
+    from stoker.engine.grammar import GrammarCompiler
+    from stoker.engine.sampling_params import GuidedDecoding
+
+    compiler = GrammarCompiler(tokenizer_json, vocab_size, [1], mask_threads=1, families=1)
+    quote, byte = (compiler.tokenizer.tokenize_str(t)[0] for t in ('"', "q"))
+    rows = []
+    for max_length in max_lengths:
+        walker = compiler.matcher(GuidedDecoding("json_schema", json.dumps({"type": "string", "maxLength": max_length})))
+        assert walker.consume_token(quote)
+        for position in range(1, max_length + 1):  # position: bytes of the string once the copy's token is in
+            if position % 2 or position == max_length:
+                best = float("inf")
+                for _ in range(3):
+                    copy = walker.deep_copy()
+                    assert copy.consume_token(byte)
+                    started = time.thread_time()
+                    copy.compute_bitmask()
+                    best = min(best, time.thread_time() - started)
+                rows.append(dict(max_length=max_length, position=position, mask_us=best * 1e6))
+            assert walker.consume_token(byte)
+    for max_length in max_lengths:
+        cells = [f"{x['position']}:{x['mask_us']:.0f}" for x in rows if x["max_length"] == max_length]
+        print(f"# string sweep maxLength {max_length} (position:us) " + " ".join(cells), flush=True)
+    return rows
+
+
 def print_tables(r: dict[str, Any]) -> None:
     print(f"# {r['rows']} rows ({r['recorded_rows']} recorded, case {r['case']}); tokenizer {r['tokenizer_tokens']:,} "
           f"of vocabulary {r['vocab_size']:,}; {r['host_cpus']} CPUs ({r['affinity']} usable); us per row")
@@ -236,7 +266,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--orders", default="grouped,interleaved",
                     help="rows to the executor grouped by family (the fix) or in batch order")
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--string-sweep", default="",
+                    help="instead: the mask's cost along strings of these maxLengths (e.g. 40,60,400)")
     args = ap.parse_args(argv)
+    if args.string_sweep:
+        rows = string_sweep(read_text(args.tokenizer_json), int(json.loads(read_text(args.record))["vocab_size"]),
+                            [int(n) for n in args.string_sweep.split(",")])
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "string_sweep.json"), "w") as f:
+                json.dump(rows, f, indent=2)
+        return 0
     def save(result: dict[str, Any]) -> None:
         if os.environ.get("OUT"):
             with open(os.path.join(os.environ["OUT"], "llg_fill_probe.json"), "w") as f:
