@@ -50,10 +50,15 @@ PARSER_LIMITS: dict[str, Any] = {
 # Lexer families. llguidance's LLMatcher.deep_copy (1.9) shares the template's lexer (its lazily built DFA)
 # between the copies behind one mutex, and a mask computation holds that mutex throughout: 1,024 copies of one
 # template fill their masks one at a time whatever the executor's threads (issue 15: 125 ms wall for 148 ms
-# CPU on 16 cores). Each grammar is therefore compiled into up to one independent template per executor
-# thread, requests are dealt round-robin over them, and a step's rows are handed to the executor grouped by
-# template. Extra compiles stop once they would cost more than FAMILY_COMPILE_BUDGET_S (a 1.2 ms schema gets
-# all of them; a 1.5 s hostile one only its first).
+# CPU on 16 cores). Each grammar is therefore compiled into several independent templates, requests are dealt
+# round-robin over them, and a step's rows are handed to the executor grouped by template. FAMILIES_PER_THREAD
+# templates per executor thread: rayon gives each thread a contiguous share of the rows and splits shares again
+# when a thread steals, so with one family per thread two threads often meet on one family's lock (H200, 1,024
+# recorded rows, 12 threads, 12 families: 11.3 us a row for 6.3 cores busy, against 25.4 us with one family;
+# ops/llg_fill_probe.py); with four a share spans several families and only its edges can collide. Extra
+# compiles stop once they would cost more than FAMILY_COMPILE_BUDGET_S (the bench's 2.4 ms schema gets all 48 of
+# the H200's; a 1.5 s hostile one only its first).
+FAMILIES_PER_THREAD = 4
 FAMILY_COMPILE_BUDGET_S = 0.2
 _COMPACT: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
@@ -94,7 +99,7 @@ def default_mask_threads() -> int:
 class GrammarCompiler:
     """Compiles GuidedDecoding specs into llguidance matchers for one model's vocabulary. Thread-safe.
     mask_threads: the executor's threads (default_mask_threads()); families: independent templates per grammar
-    at most (default mask_threads; 1 is what this engine did before issue 15's fix)."""
+    at most (default FAMILIES_PER_THREAD * mask_threads; 1 is what this engine did before issue 15's fix)."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int],
                  mask_threads: int | None = None, families: int | None = None):
@@ -109,7 +114,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], _Compiled] = OrderedDict()
         self._lock = threading.Lock()
         self.mask_threads = mask_threads or default_mask_threads()
-        self.families = families or self.mask_threads
+        self.families = families or FAMILIES_PER_THREAD * self.mask_threads
         # its threads start here (warm-up), not on a first step
         self._executor = llguidance.LLExecutor(num_threads=self.mask_threads)
         self.staging = MaskStaging()  # the sampler's pinned mask buffers for this model's engine

@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-sync-case", dest="sync_case", action="store_false",
                     help="skip the first batch's constrained case with synchronous steps (the old design)")
     ap.add_argument("--grammar-families", type=int, default=None,
-                    help="independent templates per grammar (default: the compiler's, one per mask thread; 1: the "
+                    help="independent templates per grammar (default: the compiler's, 4 per mask thread; 1: the "
                          "engine before issue 15's fix, every request a copy of one template)")
     ap.add_argument("--no-unconstrained-case", dest="unconstrained_case", action="store_false",
                     help="only the constrained cases (recording rows on the CPU)")

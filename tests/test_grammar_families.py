@@ -62,11 +62,11 @@ def test_deep_copies_of_one_template_share_a_lexer(tokenizer_json, monkeypatch):
 
 
 def test_requests_of_one_grammar_get_independent_lexers(tokenizer_json, monkeypatch):
-    """With the compiler's default families (one per mask thread), two requests of one grammar do not share a
-    lexer: both walks fit."""
+    """With the compiler's default families (FAMILIES_PER_THREAD per mask thread), two requests of one grammar
+    do not share a lexer: both walks fit."""
     monkeypatch.setattr(grammar, "PARSER_LIMITS", dict(grammar.PARSER_LIMITS, max_lexer_states=ONE_WALKS_STATES))
     compiler = GrammarCompiler(tokenizer_json, VOCAB, [EOS], mask_threads=2)
-    assert compiler.num_families(TWO_BRANCHES) == 2
+    assert compiler.num_families(TWO_BRANCHES) == grammar.FAMILIES_PER_THREAD * 2
     states = [compiler.new_state(TWO_BRANCHES) for _ in WALKS]
     assert [s.family for s in states] == [0, 1]
     assert [_walk(compiler, s, text) for s, text in zip(states, WALKS, strict=True)] == [True, True]
