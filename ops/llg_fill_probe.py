@@ -1,7 +1,7 @@
 """llguidance's mask fill on recorded constrained rows: per row, by executor thread count, by lexer families
 (issue 15), and by the kind of state a row is in.
 
-    PYTHONPATH=. python ops/llg_fill_probe.py                    # the carried states (ops/data/), H200: ~60 s
+    PYTHONPATH=. python ops/llg_fill_probe.py                    # the carried states (ops/data/), H200: ~20 s
     PYTHONPATH=. python ops/llg_fill_probe.py --rows 64 --threads 1,2 --steps 8,40 --families 1,2   # dry run
 
 Input: ops/bench_guided.py --record's file (the schema, the model's vocabulary, the greedy constrained rows'
@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=1024)
     ap.add_argument("--threads", default="1,4,12,16")
     ap.add_argument("--steps", default="8,24,40,56,72")
-    ap.add_argument("--families", default="1,12", help="1: one template (before the fix); N: the fix's cap")
+    ap.add_argument("--families", default="1,12,48",
+                    help="1: one template (before the fix); N: at most N (the engine's default: 4 per mask thread)")
     ap.add_argument("--orders", default="grouped,interleaved",
                     help="rows to the executor grouped by family (the fix) or in batch order")
     ap.add_argument("--repeat", type=int, default=2)
