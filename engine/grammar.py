@@ -13,16 +13,19 @@ thread, a synthetic 128,001-token byte-level vocabulary, batch 256, one mid-size
 
 Grammars are compiled on the caller's thread, never on the engine thread (the worker compiles an uncached one
 on its own compile threads, LLMEngine.prepare_grammar via worker.grammar_gate, so that add_request on its event
-loop finds it cached), with their first mask, and cached by (kind, spec): a request gets a copy of the cached
-matcher. JSON is compact
-(no free whitespace: a model cannot run on between tokens inside a bounded schema), as vLLM chose.
+loop finds it cached), with their first mask, and cached by (kind, spec): a request gets a copy of one of the
+grammar's cached templates (several per grammar, each with its own lexer: FAMILY_COMPILE_BUDGET_S says why). JSON
+is compact (no free whitespace: a model cannot run on between tokens inside a bounded schema), as vLLM chose.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import re
 import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -44,6 +47,19 @@ PARSER_LIMITS: dict[str, Any] = {
     "max_grammar_size": 500_000,  # symbols in the grammar's productions
     "verbose_errors": False,  # else an error carries the parser state and the whole grammar (tens of KB)
 }
+# Lexer families. llguidance's LLMatcher.deep_copy (1.9) shares the template's lexer (its lazily built DFA)
+# between the copies behind one mutex, and a mask computation holds that mutex throughout: 1,024 copies of one
+# template fill their masks one at a time whatever the executor's threads (issue 15: 125 ms wall for 148 ms
+# CPU on 16 cores). Each grammar is therefore compiled into several independent templates, requests are dealt
+# round-robin over them, and a step's rows are handed to the executor grouped by template. FAMILIES_PER_THREAD
+# templates per executor thread: rayon gives each thread a contiguous share of the rows and splits shares again
+# when a thread steals, so with one family per thread two threads often meet on one family's lock (H200, 1,024
+# recorded rows, 12 threads, 12 families: 11.3 us a row for 6.3 cores busy, against 25.4 us with one family;
+# ops/llg_fill_probe.py); with four a share spans several families and only its edges can collide. Extra
+# compiles stop once they would cost more than FAMILY_COMPILE_BUDGET_S (the bench's 2.4 ms schema gets all 48 of
+# the H200's; a 1.5 s hostile one only its first).
+FAMILIES_PER_THREAD = 4
+FAMILY_COMPILE_BUDGET_S = 0.2
 _COMPACT: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
@@ -57,10 +73,36 @@ class GrammarTooComplex(RuntimeError):
     not the worker, so it ends `invalid_response_format`."""
 
 
-class GrammarCompiler:
-    """Compiles GuidedDecoding specs into llguidance matchers for one model's vocabulary. Thread-safe."""
+class _Compiled:
+    """One grammar's templates (independent lexers, see FAMILY_COMPILE_BUDGET_S) and the round-robin over
+    them."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
+    __slots__ = ("templates", "_turn")
+
+    def __init__(self, templates: list[Any]):
+        self.templates = templates
+        self._turn = itertools.count()  # next() is atomic under the GIL
+
+    def copy(self) -> tuple[Any, int]:
+        """-> (a fresh matcher, its family: the index of the template whose lexer it shares)."""
+        family = next(self._turn) % len(self.templates)
+        return self.templates[family].deep_copy(), family
+
+
+def default_mask_threads() -> int:
+    """llguidance's default executor size (80% of the CPUs this process may use, 1..32), stated here so the
+    families follow it."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(32, cpus * 80 // 100))
+
+
+class GrammarCompiler:
+    """Compiles GuidedDecoding specs into llguidance matchers for one model's vocabulary. Thread-safe.
+    mask_threads: the executor's threads (default_mask_threads()); families: independent templates per grammar
+    at most (default FAMILIES_PER_THREAD * mask_threads; 1 is what this engine did before issue 15's fix)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int],
+                 mask_threads: int | None = None, families: int | None = None):
         import llguidance
 
         self._llg = llguidance
@@ -69,19 +111,27 @@ class GrammarCompiler:
         # tokenizer are never allowed.
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_ids)
         self.vocab_size = vocab_size
-        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], _Compiled] = OrderedDict()
         self._lock = threading.Lock()
-        self._executor = llguidance.LLExecutor()  # its threads start here (warm-up), not on a first step
+        self.mask_threads = mask_threads or default_mask_threads()
+        self.families = families or FAMILIES_PER_THREAD * self.mask_threads
+        # its threads start here (warm-up), not on a first step
+        self._executor = llguidance.LLExecutor(num_threads=self.mask_threads)
         self.staging = MaskStaging()  # the sampler's pinned mask buffers for this model's engine
         self._limits = llguidance.LLParserLimits(**PARSER_LIMITS)
 
     def new_state(self, guided: GuidedDecoding) -> GrammarState:
         """A fresh request state for guided (GrammarError when it cannot be compiled)."""
-        return GrammarState(self, self.matcher(guided))
+        matcher, family = self._template(guided).copy()
+        return GrammarState(self, matcher, family)
 
     def matcher(self, guided: GuidedDecoding) -> Any:
         """A fresh matcher for guided (GrammarError when it cannot be compiled)."""
-        return self._template(guided).deep_copy()
+        return self._template(guided).copy()[0]
+
+    def num_families(self, guided: GuidedDecoding) -> int:
+        """How many independent templates guided was compiled into (compiling it if needed)."""
+        return len(self._template(guided).templates)
 
     def is_cached(self, guided: GuidedDecoding) -> bool:
         """True when guided is compiled already: new_state is then a copy, cheap enough for any thread."""
@@ -98,19 +148,29 @@ class GrammarCompiler:
         computed by whoever masks first, as a request's copy on the engine thread once did."""
         return self._compile(guided, first_mask)
 
-    def _template(self, guided: GuidedDecoding) -> Any:
+    def _template(self, guided: GuidedDecoding) -> _Compiled:
         key = (guided.kind, guided.spec)
         with self._lock:
             template = self._cache.get(key)
             if template is not None:
                 self._cache.move_to_end(key)
                 return template
-        template = self._compile(guided)  # outside the lock: a large schema must not stall other adds
+        template = self._compile_families(guided)  # outside the lock: a large schema must not stall other adds
         with self._lock:
             self._cache[key] = template
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
         return template
+
+    def _compile_families(self, guided: GuidedDecoding) -> _Compiled:
+        """The first template, then as many more (up to self.families) as FAMILY_COMPILE_BUDGET_S pays for at
+        the first one's cost."""
+        started = time.perf_counter()
+        templates = [self._compile(guided)]
+        each_s = time.perf_counter() - started
+        extra = min(self.families - 1, int(FAMILY_COMPILE_BUDGET_S / max(each_s, 1e-6)))
+        templates += [self._compile(guided) for _ in range(extra)]
+        return _Compiled(templates)
 
     def _compile(self, guided: GuidedDecoding, first_mask: bool = True) -> Any:
         llg = self._llg
@@ -143,12 +203,14 @@ class GrammarCompiler:
             raise GrammarError(_first_line(matcher.get_error()))
         return matcher
 
-    def fill_bitmasks(self, matchers: list[Any], bitmask: Any) -> None:
+    def fill_bitmasks(self, matchers: list[Any], bitmask: Any, families: list[int] | None = None) -> None:
         """bitmask: [len(matchers), ceil(V / 32)] int32 contiguous host tensor; row i <- matchers[i]'s allowed
         tokens (bit j of word k = token 32k + j). One call for the batch: llguidance fills the rows on its
-        own threads without the GIL."""
+        own threads without the GIL. families[i]: matchers[i]'s family (GrammarState.family); the rows go to
+        the executor grouped by it, so that its threads' contiguous shares of the list meet few lexer locks."""
+        order = range(len(matchers)) if families is None else sorted(range(len(matchers)), key=families.__getitem__)
         self._executor.unsafe_compute_mask_ptr(
-            [(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), bitmask.shape[1] * 4, len(matchers)
+            [(matchers[i], i) for i in order], bitmask.data_ptr(), bitmask.shape[1] * 4, len(matchers)
         )
 
 
@@ -158,10 +220,10 @@ class GrammarState:
     valid; with constrained requests live the engine finishes step N before step N+1 samples (engine.py), so
     a mask is never built while a token is still in flight."""
 
-    __slots__ = ("compiler", "matcher")
+    __slots__ = ("compiler", "matcher", "family")
 
-    def __init__(self, compiler: GrammarCompiler, matcher: Any):
-        self.compiler, self.matcher = compiler, matcher
+    def __init__(self, compiler: GrammarCompiler, matcher: Any, family: int = 0):
+        self.compiler, self.matcher, self.family = compiler, matcher, family
 
     def advance(self, token_id: int) -> bool:
         """Consume a sampled token -> True when the grammar is complete (nothing but EOS may follow: the

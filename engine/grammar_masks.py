@@ -26,20 +26,20 @@ class MaskStaging:
         self._turn = 0
 
     def masks(self, compiler: Any, matchers: list[Any], rows: list[int] | None, vocab_size: int,
-              device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+              device: torch.device, families: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (bitmask [R, ceil(V/32)] int32, rows [R] int64 or None) on device, V = vocab_size (the logits'
         width); row r of the bitmask holds matchers[r]'s allowed tokens, for logits row rows[r] (rows None:
-        every logits row, in order)."""
+        every logits row, in order); families: the matchers' (GrammarCompiler.fill_bitmasks)."""
         words = (vocab_size + 31) // 32
         count = len(matchers)
         index = 0 if rows is None else count
         if device.type != "cuda":  # nothing to stage: fill the tensor the sampler reads
             bitmask = torch.empty(count, words, dtype=torch.int32)
-            compiler.fill_bitmasks(matchers, bitmask)
+            compiler.fill_bitmasks(matchers, bitmask, families)
             return bitmask, None if rows is None else torch.tensor(rows, dtype=torch.int64)
         host = self._take(count * words + index)
         bitmask = host[: count * words].view(count, words)
-        compiler.fill_bitmasks(matchers, bitmask)
+        compiler.fill_bitmasks(matchers, bitmask, families)
         if rows is not None:
             host[count * words :] = torch.as_tensor(rows, dtype=torch.int32)
         on_device = host.to(device, non_blocking=True)

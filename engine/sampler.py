@@ -138,7 +138,8 @@ class SamplingBatch:
             compiler = states[0].compiler  # pinned staging, one upload (engine/grammar_masks.py)
             every = len(constrained) == len(rows)  # then no row index: masked in place (token_bitmask)
             grammar_bitmask, grammar_rows = compiler.staging.masks(
-                compiler, [s.matcher for s in states], None if every else constrained, vocab_size, torch.device(device)
+                compiler, [s.matcher for s in states], None if every else constrained, vocab_size, torch.device(device),
+                [s.family for s in states],
             )
         presence = frequency = repetition = None
         if want_counts:

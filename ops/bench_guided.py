@@ -74,9 +74,10 @@ def log(msg: str) -> None:
 
 
 # ---- the model folder ------------------------------------------------------------------------------------
-def guided_model_dir(base: str, vocab_size: int) -> tuple[str, float]:
-    """base's weights and config behind a byte-level tokenizer of vocab_size tokens -> (folder, seconds spent
-    building the tokenizer; 0 when cached)."""
+def guided_model_dir(base: str, vocab_size: int, tokenizer_json: str | None = None) -> tuple[str, float]:
+    """base's weights and config behind a byte-level tokenizer of vocab_size tokens (or the file
+    tokenizer_json, e.g. the H200's 66,144-token one on the CPU) -> (folder, seconds spent building the
+    tokenizer; 0 when cached)."""
     from stoker.ops.bench_grammar import big_tokenizer_json
 
     path = base.rstrip("/") + "-guided"
@@ -90,7 +91,11 @@ def guided_model_dir(base: str, vocab_size: int) -> tuple[str, float]:
     if os.path.isfile(target):
         return path, 0.0
     started = time.perf_counter()
-    text = big_tokenizer_json(vocab_size)  # <s> = 0, </s> = 1: bench.py's config's bos and eos
+    if tokenizer_json:
+        with open(tokenizer_json, encoding="utf-8") as f:
+            text = f.read()
+    else:
+        text = big_tokenizer_json(vocab_size)  # <s> = 0, </s> = 1: bench.py's config's bos and eos
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}, f)
     with open(target + ".tmp", "w", encoding="utf-8") as f:
@@ -273,6 +278,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--no-sync-case", dest="sync_case", action="store_false",
                     help="skip the first batch's constrained case with synchronous steps (the old design)")
+    ap.add_argument("--grammar-families", type=int, default=None,
+                    help="independent templates per grammar (default: the compiler's, 4 per mask thread; 1: the "
+                         "engine before issue 15's fix, every request a copy of one template)")
+    ap.add_argument("--no-unconstrained-case", dest="unconstrained_case", action="store_false",
+                    help="only the constrained cases (recording rows on the CPU)")
+    ap.add_argument("--vocab-size", type=int, default=None, help="the model's vocabulary (default: the shape's)")
+    ap.add_argument("--tokenizer-json", default=None,
+                    help="the guided tokenizer from this file (default: built for the vocabulary, cached)")
+    ap.add_argument("--record", default=None,
+                    help="write every constrained case's output token ids here (JSON; ops/llg_fill_probe.py)")
     ap.add_argument("--budget-s", type=float, default=200.0,
                     help="start no further case once this many seconds have passed since the start")
     args = ap.parse_args(argv)
@@ -287,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_guided: --device cuda needs a CUDA GPU (use --device cpu --shape tiny for a dry run)",
               file=sys.stderr)
         return 2
-    shape = SHAPES[args.shape]
+    shape = dict(SHAPES[args.shape], **({"vocab_size": args.vocab_size} if args.vocab_size else {}))
     base = args.model_dir or f"/tmp/stoker-bench-{args.shape}"
     began = time.perf_counter()
     r: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "argv": sys.argv[1:], "torch": torch.__version__,
@@ -295,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                          "temperature": args.temperature}
     log(f"model folder {base} (written if absent)")
     r["write_s"] = write_model(base, shape, device="cuda" if cuda else "cpu")
-    path, r["tokenizer_build_s"] = guided_model_dir(base, shape["vocab_size"])
+    path, r["tokenizer_build_s"] = guided_model_dir(base, shape["vocab_size"], args.tokenizer_json)
     log(f"tokenizer ready ({r['tokenizer_build_s']:.1f} s); starting the engine")
     started = time.perf_counter()
     eng = LLMEngine(engine_config(path, args.max_num_seqs, device=args.device))
@@ -303,19 +318,24 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     compiler = eng.grammar_compiler()
     r["lltokenizer_s"] = time.perf_counter() - started
+    if args.grammar_families:
+        compiler.families = args.grammar_families  # before the schema's compile below
+    r["mask_threads"], r["grammar_families"] = compiler.mask_threads, compiler.families
     r["tokenizer_vocab"] = eng.tokenizer.vocab_size
     spec = json.dumps(schema(), separators=(",", ":"))
     guided = GuidedDecoding("json_schema", spec)
     started = time.perf_counter()
     compiler.prepare(guided)
     r["schema_bytes"], r["compile_ms"] = len(spec), (time.perf_counter() - started) * 1e3
+    r["templates"] = compiler.num_families(guided)
     meter = MaskMeter(cuda)
     cases: list[dict[str, Any]] = []
+    recorded: dict[str, list[list[int]]] = {}  # case -> the constrained rows' output token ids (--record)
     try:
         for index, batch in enumerate(int(b) for b in args.batches.split(",")):
             # (grammar, synchronous steps): "sync" (the first batch only, unless --no-sync-case) is the constrained
             # step with the engine's overlap off, what a constrained batch cost before the engine overlapped it
-            modes = [("none", False), ("schema", False)] + ([("schema", True)] if index == 0 and args.sync_case else [])
+            modes = [("none", False)] * args.unconstrained_case + [("schema", False)] + ([("schema", True)] if index == 0 and args.sync_case else [])
             for mode, sync in modes:
                 if time.perf_counter() - began > args.budget_s:
                     log(f"past --budget-s {args.budget_s:g}: batch {batch} {mode} sync={sync} skipped")
@@ -330,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
                     eng.async_scheduling = overlap
                 case["sync_steps"] = sync or not overlap
                 outputs = case.pop("outputs")
+                if mode == "schema":
+                    recorded[f"{batch}{' sync' if sync else ''}"] = list(outputs.values())
                 case["valid_prefixes"] = valid_prefixes(compiler, guided, outputs)
                 case["distinct_outputs"] = len({tuple(tokens) for tokens in outputs.values()})
                 sample = next(iter(outputs.values()))
@@ -339,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         meter.close()
     r["cases"] = cases
+    if args.record:
+        with open(args.record, "w") as f:
+            json.dump({"schema": spec, "vocab_size": shape["vocab_size"], "cases": recorded}, f)
     print_table(r)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_guided.json"), "w") as f:
@@ -348,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_table(r: dict[str, Any]) -> None:
     print(f"# temperature {r.get('temperature', 0.0)}; {r['gpu']}, {r['host_cpus']} host CPUs; tokenizer {r['tokenizer_vocab']:,} tokens; schema "
-          f"{r['schema_bytes']} B compiled in {r['compile_ms']:.1f} ms; engine start {r['engine_start_s']:.1f} s")
+          f"{r['schema_bytes']} B compiled in {r['compile_ms']:.1f} ms into {r['templates']} templates (mask threads "
+          f"{r['mask_threads']}); engine start {r['engine_start_s']:.1f} s")
     head = ("batch", "grammar", "p50 ms", "mean ms", "ratio p50", "gpu ms", "cores", "eng thr ms", "fill ms",
             "fill cpu ms", "build ms", "advance ms", "apply ms", "valid", "distinct", "closed")
     print("| " + " | ".join(head) + " |")

@@ -85,10 +85,11 @@ def _default_paths(root: Path) -> list[Path]:
     out = []
     for name in listed.splitlines():
         path = root / name
-        if path.resolve() == own or path.name in _SKIP or not path.is_file() or _MARKER in path.read_text():
+        if path.resolve() == own or path.name in _SKIP or not path.is_file():
             continue
         shell = name.startswith("ops/") and path.suffix == "" and path.read_bytes()[:2] == b"#!"
-        if path.suffix in _SUFFIXES or shell or path.name == "Dockerfile":
+        # the marker is read only from files of the kinds rewritten: a tracked binary (gzip data) is not text
+        if (path.suffix in _SUFFIXES or shell or path.name == "Dockerfile") and _MARKER not in path.read_text():
             out.append(path)
     return out
 

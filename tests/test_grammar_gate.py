@@ -58,8 +58,10 @@ class CompileHook:
 
     def __init__(self, engine: Any, hold_s: float = HELD_S):
         compiler = engine.grammar_compiler()
-        self._real: Callable[[Any], Any] = compiler._compile
-        compiler._compile = self._compile  # the engine's own compiler, every other part real
+        # one call per grammar (its templates, engine/grammar.py's families, compile inside it): the engine's own
+        # compiler, every other part real
+        self._real: Callable[[Any], Any] = compiler._compile_families
+        compiler._compile_families = self._compile
         self.hold_s = hold_s
         self._released = threading.Event()
         self._lock = threading.Lock()
