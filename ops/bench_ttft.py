@@ -148,31 +148,32 @@ def hop_table(rows: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
 
 async def run(args: argparse.Namespace, bootstrap: str, redis_url: str) -> dict[str, Any]:
     res: dict[str, Any] = {"jobs": args.jobs, "tokens": args.tokens, "step_delay_ms": args.step_delay_ms,
-                           "acks": args.acks, "cpus": os.cpu_count(), "phases": {}}
+                           "cpus": os.cpu_count(), "phases": {}}
     res["kafka_before"] = summary(await kafka_rtt(bootstrap, args.kafka_records, 0, "all"))
     worker = await WorkerProc.start(bootstrap, redis_url, 64, args.step_delay_ms / 1000, 1000)
     observer = Observer(bootstrap, worker.topic)
-    acks: str | int = "all" if args.acks == "all" else int(args.acks)
-    client = TimedClient(bootstrap, redis_url, prefix=worker.prefix, topic=worker.topic, timeout=30,
-                         kafka_options={"acks": acks})
     phases = {}
     try:
-        async with client:
-            for i in range(5):  # connections, metadata, the worker's script loads: not timed
-                await one_job(client, f"warm-{i}", args.tokens)
-            cpu0 = worker.cpu_s()
-            for gap in args.gaps_ms:
-                phases[gap] = await phase(client, worker, args, gap, f"gap{gap:g}")
-            res["worker_cpu_s"] = worker.cpu_s() - cpu0
+        cpu0 = worker.cpu_s()
+        for acks in args.acks:
+            client = TimedClient(bootstrap, redis_url, prefix=worker.prefix, topic=worker.topic, timeout=30,
+                                 kafka_options={"acks": acks if acks == "all" else int(acks)})
+            async with client:
+                for i in range(5):  # connections, metadata, the worker's script loads: not timed
+                    await one_job(client, f"warm-{acks}-{i}", args.tokens)
+                for gap in args.gaps_ms:
+                    name = f"acks={acks}, gap {gap:g} ms"
+                    phases[name] = await phase(client, worker, args, gap, f"acks{acks}-gap{gap:g}")
+        res["worker_cpu_s"] = worker.cpu_s() - cpu0
     finally:
         seen = observer.stop()
         worker.stop()
-    for gap, (rows, stages) in phases.items():
+    for name, (rows, stages) in phases.items():
         for rid, row in rows.items():
             row.update(seen.get(rid, {}))
-        res["phases"][f"{gap:g}"] = {"hops": hop_table(rows),
-                                     "stages": [{"stage": s, "mean_ms": m, "p50_le_ms": p50, "p99_le_ms": p99}
-                                                for s, m, p50, p99 in stages]}
+        res["phases"][name] = {"hops": hop_table(rows),
+                               "stages": [{"stage": s, "mean_ms": m, "p50_le_ms": p50, "p99_le_ms": p99}
+                                          for s, m, p50, p99 in stages]}
     res["kafka_after"] = summary(await kafka_rtt(bootstrap, args.kafka_records, 0, "all"))
     res["kafka_after_acks1"] = summary(await kafka_rtt(bootstrap, args.kafka_records, 0, 1))
     return res
@@ -180,10 +181,10 @@ async def run(args: argparse.Namespace, bootstrap: str, redis_url: str) -> dict[
 
 def report(res: dict[str, Any]) -> None:
     print(f"\nlone-job hops with the stand-in engine ({res['step_delay_ms']:g} ms steps, {res['tokens']} tokens): "
-          f"{res['jobs']} jobs one at a time per phase, client acks={res['acks']}, {res['cpus']} CPUs")
+          f"{res['jobs']} jobs one at a time per phase, {res['cpus']} CPUs")
     head = f"{'(ms)':<40}{'mean':>8}{'p50':>8}{'p90':>8}{'p99':>8}"
-    for gap, ph in res["phases"].items():
-        print(f"\ngap {gap} ms between a done event and the next job\n{head}")
+    for name, ph in res["phases"].items():
+        print(f"\n{name} (the client's producer acks; pause between a done event and the next job)\n{head}")
         for label, s in ph["hops"].items():
             print(f"{label:<40}{s['mean']:>8.2f}{s['p50']:>8.2f}{s['p90']:>8.2f}{s['p99']:>8.2f}")
         created = ph["hops"].get("CreateTime -> plain consumer fetch", {}).get("mean", float("nan"))
@@ -225,7 +226,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gaps-ms", default="0,50", help="one phase per gap: pause between a done event and the next job")
     ap.add_argument("--tokens", type=int, default=8, help="max_tokens of each job")
     ap.add_argument("--step-delay-ms", type=float, default=4.0, help="the stand-in engine's step time")
-    ap.add_argument("--acks", choices=("all", "1"), default="all", help="the client producer's acks")
+    ap.add_argument("--acks", default="all", help="comma list of the client producer's acks (all, 1): phases for each")
     ap.add_argument("--kafka-records", type=int, default=200, help="records of each Kafka-alone measurement")
     ap.add_argument("--stack", choices=("external", "start"), default="external",
                     help="external: KAFKA_BOOTSTRAP_SERVERS / REDIS_URL; start: a private stack on the ports below")
@@ -236,6 +237,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.observer is None:
         args.gaps_ms = [float(g) for g in args.gaps_ms.split(",")]
+        args.acks = args.acks.split(",")
+        if not set(args.acks) <= {"all", "1"}:
+            ap.error(f"--acks takes all and 1, got {args.acks}")
         if args.jobs < 1 or args.tokens < 1 or args.step_delay_ms < 0 or min(args.gaps_ms) < 0:
             ap.error("--jobs and --tokens must be >= 1, --step-delay-ms and --gaps-ms >= 0")
     return args
