@@ -113,6 +113,7 @@ def summarize(records: list[list[Any]]) -> dict[str, Any]:
         "requests": len(records), "ok": len(ok), "errors": errors, "wall_s": wall, "output_tokens": tokens,
         "tok_s": tokens / wall, "req_s": len(ok) / wall,
         "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99), "ttft_max_ms": max(ttft, default=math.nan),
+        "ttft_mean_ms": sum(ttft) / max(1, len(ttft)),
         "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99), "itl_mean_ms": sum(itl) / max(1, len(itl)),
         "e2e_p50_ms": pct(e2e, 50), "e2e_p99_ms": pct(e2e, 99),
     }
@@ -320,6 +321,29 @@ class Worker:
 
 
 # ---- through the queue --------------------------------------------------------------------------------
+class KafkaWarmup(threading.Thread):
+    """Sequential produce -> fetch round trips on the stack (ops/bench_kafka_rtt.py) while the worker starts.
+    A broker just started runs its request path in the JVM's interpreter for its first thousands of requests:
+    W1, a few requests soon after the start, would time that rather than a serving broker. Keeps the first
+    and the last `measured` round trips: Kafka's own send -> fetch, cold and warm, beside W1's TTFT."""
+
+    def __init__(self, bootstrap: str, round_trips: int, measured: int = 200):
+        super().__init__(name="kafka-warmup", daemon=True)
+        self.bootstrap, self.round_trips, self.measured = bootstrap, round_trips, measured
+        self.figures: dict[str, Any] = {}
+
+    def run(self) -> None:
+        from bench_kafka_rtt import measure
+
+        try:
+            samples = asyncio.run(measure(self.bootstrap, self.round_trips, 0, "all"))
+            for name, part in (("cold", samples[:self.measured]), ("warm", samples[-self.measured:])):
+                self.figures[f"{name}_p50_ms"], self.figures[f"{name}_mean_ms"] = pct(part, 50), sum(part) / len(part)
+            self.figures["round_trips"] = len(samples)
+        except Exception as e:  # noqa: BLE001 -- a figure missing, not a failed run
+            self.figures["error"] = f"{type(e).__name__}: {e}"
+
+
 def queue_side(args: argparse.Namespace, path: str, vocab: int, settings: Any, env: dict[str, str],
                bootstrap: str, redis_url: str, names: dict[str, str]) -> dict[str, Any]:
     r: dict[str, Any] = {"phases": {}}
@@ -333,8 +357,15 @@ def queue_side(args: argparse.Namespace, path: str, vocab: int, settings: Any, e
     log(f"worker starting (log {log_path})")
     worker = Worker(wenv, log_path)
     pool.alive = lambda: worker.proc.poll() is None
+    warmup = KafkaWarmup(bootstrap, args.kafka_warmup)
+    if args.kafka_warmup:
+        warmup.start()
     try:
         r["ready_s"] = worker.wait_ready(args.ready_timeout)
+        if args.kafka_warmup:
+            warmup.join()
+            r["kafka_alone"] = warmup.figures
+            log(f"Kafka alone, send -> fetch: {warmup.figures}")
         pid = worker.proc.pid
         log(f"worker ready in {r['ready_s']:.2f} s")
 
@@ -364,11 +395,13 @@ def queue_side(args: argparse.Namespace, path: str, vocab: int, settings: Any, e
         phase("steady", args.first_n, args.prompt, args.first_new)
         for c in curve_points(args):
             phase(f"c={c}", c, args.prompt, args.new, procs=procs_for(args, c))
-        w2 = phase("W2", args.w2_requests, args.prompt, args.new, procs=procs_for(args, args.w2_requests))
-        rate = args.rate or args.rate_fraction * w2.get("req_s", 1.0)
-        r["rate_req_s"] = rate
-        n = max(1, round(rate * args.rate_seconds))
-        phase("rate", n, args.prompt, args.new, rate=rate, procs=procs_for(args, n))
+        w2 = phase("W2", args.w2_requests, args.prompt, args.new, procs=procs_for(args, args.w2_requests)) \
+            if args.w2_requests else {}
+        if args.rate_seconds > 0:
+            rate = args.rate or args.rate_fraction * w2.get("req_s", 1.0)
+            r["rate_req_s"] = rate
+            n = max(1, round(rate * args.rate_seconds))
+            phase("rate", n, args.prompt, args.new, rate=rate, procs=procs_for(args, n))
         m = scrape(worker.port)
         r["prefix_cache_queries"] = counter(m, "stoker_prefix_cache_queries")
         r["worker_metrics_excerpt"] = {k: v for k, v in m.items() if k.startswith(
@@ -499,9 +532,11 @@ def engine_side(args: argparse.Namespace, path: str, rate: float, settings: Any)
     phase("steady", args.first_n, args.prompt, args.first_new)
     for c in curve_points(args):
         phase(f"c={c}", c, args.prompt, args.new)
-    phase("W2", args.w2_requests, args.prompt, args.new)
-    n = max(1, round(rate * args.rate_seconds))
-    phase("rate", n, args.prompt, args.new, arrivals=[i / rate for i in range(n)])
+    if args.w2_requests:
+        phase("W2", args.w2_requests, args.prompt, args.new)
+    if args.rate_seconds > 0:
+        n = max(1, round(rate * args.rate_seconds))
+        phase("rate", n, args.prompt, args.new, arrivals=[i / rate for i in range(n)])
     return r
 
 
@@ -530,16 +565,23 @@ def table(q: dict[str, Any], e: dict[str, Any], args: argparse.Namespace) -> lis
     row("first / steady TTFT p50 (target <= 2)", ratio(qp), ratio(ep), "{:.2f}", "x")
     w1 = f"W1 (1 x {args.prompt}+{args.new}, {args.w1_runs} runs)"
     row(f"{w1}: TTFT p50", g(qp, "W1", "ttft_p50_ms"), g(ep, "W1", "ttft_p50_ms"), "{:.1f}", " ms")
+    row(f"{w1}: TTFT mean", g(qp, "W1", "ttft_mean_ms"), g(ep, "W1", "ttft_mean_ms"), "{:.1f}", " ms")
+    ka = q.get("kafka_alone", {})
+    if "warm_p50_ms" in ka:
+        rows.append((f"Kafka alone, send -> fetch p50 / mean: first / last {min(200, ka['round_trips'])} of "
+                     f"{ka['round_trips']} round trips (queue only)", f"{ka['cold_p50_ms']:.2f} / "
+                     f"{ka['cold_mean_ms']:.2f} ms, then {ka['warm_p50_ms']:.2f} / {ka['warm_mean_ms']:.2f} ms", "", ""))
     row(f"{w1}: inter-token p50", g(qp, "W1", "itl_p50_ms"), g(ep, "W1", "itl_p50_ms"), "{:.2f}", " ms")
     row(f"{w1}: inter-token p99", g(qp, "W1", "itl_p99_ms"), g(ep, "W1", "itl_p99_ms"), "{:.2f}", " ms")
     row(f"{w1}: CPU cores (worker / engine process)", g(qp, "W1", "worker_cpu_cores"),
         g(ep, "W1", "process_cpu_cores"))
-    w2 = f"W2 ({args.w2_requests} x {args.prompt}+{args.new} at once)"
-    row(f"{w2}: wall", g(qp, "W2", "wall_s"), g(ep, "W2", "wall_s"), unit=" s")
-    row(f"{w2}: output tok/s", g(qp, "W2", "tok_s"), g(ep, "W2", "tok_s"), "{:.0f}")
-    row(f"{w2}: CPU cores (worker / engine process)", g(qp, "W2", "worker_cpu_cores"),
-        g(ep, "W2", "process_cpu_cores"))
-    row(f"{w2}: worker loop-thread CPU cores (the event path)", g(qp, "W2", "worker_loop_cpu_cores"), None)
+    if args.w2_requests:  # else no W2 phase ran
+        w2 = f"W2 ({args.w2_requests} x {args.prompt}+{args.new} at once)"
+        row(f"{w2}: wall", g(qp, "W2", "wall_s"), g(ep, "W2", "wall_s"), unit=" s")
+        row(f"{w2}: output tok/s", g(qp, "W2", "tok_s"), g(ep, "W2", "tok_s"), "{:.0f}")
+        row(f"{w2}: CPU cores (worker / engine process)", g(qp, "W2", "worker_cpu_cores"),
+            g(ep, "W2", "process_cpu_cores"))
+        row(f"{w2}: worker loop-thread CPU cores (the event path)", g(qp, "W2", "worker_loop_cpu_cores"), None)
     curve = [*([1] if 1 in args.concurrency else []), *curve_points(args),
              *([args.w2_requests] if args.w2_requests in args.concurrency else [])]
     for c in curve:
@@ -552,11 +594,12 @@ def table(q: dict[str, Any], e: dict[str, Any], args: argparse.Namespace) -> lis
             if c == 1 and k.startswith("itl_p50"):
                 continue  # in the W1 rows
             row(f"{label}: {what}", g(qp, name, k), g(ep, name, k), "{:.1f}" if "ttft" in k else "{:.2f}", " ms")
-    rl = f"rate {q.get('rate_req_s', 0):.1f} req/s for {args.rate_seconds:g} s"
-    for k, what, fmt in (("tok_s", "output tok/s", "{:.0f}"), ("ttft_p50_ms", "TTFT p50", "{:.1f}"),
-                         ("ttft_p99_ms", "TTFT p99", "{:.1f}"), ("itl_p50_ms", "inter-token p50", "{:.2f}"),
-                         ("itl_p99_ms", "inter-token p99", "{:.2f}"), ("e2e_p99_ms", "e2e p99", "{:.0f}")):
-        row(f"{rl}: {what}", g(qp, "rate", k), g(ep, "rate", k), fmt, "" if k == "tok_s" else " ms")
+    if args.rate_seconds > 0:  # else no rate phase ran
+        rl = f"rate {q.get('rate_req_s', 0):.1f} req/s for {args.rate_seconds:g} s"
+        for k, what, fmt in (("tok_s", "output tok/s", "{:.0f}"), ("ttft_p50_ms", "TTFT p50", "{:.1f}"),
+                             ("ttft_p99_ms", "TTFT p99", "{:.1f}"), ("itl_p50_ms", "inter-token p50", "{:.2f}"),
+                             ("itl_p99_ms", "inter-token p99", "{:.2f}"), ("e2e_p99_ms", "e2e p99", "{:.0f}")):
+            row(f"{rl}: {what}", g(qp, "rate", k), g(ep, "rate", k), fmt, "" if k == "tok_s" else " ms")
     for name in ("W1", "W2"):
         st = qp.get(name, {}).get("stages_ms", {})
         if st:
@@ -594,11 +637,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--w1-runs", type=int, default=5)
     ap.add_argument("--first-n", type=int, default=8)
     ap.add_argument("--first-new", type=int, default=32)
-    ap.add_argument("--w2-requests", type=int, default=1024)
+    ap.add_argument("--w2-requests", type=int, default=1024, help="0: no W2 phase")
     ap.add_argument("--concurrency", default="1,16,64,256,1024", help="comma list; 1 is W1, the W2 count is W2")
     ap.add_argument("--rate", type=float, default=0.0, help="requests/s of the rate phase (0: --rate-fraction)")
     ap.add_argument("--rate-fraction", type=float, default=0.7, help="x W2's request rate through the queue")
-    ap.add_argument("--rate-seconds", type=float, default=20.0)
+    ap.add_argument("--rate-seconds", type=float, default=20.0, help="0: no rate phase")
+    ap.add_argument("--kafka-warmup", type=int, default=3000,
+                    help="Kafka round trips while the worker starts (0: none; see KafkaWarmup)")
     ap.add_argument("--load-procs", type=int, default=4, help="load generator processes for the larger phases")
     ap.add_argument("--procs-from", type=int, default=64, help="phases of this many requests use --load-procs")
     ap.add_argument("--request-timeout", type=float, default=120.0)
@@ -616,7 +661,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--load-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.dry_run:
-        small = dict(device="cpu", shape="tiny", max_num_seqs=32, prompt=32, new=16, w1_runs=2, first_n=4,
+        small = dict(device="cpu", shape="tiny", max_num_seqs=32, prompt=32, new=16, w1_runs=2, first_n=4, kafka_warmup=300,
                      first_new=8, w2_requests=32, concurrency="1,8,32", rate_seconds=4.0, load_procs=2,
                      procs_from=16, stack="external")
         given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}

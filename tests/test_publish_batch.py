@@ -172,7 +172,7 @@ async def test_an_unclaimed_terminal_lands_only_where_no_result_or_claim_stands(
 # -- the worker's step path -----------------------------------------------------------------------------------
 def _running(worker: Worker, rid: str, *, msgpack: bool = False, tenant: str | None = None) -> Request:
     job = Job(request_id=rid, prompt="x", max_tokens=100, tenant=tenant)
-    req = Request(job, msgpack, 1_000.0, [], (None, None, []), attempt=1)
+    req = Request(job, msgpack, 1_000.0, [], (None, None, []), attempt=1, in_engine=True)  # as _submit leaves it
     worker.requests.put(req, RequestState.RUNNING)
     return req
 

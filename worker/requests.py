@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from stoker.engine import EngineRequest, GuidedDecoding, SamplingParams
+from stoker.engine import EngineRequest, GuidedDecoding, RequestOutput, SamplingParams
 from stoker.schemas import ChoiceFormat, Job, JsonObjectFormat, JsonSchemaFormat, RegexFormat, ResponseFormat
 from stoker.worker.publish_batch import StreamHead
 
@@ -58,6 +58,13 @@ class Request:
     # a revoke leaves alone once the terminal event is queued).
     late_records: list[Record] = field(default_factory=list)
     head: StreamHead | None = None  # this attempt's publish keys, packed at its first event (worker.publish_batch)
+    # CLAIMING, handed to the engine before the claim answered (Worker._start_early): the engine's outputs
+    # meanwhile, as (output, step end ms), published only once the claim is ours. None: not started early.
+    early: list[tuple[RequestOutput, float]] | None = None
+    # This attempt is in the engine (submitted, or adopted from its early start): only then are the engine's
+    # outputs of its id this attempt's. An early run stopped by a claim answer that left the job RUNNING
+    # without the engine (poison: its dead letter in flight) ends with an output that must not be published.
+    in_engine: bool = False
 
     @property
     def request_id(self) -> str:

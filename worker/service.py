@@ -476,6 +476,8 @@ class Worker:
 
     async def _claim(self, claims: list[Request]) -> None:
         assert self.rio is not None
+        for entry in claims:
+            self._start_early(entry)
         outcomes = await self.rio.admit([entry.request_id for entry in claims])
         claimed_ms = now_ms()
         for entry, (status, attempt) in zip(claims, outcomes, strict=True):
@@ -542,33 +544,88 @@ class Worker:
             self._finish_records([record])
 
     def _admitted(self, entry: Request, status: Admission, attempt: int) -> None:
-        """Act on the claim script's answer for one job (CLAIMING, or taken out of PARKED)."""
+        """Act on the claim script's answer for one job (CLAIMING, or taken out of PARKED). One the engine
+        started before the answer (_start_early) goes on there when the answer lets it run here, else stops."""
+        held, entry.early = entry.early, None  # from here its outputs go to the RUNNING entry, or nowhere
+        adopted = False
+        try:
+            adopted = self._act_on_claim(entry, status, attempt, held)
+        finally:  # a raise too (the caller fails the job): the engine must not run on for nobody
+            if held is not None and not adopted and self.driver is not None:
+                self.driver.abort(entry.request_id)
+
+    def _act_on_claim(self, entry: Request, status: Admission, attempt: int,
+                      held: list[tuple[RequestOutput, float]] | None) -> bool:
+        """_admitted's decision; True when the job runs on in the engine from its early start."""
         rid = entry.request_id
         if status == Admission.DONE:  # a result stands: nothing to republish, just commit
             self.requests.remove(entry)
             self._finish_records(entry.records)
-            return
+            return False
         if status == Admission.BUSY:  # another worker's live claim: wait for its result or its claim's expiry
             self.requests.put(entry, PARKED)
             self.metrics.parked.set(self.requests.count(PARKED))
-            return
+            return False
         req = entry.next_attempt(attempt)
         self.requests.put(req, RUNNING)
         if attempt > self.cfg.max_attempts:
             task = asyncio.create_task(self._poison(req))  # a Kafka send: don't hold up the other jobs
             self._side_tasks.add(task)
             task.add_done_callback(self._side_tasks.discard)
-            return
+            return False
         if status == Admission.CANCELLED or rid in self._early_cancels:
             self._end_without_running(req, "cancelled")
-            return
+            return False
         if req.job.deadline_ms is not None and now_ms() >= req.job.deadline_ms:
             self._end_without_running(req, "deadline")
-            return
+            return False
         if req.job.model is not None and req.job.model not in self.model_names:
             self._fail(req, ErrorCode.UNKNOWN_MODEL, self._unknown_model(req.job.model))
+            return False
+        if held is None:
+            self._submit(req)
+            return False
+        self._adopt(req, held)
+        return True
+
+    def _start_early(self, entry: Request) -> None:
+        """Hand a job being claimed to the engine now, so that the claim's round trip overlaps its first step
+        instead of preceding it (a lone job's TTFT). Nothing of it is published before the claim is ours: its
+        outputs wait in `entry.early` until _admitted adopts them or aborts the job. Not for a job that would
+        not run anyway (cancelled, past its deadline, of a model not served) nor one whose grammar compiles
+        first; one the engine refuses now takes the usual path (and gets the same answer after the claim)."""
+        assert self.driver is not None and self.grammars is not None
+        job = entry.job
+        if entry.state is not CLAIMING or entry.request_id in self._early_cancels or \
+                (job.deadline_ms is not None and now_ms() >= job.deadline_ms) or \
+                (job.model is not None and job.model not in self.model_names):
             return
-        self._submit(req)
+        try:
+            request = engine_request(job)
+            request.priority = self.admitter.engine_priority(entry.request_id, request.priority)
+            if self.grammars.needs_compile(request):
+                return
+            self.driver.add_request(request)
+        except Exception:  # noqa: BLE001 -- refused (too long, a bad field): the claim's path answers it
+            return
+        entry.early = []
+        self._observe("engine_added", entry.record_ms, now_ms())
+
+    def _hold_early(self, out: RequestOutput, step_ms: float) -> None:
+        """An output of no running request: kept if its job started early and is still being claimed."""
+        entry = self.requests.get(out.request_id, CLAIMING)
+        if entry is not None and entry.early is not None:
+            entry.early.append((out, step_ms))
+
+    def _adopt(self, req: Request, held: list[tuple[RequestOutput, float]]) -> None:
+        """The claim of a job started early is ours: what the engine made meanwhile goes out now, in order,
+        before any later step's events (those reach the loop after this call)."""
+        req.in_engine = True
+        batch = Batch()  # steps=0: the driver counted those steps when their own (empty) batches went out
+        for out, step_ms in held:
+            self._add_outputs(batch, [out], step_ms)
+        if len(batch.out) or batch.terminals:
+            self._outbox.put_nowait(batch)
 
     def _submit(self, req: Request, request: EngineRequest | None = None) -> None:
         """Hand the job to the engine; one whose response_format is not compiled yet compiles off the loop
@@ -582,6 +639,7 @@ class Worker:
                     self.grammars.start(request, functools.partial(self._compiled, req, request))
                     return
             self.driver.add_request(request)
+            req.in_engine = True
             self._observe("engine_added", req.record_ms, now_ms())
         except EngineRequestError as exc:
             # A valid message the model can't serve (e.g. too long): an error event, no DLQ, committed.
@@ -747,6 +805,17 @@ class Worker:
             self._stopping.set()
             return
         batch = Batch(steps=1)
+        self._add_outputs(batch, outputs, step_ms)
+        if stats is not None:
+            m = self.metrics
+            m.running.set(stats.num_running)
+            m.waiting.set(stats.num_waiting)
+            m.kv_usage.set(stats.kv_usage)
+        self._outbox.put_nowait(batch)
+
+    def _add_outputs(self, batch: Batch, outputs: list[RequestOutput], step_ms: float) -> None:
+        """One step's outputs as events into `batch` (an output of no running request is dropped, or held
+        for a job still being claimed after its early start)."""
         publish = batch.out
         running = self.requests.running_by_id()
         prompt_tokens: dict[str | None, int] = {}  # by the job's tenant: labelled once per step (add_tokens)
@@ -754,7 +823,10 @@ class Worker:
         gaps: list[float] = []  # inter-token times, seconds
         for out in outputs:
             req = running.get(out.request_id)
-            if req is None or req.lost:
+            if req is None:
+                self._hold_early(out, step_ms)
+                continue
+            if req.lost or not req.in_engine:
                 continue
             if out.first_scheduled_ms is not None and req.first_scheduled_ms is None:
                 self._first_scheduled(req, out, prompt_tokens)
@@ -781,14 +853,8 @@ class Worker:
                     continue
             if out.finished:
                 self._finished(req, out, step_ms, batch, chunk)
-        m = self.metrics
-        m.itl.observe_many(gaps)
-        m.add_tokens(prompt_tokens, generated)
-        if stats is not None:
-            m.running.set(stats.num_running)
-            m.waiting.set(stats.num_waiting)
-            m.kv_usage.set(stats.kv_usage)
-        self._outbox.put_nowait(batch)
+        self.metrics.itl.observe_many(gaps)
+        self.metrics.add_tokens(prompt_tokens, generated)
 
     def _head(self, req: Request) -> StreamHead:
         """The request's packed publish keys for this attempt (made once, at its first event)."""
