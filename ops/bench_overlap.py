@@ -8,9 +8,12 @@ decode attention pay, on the 8B shape (bf16, random weights, no model folder)?
 (a) one layer's four projection GEMMs (the engine's Linear: F.linear, cuBLAS) at M = the half and the whole;
 (b) our decode attention (engine PagedAttention -> _decode_split_kernel) for each batch at context ~640
     (uniform in context +- 128), with the K/V bytes it must read -> TB/s;
-(c) both under SM carve-outs: a green context of k SMs (torch.cuda.green_contexts) for either, and cuBLAS's
-    SM count target (torch._C._set_sm_carveout_experimental, cublasLt path) for the GEMMs; eager launches,
-    timed with events in their stream;
+(c) both against the SMs they may use: the attention on a persistent grid of k programs
+    (engine/kernels/decode_persistent.py: one program per SM up to the SM count), the GEMMs at cuBLAS's SM
+    count target (torch._C._set_sm_carveout_experimental, honoured on the cublasLt path, so that backend is
+    picked meanwhile), and both in a green context of k SMs (torch.cuda.green_contexts, beta in torch 2.11;
+    SM counts in multiples of 8 on Hopper); eager launches timed with events in their stream, except the
+    persistent attention (graph-timed);
 (d) the engine's own decode layers (LlamaModel, `--layers` of them) over a whole decode step in one CUDA graph:
     the plain order, the two halves in sequence on one stream (the cost of splitting alone), the two halves
     overlapped on two streams (engine/models/nano_batches.py), and the overlap with the GEMMs' SM count target
@@ -27,6 +30,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +38,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout too
 
+from stoker.engine import kernels  # noqa: E402
 from stoker.engine.batch import AttentionMetadata  # noqa: E402
+from stoker.engine.kernels.decode_persistent import paged_decode_attention_persistent  # noqa: E402
 from stoker.engine.model_config import ModelConfig  # noqa: E402
 from stoker.engine.models.llama import LlamaModel  # noqa: E402
 from stoker.engine.models.nano_batches import NanoBatchPlan  # noqa: E402
@@ -206,30 +212,36 @@ def section_a_b(rep: Report, model: LlamaModel, cfg: ModelConfig, batch: Batch, 
 
 
 def section_d(rep: Report, model: LlamaModel, cfg: ModelConfig, batch: Batch, device: torch.device,
-              reps: int, carveouts: list[int]) -> None:
-    """Whole decode step over the layers, graph-timed: plain, halves on one stream, halves on two streams."""
+              reps: int, carveouts: list[int], programs: list[int]) -> None:
+    """Whole decode step over the layers, graph-timed: plain, halves on one stream, halves on two streams, and
+    the overlap with the SMs split: GEMMs at a lower cuBLAS SM target, attention on a persistent grid."""
     rows, layers = batch.rows, cfg.num_layers
 
     def step() -> Any:
         return model(batch.input_ids, batch.positions, batch.meta, batch.kv_caches)
 
     cuda = device.type == "cuda"
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 0
     side = torch.cuda.Stream(device) if cuda else None
     # A high-priority attention lane: its programs go first whenever an SM frees up during a GEMM.
     urgent = torch.cuda.Stream(device, priority=-1) if cuda else None
-    variants: list[tuple[str, NanoBatchPlan | None, int | None]] = [
-        ("plain order", None, None), ("two halves, one stream", NanoBatchPlan(2, None), None),
-        ("two halves overlapped (2 streams)", NanoBatchPlan(2, side), None),
-        ("overlapped, attention stream high priority", NanoBatchPlan(2, urgent), None)]
+    two, one = NanoBatchPlan(2, side), NanoBatchPlan(2, None)
+    # (name, plan, GEMMs leave this many SMs (cublasLt), attention on this many persistent programs)
+    variants: list[tuple[str, NanoBatchPlan | None, int | None, int | None]] = [
+        ("plain order", None, None, None), ("two halves, one stream", one, None, None),
+        ("two halves overlapped (2 streams)", two, None, None),
+        ("overlapped, attention stream high priority", NanoBatchPlan(2, urgent), None, None)]
     if cuda:  # the carve-out runs prefer cublasLt: the plain order on that backend is their baseline
-        variants.append(("plain order, cublasLt", None, 0))
+        variants.append(("plain order, cublasLt", None, 0, None))
+        variants.append((f"plain order, persistent attention {sms}", None, None, sms))
     # carve-out 0: cublasLt with the SM target at every SM
-    variants += [(f"overlapped, cublasLt, GEMMs leave {c} SMs", NanoBatchPlan(2, side), c) for c in carveouts]
+    variants += [(f"overlapped, cublasLt, GEMMs leave {c} SMs", two, c, None) for c in carveouts]
+    variants += [(f"overlapped, attention {k} programs, GEMMs leave {k}", two, k, k) for k in programs]
     plain = None
-    for name, plan, carveout in variants:
+    for name, plan, carveout, attn_programs in variants:
         model.nano_batches = plan
         try:
-            with gemm_carveout(carveout):
+            with gemm_carveout(carveout), persistent_attention(attn_programs):
                 ms = graph_ms(step, device, reps)
         except Exception as e:  # a carve-out the build refuses: say so, keep the others
             rep.row("d", f"B={rows} {name}", None, error=repr(e)[:160])
@@ -238,6 +250,28 @@ def section_d(rep: Report, model: LlamaModel, cfg: ModelConfig, batch: Batch, de
             model.nano_batches = None
         plain = plain or ms
         rep.row("d", f"B={rows} {name}", ms, per_layer_ms=ms / layers, vs_plain=plain / ms)
+
+
+class persistent_attention:
+    """Decode attention through decode_persistent.py on n programs (patched where the layers look it up);
+    None: the engine's kernel."""
+
+    def __init__(self, n: int | None):
+        self.n = n
+
+    def __enter__(self) -> None:
+        if self.n is not None:
+            n = self.n
+            self.saved = kernels.paged_decode_attention
+
+            def attend(q: Any, k: Any, v: Any, tables: Any, lens: Any, scale: float, *_: Any) -> Any:
+                return paged_decode_attention_persistent(q, k, v, tables, lens, scale, n)
+
+            kernels.paged_decode_attention = attend  # type: ignore[assignment]
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.n is not None:
+            kernels.paged_decode_attention = self.saved  # type: ignore[assignment]
 
 
 class gemm_carveout:
@@ -274,8 +308,27 @@ def section_c(rep: Report, model: LlamaModel, cfg: ModelConfig, batches: dict[in
             with gemm_carveout(sms - k if k < sms else None):
                 ms = sum(stream_ms(fn, device, reps) for fn in gemms.values())
             rep.row("c", f"GEMMs M={rows}, cuBLAS SM target {k}", ms, tflops=flops / ms / 1e9)
+        persistent_rows(rep, model, cfg, batch, dtype, device, reps, sorted({*sm_counts, sms, 2 * sms} - {0}, reverse=True))
         for k in sm_counts:
             green_rows(rep, rows, k, gemms, attend, ref, nbytes, flops, device, reps)
+
+
+def persistent_rows(rep: Report, model: LlamaModel, cfg: ModelConfig, batch: Batch, dtype: torch.dtype, device: torch.device,
+                    reps: int, program_counts: list[int]) -> None:
+    """The persistent-grid attention on each program count (4 and 8 warps), checked against the engine's."""
+    attn: Any = model.layers[0].self_attn
+    q = torch.randn(batch.rows, attn.num_heads, attn.head_dim, dtype=dtype, device=device)
+    k_cache, v_cache = batch.kv_caches[0]
+    engine_out = attn.attn(q, k_cache, v_cache, batch.meta).float()
+    nbytes = batch.kv_bytes(cfg, dtype)
+    for programs in program_counts:
+        for warps in (4, 8):
+            run = partial(paged_decode_attention_persistent, q, k_cache, v_cache, batch.meta.block_tables,
+                          batch.meta.context_lens, attn.attn.scale, programs, warps)
+            diff = float((run().float() - engine_out).abs().max())
+            ms = graph_ms(run, device, reps)
+            rep.row("c", f"persistent attention B={batch.rows}, {programs} programs, {warps} warps", ms,
+                    tb_s=nbytes / ms / 1e9, max_diff_vs_engine=diff)
 
 
 def green_rows(rep: Report, rows: int, k: int, gemms: dict[str, Callable[[], Any]], attend: Callable[[], Any],
@@ -313,11 +366,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1024,512")
     ap.add_argument("--context", type=int, default=640)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--sms", default="132,88,66,44,33", help="SM counts for (c)")
-    ap.add_argument("--carveouts", default="0,16,33,44", help="(d): SMs the GEMMs leave to attention")
+    ap.add_argument("--sms", default="128,96,64,48,32", help="SM counts for (c)")
+    ap.add_argument("--carveouts", default="0,16,32,48", help="(d): SMs the GEMMs leave to attention")
+    ap.add_argument("--programs", default="32,48,64",
+                    help="(d): attention on this many persistent programs while the GEMMs leave as many SMs")
     ap.add_argument("--skip", default="", help="sections to skip, e.g. 'c'")
     ap.add_argument("--json", default=None, help="default $OUT/bench_overlap.json when OUT is set")
     args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU dry run: the tests' fix for triton 3.6's interpreter
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        import kernel_harness  # noqa: F401  (patches on import)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = args.json or (os.path.join(os.environ["OUT"], "bench_overlap.json") if os.environ.get("OUT") else None)
@@ -334,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
             if "a" not in args.skip:
                 section_a_b(rep, model, cfg, batch, dtype, device, args.reps)
             if "d" not in args.skip:
-                section_d(rep, model, cfg, batch, device, max(3, args.reps // 2), carveouts)
+                section_d(rep, model, cfg, batch, device, max(3, args.reps // 2), carveouts,
+                          [int(k) for k in args.programs.split(",") if k] if device.type == "cuda" else [2])
         # Last: green contexts are beta; a failure that poisons the CUDA context then costs nothing above.
         if "c" not in args.skip:
             section_c(rep, model, cfg, {b.rows: b for b in batches}, dtype, device, max(3, args.reps // 4),
