@@ -344,6 +344,9 @@ def green_rows(rep: Report, rows: int, k: int, gemms: dict[str, Callable[[], Any
         ctx.set_context()
         try:
             stream = ctx.Stream()
+            if not isinstance(stream, torch.cuda.Stream):  # a bare torch.Stream: wrap it for events / contexts
+                stream = torch.cuda.Stream(stream_id=stream.stream_id, device_index=stream.device_index,
+                                           device_type=stream.device_type)
             gemm_ms = sum(stream_ms(fn, device, reps, stream) for fn in gemms.values())
             attn_ms = stream_ms(attend, device, reps, stream)
             with torch.cuda.stream(stream):
