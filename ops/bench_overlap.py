@@ -103,10 +103,13 @@ class Batch:
 # ---------------------------------------------------------------------------------------------- timing
 
 
-def graph_ms(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
-    """Mean time of fn as a replayed CUDA graph (one capture of one call); CPU: wall time of plain calls."""
+def graph_ms(fn: Callable[[], Any], device: torch.device, reps: int, keep: list[Any] | None = None) -> float:
+    """Mean time of fn as a replayed CUDA graph (one capture of one call); CPU: wall time of plain calls.
+    keep: gets the output of the last replay (call) appended."""
     if device.type != "cuda":
-        fn()
+        out = fn()
+        if keep is not None:
+            keep.append(out)
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
@@ -119,7 +122,7 @@ def graph_ms(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        out = fn()
     graph.replay()
     torch.cuda.synchronize(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -128,6 +131,8 @@ def graph_ms(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
         graph.replay()
     end.record()
     end.synchronize()
+    if keep is not None:
+        keep.append(out.clone())
     del graph
     return start.elapsed_time(end) / reps
 
@@ -237,19 +242,22 @@ def section_d(rep: Report, model: LlamaModel, cfg: ModelConfig, batch: Batch, de
     # carve-out 0: cublasLt with the SM target at every SM
     variants += [(f"overlapped, cublasLt, GEMMs leave {c} SMs", two, c, None) for c in carveouts]
     variants += [(f"overlapped, attention {k} programs, GEMMs leave {k}", two, k, k) for k in programs]
-    plain = None
+    plain: tuple[float, torch.Tensor] | None = None
     for name, plan, carveout, attn_programs in variants:
         model.nano_batches = plan
+        outs: list[torch.Tensor] = []
         try:
             with gemm_carveout(carveout), persistent_attention(attn_programs):
-                ms = graph_ms(step, device, reps)
+                ms = graph_ms(step, device, reps, outs)
         except Exception as e:  # a carve-out the build refuses: say so, keep the others
             rep.row("d", f"B={rows} {name}", None, error=repr(e)[:160])
             continue
         finally:
             model.nano_batches = None
-        plain = plain or ms
-        rep.row("d", f"B={rows} {name}", ms, per_layer_ms=ms / layers, vs_plain=plain / ms)
+        plain = plain or (ms, outs[0].float())
+        # The final hidden states against the plain order's (bf16: the halves' GEMMs round differently).
+        diff = float((outs[0].float() - plain[1]).abs().max())
+        rep.row("d", f"B={rows} {name}", ms, per_layer_ms=ms / layers, vs_plain=plain[0] / ms, max_diff=diff)
 
 
 class persistent_attention:
