@@ -18,6 +18,7 @@ decode attention pay, on the 8B shape (bf16, random weights, no model folder)?
     the plain order, the two halves in sequence on one stream (the cost of splitting alone), the two halves
     overlapped on two streams (engine/models/nano_batches.py), and the overlap with the GEMMs' SM count target
     lowered so attention keeps some SMs. (d) is the deciding figure.
+--w2 auto,auto+overlap instead runs ops/bench.py's W2 once per setting on fresh engines (see w2_ab).
 Each section prints its rows as it finishes and the JSON (--json, or $OUT/bench_overlap.json) is rewritten after
 each, so a run cut short keeps what it measured.
 """
@@ -370,6 +371,35 @@ def green_rows(rep: Report, rows: int, k: int, gemms: dict[str, Callable[[], Any
             equal_to_full_chip=same)
 
 
+def w2_ab(rep: Report, settings: list[str], shape: str, requests: int, prompt: int, new: int) -> None:
+    """W2 (ops/bench.py's: `requests` x `prompt` random tokens x `new`, all added at once) on a fresh engine per
+    --decode-kernels setting (e.g. "auto" and "auto+overlap"), over bench.py's random model folder (written when
+    missing): wall time, its prefill and decode phases, and the GPU time of one decode step (StepProbe: forward
+    launch to the sampler's last kernel, mean over the decode steps, nearly all at the full batch)."""
+    from stoker.ops import bench
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    path = f"/tmp/stoker-bench-{shape}"
+    rep.note("model_write_s", bench.write_model(path, bench.SHAPES[shape], device))
+    for setting in settings:
+        eng, ready_s = bench.start_engine(path, requests, device=device, decode=setting)
+        vocab = eng.model_config.vocab_size
+        bench.run_requests(eng, bench.random_prompts(1, prompt, vocab, 1), 16, "warm")  # compile prefill shapes
+        probe = bench.StepProbe(eng) if cuda else None
+        w2 = bench.run_requests(eng, bench.random_prompts(requests, prompt, vocab, 3), new, "w2", probe)
+        gpu = probe.close() if probe is not None else {}
+        steps = max(1, gpu.get("decode_steps", 0))
+        rep.row("w2", f"W2 {requests}x{prompt}+{new}, {setting}", w2["wall_s"] * 1e3,
+                prefill_phase_s=w2.get("prefill_phase_s", float("nan")),
+                decode_phase_s=w2.get("decode_phase_s", float("nan")), tok_s=w2["tok_s"],
+                decode_step_gpu_ms=gpu.get("decode_busy_ms", 0.0) / steps, decode_steps=gpu.get("decode_steps", 0),
+                idle_share=gpu.get("idle_share", float("nan")), cpu_cores=w2["cpu_cores"], ready_s=ready_s,
+                overlap=str(eng.runner.startup.get("decode_overlap")))
+        bench.close_engine(eng) if cuda else eng.close()
+        del eng
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
@@ -382,6 +412,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--programs", default="32,48,64",
                     help="(d): attention on this many persistent programs while the GEMMs leave as many SMs")
     ap.add_argument("--skip", default="", help="sections to skip, e.g. 'c'")
+    ap.add_argument("--w2", default=None, metavar="SETTINGS",
+                    help="instead of the sections: W2 once per comma-separated --decode-kernels setting of ops/bench.py "
+                         "(e.g. auto,auto+overlap), each on a fresh engine")
+    ap.add_argument("--w2-shape", default="8b", help="ops/bench.py's --shape for --w2")
+    ap.add_argument("--w2-size", default="1024,512,256", help="--w2: requests, prompt tokens, new tokens")
     ap.add_argument("--json", default=None, help="default $OUT/bench_overlap.json when OUT is set")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU dry run: the tests' fix for triton 3.6's interpreter
@@ -391,6 +426,10 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = args.json or (os.path.join(os.environ["OUT"], "bench_overlap.json") if os.environ.get("OUT") else None)
     rep = Report(out)
+    if args.w2:
+        requests, prompt, new = (int(x) for x in args.w2_size.split(","))
+        w2_ab(rep, args.w2.split(","), args.w2_shape, requests, prompt, new)
+        return 0
     rep.note("setup", {"shape": args.shape, "layers": args.layers, "context": args.context, "dtype": str(dtype),
                        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                        "torch": torch.__version__})
