@@ -60,6 +60,9 @@ class EngineConfig:
     # sequences run as two halves whose GEMMs and attention interleave on two CUDA streams (in the graphs).
     decode_overlap: bool = False
     decode_overlap_min_rows: int = 512
+    # With decode_overlap on CUDA: > 0 splits the SMs instead of sharing them: attention on this many
+    # persistent programs (one per SM), the GEMMs at cuBLAS's SM target of the rest.
+    decode_overlap_sms: int = 0
 
     def __post_init__(self) -> None:
         problems = []
@@ -108,6 +111,8 @@ class EngineConfig:
         if self.decode_overlap_min_rows < 2:
             problems.append(f"decode_overlap_min_rows must be >= 2 (two non-empty halves), "
                             f"got {self.decode_overlap_min_rows}")
+        if self.decode_overlap_sms < 0:
+            problems.append(f"decode_overlap_sms must be >= 0 (0 = the lanes share every SM), got {self.decode_overlap_sms}")
         if self.decode_overlap and self.tensor_parallel_size > 1:
             # Each half's o_proj / down all-reduce would run beside the other half's on a second stream.
             problems.append("decode_overlap is untested with tensor_parallel_size > 1: turn one of them off")

@@ -64,7 +64,7 @@ class ModelRunner:
         self.startup["decode_kernels"] = self.model.plan_decode(
             resolve_decode_kernels(config), config.decode_pdl, kv_cache_dtype(config))
         self.startup["decode_overlap"] = self.model.plan_nano_batches(
-            make_plan(config.decode_overlap, config.decode_overlap_min_rows, self.device))
+            make_plan(config.decode_overlap, config.decode_overlap_min_rows, self.device, config.decode_overlap_sms))
         self.weights_bytes = weights_bytes(self.model)
         self.num_blocks = num_kv_blocks(model_config, config, self.weights_bytes)
         if comm is not None:  # every rank's cache has the same blocks: the fewest any rank's memory allows

@@ -242,7 +242,9 @@ def section_d(rep: Report, model: LlamaModel, cfg: ModelConfig, batch: Batch, de
         variants.append((f"plain order, persistent attention {sms}", None, None, sms))
     # carve-out 0: cublasLt with the SM target at every SM
     variants += [(f"overlapped, cublasLt, GEMMs leave {c} SMs", two, c, None) for c in carveouts]
-    variants += [(f"overlapped, attention {k} programs, GEMMs leave {k}", two, k, k) for k in programs]
+    # The engine's own split (NanoBatchPlan.attention_sms: persistent attention + the GEMMs' SM target lowered).
+    variants += [(f"overlapped, attention {k} programs, GEMMs leave {k}", NanoBatchPlan(2, side, k), None, None)
+                 for k in programs]
     plain: tuple[float, torch.Tensor] | None = None
     for name, plan, carveout, attn_programs in variants:
         model.nano_batches = plan

@@ -139,7 +139,12 @@ def test_config_refuses_what_it_cannot_run(tmp_path) -> None:
         EngineConfig(str(tmp_path), device="cpu", decode_overlap=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="min_rows >= 2"):
         make_plan(True, 1, torch.device("cpu"))
+    with pytest.raises(ValueError, match="attention_sms must be >= 0"):
+        make_plan(True, 2, torch.device("cpu"), -1)
+    with pytest.raises(ValueError, match="decode_overlap_sms must be >= 0"):
+        EngineConfig(str(tmp_path), device="cpu", decode_overlap=True, decode_overlap_sms=-4)
     assert make_plan(False, 512, torch.device("cpu")) is None
+    assert make_plan(True, 512, torch.device("cpu"), 16) == NanoBatchPlan(512, None)  # one lane: nothing to split
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -147,18 +152,20 @@ def test_config_refuses_what_it_cannot_run(tmp_path) -> None:
 
 @pytest.mark.parametrize("rows", [9, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("attention_sms", [0, 24], ids=["shared-sms", "split-sms"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_two_streams_equal_plain_in_a_graph(arch, rows: int, dtype: torch.dtype) -> None:
+def test_two_streams_equal_plain_in_a_graph(arch, rows: int, dtype: torch.dtype, attention_sms: int) -> None:
     """The two lanes captured in one CUDA graph (fork/join through events) write the same K/V and produce the
-    plain order's hidden states, replayed twice (the second replay checks that nothing was consumed)."""
+    plain order's hidden states, replayed twice (the second replay checks that nothing was consumed); also with
+    the SMs split (persistent attention, the GEMMs' cuBLAS SM target lowered)."""
     model = load_model(arch[0], "cuda", dtype)
     ids, pos, meta, caches = decode_batch(model, rows, "cuda", dtype)
     plain_caches = [(k.clone(), v.clone()) for k, v in caches]
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     with torch.inference_mode():
         plain = model(ids, pos, meta, plain_caches)
-        model.plan_nano_batches(make_plan(True, 2, torch.device("cuda")))
+        model.plan_nano_batches(make_plan(True, 2, torch.device("cuda"), attention_sms))
         model(ids, pos, meta, caches)  # eager on two streams first (compiles), then captured
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

@@ -23,22 +23,33 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from stoker.engine import kernels
 from stoker.engine.batch import AttentionMetadata
+from stoker.engine.kernels.decode_persistent import paged_decode_attention_persistent
 
 
 @dataclass(slots=True)
 class NanoBatchPlan:
     min_rows: int  # decode-only steps of at least this many rows take the two-half path
     side: torch.cuda.Stream | None  # the attention lane; None: one lane (the CPU), halves in sequence
+    # > 0 (CUDA): the SMs are split instead of shared: attention on this many persistent programs (one per SM,
+    # kernels/decode_persistent.py) and the GEMMs at cuBLAS's SM target of the rest (the cublasLt path).
+    attention_sms: int = 0
 
 
-def make_plan(enabled: bool, min_rows: int, device: torch.device) -> NanoBatchPlan | None:
+def make_plan(enabled: bool, min_rows: int, device: torch.device, attention_sms: int = 0) -> NanoBatchPlan | None:
     if not enabled:
         return None
     if min_rows < 2:
         raise ValueError(f"two-nano-batch decode needs min_rows >= 2 (two non-empty halves), got {min_rows}")
-    side = torch.cuda.Stream(device) if device.type == "cuda" else None
-    return NanoBatchPlan(min_rows, side)
+    if attention_sms < 0:
+        raise ValueError(f"two-nano-batch decode: attention_sms must be >= 0, got {attention_sms}")
+    if device.type != "cuda":
+        return NanoBatchPlan(min_rows, None)  # one lane: nothing to split
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if attention_sms >= sms:
+        raise ValueError(f"two-nano-batch decode: attention_sms={attention_sms} leaves the GEMMs no SM of {sms}")
+    return NanoBatchPlan(min_rows, torch.cuda.Stream(device), attention_sms)
 
 
 def takes_nano_batches(plan: NanoBatchPlan | None, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -111,19 +122,48 @@ def nano_batch_layers(
     halves = [_Half(hidden[:rows], None, positions[:rows], meta_a),
               _Half(hidden[rows:], None, positions[rows:], meta_b)]
     lanes = _Lanes(plan.side)
+    with _gemm_sm_share(plan.attention_sms):
+        _interleave(layers, halves, kv_caches, lanes, plan.attention_sms)
+    residuals = [h.residual for h in halves if h.residual is not None]
+    return torch.cat([h.hidden for h in halves]), torch.cat(residuals)
+
+
+def _interleave(layers: Iterable[Any], halves: list[_Half], kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                lanes: _Lanes, attention_sms: int) -> None:
+    """The schedule of the module docstring: per layer and half, Q of the previous layer, P, then T queued."""
     previous: Any = None  # LlamaDecoderLayer (typed loosely: this module does not import the model)
     for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
         for half in halves:
             if previous is not None:
                 _finish_layer(previous, half, lanes)
             q = _before_attention(layer, half, k_cache, v_cache)
-            half.attention, half.done = lanes.attend(_attention(layer, q, k_cache, v_cache, half.meta), (q,))
+            half.attention, half.done = lanes.attend(
+                _attention(layer, q, k_cache, v_cache, half.meta, attention_sms), (q,))
         previous = layer
     assert previous is not None, "a model with no layers"
     for half in halves:
         _finish_layer(previous, half, lanes)
-    residuals = [h.residual for h in halves if h.residual is not None]
-    return torch.cat([h.hidden for h in halves]), torch.cat(residuals)
+
+
+class _gemm_sm_share:
+    """cuBLAS's SM count target lowered by n SMs meanwhile (a CUDA graph captured inside keeps it): through
+    torch's experimental SM carve-out, which only the cublasLt path reads, so that backend is preferred
+    meanwhile. n = 0: nothing changes."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.saved: tuple[Any, int | None] = (None, None)
+
+    def __enter__(self) -> None:
+        if self.n:
+            self.saved = (torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental())
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            torch._C._set_sm_carveout_experimental(self.n)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.n:
+            torch.backends.cuda.preferred_blas_library(self.saved[0])
+            torch._C._set_sm_carveout_experimental(self.saved[1])
 
 
 def _before_attention(layer: Any, half: _Half, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -134,9 +174,13 @@ def _before_attention(layer: Any, half: _Half, k_cache: torch.Tensor, v_cache: t
 
 
 def _attention(layer: Any, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata) -> Callable[[], torch.Tensor]:
-    """Stage T as a call for the attention lane."""
+               meta: AttentionMetadata, attention_sms: int) -> Callable[[], torch.Tensor]:
+    """Stage T as a call for the attention lane: the layer's own attention, or with the SMs split the
+    persistent-grid kernel on attention_sms programs (a cache in q's dtype, Triton on; else the layer's)."""
     attn = layer.self_attn.attn
+    if attention_sms and kernels.use_triton(q) and k_cache.dtype == q.dtype:
+        return lambda: paged_decode_attention_persistent(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                                         attn.scale, attention_sms)
     return lambda: attn(q, k_cache, v_cache, meta)
 
 
