@@ -207,4 +207,6 @@ class LlamaForCausalLM(CausalLM):
 
     def plan_nano_batches(self, plan: NanoBatchPlan | None) -> dict[str, Any]:
         self.model.nano_batches = plan
-        return {"enabled": plan is not None, "min_rows": None if plan is None else plan.min_rows}
+        if plan is None:
+            return {"enabled": False}
+        return {"enabled": True, "min_rows": plan.min_rows, "attention_sms": plan.attention_sms}
