@@ -14,6 +14,11 @@ The GEMM lane (the caller's stream) runs P and Q of both halves, the attention l
 so Q_l(a) + P_l+1(a) run beside T_l(b), and Q_l(b) + P_l+1(b) beside T_l+1(a). The lanes meet through events
 (fork/join), which a CUDA graph captures as edges. On the CPU (or with no side stream) the lanes are one and
 the same stages run in the same order, in sequence: the code path the CPU tests check against the plain order.
+
+Measured (ops/bench_overlap.py, BENCHMARKS.md 14:44 UTC): 3.7 % SLOWER than the plain order at batch 1,024, so
+EngineConfig.decode_overlap is off. Each kernel already fills the chip (attention needs about half the SMs for
+3 TB/s; the GEMMs lose time near-linearly with SMs), so the two lanes run one after the other anyway and the split
+itself costs 3.5 %. Kept behind the switch for other shapes and GPUs (re-measure there with ops/bench_overlap.py).
 """
 
 from __future__ import annotations
