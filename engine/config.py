@@ -56,6 +56,14 @@ class EngineConfig:
     # The fused decode GEMVs launched with programmatic dependent launch (their weight stream starts while the
     # previous kernel drains): measured to help 1B-sized GEMVs, neutral at 8B (BENCHMARKS.md).
     decode_pdl: bool = False
+    # Two-nano-batch decode (engine/models/nano_batches.py): decode-only steps of >= decode_overlap_min_rows
+    # sequences run as two halves whose GEMMs and attention interleave on two CUDA streams (in the graphs).
+    # Off: measured 3.7 % slower at batch 1,024 and 13 % at 512 (8B, H200; BENCHMARKS.md, 14:44 UTC).
+    decode_overlap: bool = False
+    decode_overlap_min_rows: int = 512
+    # With decode_overlap on CUDA: > 0 splits the SMs instead of sharing them: attention on this many
+    # persistent programs (one per SM), the GEMMs at cuBLAS's SM target of the rest.
+    decode_overlap_sms: int = 0
 
     def __post_init__(self) -> None:
         problems = []
@@ -101,6 +109,14 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             problems.append(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         problems += self._decode_kernel_problems()
+        if self.decode_overlap_min_rows < 2:
+            problems.append(f"decode_overlap_min_rows must be >= 2 (two non-empty halves), "
+                            f"got {self.decode_overlap_min_rows}")
+        if self.decode_overlap_sms < 0:
+            problems.append(f"decode_overlap_sms must be >= 0 (0 = the lanes share every SM), got {self.decode_overlap_sms}")
+        if self.decode_overlap and self.tensor_parallel_size > 1:
+            # Each half's o_proj / down all-reduce would run beside the other half's on a second stream.
+            problems.append("decode_overlap is untested with tensor_parallel_size > 1: turn one of them off")
         if self.tensor_parallel_size < 1:
             problems.append(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         elif self.tensor_parallel_size > 1 and self.device.startswith("cuda"):

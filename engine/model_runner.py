@@ -23,6 +23,7 @@ from stoker.engine.loader import load_weights
 from stoker.engine.model_config import ModelConfig
 from stoker.engine.models import model_class
 from stoker.engine.models.fused_decode import resolve_decode_kernels
+from stoker.engine.models.nano_batches import make_plan
 from stoker.engine.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRequest
 from stoker.engine.scheduler import SchedulerOutput
 from stoker.engine.sequence import Sequence
@@ -62,6 +63,8 @@ class ModelRunner:
         # Decode steps of <= 16 sequences: the fused GEMVs or the unfused kernels (models/fused_decode.py).
         self.startup["decode_kernels"] = self.model.plan_decode(
             resolve_decode_kernels(config), config.decode_pdl, kv_cache_dtype(config))
+        self.startup["decode_overlap"] = self.model.plan_nano_batches(
+            make_plan(config.decode_overlap, config.decode_overlap_min_rows, self.device, config.decode_overlap_sms))
         self.weights_bytes = weights_bytes(self.model)
         self.num_blocks = num_kv_blocks(model_config, config, self.weights_bytes)
         if comm is not None:  # every rank's cache has the same blocks: the fewest any rank's memory allows

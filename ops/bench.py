@@ -208,11 +208,24 @@ def engine_config(path: str, max_num_seqs: int, device: str = "cuda", quantizati
 
 
 def decode_setting(text: str) -> dict[str, Any]:
-    """"fused+pdl" -> {"decode_kernels": "fused", "decode_pdl": True}: one --decode-kernels item."""
-    kernels, _, flag = text.partition("+")
-    if flag not in ("", "pdl"):
-        raise ValueError(f"--decode-kernels item {text!r}: a decode_kernels value, optionally with '+pdl'")
-    return {"decode_kernels": kernels, "decode_pdl": flag == "pdl"}
+    """"fused+pdl" -> {"decode_kernels": "fused", "decode_pdl": True}: one --decode-kernels item. "+overlap"
+    adds decode_overlap (two-nano-batch decode steps, engine/models/nano_batches.py), "+overlapN" with N rows
+    as its threshold (decode_overlap_min_rows), "+smsK" K SMs for its attention lane (decode_overlap_sms)."""
+    kernels, *flags = text.split("+")
+    setting: dict[str, Any] = {"decode_kernels": kernels, "decode_pdl": False}
+    for flag in flags:
+        rows = flag.removeprefix("overlap")
+        if flag == "pdl":
+            setting["decode_pdl"] = True
+        elif flag.startswith("overlap") and (rows == "" or rows.isdigit()):
+            setting["decode_overlap"] = True
+            setting |= {"decode_overlap_min_rows": int(rows)} if rows else {}
+        elif flag.startswith("sms") and flag[3:].isdigit():
+            setting["decode_overlap_sms"] = int(flag[3:])
+        else:
+            raise ValueError(f"--decode-kernels item {text!r}: a decode_kernels value, optionally with '+pdl', "
+                             "'+overlap[N]' and '+smsK'")
+    return setting
 
 
 def start_engine(path: str, max_num_seqs: int, device: str = "cuda", quantization: str | None = None,
@@ -484,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-w2", action="store_true", help="no W2 (nor --profile, which profiles W1 and W2 together)")
     ap.add_argument("--decode-kernels", default="auto",
                     help="comma-separated EngineConfig.decode_kernels settings (auto|fused|fused-folded|cublas, each "
-                         "optionally +pdl): the first runs everything; each other one runs W1 on a fresh engine")
+                         "optionally +pdl, +overlap[N] (decode_overlap, N its min rows), +smsK (decode_overlap_sms)): the first runs "
+                         "everything; each other one runs W1 on a fresh engine")
     ap.add_argument("--profile", action="store_true",
                     help="W1 kernel table, W2 decode/prefill step kernel tables (ops/step_profile.py) "
                          "and W2 host cProfile into $OUT")

@@ -32,3 +32,10 @@ class CausalLM(nn.Module):
         EngineConfig.decode_kernels: "fused", "fused-folded" or "cublas"; engine/models/fused_decode.py) and
         re-lay weights it needs re-laid. Returns the startup report's entry. This default has no fused path."""
         return {"mode": "cublas", "fused_layers": 0, "fallback": f"{type(self).__name__} has no fused decode path"}
+
+    def plan_nano_batches(self, plan: Any) -> dict[str, Any]:
+        """Called once after loading: `plan` (models/nano_batches.NanoBatchPlan, or None = off) for large decode
+        steps. Returns the startup report's entry. This default has no two-half path."""
+        if plan is not None:
+            raise ValueError(f"decode_overlap: {type(self).__name__} has no two-nano-batch decode path")
+        return {"enabled": False}

@@ -34,6 +34,7 @@ from stoker.engine.models.fused_decode import (
     fused_decode_layer,
     takes_fused_decode,
 )
+from stoker.engine.models.nano_batches import NanoBatchPlan, nano_batch_layers, takes_nano_batches
 from torch import nn
 
 
@@ -66,6 +67,15 @@ class LlamaAttention(nn.Module):
         k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
+        q = self.project(x, positions, meta, k_cache, v_cache)
+        return self.o_proj(self.attn(q, k_cache, v_cache, meta).reshape(x.shape[0], self.q_size))
+
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """The part before attention (a stage of its own for models/nano_batches.py): qkv, the q/k norms,
+        rotary and the cache write -> q [T, Hq, D]."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
         # Views into qkv (row stride != H*D): the rotary kernel rotates them in place.
@@ -76,8 +86,7 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim))[0].view_as(q)
             k = self.k_norm(k.reshape(-1, self.head_dim))[0].view_as(k)
         self.rotary(q, k, v, positions, k_cache, v_cache, meta.slot_mapping, self.attn.k_scale, self.attn.v_scale)
-        attn = self.attn(q, k_cache, v_cache, meta)
-        return self.o_proj(attn.reshape(num_tokens, self.q_size))
+        return q
 
 
 class LlamaMLP(nn.Module):
@@ -131,6 +140,7 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(cfg, dtype, rotary, f"model.layers.{i}") for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.nano_batches: NanoBatchPlan | None = None  # set after loading (LlamaForCausalLM.plan_nano_batches)
 
     def forward(
         self,
@@ -140,6 +150,10 @@ class LlamaModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if takes_nano_batches(self.nano_batches, hidden, meta):  # large decode steps: two halves, two streams
+            assert self.nano_batches is not None
+            hidden, both = nano_batch_layers(self.nano_batches, self.layers, hidden, positions, meta, kv_caches)
+            return self.norm(hidden, both)[0]
         residual: torch.Tensor | None = None  # stays None after fused decode layers (their output is the sum)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, positions, meta, k_cache, v_cache)
@@ -190,3 +204,9 @@ class LlamaForCausalLM(CausalLM):
             layer.fused_decode = planned if isinstance(planned, FusedDecode) else None
             reasons.append(planned if isinstance(planned, str) else None)
         return decode_report(mode, pdl, reasons)
+
+    def plan_nano_batches(self, plan: NanoBatchPlan | None) -> dict[str, Any]:
+        self.model.nano_batches = plan
+        if plan is None:
+            return {"enabled": False}
+        return {"enabled": True, "min_rows": plan.min_rows, "attention_sms": plan.attention_sms}
