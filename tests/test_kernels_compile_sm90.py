@@ -48,17 +48,18 @@ def test_fp8_quantization_kernel_compiles_for_sm90(norm: bool, static: bool) -> 
 
 _GEMV_POINTERS = ("x_ptr", "w_ptr", "out_ptr", "bias_ptr", "norm_ptr", "hres_ptr", "res_out_ptr", "add_ptr",
                   "positions_ptr", "cos_sin_ptr", "k_cache_ptr", "v_cache_ptr", "slot_ptr", "q_norm_ptr",
-                  "k_norm_ptr")
+                  "k_norm_ptr", "w_scale_ptr")
 _GEMV_INTS = ("M", "N_OUT", "K", "x_stride", "w_stride", "out_stride", "hres_stride", "res_out_stride",
               "add_stride", "NUM_Q_HEADS", "NUM_KV_HEADS")
 
 
 def _gemv_signature(dtype: str) -> dict[str, str]:
     signature = {name: f"*{dtype}" for name in _GEMV_POINTERS}
-    signature.update(positions_ptr="*i64", slot_ptr="*i64", cos_sin_ptr="*fp32", eps="fp32")
+    signature.update(positions_ptr="*i64", slot_ptr="*i64", cos_sin_ptr="*fp32", w_scale_ptr="*fp32", eps="fp32")
     signature.update({name: "i32" for name in _GEMV_INTS})
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_DOT", "DOT_PRECISION", "NORM", "PRO_RESIDUAL", "APPLY_G",
-                 "HAS_BIAS", "SILU_MUL", "ADD", "ROTARY", "QK_NORM", "HALF", "SPLITS_PER_HEAD", "PAIRED", "USE_PDL"):
+                 "HAS_BIAS", "SILU_MUL", "ADD", "ROTARY", "QK_NORM", "HALF", "SPLITS_PER_HEAD", "PAIRED", "USE_PDL",
+                 "W_SCALED"):
         signature[name] = "constexpr"
     return signature
 
@@ -74,6 +75,7 @@ def test_gemv_configs_fit_the_h200s_shared_memory(dtype: str, elem_bytes: int, k
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
                       DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", NORM=False, PRO_RESIDUAL=False,
                       APPLY_G=False, HAS_BIAS=False, SILU_MUL=kind == "silu", ADD=False, ROTARY=kind == "rope",
-                      QK_NORM=False, HALF=64, SPLITS_PER_HEAD=2, PAIRED=kind in ("silu", "rope"), USE_PDL=False)
+                      QK_NORM=False, HALF=64, SPLITS_PER_HEAD=2, PAIRED=kind in ("silu", "rope"), USE_PDL=False,
+                      W_SCALED=False)
     kernel = _compile(gemv._gemv_kernel, _gemv_signature(dtype), constexprs, cfg.num_warps, cfg.num_stages)
     assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)

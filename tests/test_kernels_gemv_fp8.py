@@ -1,0 +1,133 @@
+"""The fused decode GEMVs (engine/kernels/gemv.py) with FP8 weights (issue 14 part 2): E4M3 [N, K] and one
+float32 scale per output row, the scale applied to the float32 sums before the norm, bias, SiLU-mul, residual
+add, rotary and KV-cache write. Against the plain-torch reference (gemv_ref with weight_scale: the weight
+dequantized to the activation dtype, then the unfused ops) and the float64 truth of the same chain.
+
+Row magnitudes spread over two decades, so every row has its own scale: a missing scale, or the scale of
+another row (the up half of gate | up, the partner row of a rotary pair), is an O(1) error. Runs like
+tests/test_kernels_gemv.py: fp32/fp16 under TRITON_INTERPRET=1 (the driver at the bottom), bf16/fp16 on CUDA.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+from kernel_harness import INTERPRET, TOLERANCE, cases, run_under_interpreter  # noqa: E402
+from stoker.engine.kernels import rope_cos_sin  # noqa: E402
+from stoker.engine.kernels.fp8_linear import quantize_rows  # noqa: E402
+from stoker.engine.kernels.gemv import (  # noqa: E402
+    GemvConfig,
+    gemv_ref,
+    gemv_rotary_cache_ref,
+    gemv_rotary_cache_triton,
+    gemv_triton,
+)
+
+CASES = cases((torch.bfloat16, torch.float16))
+K = 136  # not a power of two: a masked K tail
+
+
+def fp8_weight(n: int, k: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(float8 [n, k], float32 row scales [n], the float64 dequantized weight)."""
+    rows = torch.randn(n, k) * k**-0.5 * torch.logspace(-1, 1, n)[torch.randperm(n)][:, None]
+    w8, scale = quantize_rows(rows)
+    return w8.to(device), scale.to(device), w8.double().to(device) * scale.double().to(device)[:, None]
+
+
+def rand(*shape: int, device: str, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device=device) * scale).to(dtype)
+
+
+def close_to_truth(actual: torch.Tensor, ref: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype) -> None:
+    """Within twice the reference's own error from the float64 truth plus the dtype's tolerance: the kernel
+    scales the float32 sums, the reference rounds the dequantized weight to the dtype first."""
+    ref_err = (ref.double() - truth).abs().max().item()
+    scale_of = truth.abs().max().item()
+    torch.testing.assert_close(actual.double(), truth, atol=TOLERANCE[dtype] * scale_of + 2 * ref_err,
+                               rtol=TOLERANCE[dtype])
+
+
+M_PATHS = [(1, None), (1, GemvConfig(16, 16, 64, True, 4, 2)), (5, None)]  # CUDA cores, tl.dot, tl.dot
+FUSIONS = ["plain_bias", "add", "silu_mul", "norm_residual_silu_mul_add"]
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("num_rows,cfg", M_PATHS, ids=["m1", "m1-dot", "m5"])
+@pytest.mark.parametrize("fusion", FUSIONS)
+def test_fp8_gemv_fusion(device: str, dtype: torch.dtype, num_rows: int, cfg: GemvConfig | None, fusion: str) -> None:
+    silu_mul = "silu_mul" in fusion
+    n_total = 2 * 45 if silu_mul else 72
+    n_out = n_total // 2 if silu_mul else n_total
+    w8, scale, w64 = fp8_weight(n_total, K, device)
+    x = rand(num_rows, K, device=device, dtype=dtype)  # outputs up to ~30: SiLU's exp stays in range
+    kwargs: dict[str, Any] = {"silu_mul": silu_mul}
+    if "norm" in fusion:
+        kwargs.update(norm_weight=rand(K, device=device, dtype=dtype) + 1, eps=1e-5,
+                      norm_residual=rand(num_rows, K, device=device, dtype=dtype, scale=3.0))
+    if "bias" in fusion:
+        kwargs["bias"] = rand(n_total, device=device, dtype=dtype)
+    if "add" in fusion:
+        kwargs["add"] = rand(num_rows, n_out, device=device, dtype=dtype)
+    out, s = gemv_triton(x, w8, **kwargs, weight_scale=scale, config=cfg)
+    ref, ref_s = gemv_ref(x, w8, **kwargs, weight_scale=scale)
+    wide = {k: v.double() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    truth, _ = gemv_ref(x.double(), w64, **wide)
+    assert out.shape == (num_rows, n_out) and out.dtype == dtype
+    close_to_truth(out, ref, truth, dtype)
+    if "residual" in fusion:
+        torch.testing.assert_close(s, ref_s, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("num_rows", [1, 5])
+@pytest.mark.parametrize("variant", ["llama", "qwen3_qk_norm_bias"])
+def test_fp8_gemv_rotary_cache(device: str, dtype: torch.dtype, num_rows: int, variant: str) -> None:
+    hq, hkv, head_dim, block_size, num_blocks = 4, 2, 40, 8, 3  # D/2 = 20: not a power of two
+    n_total = (hq + 2 * hkv) * head_dim
+    w8, scale, w64 = fp8_weight(n_total, K, device)
+    x = rand(num_rows, K, device=device, dtype=dtype, scale=2.0)
+    cos_sin = rope_cos_sin(head_dim, 256, 10000.0, None, device=device)
+    slots = torch.randperm(num_blocks * block_size, device=device)[:num_rows]
+    if num_rows > 1:
+        slots[1] = -1  # padding: nothing reaches the cache
+    caches = [rand(num_blocks, block_size, hkv, head_dim, device=device, dtype=dtype) for _ in range(2)]
+    common: dict[str, Any] = {"num_heads": hq, "num_kv_heads": hkv, "slot_mapping": slots, "cos_sin": cos_sin,
+                              "positions": torch.randint(1, 256, (num_rows,), device=device),
+                              "norm_weight": rand(K, device=device, dtype=dtype) + 1, "eps": 1e-6}
+    bias = None
+    if variant == "qwen3_qk_norm_bias":
+        common["q_norm"] = rand(head_dim, device=device, dtype=dtype, scale=0.25) + 1
+        common["k_norm"] = rand(head_dim, device=device, dtype=dtype, scale=0.25) + 1
+        bias = rand(n_total, device=device, dtype=dtype)
+    k_out, v_out = (c.clone() for c in caches)
+    k_ref, v_ref = (c.clone() for c in caches)
+    k_true, v_true = (c.double() for c in caches)
+    out, _ = gemv_rotary_cache_triton(x, w8, bias, k_cache=k_out, v_cache=v_out, weight_scale=scale, **common)
+    ref, _ = gemv_rotary_cache_ref(x, w8, bias, k_cache=k_ref, v_cache=v_ref, weight_scale=scale, **common)
+    wide = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "cos_sin" else v
+            for k, v in common.items()}
+    truth, _ = gemv_rotary_cache_ref(x.double(), w64, None if bias is None else bias.double(), k_cache=k_true,
+                                     v_cache=v_true, **wide)
+    close_to_truth(out, ref, truth, dtype)
+    close_to_truth(k_out, k_ref, k_true, dtype)
+    close_to_truth(v_out, v_ref, v_true, dtype)
+
+
+def test_fp8_gemv_refuses_mismatched_scales() -> None:
+    w8, scale, _ = fp8_weight(16, 32, "cpu")
+    x = torch.randn(1, 32)
+    with pytest.raises(ValueError, match="row scales"):
+        gemv_ref(x, w8, weight_scale=scale[:8])
+    with pytest.raises(ValueError, match="row scales"):
+        gemv_ref(x, w8.float(), weight_scale=scale)
+    with pytest.raises(ValueError, match="differs from x dtype"):
+        gemv_ref(x, w8)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(INTERPRET, reason="this is the interpreter run itself")
+def test_fp8_gemv_under_triton_interpreter() -> None:
+    run_under_interpreter(__file__)
