@@ -13,6 +13,7 @@ import torch
 triton = pytest.importorskip("triton")
 from kernel_harness import GPU, INTERPRET, NO_CUDA, TOLERANCE, cases, run_under_interpreter  # noqa: E402
 from stoker.engine.kernels import fp8_linear  # noqa: E402
+from stoker.engine.kernels.fp8_convert import BITS_SCALE, e4m3_bits_ref  # noqa: E402
 from stoker.engine.kernels.fp8_linear import (  # noqa: E402
     FP8_DTYPE,
     FP8_GEMV_CONFIGS,
@@ -23,7 +24,6 @@ from stoker.engine.kernels.fp8_linear import (  # noqa: E402
     quantize_rows,
     scaled_mm_fp8,
 )
-from stoker.engine.kernels.fp8_convert import BITS_SCALE, e4m3_bits_ref  # noqa: E402
 
 CASES = cases((torch.bfloat16, torch.float16))
 
