@@ -50,6 +50,8 @@ def close_to_truth(actual: torch.Tensor, ref: torch.Tensor, truth: torch.Tensor,
                                rtol=TOLERANCE[dtype])
 
 
+# Triton's cast of the float8 tile, and the int32-word conversions of fp8_convert.py (PTX on the GPU only).
+CONVERTS = ["cast", "bits-join"] if INTERPRET else ["cast", "bits-join", "asm-join"]
 M_PATHS = [(1, None), (1, GemvConfig(16, 16, 64, True, 4, 2)), (5, None)]  # CUDA cores, tl.dot, tl.dot
 FUSIONS = ["plain_bias", "add", "silu_mul", "norm_residual_silu_mul_add"]
 
@@ -57,7 +59,9 @@ FUSIONS = ["plain_bias", "add", "silu_mul", "norm_residual_silu_mul_add"]
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("num_rows,cfg", M_PATHS, ids=["m1", "m1-dot", "m5"])
 @pytest.mark.parametrize("fusion", FUSIONS)
-def test_fp8_gemv_fusion(device: str, dtype: torch.dtype, num_rows: int, cfg: GemvConfig | None, fusion: str) -> None:
+@pytest.mark.parametrize("convert", CONVERTS)
+def test_fp8_gemv_fusion(device: str, dtype: torch.dtype, num_rows: int, cfg: GemvConfig | None, fusion: str,
+                         convert: str) -> None:
     silu_mul = "silu_mul" in fusion
     n_total = 2 * 45 if silu_mul else 72
     n_out = n_total // 2 if silu_mul else n_total
@@ -71,7 +75,7 @@ def test_fp8_gemv_fusion(device: str, dtype: torch.dtype, num_rows: int, cfg: Ge
         kwargs["bias"] = rand(n_total, device=device, dtype=dtype)
     if "add" in fusion:
         kwargs["add"] = rand(num_rows, n_out, device=device, dtype=dtype)
-    out, s = gemv_triton(x, w8, **kwargs, weight_scale=scale, config=cfg)
+    out, s = gemv_triton(x, w8, **kwargs, weight_scale=scale, config=cfg, weight_convert=convert)
     ref, ref_s = gemv_ref(x, w8, **kwargs, weight_scale=scale)
     wide = {k: v.double() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     truth, _ = gemv_ref(x.double(), w64, **wide)
@@ -84,7 +88,8 @@ def test_fp8_gemv_fusion(device: str, dtype: torch.dtype, num_rows: int, cfg: Ge
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("num_rows", [1, 5])
 @pytest.mark.parametrize("variant", ["llama", "qwen3_qk_norm_bias"])
-def test_fp8_gemv_rotary_cache(device: str, dtype: torch.dtype, num_rows: int, variant: str) -> None:
+@pytest.mark.parametrize("convert", CONVERTS)
+def test_fp8_gemv_rotary_cache(device: str, dtype: torch.dtype, num_rows: int, variant: str, convert: str) -> None:
     hq, hkv, head_dim, block_size, num_blocks = 4, 2, 40, 8, 3  # D/2 = 20: not a power of two
     n_total = (hq + 2 * hkv) * head_dim
     w8, scale, w64 = fp8_weight(n_total, K, device)
@@ -105,7 +110,8 @@ def test_fp8_gemv_rotary_cache(device: str, dtype: torch.dtype, num_rows: int, v
     k_out, v_out = (c.clone() for c in caches)
     k_ref, v_ref = (c.clone() for c in caches)
     k_true, v_true = (c.double() for c in caches)
-    out, _ = gemv_rotary_cache_triton(x, w8, bias, k_cache=k_out, v_cache=v_out, weight_scale=scale, **common)
+    out, _ = gemv_rotary_cache_triton(x, w8, bias, k_cache=k_out, v_cache=v_out, weight_scale=scale,
+                                      weight_convert=convert, **common)
     ref, _ = gemv_rotary_cache_ref(x, w8, bias, k_cache=k_ref, v_cache=v_ref, weight_scale=scale, **common)
     wide = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "cos_sin" else v
             for k, v in common.items()}
@@ -125,6 +131,13 @@ def test_fp8_gemv_refuses_mismatched_scales() -> None:
         gemv_ref(x, w8.float(), weight_scale=scale)
     with pytest.raises(ValueError, match="differs from x dtype"):
         gemv_ref(x, w8)
+    with pytest.raises(ValueError, match="is not 'cast'"):
+        gemv_triton(x, w8, weight_scale=scale, weight_convert="bits")
+    with pytest.raises(ValueError, match="for FP8 weights"):
+        gemv_triton(x, torch.randn(16, 32), weight_convert="bits-join")
+    w_odd, s_odd, _ = fp8_weight(16, 34, "cpu")
+    with pytest.raises(ValueError, match="multiples of 4"):
+        gemv_triton(torch.randn(1, 34), w_odd, weight_scale=s_odd, weight_convert="bits-join")
 
 
 @pytest.mark.slow

@@ -77,3 +77,12 @@ def e4m3x4_to_f32(words, CONVERT: tl.constexpr):
             _ASM_E4M3X4_TO_F32, "=r,=r,=r,=r,r", [words],
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
     return f0, f1, f2, f3
+
+
+@triton.jit
+def e4m3_words_to_tile(words, CONVERT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K / 4] int32 words -> the [BLOCK_N, BLOCK_K] float32 weight tile in K order (times 2^-8
+    for CONVERT 1, "bits"): join(join(f0, f2), join(f1, f3)) is [BN, BK/4, 2, 2] with [.., a, b] = f_(2a + b),
+    so its row-major reshape is element 4j + p at column 4j + p."""
+    f0, f1, f2, f3 = e4m3x4_to_f32(words, CONVERT)
+    return tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), [BLOCK_N, BLOCK_K])

@@ -24,7 +24,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from stoker.engine.kernels._triton import check_launchable, interpreting, tl, triton
-from stoker.engine.kernels.fp8_convert import CONVERT_CODE, CONVERTS, e4m3x4_to_f32
+from stoker.engine.kernels.fp8_convert import CONVERT_CODE, CONVERTS, e4m3_words_to_tile, e4m3x4_to_f32
 from stoker.engine.kernels.fp8_quant import (
     FP8_DTYPE,
     FP8_MAX,
@@ -145,9 +145,7 @@ def _words_loop(x_ptr, w_ptr, M, N, K, x_stride, w_stride, n, n_mask, m, m_mask,
         j_mask = j < K // 4
         words = tl.load(w_ptrs + j0, mask=n_mask[:, None] & j_mask[None, :], other=0)
         if CONVERT >= 3:
-            f0, f1, f2, f3 = e4m3x4_to_f32(words, CONVERT - 2)
-            # join(join(f0, f2), join(f1, f3)) is [BN, BK/4, 2, 2] with [.., a, b] = f_(2a + b): row-major = k order
-            w = tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), [BLOCK_N, BLOCK_K])
+            w = e4m3_words_to_tile(words, CONVERT - 2, BLOCK_N, BLOCK_K)
             kk = 4 * j0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
             acc += x[:, None, :] * w[None, :, :]
