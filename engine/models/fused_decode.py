@@ -61,6 +61,9 @@ from stoker.engine.layers import (
 from torch import nn
 
 _FOLD_ROWS = 1024  # rows folded per chunk: a 16 MB float32 temporary at hidden 4096
+# How the fused GEMVs turn FP8 weights into floats (gemv.py's weight_convert: "cast", "bits-join", "asm-join").
+# "cast" until ops/bench_fp8_fused.py has measured the word conversions on the H200.
+FP8_WEIGHT_CONVERT = "cast"
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,9 +135,15 @@ def _fp8_problem(linears: tuple[Fp8Linear, ...]) -> str | None:
     return None
 
 
-def _scale(linear: nn.Module) -> torch.Tensor | None:
-    """An FP8 linear's float32 row scales (the kernels' weight_scale), None for a plain one."""
-    return linear.weight_scale if isinstance(linear, Fp8Linear) else None
+def _scale(linear: nn.Module) -> dict[str, Any]:
+    """The kernels' FP8 arguments of a linear: its float32 row scales and the conversion; none for a plain one.
+    The word conversions need K in whole int32 words (every Llama shape); else the cast."""
+    if not isinstance(linear, Fp8Linear):
+        return {}
+    convert = FP8_WEIGHT_CONVERT if linear.weight.shape[1] % 4 == 0 else "cast"
+    if convert.startswith("asm") and not linear.weight.is_cuda:
+        convert = "cast"  # inline PTX: the GPU only
+    return {"weight_scale": linear.weight_scale, "weight_convert": convert}
 
 
 def _plain_config(linear: nn.Module, num_tokens: int) -> GemvConfig | None:
@@ -192,12 +201,12 @@ def fused_decode_layer(
     num_tokens, num_heads, head_dim = x.shape[0], fd.attention.num_heads, fd.attention.head_dim
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     out = fd.attention(q, k_cache, v_cache, meta).reshape(num_tokens, num_heads * head_dim)
-    stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=fd.pdl, weight_scale=_scale(fd.o_proj),
+    stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=fd.pdl, **_scale(fd.o_proj),
                             config=_plain_config(fd.o_proj, num_tokens))
     x = stream if fd.folded else fd.post_norm(stream)[0]
     act, _ = gemv_triton(x, fd.gate_up.weight, silu_mul=True, norm_folded=fd.folded, eps=fd.post_norm.eps,
-                         pdl=fd.pdl, weight_scale=_scale(fd.gate_up))
-    stream, _ = gemv_triton(act, fd.down.weight, add=stream, pdl=fd.pdl, weight_scale=_scale(fd.down),
+                         pdl=fd.pdl, **_scale(fd.gate_up))
+    stream, _ = gemv_triton(act, fd.down.weight, add=stream, pdl=fd.pdl, **_scale(fd.down),
                             config=_plain_config(fd.down, num_tokens))
     return stream, None
 
@@ -219,6 +228,6 @@ def _qkv_rotary_cache(
         x, fd.qkv.weight, fd.qkv.bias, num_heads=fd.attention.num_heads, num_kv_heads=fd.attention.num_kv_heads,
         positions=positions, cos_sin=fd.rotary.cos_sin, k_cache=k_cache, v_cache=v_cache,
         slot_mapping=meta.slot_mapping, eps=eps, q_norm=q_norm, k_norm=k_norm, pdl=fd.pdl, norm_folded=fd.folded,
-        weight_scale=_scale(fd.qkv),
+        **_scale(fd.qkv),
     )
     return qkv
