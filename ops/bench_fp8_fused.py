@@ -52,15 +52,31 @@ def kind_shape(model: tuple[int, int, int, int, int], kind: str) -> tuple[int, i
             "gate_up+silu": (hidden, 2 * inter), "down+add": (inter, hidden)}[kind]
 
 
-def configs(kind: str, m: int, n: int, k: int, on_gpu: bool) -> dict[str, GemvConfig | None]:
+# --grid: tl.dot launch shapes beside the engine's (rows per program, K step, warps, stages). The 15:00 UTC run
+# had gate_up + SiLU at 84 % of copy bandwidth on the dot tile 16x32x128 w2 s5 with "asm-join", the CUDA-core
+# configs of the others at 45-59 %: do the tensor-core shapes carry over to qkv, o and down?
+DOT_GRID = {
+    "add": [(16, 128, 1, 5), (32, 128, 2, 5), (16, 256, 2, 4)],
+    "gate_up+silu": [(16, 128, 1, 5), (64, 128, 4, 5), (32, 256, 2, 4)],
+    "qkv+rope": [(16, 128, 1, 5), (32, 128, 2, 5), (16, 256, 2, 4)],
+}
+
+
+def configs(kind: str, m: int, n: int, k: int, on_gpu: bool, grid: bool = False) -> dict[str, GemvConfig | None]:
     """label -> launch shape: "engine" is what engine/models/fused_decode.py launches today."""
     bm = 1 << (m - 1).bit_length()
+    out: dict[str, GemvConfig | None]
     if kind.endswith("add"):
         engine = fp8_gemv_config(n, k, m, on_gpu) if on_gpu else None
-        return {"engine": engine, "bf16 table": gemv_config("plain", m, n, k, on_gpu)}
-    if kind == "gate_up+silu":
-        return {"engine": None, "cores 4x1024": GemvConfig(bm, 4, max(128, 1024 // bm), False, 4, 3)}
-    return {"engine": None, "cores 8x512": GemvConfig(bm, 8, max(64, 512 // bm), False, 4, 3)}
+        out = {"engine": engine, "bf16 table": gemv_config("plain", m, n, k, on_gpu)}
+    elif kind == "gate_up+silu":
+        out = {"engine": None, "cores 4x1024": GemvConfig(bm, 4, max(128, 1024 // bm), False, 4, 3)}
+    else:
+        out = {"engine": None, "cores 8x512": GemvConfig(bm, 8, max(64, 512 // bm), False, 4, 3)}
+    if grid:
+        for bn, bk, warps, stages in DOT_GRID["add" if kind.endswith("add") else kind]:
+            out[f"dot {bn}x{bk}"] = GemvConfig(16, bn, bk, True, warps, stages)
+    return out
 
 
 class Proj:
@@ -123,6 +139,7 @@ def main() -> None:
     parser.add_argument("--ms", default="1")
     parser.add_argument("--converts", default="cast,bits-join,asm-join")
     parser.add_argument("--budget-s", type=float, default=30.0, help="start no projection after this long")
+    parser.add_argument("--grid", action="store_true", help="also the tl.dot launch shapes of DOT_GRID")
     parser.add_argument("--dry-run", action="store_true", help="CPU under TRITON_INTERPRET=1: tiny shapes")
     opts = parser.parse_args()
     t0 = time.time()
@@ -151,7 +168,7 @@ def main() -> None:
                 print(f"| {kind} | {m} | skipped: past --budget-s {opts.budget_s:.0f} |", flush=True)
                 continue
             proj = Proj(model, kind, m, dtype, device, copies)
-            for label, cfg in configs(kind, m, proj.n, proj.k, device == "cuda").items():
+            for label, cfg in configs(kind, m, proj.n, proj.k, device == "cuda", opts.grid).items():
                 us = {conv: measure(proj, cfg, conv, timer) for conv in converts}
                 timed = [v for v in us.values() if v is not None]
                 best = min(timed) if timed else None

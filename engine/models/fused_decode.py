@@ -61,9 +61,13 @@ from stoker.engine.layers import (
 from torch import nn
 
 _FOLD_ROWS = 1024  # rows folded per chunk: a 16 MB float32 temporary at hidden 4096
-# How the fused GEMVs turn FP8 weights into floats (gemv.py's weight_convert: "cast", "bits-join", "asm-join").
-# "cast" until ops/bench_fp8_fused.py has measured the word conversions on the H200.
-FP8_WEIGHT_CONVERT = "cast"
+# How each fused GEMV turns FP8 weights into floats (gemv.py's weight_convert: "cast", "bits-join", "asm-join"),
+# per kernel: "rope" (qkv), "silu" (gate_up), "add" (o_proj, down). From ops/bench_fp8_fused.py on the H200
+# (2026-12-01 ~15:00 UTC, 8B shapes, M = 1, us per call, launch shapes as below): gate_up + SiLU on the tl.dot
+# config 16x32x128 w2 s5: cast 48.1, bits-join 42.9, asm-join 33.0 (84 % of copy bandwidth); o + add on the
+# FP8 table's CUDA-core 1x8x1024: cast 8.8, asm-join 13.2; down + add: cast 23.4, asm-join 39.1; qkv + rope
+# (CUDA cores 1x4x512): cast 13.2, asm-join 13.6. Off the GPU "asm-join" becomes "cast" (no PTX there).
+FP8_WEIGHT_CONVERT: dict[str, str] = {"rope": "cast", "silu": "asm-join", "add": "cast"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,12 +139,12 @@ def _fp8_problem(linears: tuple[Fp8Linear, ...]) -> str | None:
     return None
 
 
-def _scale(linear: nn.Module) -> dict[str, Any]:
-    """The kernels' FP8 arguments of a linear: its float32 row scales and the conversion; none for a plain one.
-    The word conversions need K in whole int32 words (every Llama shape); else the cast."""
+def _scale(linear: nn.Module, kernel: str) -> dict[str, Any]:
+    """The FP8 arguments of `kernel` ("rope", "silu", "add") on a linear: its float32 row scales and the
+    conversion; none for a plain linear. The word conversions need K in whole int32 words (every Llama shape)."""
     if not isinstance(linear, Fp8Linear):
         return {}
-    convert = FP8_WEIGHT_CONVERT if linear.weight.shape[1] % 4 == 0 else "cast"
+    convert = FP8_WEIGHT_CONVERT[kernel] if linear.weight.shape[1] % 4 == 0 else "cast"
     if convert.startswith("asm") and not linear.weight.is_cuda:
         convert = "cast"  # inline PTX: the GPU only
     return {"weight_scale": linear.weight_scale, "weight_convert": convert}
@@ -201,12 +205,12 @@ def fused_decode_layer(
     num_tokens, num_heads, head_dim = x.shape[0], fd.attention.num_heads, fd.attention.head_dim
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     out = fd.attention(q, k_cache, v_cache, meta).reshape(num_tokens, num_heads * head_dim)
-    stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=fd.pdl, **_scale(fd.o_proj),
+    stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=fd.pdl, **_scale(fd.o_proj, "add"),
                             config=_plain_config(fd.o_proj, num_tokens))
     x = stream if fd.folded else fd.post_norm(stream)[0]
     act, _ = gemv_triton(x, fd.gate_up.weight, silu_mul=True, norm_folded=fd.folded, eps=fd.post_norm.eps,
-                         pdl=fd.pdl, **_scale(fd.gate_up))
-    stream, _ = gemv_triton(act, fd.down.weight, add=stream, pdl=fd.pdl, **_scale(fd.down),
+                         pdl=fd.pdl, **_scale(fd.gate_up, "silu"))
+    stream, _ = gemv_triton(act, fd.down.weight, add=stream, pdl=fd.pdl, **_scale(fd.down, "add"),
                             config=_plain_config(fd.down, num_tokens))
     return stream, None
 
@@ -228,6 +232,6 @@ def _qkv_rotary_cache(
         x, fd.qkv.weight, fd.qkv.bias, num_heads=fd.attention.num_heads, num_kv_heads=fd.attention.num_kv_heads,
         positions=positions, cos_sin=fd.rotary.cos_sin, k_cache=k_cache, v_cache=v_cache,
         slot_mapping=meta.slot_mapping, eps=eps, q_norm=q_norm, k_norm=k_norm, pdl=fd.pdl, norm_folded=fd.folded,
-        **_scale(fd.qkv),
+        **_scale(fd.qkv, "rope"),
     )
     return qkv
