@@ -52,7 +52,7 @@ def kind_shape(model: tuple[int, int, int, int, int], kind: str) -> tuple[int, i
             "gate_up+silu": (hidden, 2 * inter), "down+add": (inter, hidden)}[kind]
 
 
-# --grid: tl.dot launch shapes beside the engine's (rows per program, K step, warps, stages). The 15:00 UTC run
+# --grid: tl.dot launch shapes beside the engine's (rows per program, K step, warps, stages). The 14:45 UTC run
 # had gate_up + SiLU at 84 % of copy bandwidth on the dot tile 16x32x128 w2 s5 with "asm-join", the CUDA-core
 # configs of the others at 45-59 %: do the tensor-core shapes carry over to qkv, o and down?
 DOT_GRID = {

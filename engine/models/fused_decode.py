@@ -63,7 +63,7 @@ from torch import nn
 _FOLD_ROWS = 1024  # rows folded per chunk: a 16 MB float32 temporary at hidden 4096
 # How each fused GEMV turns FP8 weights into floats (gemv.py's weight_convert: "cast", "bits-join", "asm-join"),
 # per kernel: "rope" (qkv), "silu" (gate_up), "add" (o_proj, down). From ops/bench_fp8_fused.py on the H200
-# (2026-12-01 ~15:00 UTC, 8B shapes, M = 1, us per call, launch shapes as below): gate_up + SiLU on the tl.dot
+# (2026-12-01 14:45 UTC, 8B shapes, M = 1, us per call, launch shapes as below): gate_up + SiLU on the tl.dot
 # config 16x32x128 w2 s5: cast 48.1, bits-join 42.9, asm-join 33.0 (84 % of copy bandwidth); o + add on the
 # FP8 table's CUDA-core 1x8x1024: cast 8.8, asm-join 13.2; down + add: cast 23.4, asm-join 39.1; qkv + rope
 # (CUDA cores 1x4x512): cast 13.2, asm-join 13.6. Off the GPU "asm-join" becomes "cast" (no PTX there).
