@@ -295,6 +295,40 @@ def test_fp32_fused_decode_greedy_matches_transformers_on_the_gpu(tmp_path, mode
         assert got[f"r{i}"][0] == want[0, len(p) :].tolist(), f"prompt {i}"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fp8_fused_decode_matches_the_unfused_fp8_path_on_the_gpu(tmp_path, dtype: str) -> None:
+    """FP8 weights (quantized per row at load) through the fused kernels, CUDA graphs on, with the GPU's own
+    conversions (gate_up's inline-PTX "asm-join"), against the same FP8 weights on the unfused path (the W8A16
+    GEMV, norm / rotary / SiLU kernels): float32 greedy tokens equal and logprobs within 1e-3; bfloat16 tokens
+    equal up to a near-tie (top two within 0.05) for at least 3 steps, logprobs within 3e-2."""
+    _hf_llama_gpu(str(tmp_path), 0.08 if dtype == "float32" else 0.015)
+    ids = prompts(9, [5, 37, 70, 12])
+    max_tokens = [8, 8, 6, 4]
+    runs = {}
+    for mode in ("cublas", "fused"):
+        engine = LLMEngine(EngineConfig(model_path=str(tmp_path), device="cuda", dtype=dtype, max_num_seqs=8,
+                                        max_model_len=256, num_kv_blocks=128, decode_kernels=mode,
+                                        quantization="fp8"))
+        assert engine.runner.startup["decode_kernels"]["fused_layers"] == (4 if mode == "fused" else 0)
+        before = engine.runner.graphs.replays
+        runs[mode] = generate(engine, ids, max_tokens)
+        assert engine.runner.graphs.replays - before >= max(max_tokens) - 1
+        engine.close()
+    for rid, (tokens, logprobs, _) in runs["fused"].items():
+        ref_tokens, ref_logprobs, ref_gaps = runs["cublas"][rid]
+        if dtype == "float32":
+            assert tokens == ref_tokens, rid
+            torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-3, rtol=0)
+            continue
+        same = next((t for t in range(len(tokens)) if tokens[t] != ref_tokens[t]), len(tokens))
+        if same < len(tokens):
+            assert ref_gaps[same] < 0.05, f"{rid}: tokens part at step {same}: {tokens} vs {ref_tokens}"
+        assert same >= min(len(tokens), 3), rid
+        torch.testing.assert_close(logprobs[:same], ref_logprobs[:same], atol=3e-2, rtol=0)
+
+
 # --------------------------------------------------------------------------------------------- the driver
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRET, reason="this is the interpreter run itself")
