@@ -24,6 +24,10 @@ constexpr flags of one kernel:
 - residual-add epilogue (`add`): out = x @ W^T + add (o_proj, down);
 - rotary + paged KV-cache write in the QKV epilogue (`gemv_rotary_cache_triton`), optionally with Qwen3's
   per-head q/k RMSNorm before the rotation: a program owns rows (d, d + D/2) of one head;
+- FP8 weights (`weight_scale`, issue 14): E4M3 [N, K] with a float32 scale per output row, converted in
+  registers (`weight_convert`: Triton's cast of the float8 tile, or int32-word loads through fp8_convert.py's
+  bit trick / inline cvt.rn.f16x2.e4m3x2, joined back into the tile), the scale applied to the float32 sums
+  before every epilogue above; what each costs is in engine/models/fused_decode.py (FP8_WEIGHT_CONVERT);
 - programmatic dependent launch (`pdl`): the first weight tile is loaded before `griddepcontrol.wait`, so the
   weight stream starts while the previous kernel drains; off under the CPU interpreter.
 
@@ -211,7 +215,7 @@ def _load_w(wa_ptrs, wb_ptrs, k0, w_mask_rows, ks, K, PAIRED: tl.constexpr, W_CO
 def _accumulate(acc, x, w, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, W_CONVERT: tl.constexpr):
     if W_CONVERT != 0:  # FP8 words -> the float32 [BN, BK] tile (fp8_convert.py; "bits": times 2^-8)
         w = e4m3_words_to_tile(w, W_CONVERT, w.shape[0], 4 * w.shape[1])
-    if USE_DOT:  # x [BM, BK] (weight dtype) . w^T [BK, BN] on the tensor cores -> [BM, BN]
+    if USE_DOT:  # x [BM, BK] (model dtype) . w^T [BK, BN] on the tensor cores -> [BM, BN]
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)  # FP8 w: to x's dtype
     else:  # [BM, 1, BK] * [1, BN, BK] on the CUDA cores, summed over K once after the loop
         acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
