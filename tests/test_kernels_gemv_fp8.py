@@ -134,6 +134,12 @@ def test_fp8_gemv_refuses_mismatched_scales() -> None:
         gemv_ref(x, w8.float(), weight_scale=scale)
     with pytest.raises(ValueError, match="differs from x dtype"):
         gemv_ref(x, w8)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the launcher's checks follow its CUDA check: the interpreter run has them")
+def test_fp8_gemv_refuses_conversions_it_cannot_run() -> None:
+    w8, scale, _ = fp8_weight(16, 32, "cpu")
+    x = torch.randn(1, 32)
     with pytest.raises(ValueError, match="is not 'cast'"):
         gemv_triton(x, w8, weight_scale=scale, weight_convert="bits")
     with pytest.raises(ValueError, match="for FP8 weights"):

@@ -363,10 +363,10 @@ def gemv_fp8_triton(
         raise ValueError("gemv_fp8: x and weight need unit stride along K")
     if config is not None and (config.block_m < num_tokens or (config.use_dot and config.block_m < 16)):
         raise ValueError(f"gemv_fp8: config {config.label()} cannot hold M = {num_tokens} (tl.dot needs block_m 16)")
-    check_launchable(x, weight, scale)
     cfg = config or fp8_gemv_config(n, k, num_tokens, x.is_cuda)  # the table's entries hold their M (tested)
     block_k = cfg.block_k if block is None else _fit_block_k(cfg.block_k, block[1])
     how = _pick_convert(convert, weight, block, cfg)
+    check_launchable(x, weight, scale)
     w = weight if how == "cast" else weight.view(torch.int32)  # [N, K / 4] words: 4 codes each
     out = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
     _gemv_fp8_kernel[(triton.cdiv(n, cfg.block_n),)](
