@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the timing helpers o
 
 from bench_gemv import MODELS, copies_for, copy_bandwidth, graph_us  # noqa: E402
 from stoker.engine.kernels import rms_norm_triton  # noqa: E402
+from stoker.engine.kernels.fp8_convert import CONVERTS  # noqa: E402
 from stoker.engine.kernels.fp8_linear import (  # noqa: E402
     FP8_DTYPE,
     Fp8GemvConfig,
@@ -64,12 +65,33 @@ CORES_GRID = [(2, 2048, 4, 3), (4, 1024, 4, 3), (4, 2048, 4, 3), (8, 512, 4, 3),
               (16, 512, 8, 3)]
 
 
-def candidates(m: int) -> list[Fp8GemvConfig]:
-    dot = [Fp8GemvConfig(16, bn, bk, True, nw, st) for bn, bk, nw, st in DOT_GRID]
+# --converts (the E4M3 conversion sweep, fp8_convert.py): every conversion on a smaller CUDA-core grid, at every
+# M up to 16 (the [M, rows, K] accumulator kept at <= 8K elements), beside the two tl.dot configs the table
+# holds today ("cast" only: the word conversions run on the CUDA cores). Kept small: each (config, conversion,
+# block_m) is one compile on the GPU machine, and the call has 150 s.
+CONVERT_CORES_GRID = [(8, 1024, 4, 3), (4, 2048, 4, 3)]
+CONVERT_DOT_GRID = [(32, 512, 4, 3), (16, 1024, 4, 3)]
+Candidate = tuple[Fp8GemvConfig, str]  # (launch shape, conversion)
+
+
+def label_of(cand: Candidate) -> str:
+    cfg, convert = cand
+    return cfg.label() if convert == "cast" else f"{cfg.label()} {convert}"
+
+
+def candidates(m: int, converts: list[str] | None = None) -> list[Candidate]:
+    """The configs swept at M tokens; with `converts`, the conversion sweep's grid instead (see above)."""
+    bm = 1 << (m - 1).bit_length()
+    if converts:
+        dot = [(Fp8GemvConfig(16, bn, bk, True, nw, st), "cast") for bn, bk, nw, st in CONVERT_DOT_GRID]
+        grid = CONVERT_CORES_GRID if m <= 4 else CONVERT_CORES_GRID[1:]
+        cores = [(Fp8GemvConfig(bm, bn, max(128, bk // bm), False, nw, st), conv)
+                 for bn, bk, nw, st in grid for conv in converts]
+        return cores + dot
+    dot = [(Fp8GemvConfig(16, bn, bk, True, nw, st), "cast") for bn, bk, nw, st in DOT_GRID]
     if m > 4:
         return dot
-    bm = 1 << (m - 1).bit_length()
-    cores = [Fp8GemvConfig(bm, bn, max(128, bk // bm), False, nw, st) for bn, bk, nw, st in CORES_GRID]
+    cores = [(Fp8GemvConfig(bm, bn, max(128, bk // bm), False, nw, st), "cast") for bn, bk, nw, st in CORES_GRID]
     return cores + dot
 
 
@@ -114,29 +136,31 @@ class Shape:
         return calls * max(1, 16 // len(calls))
 
 
-def check(shape: Shape, x: torch.Tensor, cfg: Fp8GemvConfig) -> float:
+def check(shape: Shape, x: torch.Tensor, cfg: Fp8GemvConfig, convert: str = "cast") -> float:
     """Relative Frobenius error of the config's output against F.linear on the dequantized weights."""
-    out = gemv_fp8_triton(x, shape.ws[0], shape.scale, config=cfg).float()
+    out = gemv_fp8_triton(x, shape.ws[0], shape.scale, config=cfg, convert=convert).float()
     ref = F.linear(x, shape.ref_w).float()
     return ((out - ref).norm() / ref.norm().clamp(min=1e-30)).item()
 
 
-def sweep_point(shape: Shape, m: int, cfgs: list[Fp8GemvConfig], timer: Callable[[list], float]) -> dict:
-    """us per call of each config (None: failed or wrong), cuBLAS bf16 and the table's pick at this M."""
+def sweep_point(shape: Shape, m: int, cands: list[Candidate], timer: Callable[[list], float]) -> dict:
+    """us per candidate (None: failed or wrong), cuBLAS bf16 and the table's pick at this M."""
     x = torch.randn(m, shape.k, device=shape.device, dtype=DTYPE)
     results: dict[str, float | None] = {}
-    for cfg in cfgs:
+    for cfg, conv in cands:
+        label = label_of((cfg, conv))
         try:
-            err = check(shape, x, cfg)
+            err = check(shape, x, cfg, conv)
             if not err < 2e-2:  # bf16 output rounding is ~4e-3; a wrong tile layout is O(1)
-                print(f"  {cfg.label()}: WRONG (relative error {err:.3g})", flush=True)
-                results[cfg.label()] = None
+                print(f"  {label}: WRONG (relative error {err:.3g})", flush=True)
+                results[label] = None
                 continue
-            results[cfg.label()] = timer(shape.chain(
-                lambda w, c=cfg: (lambda: gemv_fp8_triton(x, w, shape.scale, config=c)), shape.ws))
+            results[label] = timer(shape.chain(
+                lambda w, c=cfg, v=conv: (lambda: gemv_fp8_triton(x, w, shape.scale, config=c, convert=v)),
+                shape.ws))
         except Exception as e:  # a config that does not compile or fit: report it, keep going
-            print(f"  {cfg.label()}: {type(e).__name__}: {str(e)[:160]}", flush=True)
-            results[cfg.label()] = None
+            print(f"  {label}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+            results[label] = None
     table_cfg = fp8_gemv_config(shape.n, shape.k, m, shape.device != "cpu")
     table_us = timer(shape.chain(lambda w: (lambda: gemv_fp8_triton(x, w, shape.scale)), shape.ws))
     cublas_us = timer(shape.chain(lambda w: (lambda: F.linear(x, w)), shape.bf16))
@@ -153,6 +177,24 @@ def sweep_point(shape: Shape, m: int, cfgs: list[Fp8GemvConfig], timer: Callable
     best = min(timed, key=lambda label: timed[label])
     return {"m": m, "configs": results, "best": best, "best_us": timed[best], "table": table_cfg.label(),
             "table_us": table_us, "cublas_bf16_us": cublas_us, "scaled_mm_us": scaled_mm_us, "bytes": shape.nbytes(m)}
+
+
+def print_convert_summary(rows: list[dict], converts: list[str]) -> None:
+    """Per (shape, M): each conversion's best us over its configs, the one that wins."""
+    print("\n## E4M3 conversion: best us per conversion (CUDA cores) and the best tl.dot cast")
+    print("| proj | M | " + " | ".join(converts) + " | dot cast | winner |")
+    print("|---|---|" + "---|" * (len(converts) + 2))
+    for row in rows:
+        best: dict[str, float] = {}
+        for label, us in row["configs"].items():
+            if us is None:
+                continue
+            conv = "dot cast" if label.startswith("dot") else next(
+                (c for c in converts if c != "cast" and label.endswith(" " + c)), "cast")
+            best[conv] = min(us, best.get(conv, float("inf")))
+        cells = [f"{best[c]:.1f}" if c in best else "-" for c in [*converts, "dot cast"]]
+        winner = min(best, key=lambda c: best[c]) if best else "-"
+        print(f"| {row['model']} {row['proj']} | {row['m']} | " + " | ".join(cells) + f" | {winner} |", flush=True)
 
 
 def derive_table(rows: list[dict]) -> dict[str, str]:
@@ -221,9 +263,11 @@ def table_source(sweep: dict) -> str:
         "# best. A class the sweep did not see takes _FALLBACK_CONFIG.",
         "FP8_GEMV_CONFIGS: dict[tuple[str, int], Fp8GemvConfig] = {",
     ]
-    by_label = {cfg.label(): cfg for m in (1, 2, 4, 8, 16) for cfg in candidates(m)}
+    by_label = {label_of(cand): cand[0] for m in (1, 2, 4, 8, 16) for cand in candidates(m)}
     for key, label in sweep["table"].items():
         cls, m = key.split(", ")
+        if label not in by_label:
+            sys.exit(f"the table's {label!r} is a --converts pick: set FP8_CONVERT / the table by hand")
         c = by_label[label]
         members = [r for r in sweep["rows"] if r["class"] == cls and r["m"] == int(m)]
         lines.append("    # " + ", ".join(f"{r['model']} {r['proj']} {r['configs'][label]:.1f} us (best "
@@ -255,11 +299,16 @@ def main() -> None:
     parser.add_argument("--apply", metavar="SWEEP_JSON", help="write a sweep's table into fp8_linear.py, then exit")
     parser.add_argument("--budget-s", type=float, default=180.0, help="skip the shapes left after this long")
     parser.add_argument("--dry-run", action="store_true", help="CPU under TRITON_INTERPRET=1: tiny shape, 2 configs")
+    parser.add_argument("--converts", default="",
+                        help="the E4M3 conversion sweep: comma-separated fp8_convert.CONVERTS (e.g. cast,bits,asm)")
     opts = parser.parse_args()
     if opts.apply:
         apply(opts.apply)
         return
     t0 = time.time()
+    converts = [c for c in opts.converts.split(",") if c]
+    if any(c not in CONVERTS for c in converts):
+        sys.exit(f"--converts: each of {converts} must be one of {CONVERTS}")
     if opts.dry_run:
         if os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("--dry-run runs the kernels under the Triton interpreter: set TRITON_INTERPRET=1")
@@ -296,10 +345,10 @@ def main() -> None:
             continue
         shape = Shape(k, n, device, copies)
         for m in ms:
-            cfgs = candidates(m)
-            if opts.dry_run:  # one CUDA-core and one tl.dot config
-                cfgs = [cfgs[0], cfgs[-1]]
-            row = sweep_point(shape, m, cfgs, timer)
+            cands = candidates(m, converts)
+            if opts.dry_run:  # one CUDA-core config per conversion and one tl.dot config
+                cands = cands[: max(1, len(converts))] + cands[-1:]
+            row = sweep_point(shape, m, cands, timer)
             row.update(model=model, proj=name, k=k, n=n, **{"class": shape_class(n, k)})
             rows.append(row)
             tbs = row["bytes"] / row["best_us"] / 1e6
@@ -312,12 +361,15 @@ def main() -> None:
         if device == "cuda":
             torch.cuda.empty_cache()
     table = derive_table(rows) if rows else {}
-    by_label = {cfg.label(): cfg for m in ms for cfg in candidates(m)}
+    by_label = {label_of(cand): cand for m in ms for cand in candidates(m, converts)}
     if table:
-        print("\n## FP8_GEMV_CONFIGS from this sweep (or --apply its JSON)")
+        print("\n## FP8_GEMV_CONFIGS from this sweep (or --apply its JSON); the conversion after the config")
     for key, label in table.items():
         cls, m = key.split(", ")
-        print(f"    ({cls!r}, {m}): {by_label[label]!r},  # {label}")
+        cfg, conv = by_label[label]
+        print(f"    ({cls!r}, {m}): {cfg!r},  # {label} [{conv}]")
+    if converts and rows:
+        print_convert_summary(rows, converts)
     print(f"(sweep took {time.time() - t0:.0f} s)")
     out_dir = os.environ.get("OUT")
     if out_dir:

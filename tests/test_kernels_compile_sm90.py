@@ -48,17 +48,18 @@ def test_fp8_quantization_kernel_compiles_for_sm90(norm: bool, static: bool) -> 
 
 _GEMV_POINTERS = ("x_ptr", "w_ptr", "out_ptr", "bias_ptr", "norm_ptr", "hres_ptr", "res_out_ptr", "add_ptr",
                   "positions_ptr", "cos_sin_ptr", "k_cache_ptr", "v_cache_ptr", "slot_ptr", "q_norm_ptr",
-                  "k_norm_ptr")
+                  "k_norm_ptr", "w_scale_ptr")
 _GEMV_INTS = ("M", "N_OUT", "K", "x_stride", "w_stride", "out_stride", "hres_stride", "res_out_stride",
               "add_stride", "NUM_Q_HEADS", "NUM_KV_HEADS")
 
 
 def _gemv_signature(dtype: str) -> dict[str, str]:
     signature = {name: f"*{dtype}" for name in _GEMV_POINTERS}
-    signature.update(positions_ptr="*i64", slot_ptr="*i64", cos_sin_ptr="*fp32", eps="fp32")
+    signature.update(positions_ptr="*i64", slot_ptr="*i64", cos_sin_ptr="*fp32", w_scale_ptr="*fp32", eps="fp32")
     signature.update({name: "i32" for name in _GEMV_INTS})
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_DOT", "DOT_PRECISION", "NORM", "PRO_RESIDUAL", "APPLY_G",
-                 "HAS_BIAS", "SILU_MUL", "ADD", "ROTARY", "QK_NORM", "HALF", "SPLITS_PER_HEAD", "PAIRED", "USE_PDL"):
+                 "HAS_BIAS", "SILU_MUL", "ADD", "ROTARY", "QK_NORM", "HALF", "SPLITS_PER_HEAD", "PAIRED", "USE_PDL",
+                 "W_SCALED", "W_CONVERT"):
         signature[name] = "constexpr"
     return signature
 
@@ -74,6 +75,43 @@ def test_gemv_configs_fit_the_h200s_shared_memory(dtype: str, elem_bytes: int, k
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
                       DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", NORM=False, PRO_RESIDUAL=False,
                       APPLY_G=False, HAS_BIAS=False, SILU_MUL=kind == "silu", ADD=False, ROTARY=kind == "rope",
-                      QK_NORM=False, HALF=64, SPLITS_PER_HEAD=2, PAIRED=kind in ("silu", "rope"), USE_PDL=False)
+                      QK_NORM=False, HALF=64, SPLITS_PER_HEAD=2, PAIRED=kind in ("silu", "rope"), USE_PDL=False,
+                      W_SCALED=False, W_CONVERT=0)
     kernel = _compile(gemv._gemv_kernel, _gemv_signature(dtype), constexprs, cfg.num_warps, cfg.num_stages)
     assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)
+
+
+@pytest.mark.parametrize("w_convert", [0, 1, 2], ids=["cast", "bits-join", "asm-join"])
+@pytest.mark.parametrize("kind, rows", [("silu", 1), ("rope", 1), ("plain", 8)])
+def test_fp8_fused_gemv_compiles_for_sm90(w_convert: int, kind: str, rows: int) -> None:
+    """The fused GEMVs with FP8 weights (row scales; the float8 tile cast, or int32 words through the bit trick
+    or the inline cvt.rn.f16x2.e4m3x2, which the interpreter never runs) compile for sm_90 and fit."""
+    from stoker.engine.kernels import gemv
+
+    cfg = gemv.gemv_config(kind, rows, 4096, 4096, True)
+    signature = _gemv_signature("bf16")
+    signature["w_ptr"] = "*fp8e4nv" if w_convert == 0 else "*i32"
+    constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
+                      DOT_PRECISION="tf32", NORM=False, PRO_RESIDUAL=False, APPLY_G=False, HAS_BIAS=False,
+                      SILU_MUL=kind == "silu", ADD=kind == "plain", ROTARY=kind == "rope", QK_NORM=False, HALF=64,
+                      SPLITS_PER_HEAD=2, PAIRED=kind in ("silu", "rope"), USE_PDL=False, W_SCALED=True,
+                      W_CONVERT=w_convert)
+    kernel = _compile(gemv._gemv_kernel, signature, constexprs, cfg.num_warps, cfg.num_stages)
+    assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)
+    if w_convert == 2:
+        assert "cvt.rn.f16x2.e4m3x2" in kernel.asm["ptx"]
+
+
+def test_fp8_gemv_word_conversions_compile_for_sm90() -> None:
+    """ops/bench_fp8_gemv.py --converts's kernels: each conversion at the M = 1 CUDA-core config."""
+    import importlib
+
+    fp8_linear = importlib.import_module("stoker.engine.kernels.fp8_linear")  # the package exports a function of that name
+    signature = {"x_ptr": "*bf16", "w_ptr": "*i32", "scale_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16"}
+    signature.update({name: "i32" for name in ("M", "N", "K", "x_stride", "w_stride", "out_stride", "scale_stride")})
+    for convert in (1, 2, 3, 4):
+        constexprs = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, USE_DOT=False, BLOCK_SCALES=False, SCALE_BN=1,
+                          SCALE_BK=1, HAS_BIAS=False, DOT_PRECISION="tf32", CONVERT=convert)
+        sig = {**signature, **{name: "constexpr" for name in constexprs}}
+        kernel = _compile(fp8_linear._gemv_fp8_kernel, sig, constexprs, 4)
+        assert kernel.metadata.shared <= H200_SHARED_BYTES

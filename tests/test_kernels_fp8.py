@@ -13,6 +13,7 @@ import torch
 triton = pytest.importorskip("triton")
 from kernel_harness import GPU, INTERPRET, NO_CUDA, TOLERANCE, cases, run_under_interpreter  # noqa: E402
 from stoker.engine.kernels import fp8_linear  # noqa: E402
+from stoker.engine.kernels.fp8_convert import BITS_SCALE, e4m3_bits_ref  # noqa: E402
 from stoker.engine.kernels.fp8_linear import (  # noqa: E402
     FP8_DTYPE,
     FP8_GEMV_CONFIGS,
@@ -145,6 +146,79 @@ def test_dispatch_on_cuda_matches_reference(num_rows: int, static: bool) -> None
     assert rel < (0.01 if num_rows <= 16 else 0.04), rel
     if num_rows > 16:
         torch.testing.assert_close(out, scaled_mm_fp8(x, weight, scale, None, input_scale))
+
+
+def _all_codes() -> torch.Tensor:
+    """Every E4M3 code but the two NaNs (0x7F, 0xFF), as uint8."""
+    codes = torch.arange(256, dtype=torch.int32)
+    return codes[(codes & 0x7F) != 0x7F].to(torch.uint8)
+
+
+def test_e4m3_bit_trick_is_exact_for_every_code() -> None:
+    """The "bits" conversion's statement in torch: value * 2^-8 exactly, normals, subnormals, both zeros."""
+    codes = _all_codes()
+    want = codes.view(FP8_DTYPE).to(torch.float16)
+    got = e4m3_bits_ref(codes)
+    assert torch.equal(got.float() * BITS_SCALE, want.float())
+    assert torch.equal(torch.signbit(got), torch.signbit(want))  # -0 stays -0
+
+
+def _every_code_gemv(device: str, dtype: torch.dtype, convert: str) -> None:
+    """A weight holding each code once (row r: code r at column r % K), x = ones, scale 1: out[r] is code r's
+    value, so any code the conversion maps wrongly shows by row. K = 36: whole int32 words, 9 of them."""
+    codes = _all_codes()
+    n, k = codes.numel(), 36
+    weight = torch.zeros(n, k, dtype=torch.uint8)
+    weight[torch.arange(n), torch.arange(n) % k] = codes
+    weight = weight.view(FP8_DTYPE).to(device)
+    scale = torch.ones(n, device=device)
+    x = torch.ones(1, k, device=device, dtype=dtype)
+    out = gemv_fp8_triton(x, weight, scale, convert=convert, config=Fp8GemvConfig(1, 32, 16, False, 4, 1))
+    want = codes.view(FP8_DTYPE).to(dtype).to(device)[None, :]
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+
+
+WORD_CONVERTS = ["bits", "bits-join"] if INTERPRET else ["bits", "bits-join", "asm", "asm-join"]
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("convert", WORD_CONVERTS)
+def test_gemv_fp8_word_conversions_are_exact_for_every_code(device: str, dtype: torch.dtype, convert: str) -> None:
+    _every_code_gemv(device, dtype, convert)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("convert", WORD_CONVERTS)
+@pytest.mark.parametrize("num_rows", [1, 3])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+def test_gemv_fp8_word_conversions_match_reference(device: str, dtype: torch.dtype, convert: str, num_rows: int,
+                                                   bias: bool) -> None:
+    """Odd N and a K that is whole words but not whole K steps (the masked last words), several programs."""
+    n, k = 45, 212
+    weight, scale = weights(n, k, False, device)
+    x = torch.randn(num_rows, k, device=device).to(dtype)
+    b = torch.randn(n, device=device).to(dtype) if bias else None
+    cfg = Fp8GemvConfig(triton.next_power_of_2(num_rows), 16, 64, False, 4, 1)
+    out = gemv_fp8_triton(x, weight, scale, b, config=cfg, convert=convert)
+    ref = fp8_linear_ref(x, weight, scale, b)
+    scale_of = ref.float().abs().max().item()
+    torch.testing.assert_close(out.float() / scale_of, ref.float() / scale_of, atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])
+
+
+def test_gemv_fp8_word_conversions_refuse_what_they_cannot_run() -> None:
+    weight, scale = weights(64, 64, False, "cpu")
+    x = torch.randn(1, 64)
+    with pytest.raises(ValueError, match="not one of"):
+        gemv_fp8_triton(x, weight, scale, convert="fast")
+    with pytest.raises(ValueError, match="CUDA cores only"):
+        gemv_fp8_triton(x, weight, scale, convert="bits", config=Fp8GemvConfig(16, 16, 64, True))
+    block_scale = torch.ones(1, 1)
+    with pytest.raises(ValueError, match="row scales only"):
+        gemv_fp8_triton(x, weight, block_scale, None, (128, 128), convert="bits")
+    odd, odd_scale = weights(8, 66, False, "cpu")
+    with pytest.raises(ValueError, match="whole int32 words"):
+        gemv_fp8_triton(torch.randn(1, 66), odd, odd_scale, convert="bits")
 
 
 @pytest.mark.slow

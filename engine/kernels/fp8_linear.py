@@ -23,7 +23,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from stoker.engine.kernels._triton import check_launchable, tl, triton
+from stoker.engine.kernels._triton import check_launchable, interpreting, tl, triton
+from stoker.engine.kernels.fp8_convert import CONVERT_CODE, CONVERTS, e4m3_words_to_tile, e4m3x4_to_f32
 from stoker.engine.kernels.fp8_quant import (
     FP8_DTYPE,
     FP8_MAX,
@@ -124,19 +125,78 @@ def scaled_mm_quantized(
 Fp8GemvConfig = GemvConfig
 
 
+@triton.jit
+def _words_loop(x_ptr, w_ptr, M, N, K, x_stride, w_stride, n, n_mask, m, m_mask,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CONVERT: tl.constexpr):
+    """CUDA-core W8A16 over int32 weight words ([N, K / 4], w_stride in words): sum_k x[m, k] w[n, k] in float32
+    for the word conversions (fp8_convert.py). Element 4j + p of a row is byte p of word j. CONVERT 1 / 2:
+    x read as four stride-4 slices, one product each; 3 / 4 (the "-join" twins): the four converted slices
+    joined back into the [BLOCK_N, BLOCK_K] tile and x read contiguously, as the cast loop does (which of
+    the two layouts costs fewer register shuffles is the sweep's question)."""
+    js = tl.arange(0, BLOCK_K // 4)
+    w_ptrs = w_ptr + n.to(tl.int64)[:, None] * w_stride + js[None, :]
+    x_rows = x_ptr + m[:, None] * x_stride
+    if CONVERT >= 3:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // 4], dtype=tl.float32)
+    for j0 in range(0, K // 4, BLOCK_K // 4):
+        j = j0 + js
+        j_mask = j < K // 4
+        words = tl.load(w_ptrs + j0, mask=n_mask[:, None] & j_mask[None, :], other=0)
+        if CONVERT >= 3:
+            w = e4m3_words_to_tile(words, CONVERT - 2, BLOCK_N, BLOCK_K)
+            kk = 4 * j0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
+            acc += x[:, None, :] * w[None, :, :]
+        else:
+            f0, f1, f2, f3 = e4m3x4_to_f32(words, CONVERT)
+            xm = m_mask[:, None] & j_mask[None, :]
+            x0 = tl.load(x_rows + 4 * j[None, :], mask=xm, other=0.0).to(tl.float32)
+            x1 = tl.load(x_rows + 4 * j[None, :] + 1, mask=xm, other=0.0).to(tl.float32)
+            x2 = tl.load(x_rows + 4 * j[None, :] + 2, mask=xm, other=0.0).to(tl.float32)
+            x3 = tl.load(x_rows + 4 * j[None, :] + 3, mask=xm, other=0.0).to(tl.float32)
+            acc += (x0[:, None, :] * f0[None, :, :] + x1[:, None, :] * f1[None, :, :]
+                    + x2[:, None, :] * f2[None, :, :] + x3[:, None, :] * f3[None, :, :])
+    acc = tl.sum(acc, axis=2)
+    if CONVERT % 2 == 1:  # "bits" read every weight as value * 2^-8
+        acc = acc * 256.0
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel per config for every M, not one for M = 1, one for 16
 def _gemv_fp8_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
     M, N, K, x_stride, w_stride, out_stride, scale_stride,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_SCALES: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, CONVERT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     m = tl.arange(0, BLOCK_M)
     m_mask = m < M
+    if CONVERT != 0:  # int32 words, row scales, CUDA cores (the launcher checks)
+        acc = _words_loop(x_ptr, w_ptr, M, N, K, x_stride, w_stride, n, n_mask, m, m_mask,
+                          BLOCK_M, BLOCK_N, BLOCK_K, CONVERT)
+    else:
+        acc = _cast_loop(x_ptr, w_ptr, scale_ptr, M, N, K, x_stride, w_stride, scale_stride, n, n_mask, m, m_mask,
+                         BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, BLOCK_SCALES, SCALE_BN, SCALE_BK, DOT_PRECISION)
+    if not BLOCK_SCALES:  # row scales: once, on the float32 sums (block scales were applied per K tile)
+        acc = acc * tl.load(scale_ptr + n, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    tl.store(out_ptr + m[:, None] * out_stride + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _cast_loop(x_ptr, w_ptr, scale_ptr, M, N, K, x_stride, w_stride, scale_stride, n, n_mask, m, m_mask,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+               BLOCK_SCALES: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
+    """The float8 tile loaded as such and converted by Triton's cast ("cast"): [BLOCK_M, BLOCK_N] float32 sums."""
     ks = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + n.to(tl.int64)[:, None] * w_stride + ks[None, :]
     if USE_DOT:
@@ -160,12 +220,7 @@ def _gemv_fp8_kernel(
             acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     if not USE_DOT:
         acc = tl.sum(acc, axis=2)
-    if not BLOCK_SCALES:  # row scales: once, on the float32 sums
-        acc = acc * tl.load(scale_ptr + n, mask=n_mask, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    tl.store(out_ptr + m[:, None] * out_stride + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    return acc
 
 
 # One config per (shape class, M rounded up to a power of two), picked at launch by a cached lookup.
@@ -226,6 +281,9 @@ FP8_GEMV_CONFIGS: dict[tuple[str, int], Fp8GemvConfig] = {
     ("n_small_long_k", 16): Fp8GemvConfig(16, 16, 1024, True, 4, 3),
 }
 _FALLBACK_CONFIG = Fp8GemvConfig(16, 32, 256, True, 4, 4)
+# The E4M3 conversion of CUDA-core launches (fp8_convert.py); tl.dot configs and block scales always "cast".
+# "cast" until ops/bench_fp8_gemv.py --converts has measured the others on the H200.
+FP8_CONVERT = "cast"
 
 
 def shape_class(n: int, k: int) -> str:
@@ -253,6 +311,34 @@ def _fit_block_k(block_k: int, scale_bk: int) -> int:
     return block_k
 
 
+def words_convert_problem(weight: torch.Tensor, block: tuple[int, int] | None, cfg: Fp8GemvConfig,
+                          convert: str) -> str | None:
+    """Why the int32-word conversions ("bits", "asm") cannot run this launch, or None."""
+    if block is not None:
+        return "block scales change along K inside a word loop that has none (row scales only)"
+    if cfg.use_dot:
+        return "the word loop runs on the CUDA cores only (a tl.dot config was given)"
+    if weight.shape[1] % 4 or weight.stride(0) % 4 or weight.storage_offset() % 4 or cfg.block_k < 4:
+        return "the weight rows must be whole int32 words (K, row stride and offset multiples of 4)"
+    if convert.startswith("asm") and interpreting():
+        return "inline PTX does not run under the Triton interpreter"
+    return None
+
+
+def _pick_convert(convert: str | None, weight: torch.Tensor, block: tuple[int, int] | None,
+                  cfg: Fp8GemvConfig) -> str:
+    """An explicit `convert` is honoured or refused; the default falls back to "cast" where it cannot run."""
+    if convert is not None and convert not in CONVERTS:
+        raise ValueError(f"gemv_fp8: convert {convert!r} is not one of {CONVERTS}")
+    how = convert or FP8_CONVERT
+    problem = None if how == "cast" else words_convert_problem(weight, block, cfg, how)
+    if problem is None:
+        return how
+    if convert is not None:
+        raise ValueError(f"gemv_fp8: convert {convert!r} cannot run here: {problem}")
+    return "cast"
+
+
 def gemv_fp8_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -261,9 +347,11 @@ def gemv_fp8_triton(
     block: tuple[int, int] | None = None,
     *,
     config: Fp8GemvConfig | None = None,
+    convert: str | None = None,
 ) -> torch.Tensor:
     """fp8_linear_ref's semantics for M <= 16 tokens, weights read once as FP8; config overrides the table
-    (the sweep uses it)."""
+    (the sweep uses it), convert the E4M3 conversion (fp8_convert.CONVERTS; default FP8_CONVERT where the
+    launch allows it, else "cast")."""
     check_fp8_args(x, weight, scale, block)
     num_tokens, k = x.shape
     n = weight.shape[0]
@@ -275,16 +363,18 @@ def gemv_fp8_triton(
         raise ValueError("gemv_fp8: x and weight need unit stride along K")
     if config is not None and (config.block_m < num_tokens or (config.use_dot and config.block_m < 16)):
         raise ValueError(f"gemv_fp8: config {config.label()} cannot hold M = {num_tokens} (tl.dot needs block_m 16)")
-    check_launchable(x, weight, scale)
     cfg = config or fp8_gemv_config(n, k, num_tokens, x.is_cuda)  # the table's entries hold their M (tested)
     block_k = cfg.block_k if block is None else _fit_block_k(cfg.block_k, block[1])
+    how = _pick_convert(convert, weight, block, cfg)
+    check_launchable(x, weight, scale)
+    w = weight if how == "cast" else weight.view(torch.int32)  # [N, K / 4] words: 4 codes each
     out = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
     _gemv_fp8_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, scale, bias if bias is not None else scale, out,
-        num_tokens, n, k, x.stride(0), weight.stride(0), out.stride(0), scale.stride(0),
+        x, w, scale, bias if bias is not None else scale, out,
+        num_tokens, n, k, x.stride(0), w.stride(0), out.stride(0), scale.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, USE_DOT=cfg.use_dot,
         BLOCK_SCALES=block is not None, SCALE_BN=block[0] if block else 1, SCALE_BK=block[1] if block else 1,
         HAS_BIAS=bias is not None, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        CONVERT=CONVERT_CODE[how], num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

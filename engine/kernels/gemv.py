@@ -24,6 +24,10 @@ constexpr flags of one kernel:
 - residual-add epilogue (`add`): out = x @ W^T + add (o_proj, down);
 - rotary + paged KV-cache write in the QKV epilogue (`gemv_rotary_cache_triton`), optionally with Qwen3's
   per-head q/k RMSNorm before the rotation: a program owns rows (d, d + D/2) of one head;
+- FP8 weights (`weight_scale`, issue 14): E4M3 [N, K] with a float32 scale per output row, converted in
+  registers (`weight_convert`: Triton's cast of the float8 tile, or int32-word loads through fp8_convert.py's
+  bit trick / inline cvt.rn.f16x2.e4m3x2, joined back into the tile), the scale applied to the float32 sums
+  before every epilogue above; what each costs is in engine/models/fused_decode.py (FP8_WEIGHT_CONVERT);
 - programmatic dependent launch (`pdl`): the first weight tile is loaded before `griddepcontrol.wait`, so the
   weight stream starts while the previous kernel drains; off under the CPU interpreter.
 
@@ -46,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from stoker.engine.kernels._triton import check_launchable, interpreting, tl, triton
 from stoker.engine.kernels.activation import silu_and_mul_ref
+from stoker.engine.kernels.fp8_convert import CONVERT_CODE, e4m3_words_to_tile
 from stoker.engine.kernels.rmsnorm import rms_norm_ref
 from stoker.engine.kernels.rotary import rotary_and_cache_ref
 
@@ -67,16 +72,21 @@ def check_gemv_args(
     silu_mul: bool,
     add: torch.Tensor | None,
     norm_folded: bool = False,
+    weight_scale: torch.Tensor | None = None,
 ) -> int:
     """Validates shapes and dtypes; returns the output width."""
     if norm_folded and norm_weight is not None:
         raise ValueError("gemv: norm_folded means the norm weight is already in `weight`; pass no norm_weight")
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"gemv: x [M, K] and weight [N, K] expected, got {tuple(x.shape)}, {tuple(weight.shape)}")
-    if weight.dtype != x.dtype:
-        raise ValueError(f"gemv: weight dtype {weight.dtype} differs from x dtype {x.dtype}")
     num_rows, hidden = x.shape
     n_total = weight.shape[0]
+    if weight_scale is not None:  # FP8 weights (W8A16): one float32 scale per output row
+        if weight.dtype != torch.float8_e4m3fn or weight_scale.dtype != torch.float32 or weight_scale.shape != (n_total,):
+            raise ValueError(f"gemv: weight_scale means float8_e4m3fn weights with float32 [{n_total}] row scales, got "
+                             f"{weight.dtype} and {weight_scale.dtype} {tuple(weight_scale.shape)}")
+    elif weight.dtype != x.dtype:
+        raise ValueError(f"gemv: weight dtype {weight.dtype} differs from x dtype {x.dtype}")
     if silu_mul and n_total % 2:
         raise ValueError(f"gemv: silu_mul needs weight rows [gate; up], got an odd {n_total}")
     n_out = n_total // 2 if silu_mul else n_total
@@ -117,14 +127,19 @@ def gemv_ref(
     silu_mul: bool = False,
     add: torch.Tensor | None = None,
     norm_folded: bool = False,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The unfused ops the kernel replaces, in order; returns (out, s).
 
     s = x + norm_residual (rounded to x.dtype) or x; h = rms_norm(s) * norm_weight if norm_weight is given,
     else s; y = F.linear(h, weight, bias); y = silu(y[:, :I]) * y[:, I:] if silu_mul; out = y + add if add.
     norm_folded: `weight` is fold_norm_weight(W, g): h = rms_norm(s) with a weight of ones.
+    weight_scale: `weight` is FP8 with these row scales; F.linear takes it dequantized to x.dtype (as
+    fp8_linear_ref does; the kernel applies the scale to its float32 sums instead, within the dtype's tolerance).
     """
-    check_gemv_args(x, weight, bias, norm_weight, norm_residual, silu_mul, add, norm_folded)
+    check_gemv_args(x, weight, bias, norm_weight, norm_residual, silu_mul, add, norm_folded, weight_scale)
+    if weight_scale is not None:
+        weight = (weight.float() * weight_scale[:, None]).to(x.dtype)
     if norm_folded:
         h, s = rms_norm_ref(x, torch.ones(x.shape[1], dtype=x.dtype, device=x.device), eps, norm_residual)
     elif norm_weight is not None:
@@ -157,12 +172,13 @@ def gemv_rotary_cache_ref(
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
     norm_folded: bool = False,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The QKV block of a Llama decoder layer up to attention: [norm ->] qkv = F.linear(h, W, b) -> (Qwen3)
     per-head RMSNorm of q and k -> rotary of q and k + k/v written into the paged caches. Returns (qkv, s)
     with qkv [M, (Hq + 2 Hkv) D] holding rotated q and k (the decode attention reads q from it)."""
     qkv, s = gemv_ref(x, weight, bias, norm_weight=norm_weight, eps=eps, norm_residual=norm_residual,
-                      norm_folded=norm_folded)
+                      norm_folded=norm_folded, weight_scale=weight_scale)
     num_tokens = x.shape[0]
     head_dim = k_cache.shape[-1]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -183,17 +199,24 @@ def gemv_rotary_cache_ref(
 
 # ----------------------------------------------------------------------------------------------- kernel
 @triton.jit
-def _load_w(wa_ptrs, wb_ptrs, k0, w_mask_rows, ks, K, PAIRED: tl.constexpr):
-    mask = w_mask_rows[:, None] & (k0 + ks[None, :] < K)
-    wa = tl.load(wa_ptrs + k0, mask=mask, other=0.0)
-    wb = tl.load(wb_ptrs + k0, mask=mask, other=0.0) if PAIRED else wa
+def _load_w(wa_ptrs, wb_ptrs, k0, w_mask_rows, ks, K, PAIRED: tl.constexpr, W_CONVERT: tl.constexpr):
+    if W_CONVERT != 0:  # FP8 as int32 words (4 codes each): ks counts words, the pointers step in words
+        mask = w_mask_rows[:, None] & (k0 // 4 + ks[None, :] < K // 4)
+        wa = tl.load(wa_ptrs + k0 // 4, mask=mask, other=0)
+        wb = tl.load(wb_ptrs + k0 // 4, mask=mask, other=0) if PAIRED else wa
+    else:
+        mask = w_mask_rows[:, None] & (k0 + ks[None, :] < K)
+        wa = tl.load(wa_ptrs + k0, mask=mask, other=0.0)
+        wb = tl.load(wb_ptrs + k0, mask=mask, other=0.0) if PAIRED else wa
     return wa, wb
 
 
 @triton.jit
-def _accumulate(acc, x, w, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    if USE_DOT:  # x [BM, BK] (weight dtype) . w^T [BK, BN] on the tensor cores -> [BM, BN]
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+def _accumulate(acc, x, w, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, W_CONVERT: tl.constexpr):
+    if W_CONVERT != 0:  # FP8 words -> the float32 [BN, BK] tile (fp8_convert.py; "bits": times 2^-8)
+        w = e4m3_words_to_tile(w, W_CONVERT, w.shape[0], 4 * w.shape[1])
+    if USE_DOT:  # x [BM, BK] (model dtype) . w^T [BK, BN] on the tensor cores -> [BM, BN]
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)  # FP8 w: to x's dtype
     else:  # [BM, 1, BK] * [1, BN, BK] on the CUDA cores, summed over K once after the loop
         acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
     return acc
@@ -205,7 +228,7 @@ def _gemv_step(
     x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr, res_out_stride, norm_ptr,
     m, m_mask, ks, K, write_residual,
     PRO_RESIDUAL: tl.constexpr, APPLY_G: tl.constexpr, PAIRED: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, W_CONVERT: tl.constexpr,
 ):
     """One BLOCK_K slice: load (and norm-prepare) the x slice of every token, multiply-accumulate."""
     k = k0 + ks
@@ -222,19 +245,19 @@ def _gemv_step(
             sumsq += tl.sum(x32 * x32, axis=1)
         if APPLY_G:  # an unfolded norm weight: scale x by it in the loop (slower, see gemv_config)
             x32 = x32 * tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        xo = x32.to(wa.dtype) if USE_DOT else x32  # tensor cores take the weight dtype
+        xo = x32.to(x_ptr.dtype.element_ty) if USE_DOT else x32  # the dot's operands in the model dtype
     else:
         xo = x  # straight from the pipelined load into the dot: the fast path
-    acc_a = _accumulate(acc_a, xo, wa, USE_DOT, DOT_PRECISION)
+    acc_a = _accumulate(acc_a, xo, wa, USE_DOT, DOT_PRECISION, W_CONVERT)
     if PAIRED:
-        acc_b = _accumulate(acc_b, xo, wb, USE_DOT, DOT_PRECISION)
+        acc_b = _accumulate(acc_b, xo, wb, USE_DOT, DOT_PRECISION, W_CONVERT)
     return acc_a, acc_b, sumsq
 
 
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, bias_ptr, norm_ptr, hres_ptr, res_out_ptr, add_ptr,
-    positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_norm_ptr, k_norm_ptr,
+    positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_norm_ptr, k_norm_ptr, w_scale_ptr,
     M, N_OUT, K, eps,
     x_stride, w_stride, out_stride, hres_stride, res_out_stride, add_stride,
     NUM_Q_HEADS, NUM_KV_HEADS,
@@ -243,7 +266,7 @@ def _gemv_kernel(
     NORM: tl.constexpr, PRO_RESIDUAL: tl.constexpr, APPLY_G: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr, ADD: tl.constexpr,
     ROTARY: tl.constexpr, QK_NORM: tl.constexpr, HALF: tl.constexpr, SPLITS_PER_HEAD: tl.constexpr,
-    PAIRED: tl.constexpr, USE_PDL: tl.constexpr,
+    PAIRED: tl.constexpr, USE_PDL: tl.constexpr, W_SCALED: tl.constexpr, W_CONVERT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     j = tl.arange(0, BLOCK_N)
@@ -261,8 +284,9 @@ def _gemv_kernel(
     m = tl.arange(0, BLOCK_M)
     m_mask = m < M
     ks = tl.arange(0, BLOCK_K)
-    wa_ptrs = w_ptr + rows_a.to(tl.int64)[:, None] * w_stride + ks[None, :]
-    wb_ptrs = w_ptr + rows_b.to(tl.int64)[:, None] * w_stride + ks[None, :]
+    kw = tl.arange(0, BLOCK_K // 4) if W_CONVERT != 0 else ks  # FP8 as int32 words: w_stride is in words
+    wa_ptrs = w_ptr + rows_a.to(tl.int64)[:, None] * w_stride + kw[None, :]
+    wb_ptrs = w_ptr + rows_b.to(tl.int64)[:, None] * w_stride + kw[None, :]
     if USE_DOT:
         acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:
@@ -274,7 +298,7 @@ def _gemv_kernel(
     if USE_PDL:
         # Weights never depend on the previous kernel: start their stream, then wait for its outputs
         # (x, the residual) to be visible, and let the next kernel get scheduled.
-        wa, wb = _load_w(wa_ptrs, wb_ptrs, 0, col_mask, ks, K, PAIRED)
+        wa, wb = _load_w(wa_ptrs, wb_ptrs, 0, col_mask, kw, K, PAIRED, W_CONVERT)
         gdc_wait()
         gdc_launch_dependents()
     if NORM and not PRO_RESIDUAL:
@@ -290,18 +314,23 @@ def _gemv_kernel(
         acc_a, acc_b, sumsq = _gemv_step(
             0, wa, wb, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
             res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
-            PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION)
+            PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
-        wa, wb = _load_w(wa_ptrs, wb_ptrs, k0, col_mask, ks, K, PAIRED)
+        wa, wb = _load_w(wa_ptrs, wb_ptrs, k0, col_mask, kw, K, PAIRED, W_CONVERT)
         acc_a, acc_b, sumsq = _gemv_step(
             k0, wa, wb, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
             res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
-            PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION)
+            PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT)
     if not USE_DOT:
         acc_a = tl.sum(acc_a, axis=2)
         if PAIRED:
             acc_b = tl.sum(acc_b, axis=2)
+    if W_SCALED:  # FP8 weights: the row scales on the float32 sums, before everything that follows
+        unbias = 256.0 if W_CONVERT == 1 else 1.0  # "bits" read each weight as value * 2^-8
+        acc_a = acc_a * (tl.load(w_scale_ptr + rows_a, mask=col_mask, other=0.0) * unbias)[None, :]
+        if PAIRED:
+            acc_b = acc_b * (tl.load(w_scale_ptr + rows_b, mask=col_mask, other=0.0) * unbias)[None, :]
     if NORM:
         inv_rms = tl.rsqrt(sumsq / K + eps)[:, None]
         acc_a = acc_a * inv_rms
@@ -425,6 +454,22 @@ def _contiguous_last(name: str, t: torch.Tensor | None) -> None:
         raise ValueError(f"gemv: the last dim of {name} must be contiguous")
 
 
+def _check_weight_convert(weight_convert: str, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> int:
+    """The kernel's W_CONVERT for FP8 weights: 0 Triton's cast of the float8 tile, 1 / 2 the int32-word "bits-join"
+    / "asm-join" of fp8_convert.py (x stays contiguous here, so only the joined forms)."""
+    if weight_convert == "cast":
+        return 0
+    if weight_convert not in ("bits-join", "asm-join"):
+        raise ValueError(f"gemv: weight_convert {weight_convert!r} is not 'cast', 'bits-join' or 'asm-join'")
+    if weight_scale is None:
+        raise ValueError("gemv: weight_convert is for FP8 weights (with weight_scale)")
+    if weight.shape[1] % 4 or weight.stride(0) % 4 or weight.storage_offset() % 4:
+        raise ValueError("gemv: the word conversions need K, the row stride and the offset in multiples of 4")
+    if weight_convert == "asm-join" and interpreting():
+        raise ValueError("gemv: inline PTX ('asm-join') does not run under the Triton interpreter")
+    return CONVERT_CODE[weight_convert] - 2
+
+
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -444,6 +489,8 @@ def _launch(
     heads: tuple[int, int, int, int] = (0, 0, 1, 1),
     qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
     norm_folded: bool = False,
+    weight_scale: torch.Tensor | None = None,
+    weight_convert: str = "cast",
 ) -> None:
     num_rows, hidden = x.shape
     if cfg.use_dot and cfg.block_m < 16:
@@ -456,9 +503,13 @@ def _launch(
     add_t = add if add is not None else x
     num_q_heads, num_kv_heads, half, splits = heads
     use_pdl = pdl and not interpreting()
+    w_convert = _check_weight_convert(weight_convert, weight, weight_scale)
+    if w_convert:
+        weight = weight.view(torch.int32)  # [N, K / 4]: four E4M3 codes a word (w_stride in words)
     _gemv_kernel[(grid,)](
         x, weight, out, bias if bias is not None else x, norm_weight if norm_weight is not None else x,
         hres, s, add_t, positions, cos_sin, k_cache, v_cache, slots, q_norm, k_norm,
+        weight_scale if weight_scale is not None else x,
         num_rows, n_out, hidden, eps,
         x.stride(0), weight.stride(0), out.stride(0), hres.stride(0), s.stride(0), add_t.stride(0),
         num_q_heads, num_kv_heads,
@@ -468,7 +519,8 @@ def _launch(
         APPLY_G=norm_weight is not None, HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul, ADD=add is not None,
         ROTARY=rotary is not None, QK_NORM=qk_norm is not None, HALF=half, SPLITS_PER_HEAD=splits,
-        PAIRED=silu_mul or rotary is not None, USE_PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PAIRED=silu_mul or rotary is not None, USE_PDL=use_pdl, W_SCALED=weight_scale is not None, W_CONVERT=w_convert,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
     )
 
@@ -486,12 +538,16 @@ def gemv_triton(
     pdl: bool = False,
     config: GemvConfig | None = None,
     norm_folded: bool = False,
+    weight_scale: torch.Tensor | None = None,
+    weight_convert: str = "cast",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv_ref's semantics for M <= GEMV_MAX_M in one kernel. pdl: launch with programmatic dependent
     launch (the previous kernel in the stream may still be running when this one starts loading weights).
-    config: override the block sizes (tests force both the CUDA-core and the tensor-core paths)."""
-    n_out = check_gemv_args(x, weight, bias, norm_weight, norm_residual, silu_mul, add, norm_folded)
-    tensors = [t for t in (x, weight, bias, norm_weight, norm_residual, add) if t is not None]
+    config: override the block sizes (tests force both the CUDA-core and the tensor-core paths).
+    weight_scale: FP8 weights (W8A16; converted in registers, the row scale on the float32 sums), converted by
+    `weight_convert` ("cast", "bits-join", "asm-join": fp8_convert.py)."""
+    n_out = check_gemv_args(x, weight, bias, norm_weight, norm_residual, silu_mul, add, norm_folded, weight_scale)
+    tensors = [t for t in (x, weight, bias, norm_weight, norm_residual, add, weight_scale) if t is not None]
     check_launchable(*tensors)
     for name, t in (("x", x), ("weight", weight), ("bias", bias), ("norm_weight", norm_weight),
                     ("norm_residual", norm_residual), ("add", add)):
@@ -506,7 +562,8 @@ def gemv_triton(
     cfg = config or gemv_config("silu" if silu_mul else "plain", num_rows, n_out, hidden, x.is_cuda,
                                 x.element_size())
     _launch(x, weight, out, n_out, triton.cdiv(n_out, cfg.block_n), cfg, bias, norm_weight, eps,
-            norm_residual, s, silu_mul, add, pdl, norm_folded=norm_folded)
+            norm_residual, s, silu_mul, add, pdl, norm_folded=norm_folded, weight_scale=weight_scale,
+            weight_convert=weight_convert)
     return out, s
 
 
@@ -530,10 +587,13 @@ def gemv_rotary_cache_triton(
     pdl: bool = False,
     config: GemvConfig | None = None,
     norm_folded: bool = False,
+    weight_scale: torch.Tensor | None = None,
+    weight_convert: str = "cast",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv_rotary_cache_ref in one kernel. With q_norm/k_norm (Qwen3) a program must hold a whole head,
-    so the grid is one program per head (fewer, longer programs: slower at batch 1 than without)."""
-    check_gemv_args(x, weight, bias, norm_weight, norm_residual, False, None, norm_folded)
+    so the grid is one program per head (fewer, longer programs: slower at batch 1 than without).
+    weight_scale: FP8 weights, as in gemv_triton (the scale before the q/k norm and the rotation)."""
+    check_gemv_args(x, weight, bias, norm_weight, norm_residual, False, None, norm_folded, weight_scale)
     head_dim = k_cache.shape[-1]
     num_rows, hidden = x.shape
     n_total = weight.shape[0]
@@ -557,7 +617,7 @@ def gemv_rotary_cache_triton(
         raise ValueError("gemv_rotary_cache: k_cache, v_cache and cos_sin must be contiguous")
     if head_dim % 2:
         raise ValueError(f"gemv_rotary_cache: head_dim must be even, got {head_dim}")
-    tensors = [t for t in (x, weight, bias, norm_weight, norm_residual, q_norm, k_norm) if t is not None]
+    tensors = [t for t in (x, weight, bias, norm_weight, norm_residual, q_norm, k_norm, weight_scale) if t is not None]
     check_launchable(*tensors, positions, cos_sin, k_cache, v_cache, slot_mapping)
     for name, t in (("x", x), ("weight", weight), ("bias", bias), ("norm_weight", norm_weight),
                     ("norm_residual", norm_residual)):
@@ -584,5 +644,6 @@ def gemv_rotary_cache_triton(
     qk = (q_norm, k_norm) if q_norm is not None and k_norm is not None else None
     _launch(x, weight, out, n_total, num_total_heads * splits, cfg, bias, norm_weight, eps, norm_residual, s,
             False, None, pdl, rotary=(positions, cos_sin, k_cache, v_cache, slot_mapping),
-            heads=(num_heads, num_kv_heads, half, splits), qk_norm=qk, norm_folded=norm_folded)
+            heads=(num_heads, num_kv_heads, half, splits), qk_norm=qk, norm_folded=norm_folded,
+            weight_scale=weight_scale, weight_convert=weight_convert)
     return out, s

@@ -19,8 +19,12 @@ function from the same tensors.
 Which layers take it (`bind_fused_decode`'s reasons; the answer is the same for every layer of a model):
 - Qwen2's q/k/v bias: added in the qkv epilogue. Qwen3's per-head q/k RMSNorm: in the qkv epilogue too (one
   program per head, so a little slower at batch 1 than without it).
-- FP8 linears keep their own W8A16 GEMV (engine/layers/fp8.py, tuned on its own branch); tensor-parallel
-  linears keep F.linear and their all-reduce (a residual add cannot precede the row-parallel sum).
+- FP8 linears with row scales (per-channel, per-tensor, `--quantization fp8`) run the same kernels as W8A16
+  (gemv.py's weight_scale: E4M3 converted in registers, the row scale on the float32 sums before each
+  epilogue); never folded (W diag(g) would need requantizing: "fused-folded" runs them unfolded). o_proj /
+  down take the FP8 GEMV's measured launch table (fp8_linear.FP8_GEMV_CONFIGS: same loop, same bytes), the
+  SiLU / rotary kernels the bf16 sweep's. Block-scaled FP8 (128 x 128) keeps the unfused path, as do
+  tensor-parallel linears (F.linear and their all-reduce: a residual add cannot precede the row-parallel sum).
 - The FP8 KV cache falls back: the rotary epilogue writes the model dtype, without kv_quant's scaling.
 - The LM head (tied or not) stays on F.linear in every mode: its float32 logits are issue 13 item 2's, and a
   tied head is the embedding, so the final norm is never folded into it.
@@ -35,11 +39,35 @@ import torch
 from stoker.engine.batch import AttentionMetadata
 from stoker.engine.config import EngineConfig
 from stoker.engine.kernels._triton import HAS_TRITON
-from stoker.engine.kernels.gemv import GEMV_MAX_M, fold_norm_weight, gemv_rotary_cache_triton, gemv_triton
-from stoker.engine.layers import GateUpLinear, Linear, PagedAttention, QKVLinear, RMSNorm, RotaryEmbedding
+from stoker.engine.kernels.fp8_linear import fp8_gemv_config
+from stoker.engine.kernels.gemv import (
+    GEMV_MAX_M,
+    GemvConfig,
+    fold_norm_weight,
+    gemv_rotary_cache_triton,
+    gemv_triton,
+)
+from stoker.engine.layers import (
+    Fp8GateUpLinear,
+    Fp8Linear,
+    Fp8QKVLinear,
+    GateUpLinear,
+    Linear,
+    PagedAttention,
+    QKVLinear,
+    RMSNorm,
+    RotaryEmbedding,
+)
 from torch import nn
 
 _FOLD_ROWS = 1024  # rows folded per chunk: a 16 MB float32 temporary at hidden 4096
+# How each fused GEMV turns FP8 weights into floats (gemv.py's weight_convert: "cast", "bits-join", "asm-join"),
+# per kernel: "rope" (qkv), "silu" (gate_up), "add" (o_proj, down). From ops/bench_fp8_fused.py on the H200
+# (2026-12-01 14:45 UTC, 8B shapes, M = 1, us per call, launch shapes as below): gate_up + SiLU on the tl.dot
+# config 16x32x128 w2 s5: cast 48.1, bits-join 42.9, asm-join 33.0 (84 % of copy bandwidth); o + add on the
+# FP8 table's CUDA-core 1x8x1024: cast 8.8, asm-join 13.2; down + add: cast 23.4, asm-join 39.1; qkv + rope
+# (CUDA cores 1x4x512): cast 13.2, asm-join 13.6. Off the GPU "asm-join" becomes "cast" (no PTX there).
+FP8_WEIGHT_CONVERT: dict[str, str] = {"rope": "cast", "silu": "asm-join", "add": "cast"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,15 +77,19 @@ class FusedDecode:
     folded: bool  # the RMSNorm weights are folded into qkv / gate_up (the norms run in their prologues)
     pdl: bool  # launch the GEMVs with programmatic dependent launch
     input_norm: RMSNorm
-    qkv: QKVLinear
+    qkv: QKVLinear | Fp8QKVLinear
     q_norm: RMSNorm | None  # Qwen3's per-head q / k norms
     k_norm: RMSNorm | None
     rotary: RotaryEmbedding
     attention: PagedAttention
-    o_proj: Linear
+    o_proj: Linear | Fp8Linear
     post_norm: RMSNorm
-    gate_up: GateUpLinear
-    down: Linear
+    gate_up: GateUpLinear | Fp8GateUpLinear
+    down: Linear | Fp8Linear
+
+
+_PLAIN_KINDS = (QKVLinear, Linear, GateUpLinear, Linear)
+_FP8_KINDS = (Fp8QKVLinear, Fp8Linear, Fp8GateUpLinear, Fp8Linear)
 
 
 def resolve_decode_kernels(config: EngineConfig) -> str:
@@ -75,25 +107,56 @@ def bind_fused_decode(
 ) -> FusedDecode | str:
     """A layer's FusedDecode for `mode` ("fused" or "fused-folded"; called once the weights are in, and
     folding them for fused-folded), or why the layer must keep the unfused decode path."""
-    # Exact types: the FP8 twins are other classes, the tensor-parallel twins subclasses of these.
+    # Exact types: the tensor-parallel twins are subclasses of the plain linears.
     kinds = (type(qkv), type(o_proj), type(gate_up), type(down))
-    if kinds != (QKVLinear, Linear, GateUpLinear, Linear):
-        return ("FP8 or tensor-parallel linears keep their own GEMV / all-reduce path: "
+    fp8 = kinds == _FP8_KINDS
+    if kinds != _PLAIN_KINDS and not fp8:
+        return ("tensor-parallel (or partly FP8) linears keep their own GEMV / all-reduce path: "
                 + ", ".join(k.__name__ for k in kinds))
     linears = cast(QKVLinear, qkv), cast(Linear, o_proj), cast(GateUpLinear, gate_up), cast(Linear, down)
     dtype = input_norm.weight.dtype
-    if any(lin.weight.dtype != dtype for lin in linears):
-        return f"linear weights not in the model dtype {dtype}"
+    problem = _fp8_problem(cast(tuple[Fp8Linear, ...], linears)) if fp8 else None
+    if not fp8 and any(lin.weight.dtype != dtype for lin in linears):
+        problem = f"linear weights not in the model dtype {dtype}"
+    if problem is not None:
+        return problem
     if linears[1].bias is not None or linears[3].bias is not None:
         return "an o_proj / down_proj bias: the add epilogue takes only the residual"
     if kv_dtype != dtype:
         return f"the KV cache is {kv_dtype}: the rotary epilogue writes the model dtype without kv_quant's scaling"
-    folded = mode == "fused-folded"
+    folded = mode == "fused-folded" and not fp8  # FP8: folding g into W would requantize it
     if folded:  # again after a first fold: W' * 1 is W' exactly, so planning twice changes nothing
         _fold_norm_into(linears[0], input_norm)
         _fold_norm_into(linears[2], post_norm)
     return FusedDecode(folded, pdl, input_norm, linears[0], q_norm, k_norm, rotary, attention, linears[1],
                        post_norm, linears[2], linears[3])
+
+
+def _fp8_problem(linears: tuple[Fp8Linear, ...]) -> str | None:
+    """Why FP8 linears cannot take the fused kernels (they apply one scale per output row), or None."""
+    if any(lin.block is not None for lin in linears):
+        return "FP8 block scales (128 x 128) change along K: the fused GEMVs take row scales only"
+    return None
+
+
+def _scale(linear: nn.Module, kernel: str) -> dict[str, Any]:
+    """The FP8 arguments of `kernel` ("rope", "silu", "add") on a linear: its float32 row scales and the
+    conversion; none for a plain linear. The word conversions need K in whole int32 words (every Llama shape)."""
+    if not isinstance(linear, Fp8Linear):
+        return {}
+    convert = FP8_WEIGHT_CONVERT[kernel] if linear.weight.shape[1] % 4 == 0 else "cast"
+    if convert.startswith("asm") and not linear.weight.is_cuda:
+        convert = "cast"  # inline PTX: the GPU only
+    return {"weight_scale": linear.weight_scale, "weight_convert": convert}
+
+
+def _plain_config(linear: nn.Module, num_tokens: int) -> GemvConfig | None:
+    """o_proj / down: FP8 takes the W8A16 GEMV's measured table (the same loop over the same bytes), a plain
+    linear the launcher's own pick."""
+    if not isinstance(linear, Fp8Linear) or not linear.weight.is_cuda:
+        return None
+    n, k = linear.weight.shape
+    return fp8_gemv_config(n, k, num_tokens, True)
 
 
 def decode_report(mode: str, pdl: bool, reasons: list[str | None]) -> dict[str, Any]:
@@ -142,11 +205,13 @@ def fused_decode_layer(
     num_tokens, num_heads, head_dim = x.shape[0], fd.attention.num_heads, fd.attention.head_dim
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     out = fd.attention(q, k_cache, v_cache, meta).reshape(num_tokens, num_heads * head_dim)
-    stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=fd.pdl)
+    stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=fd.pdl, **_scale(fd.o_proj, "add"),
+                            config=_plain_config(fd.o_proj, num_tokens))
     x = stream if fd.folded else fd.post_norm(stream)[0]
     act, _ = gemv_triton(x, fd.gate_up.weight, silu_mul=True, norm_folded=fd.folded, eps=fd.post_norm.eps,
-                         pdl=fd.pdl)
-    stream, _ = gemv_triton(act, fd.down.weight, add=stream, pdl=fd.pdl)
+                         pdl=fd.pdl, **_scale(fd.gate_up, "silu"))
+    stream, _ = gemv_triton(act, fd.down.weight, add=stream, pdl=fd.pdl, **_scale(fd.down, "add"),
+                            config=_plain_config(fd.down, num_tokens))
     return stream, None
 
 
@@ -167,5 +232,6 @@ def _qkv_rotary_cache(
         x, fd.qkv.weight, fd.qkv.bias, num_heads=fd.attention.num_heads, num_kv_heads=fd.attention.num_kv_heads,
         positions=positions, cos_sin=fd.rotary.cos_sin, k_cache=k_cache, v_cache=v_cache,
         slot_mapping=meta.slot_mapping, eps=eps, q_norm=q_norm, k_norm=k_norm, pdl=fd.pdl, norm_folded=fd.folded,
+        **_scale(fd.qkv, "rope"),
     )
     return qkv

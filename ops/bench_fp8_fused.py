@@ -1,0 +1,192 @@
+#!/usr/bin/env python
+"""Times the fused decode GEMVs with FP8 weights (engine/kernels/gemv.py with weight_scale; issue 14 part 2)
+on the Llama-3-8B projections as the fused decode path runs them: qkv + rotary + KV-cache write, o_proj +
+residual add, gate_up + SiLU-and-mul, down + residual add; per E4M3 conversion (fp8_convert.py: "cast",
+"bits-join", "asm-join") and launch shape (the one the engine picks, and a CUDA-core alternative). From the
+repo root:
+
+    PYTHONPATH=. python3 ops/bench_fp8_fused.py [--ms 1] [--budget-s 30]          # CUDA, ~30 s
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 ops/bench_fp8_fused.py --dry-run      # CPU, tiny shapes
+
+Timing as ops/bench_gemv.py (CUDA-graph replay over rotating FP8 weight copies, >= 512 MB, so every call
+streams its weights from HBM). TB/s counts the FP8 weight bytes plus the row scales; % copy against the copy
+bandwidth of the same run. Each variant's output is checked once against gemv_ref on the dequantized weights
+(a wrong one is reported, never timed). With $OUT set, the rows go to $OUT/fp8_fused_gemv.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout too
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the timing helpers of bench_gemv.py
+
+from bench_fp8_gemv import wall_us  # noqa: E402
+from bench_gemv import MODELS, copies_for, copy_bandwidth, graph_us  # noqa: E402
+from stoker.engine.kernels import rope_cos_sin  # noqa: E402
+from stoker.engine.kernels.fp8_linear import fp8_gemv_config, quantize_rows  # noqa: E402
+from stoker.engine.kernels.gemv import (  # noqa: E402
+    GemvConfig,
+    gemv_config,
+    gemv_ref,
+    gemv_rotary_cache_ref,
+    gemv_rotary_cache_triton,
+    gemv_triton,
+)
+
+KINDS = ("down+add", "qkv+rope", "o+add", "gate_up+silu")  # gate_up last: it was measured at 14:45
+
+
+def kind_shape(model: tuple[int, int, int, int, int], kind: str) -> tuple[int, int]:
+    """(K, N) of the projection behind `kind`."""
+    hidden, hq, hkv, head_dim, inter = model
+    return {"qkv+rope": (hidden, (hq + 2 * hkv) * head_dim), "o+add": (hq * head_dim, hidden),
+            "gate_up+silu": (hidden, 2 * inter), "down+add": (inter, hidden)}[kind]
+
+
+# --grid: tl.dot launch shapes beside the engine's (rows per program, K step, warps, stages). The 14:45 UTC run
+# had gate_up + SiLU at 84 % of copy bandwidth on the dot tile 16x32x128 w2 s5 with "asm-join", the CUDA-core
+# configs of the others at 45-59 %: do the tensor-core shapes carry over to qkv, o and down?
+DOT_GRID = {
+    "add": [(16, 128, 1, 5), (32, 128, 2, 5), (16, 256, 2, 4)],
+    "gate_up+silu": [(16, 128, 1, 5), (64, 128, 4, 5), (32, 256, 2, 4)],
+    "qkv+rope": [(16, 128, 1, 5), (32, 128, 2, 5), (16, 256, 2, 4)],
+}
+
+
+def configs(kind: str, m: int, n: int, k: int, on_gpu: bool, grid: bool = False) -> dict[str, GemvConfig | None]:
+    """label -> launch shape: "engine" is what engine/models/fused_decode.py launches today."""
+    bm = 1 << (m - 1).bit_length()
+    out: dict[str, GemvConfig | None]
+    if kind.endswith("add"):
+        engine = fp8_gemv_config(n, k, m, on_gpu) if on_gpu else None
+        out = {"engine": engine, "bf16 table": gemv_config("plain", m, n, k, on_gpu)}
+    elif kind == "gate_up+silu":
+        out = {"engine": None, "cores 4x1024": GemvConfig(bm, 4, max(128, 1024 // bm), False, 4, 3)}
+    else:
+        out = {"engine": None, "cores 8x512": GemvConfig(bm, 8, max(64, 512 // bm), False, 4, 3)}
+    if grid:
+        for bn, bk, warps, stages in DOT_GRID["add" if kind.endswith("add") else kind]:
+            out[f"dot {bn}x{bk}"] = GemvConfig(16, bn, bk, True, warps, stages)
+    return out
+
+
+class Proj:
+    """Rotating FP8 copies of one projection and the activations / caches its fused kernel needs at M."""
+
+    def __init__(self, model: tuple[int, int, int, int, int], kind: str, m: int, dtype: torch.dtype, device: str,
+                 copies: int | None):
+        self.kind, self.m, self.dtype = kind, m, dtype
+        self.k, self.n = kind_shape(model, kind)
+        hidden, self.hq, self.hkv, self.head_dim, _ = model
+        count = copies or copies_for(self.n * self.k)
+        pairs = [quantize_rows(torch.randn(self.n, self.k, device=device) * self.k**-0.5) for _ in range(count)]
+        self.ws = [w for w, _ in pairs]
+        self.scales = [s for _, s in pairs]
+        self.x = torch.randn(m, self.k, device=device).to(dtype)
+        n_out = self.n // 2 if kind == "gate_up+silu" else self.n
+        self.add = torch.randn(m, n_out, device=device).to(dtype)
+        blocks = 4 * m
+        self.k_cache = torch.zeros(blocks, 16, self.hkv, self.head_dim, device=device, dtype=dtype)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        self.cos_sin = rope_cos_sin(self.head_dim, 4096, 500000.0, None, device=device)
+        self.positions = torch.arange(m, device=device) + 100
+        self.slots = torch.arange(m, device=device) * 16
+
+    def call(self, i: int, cfg: GemvConfig | None, convert: str, ref: bool = False) -> torch.Tensor:
+        w, s = self.ws[i], self.scales[i]
+        if self.kind == "qkv+rope":
+            fn: Any = gemv_rotary_cache_ref if ref else gemv_rotary_cache_triton
+            extra = {} if ref else {"config": cfg, "weight_convert": convert}
+            return fn(self.x, w, None, num_heads=self.hq, num_kv_heads=self.hkv, positions=self.positions,
+                      cos_sin=self.cos_sin, k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=self.slots,
+                      weight_scale=s, **extra)[0]
+        kw: dict[str, Any] = {"silu_mul": True} if self.kind == "gate_up+silu" else {"add": self.add}
+        if ref:
+            return gemv_ref(self.x, w, weight_scale=s, **kw)[0]
+        return gemv_triton(self.x, w, weight_scale=s, config=cfg, weight_convert=convert, **kw)[0]
+
+    def nbytes(self) -> int:
+        return self.n * self.k + 4 * self.n
+
+
+def measure(proj: Proj, cfg: GemvConfig | None, convert: str, timer: Callable[[list], float]) -> float | None:
+    """us per call, or None (printed why) when the variant fails or computes wrong."""
+    try:
+        out = proj.call(0, cfg, convert).float()
+        ref = proj.call(0, cfg, convert, ref=True).float()
+        err = ((out - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+        if not err < 2e-2:  # bf16 rounding is ~4e-3; a wrong scale or tile is O(1)
+            print(f"  {proj.kind} {convert}: WRONG (relative error {err:.3g})", flush=True)
+            return None
+        calls = [lambda i=i: proj.call(i, cfg, convert) for i in range(len(proj.ws))]
+        return timer(calls * max(1, 16 // len(calls)))
+    except Exception as e:  # a variant that does not compile or fit: report it, keep going
+        print(f"  {proj.kind} {convert}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ms", default="1")
+    parser.add_argument("--converts", default="cast,bits-join,asm-join")
+    parser.add_argument("--budget-s", type=float, default=30.0, help="start no projection after this long")
+    parser.add_argument("--grid", action="store_true", help="also the tl.dot launch shapes of DOT_GRID")
+    parser.add_argument("--dry-run", action="store_true", help="CPU under TRITON_INTERPRET=1: tiny shapes")
+    opts = parser.parse_args()
+    t0 = time.time()
+    converts = opts.converts.split(",")
+    if opts.dry_run:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("--dry-run runs the kernels under the Triton interpreter: set TRITON_INTERPRET=1")
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        import kernel_harness  # noqa: F401  (its numpy patch for triton 3.6's interpreter)
+        model, device, dtype, timer, copies, bw = (64, 2, 1, 16, 48), "cpu", torch.float16, wall_us, 2, 0.0
+        converts = [c for c in converts if not c.startswith("asm")]  # no PTX in the interpreter
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("bench_fp8_fused needs a CUDA GPU (or --dry-run under TRITON_INTERPRET=1)")
+        model, device, dtype, timer, copies = MODELS["8b"], "cuda", torch.bfloat16, graph_us, None
+        bw = copy_bandwidth()
+        print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s  torch {torch.__version__}")
+    torch.manual_seed(0)
+    print("\n## fused decode GEMVs, FP8 weights (us per call; TB/s of the FP8 bytes)")
+    print("| kernel | M | launch | " + " | ".join(converts) + " | best TB/s | % copy |")
+    print("|---|---|---|" + "---|" * (len(converts) + 2))
+    rows = []
+    for kind in KINDS:
+        for m in [int(v) for v in opts.ms.split(",")]:
+            if time.time() - t0 > opts.budget_s:
+                print(f"| {kind} | {m} | skipped: past --budget-s {opts.budget_s:.0f} |", flush=True)
+                continue
+            proj = Proj(model, kind, m, dtype, device, copies)
+            for label, cfg in configs(kind, m, proj.n, proj.k, device == "cuda", opts.grid).items():
+                us = {conv: measure(proj, cfg, conv, timer) for conv in converts}
+                timed = [v for v in us.values() if v is not None]
+                best = min(timed) if timed else None
+                tbs = proj.nbytes() / best / 1e6 if best else 0.0
+                pct = f"{tbs * 1e12 / bw:.0%}" if bw and best else "n/a"
+                cells = " | ".join(f"{v:.1f}" if v is not None else "-" for v in us.values())
+                name = label if cfg is None else f"{label} ({cfg.label()})"
+                print(f"| {kind} | {m} | {name} | {cells} | {tbs:.2f} | {pct} |", flush=True)
+                rows.append({"kind": kind, "m": m, "launch": name, "us": us, "bytes": proj.nbytes()})
+            del proj
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    print(f"(took {time.time() - t0:.0f} s)")
+    if os.environ.get("OUT"):
+        path = Path(os.environ["OUT"]) / "fp8_fused_gemv.json"
+        path.write_text(json.dumps({"copy_bandwidth_tbs": bw / 1e12, "rows": rows}, indent=1))
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
