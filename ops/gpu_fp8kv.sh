@@ -19,7 +19,7 @@ echo "rc=$?" >> "$R/bench_decode_attention_fp8.txt"
 timeout 52 "${W2[@]}" > "$R/bench_w2_fp8_kvfp8.txt" 2>&1
 echo "rc=$?" >> "$R/bench_w2_fp8_kvfp8.txt"
 timeout 34 python3 -m pytest -q -p no:cacheprovider -p no:warnings "${MARK[@]}" tests/test_kernels_fp8_kv.py \
-    -k "modes or 256 or clamp or rounds_like" > "$R/gpu_tests.txt" 2>&1
+    -k "(modes and bf16) or 256 or clamp or rounds_like" > "$R/gpu_tests.txt" 2>&1
 echo "rc=$?" >> "$R/gpu_tests.txt"
 cat "$R/bench_decode_attention_fp8.txt"
 grep -E "W2|fp8|FP8" "$R/bench_w2_fp8_kvfp8.txt" | tail -12
