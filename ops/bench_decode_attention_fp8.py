@@ -38,8 +38,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # the dry run: the interpreter's 
 HQ, HKV, HEAD_DIM, BLOCK = 32, 8, 128, 16
 K_SCALE, V_SCALE = torch.tensor([0.02]), torch.tensor([0.01])  # |k| ~ 2-8 and |v| ~ 1-4 land mid-range in e4m3
 DECODE_VARIANTS = [Fp8AttentionConfig("cast", 64, 4, 3), Fp8AttentionConfig("f16", 64, 4, 3),
-                   Fp8AttentionConfig("bits", 64, 4, 3), Fp8AttentionConfig("f16", 128, 4, 3),
-                   Fp8AttentionConfig("f16", 128, 8, 3), Fp8AttentionConfig("f16", 64, 4, 2)]
+                   Fp8AttentionConfig("f16-vwords", 64, 4, 3), Fp8AttentionConfig("f16-vwords", 128, 4, 3),
+                   Fp8AttentionConfig("f16-vwords", 128, 8, 3), Fp8AttentionConfig("bits", 64, 4, 3),
+                   Fp8AttentionConfig("f16", 128, 8, 3)]
 PREFILL_VARIANTS = [Fp8AttentionConfig("cast", 64, 4, 3), Fp8AttentionConfig("f16", 64, 4, 3),
                     Fp8AttentionConfig("bits", 64, 4, 3), Fp8AttentionConfig("f16", 32, 4, 3)]
 

@@ -11,12 +11,15 @@ from stoker.engine.kernels._triton import check_launchable, tl, triton
 from stoker.engine.kernels.kv_fp8_tiles import (
     DEFAULT_DECODE,
     DEFAULT_PREFILL,
+    FP8_F16,
+    FP8_F16_VWORDS,
     FP8_MODES,
     Fp8AttentionConfig,
     fp8_dot_fp16,
     fp8_unit,
     kv_for_dots,
     q_for_dots,
+    v_words_f16,
 )
 from stoker.engine.kernels.kv_quant import check_scale, dequantize_kv, is_fp8_cache
 
@@ -154,7 +157,10 @@ def _fp8_launch(fp8: bool, config: Fp8AttentionConfig, q: torch.Tensor) -> tuple
     """The FP8 cache's constexprs and launch options (kv_fp8_tiles.py); a cache in q's dtype launches as ever."""
     if not fp8:
         return {}, {"num_warps": 4}
-    constexprs = {"FP8_MODE": FP8_MODES[config.mode], "DOT_FP16": fp8_dot_fp16(config.mode, q.dtype == torch.float32)}
+    mode = FP8_MODES[config.mode]
+    if mode == FP8_F16_VWORDS and (not q.is_cuda or q.shape[2] % 4):
+        mode = FP8_F16  # the interpreter runs no PTX; the words need head_dim % 4 == 0 (the prefill reads V as F16)
+    constexprs = {"FP8_MODE": mode, "DOT_FP16": fp8_dot_fp16(config.mode, q.dtype == torch.float32)}
     return constexprs, {"num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
@@ -211,7 +217,10 @@ def _decode_split_kernel(
         correction = tl.exp2(running_max - new_max)
         probs = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * correction + tl.sum(probs, axis=1)
-        v = kv_for_dots(tl.load(v_cache_ptr + kv_offset, mask=kv_mask, other=0.0), q.dtype, FP8_MODE)
+        if FP8_MODE == 3:  # kv_fp8_tiles.py: F16_VWORDS
+            v = v_words_f16(v_cache_ptr, slot, kv_head, key_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_D).to(q.dtype)
+        else:
+            v = kv_for_dots(tl.load(v_cache_ptr + kv_offset, mask=kv_mask, other=0.0), q.dtype, FP8_MODE)
         acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
         running_max = new_max
     if FP8_CACHE:

@@ -19,6 +19,12 @@ bandwidth-bound. The modes (a constexpr, so the interpreter only meets what it c
   fold 2^8 into the scales. The one difference: e4m3fn's NaN codes (0x7F, 0xFF) read as +-480 rather than
   NaN. The cache write never stores NaN from finite input (it saturates at +-448), so only a NaN already in
   the model's k/v is lost, which the other modes would propagate.
+- F16_VWORDS (3, decode kernel only, GPU only: inline PTX): as F16, but V is read as int32 words and converted
+  with `cvt.rn.f16x2.e4m3x2` before it reaches shared memory. Why: compiled for sm_90, F16's V tile (the dot's
+  second operand with head_dim, not keys, contiguous) stays 8-bit in shared memory and is read back a byte at a
+  time (64 ld.shared.b8 per thread and tile), since Triton sinks the conversion past the shared-memory trip;
+  words joined into an fp16 tile cannot be sunk, and a 16-bit tile is read transposed with ldmatrix. The
+  interpreter cannot run PTX: tests check it on the GPU, and its sm_90 compile on the CPU.
 """
 from __future__ import annotations
 
@@ -26,8 +32,8 @@ from dataclasses import dataclass
 
 from stoker.engine.kernels._triton import tl, triton
 
-FP8_CAST, FP8_F16, FP8_BITS = 0, 1, 2
-FP8_MODES = {"cast": FP8_CAST, "f16": FP8_F16, "bits": FP8_BITS}
+FP8_CAST, FP8_F16, FP8_BITS, FP8_F16_VWORDS = 0, 1, 2, 3
+FP8_MODES = {"cast": FP8_CAST, "f16": FP8_F16, "bits": FP8_BITS, "f16-vwords": FP8_F16_VWORDS}
 BITS_UNIT = 256.0  # BITS mode reads e4m3 value v as the fp16 v * 2^-8; the kernels multiply 2^8 back in float32
 FP16_MAX = 65504.0
 
@@ -51,10 +57,11 @@ class Fp8AttentionConfig:
         return f"{self.mode} n{self.tile_n} w{self.num_warps} s{self.num_stages}"
 
 
-# Picked before the H200 measured them (see BENCHMARKS.md once it has): F16 removes the per-element second
-# conversion at no precision cost and keeps Triton's own (hardware) conversion; the bench compares all.
-DEFAULT_DECODE = Fp8AttentionConfig()
-DEFAULT_PREFILL = Fp8AttentionConfig()
+# Picked before the H200 measured them (ops/bench_decode_attention_fp8.py compares all): compiled for sm_90
+# (TILE_N 64, 4 warps), the decode loop is 957 PTX instructions in F16_VWORDS against 963 for the bf16 cache,
+# 1,194 in F16 and ~1,580 in CAST (the old path); the prefill kernel has no byte-wise V reads, so F16 there.
+DEFAULT_DECODE = Fp8AttentionConfig("f16-vwords")
+DEFAULT_PREFILL = Fp8AttentionConfig("f16")
 
 
 def fp8_dot_fp16(mode: str, q_is_fp32: bool) -> bool:
@@ -79,6 +86,22 @@ def kv_for_dots(tile, dot_dtype: tl.constexpr, MODE: tl.constexpr):
     else:
         tile = tile.to(dot_dtype)
     return tile
+
+
+@triton.jit
+def v_words_f16(v_cache_ptr, slot, kv_head, key_mask, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """The V tile [keys, BLOCK_D] of an FP8 cache as float16 (F16_VWORDS): 4 bytes a word (head_dim % 4 == 0),
+    each word -> 4 halves by two paired conversions, joined back in head_dim order (byte i = dim 4w + i)."""
+    words = tl.arange(0, BLOCK_D // 4)
+    row = slot * (NUM_KV_HEADS * HEAD_DIM // 4) + kv_head * (HEAD_DIM // 4)
+    packed = tl.load(v_cache_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] + words[None, :],
+                     mask=key_mask[:, None] & (words[None, :] < HEAD_DIM // 4), other=0)
+    h0, h1, h2, h3 = tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; .reg .b32 p01, p23; mov.b32 {lo, hi}, $4; "
+        "cvt.rn.f16x2.e4m3x2 p01, lo; cvt.rn.f16x2.e4m3x2 p23, hi; mov.b32 {$0, $1}, p01; mov.b32 {$2, $3}, p23; }",
+        "=h,=h,=h,=h,r", [packed], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+    return tl.reshape(tl.join(tl.join(h0, h1), tl.join(h2, h3)), (slot.shape[0], BLOCK_D))
 
 
 @triton.jit
