@@ -3,6 +3,7 @@
 
     PYTHONPATH=. python3 ops/bench_decode_attention_fp8.py            # the H200: ~60 s, compiles included
     TRITON_INTERPRET=1 PYTHONPATH=. python ops/bench_decode_attention_fp8.py --tiny   # CPU dry run (seconds)
+    PYTHONPATH=. python ops/bench_decode_attention_fp8.py --ptx     # no GPU: the variants' sm_90 PTX counts
 
 Llama-3-8B's attention shape (Hq 32, Hkv 8, D 128, block_size 16, shuffled blocks). Decode at batch 1,024 / 256
 / 1 and context 640 / 4,096; the prefill kernel at W2's 8,192-token step (16 prompts of 512). Each row is timed
@@ -135,12 +136,56 @@ def bench_prefill(rows: list[dict], num_seqs: int, prompt: int, device: str, dty
                (out - baseline).abs().max().item())
 
 
+def ptx_table() -> None:
+    """No GPU needed: each decode variant (and the bf16 cache) compiled for sm_90 by Triton and ptxas here, with
+    the PTX counts that explain its speed (the bf16 cache's loop is the bar): instructions, pipelined copies,
+    byte-wide shared-memory loads, per-element fp16 -> bf16 conversions, ldmatrix, shared memory."""
+    import inspect
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from stoker.engine.kernels import attention
+    from stoker.engine.kernels.kv_fp8_tiles import FP8_MODES
+
+    fn = attention._decode_split_kernel
+    names = list(inspect.signature(fn.fn).parameters)
+    print("| decode kernel, sm_90 PTX | instructions | cp.async* | ld.shared.b8 | cvt.bf16.f16 | ldmatrix | shared B |")
+    print("|---|---|---|---|---|---|---|")
+    for label, config in [("bf16 cache", None)] + [("fp8 " + c.label(), c) for c in DECODE_VARIANTS]:
+        cache = "bf16" if config is None else "fp8e4nv"
+        types = {"k_cache_ptr": "*" + cache, "v_cache_ptr": "*" + cache, "block_tables_ptr": "*i32",
+                 "context_lens_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "qk_scale": "fp32"}
+        signature = {n: types.get(n, "*fp32" if n.startswith("part_") else "*bf16" if n.endswith("_ptr")
+                                  else "constexpr" if n.isupper() else "i32") for n in names}
+        aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                   if n.endswith("_ptr") or (n.endswith("_stride") and not n.startswith("block_table"))}
+        mode = 0 if config is None else FP8_MODES[config.mode]
+        constexprs = dict(NUM_KV_HEADS=HKV, GROUP=HQ // HKV, BLOCK_G=16, HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM,
+                          BLOCK_SIZE=BLOCK, TILE_N=64 if config is None else config.tile_n, NUM_SPLITS=1,
+                          DOT_PRECISION="tf32", FP8_CACHE=config is not None, FP8_MODE=mode, DOT_FP16=mode != 0)
+        options = {"num_warps": 4} if config is None else {"num_warps": config.num_warps,
+                                                           "num_stages": config.num_stages}
+        kernel = compile(ASTSource(fn, signature, constexprs=constexprs, attrs=aligned),
+                         target=GPUTarget("cuda", 90, 32), options=options)
+        ptx = kernel.asm["ptx"]
+        instructions = len(re.findall(r"^\s+[a-z@]", ptx, re.M))  # PTX lines of the whole kernel, not directives
+        print(f"| {label} | {instructions} | {ptx.count('cp.async')} | "
+              f"{ptx.count('ld.shared.b8')} | {ptx.count('cvt.bf16.f16')} | {ptx.count('ldmatrix')} | "
+              f"{kernel.metadata.shared} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU dry run under the interpreter)")
     parser.add_argument("--json", default=None, help="where to write the rows (default $OUT/... when OUT is set)")
+    parser.add_argument("--ptx", action="store_true", help="no GPU: the variants' sm_90 PTX counts, then exit")
     parser.add_argument("--budget-s", type=float, default=1e9, help="start no new shape after this many seconds")
     opts = parser.parse_args()
+    if opts.ptx:
+        ptx_table()
+        return
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float16)
     if not cuda and not opts.tiny:

@@ -57,9 +57,10 @@ class Fp8AttentionConfig:
         return f"{self.mode} n{self.tile_n} w{self.num_warps} s{self.num_stages}"
 
 
-# Picked before the H200 measured them (ops/bench_decode_attention_fp8.py compares all): compiled for sm_90
-# (TILE_N 64, 4 warps), the decode loop is 957 PTX instructions in F16_VWORDS against 963 for the bf16 cache,
-# 1,194 in F16 and ~1,580 in CAST (the old path); the prefill kernel has no byte-wise V reads, so F16 there.
+# Picked before the H200 measured them (ops/bench_decode_attention_fp8.py times all; its --ptx table, sm_90,
+# TILE_N 64, 4 warps): F16_VWORDS is the only FP8 decode variant without the 64 byte-wide shared-memory loads
+# and the 128 fp16 -> bf16 conversions a thread and tile (whole-kernel PTX: 957 lines vs 918 for the bf16
+# cache, 1,145 CAST, 1,194 F16). The prefill kernel reads no V byte-wise (its M is 64), so F16 there.
 DEFAULT_DECODE = Fp8AttentionConfig("f16-vwords")
 DEFAULT_PREFILL = Fp8AttentionConfig("f16")
 
