@@ -143,11 +143,10 @@ def ptx_table() -> None:
     import inspect
     import re
 
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-
     from stoker.engine.kernels import attention
     from stoker.engine.kernels.kv_fp8_tiles import FP8_MODES
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
 
     fn = attention._decode_split_kernel
     names = list(inspect.signature(fn.fn).parameters)
