@@ -163,7 +163,8 @@ def ptx_table() -> None:
         mode = 0 if config is None else FP8_MODES[config.mode]
         constexprs = dict(NUM_KV_HEADS=HKV, GROUP=HQ // HKV, BLOCK_G=16, HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM,
                           BLOCK_SIZE=BLOCK, TILE_N=64 if config is None else config.tile_n, NUM_SPLITS=1,
-                          DOT_PRECISION="tf32", FP8_CACHE=config is not None, FP8_MODE=mode, DOT_FP16=mode != 0)
+                          DOT_PRECISION="tf32", FP8_CACHE=config is not None, FP8_MODE=mode, DOT_FP16=mode != 0,
+                          FP8_PTX=mode == 3)
         options = {"num_warps": 4} if config is None else {"num_warps": config.num_warps,
                                                            "num_stages": config.num_stages}
         kernel = compile(ASTSource(fn, signature, constexprs=constexprs, attrs=aligned),

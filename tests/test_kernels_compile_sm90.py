@@ -109,7 +109,7 @@ def test_fp8_decode_attention_variants_compile_for_sm90(mode: str, tile_n: int, 
     signature, aligned = _attention_signature(names, "fp8e4nv")
     constexprs = dict(NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, TILE_N=tile_n,
                       NUM_SPLITS=1, DOT_PRECISION="tf32", FP8_CACHE=True, FP8_MODE=FP8_MODES[mode],
-                      DOT_FP16=mode != "cast")
+                      DOT_FP16=mode != "cast", FP8_PTX=mode == "f16-vwords")
     kernel = triton.compile(ASTSource(attention._decode_split_kernel, signature, constexprs=constexprs, attrs=aligned),
                             target=H200, options={"num_warps": warps, "num_stages": stages})
     ptx = kernel.asm["ptx"]
@@ -118,3 +118,4 @@ def test_fp8_decode_attention_variants_compile_for_sm90(mode: str, tile_n: int, 
     assert ("cvt.bf16.f16" in ptx) == (mode == "cast"), mode
     # f16-vwords exists to read V from shared memory without byte loads (ptxas has checked its inline PTX)
     assert ("ld.shared.b8" in ptx) == (mode != "f16-vwords"), mode
+    assert ("cvt.rn.f16x2.e4m3x2 p01, lo" in ptx) == (mode == "f16-vwords")  # its inline PTX, through ptxas

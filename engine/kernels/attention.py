@@ -158,9 +158,11 @@ def _fp8_launch(fp8: bool, config: Fp8AttentionConfig, q: torch.Tensor) -> tuple
     if not fp8:
         return {}, {"num_warps": 4}
     mode = FP8_MODES[config.mode]
-    if mode == FP8_F16_VWORDS and (not q.is_cuda or q.shape[2] % 4):
-        mode = FP8_F16  # the interpreter runs no PTX; the words need head_dim % 4 == 0 (the prefill reads V as F16)
+    if mode == FP8_F16_VWORDS and q.shape[2] % 4:
+        mode = FP8_F16  # the words need head_dim % 4 == 0 (the prefill kernel reads V as F16 in this mode)
     constexprs = {"FP8_MODE": mode, "DOT_FP16": fp8_dot_fp16(config.mode, q.dtype == torch.float32)}
+    if mode == FP8_F16_VWORDS:
+        constexprs["FP8_PTX"] = q.is_cuda  # the interpreter runs no PTX: a cast per byte there (kv_fp8_tiles.py)
     return constexprs, {"num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
@@ -174,7 +176,7 @@ def _decode_split_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_CACHE: tl.constexpr,
-    FP8_MODE: tl.constexpr = 0, DOT_FP16: tl.constexpr = False,
+    FP8_MODE: tl.constexpr = 0, DOT_FP16: tl.constexpr = False, FP8_PTX: tl.constexpr = False,
 ):
     # Program (sequence, kv head, split): all GROUP query heads sharing this kv head are rows of one tile,
     # so each K/V row is read once per group; the context is cut into NUM_SPLITS contiguous pieces.
@@ -218,7 +220,7 @@ def _decode_split_kernel(
         probs = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * correction + tl.sum(probs, axis=1)
         if FP8_MODE == 3:  # kv_fp8_tiles.py: F16_VWORDS
-            v = v_words_f16(v_cache_ptr, slot, kv_head, key_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_D).to(q.dtype)
+            v = v_words_f16(v_cache_ptr, slot, kv_head, key_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, FP8_PTX).to(q.dtype)
         else:
             v = kv_for_dots(tl.load(v_cache_ptr + kv_offset, mask=kv_mask, other=0.0), q.dtype, FP8_MODE)
         acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)

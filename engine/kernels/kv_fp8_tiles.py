@@ -90,19 +90,35 @@ def kv_for_dots(tile, dot_dtype: tl.constexpr, MODE: tl.constexpr):
 
 
 @triton.jit
+def _byte_f16(packed, SHIFT: tl.constexpr):
+    """The e4m3 byte at bit SHIFT of each int32 word, as float16 (Triton's cast: the interpreter's path)."""
+    return ((packed >> SHIFT) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
 def v_words_f16(v_cache_ptr, slot, kv_head, key_mask, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_D: tl.constexpr):
+                BLOCK_D: tl.constexpr, USE_PTX: tl.constexpr):
     """The V tile [keys, BLOCK_D] of an FP8 cache as float16 (F16_VWORDS): 4 bytes a word (head_dim % 4 == 0),
-    each word -> 4 halves by two paired conversions, joined back in head_dim order (byte i = dim 4w + i)."""
+    each word -> 4 halves by two paired conversions, joined back in head_dim order (byte i = dim 4w + i).
+    USE_PTX False (the interpreter) converts each byte with Triton's cast instead: the same words, masks and
+    join, so the CPU tests check all of it but the two conversion instructions."""
     words = tl.arange(0, BLOCK_D // 4)
     row = slot * (NUM_KV_HEADS * HEAD_DIM // 4) + kv_head * (HEAD_DIM // 4)
     packed = tl.load(v_cache_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] + words[None, :],
                      mask=key_mask[:, None] & (words[None, :] < HEAD_DIM // 4), other=0)
-    h0, h1, h2, h3 = tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; .reg .b32 p01, p23; mov.b32 {lo, hi}, $4; "
-        "cvt.rn.f16x2.e4m3x2 p01, lo; cvt.rn.f16x2.e4m3x2 p23, hi; mov.b32 {$0, $1}, p01; mov.b32 {$2, $3}, p23; }",
-        "=h,=h,=h,=h,r", [packed], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
-    return tl.reshape(tl.join(tl.join(h0, h1), tl.join(h2, h3)), (slot.shape[0], BLOCK_D))
+    if USE_PTX:
+        h0, h1, h2, h3 = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 p01, p23; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 p01, lo; "
+            "cvt.rn.f16x2.e4m3x2 p23, hi; mov.b32 {$0, $1}, p01; mov.b32 {$2, $3}, p23; }",
+            "=h,=h,=h,=h,r", [packed], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+    else:
+        h0 = _byte_f16(packed, 0)
+        h1 = _byte_f16(packed, 8)
+        h2 = _byte_f16(packed, 16)
+        h3 = _byte_f16(packed, 24)
+    # join's new axis is the last: [w, j, i] holds (h0, h2)[j] for i = 0 and (h1, h3)[j] for i = 1, so the
+    # flattened order is h0 h1 h2 h3 (join(join(h0, h1), join(h2, h3)) would give h0 h2 h1 h3; the CPU test saw it)
+    return tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), (slot.shape[0], BLOCK_D))
 
 
 @triton.jit
