@@ -115,3 +115,45 @@ def test_fp8_gemv_word_conversions_compile_for_sm90() -> None:
         sig = {**signature, **{name: "constexpr" for name in constexprs}}
         kernel = _compile(fp8_linear._gemv_fp8_kernel, sig, constexprs, 4)
         assert kernel.metadata.shared <= H200_SHARED_BYTES
+
+
+def _attention_signature(names: list[str], cache: str) -> tuple[dict[str, str], dict[tuple[int, ...], Any]]:
+    """bf16 q/out, the cache's element type, int32 tables; pointers and the contiguous strides 16-aligned, as the
+    JIT specializes them at a real launch (without that the loads compile scalar and nothing is pipelined)."""
+    signature = {name: "*bf16" for name in names if name.endswith("_ptr")}
+    signature.update({name: "*" + cache for name in ("k_cache_ptr", "v_cache_ptr")})
+    signature.update({name: "*i32" for name in ("block_tables_ptr", "context_lens_ptr", "query_start_loc_ptr")
+                      if name in names})
+    signature.update({name: "*fp32" for name in names if name.startswith(("part_", "k_scale", "v_scale"))})
+    for name in names:
+        signature.setdefault(name, "fp32" if name == "qk_scale" else "constexpr" if name.isupper() else "i32")
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
+               if name.endswith("_ptr") or (name.endswith("_stride") and not name.startswith("block_table"))}
+    return signature, aligned
+
+
+@pytest.mark.parametrize("mode, tile_n, warps, stages", [("f16", 64, 4, 3), ("bits", 64, 4, 3), ("f16", 128, 8, 2),
+                                                         ("cast", 64, 4, 3), ("f16-vwords", 64, 4, 3),
+                                                         ("f16-vwords", 128, 8, 3)])
+def test_fp8_decode_attention_variants_compile_for_sm90(mode: str, tile_n: int, warps: int, stages: int) -> None:
+    """The FP8 cache's decode variants (kv_fp8_tiles.py) compile for sm_90 and fit shared memory; the fp16-dot
+    modes carry none of the per-element fp16 -> bf16 conversions that made the 'cast' path issue-bound."""
+    import inspect
+
+    from stoker.engine.kernels import attention
+    from stoker.engine.kernels.kv_fp8_tiles import FP8_MODES
+
+    names = list(inspect.signature(attention._decode_split_kernel.fn).parameters)
+    signature, aligned = _attention_signature(names, "fp8e4nv")
+    constexprs = dict(NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, TILE_N=tile_n,
+                      NUM_SPLITS=1, DOT_PRECISION="tf32", FP8_CACHE=True, FP8_MODE=FP8_MODES[mode],
+                      DOT_FP16=mode != "cast", FP8_PTX=mode == "f16-vwords")
+    kernel = triton.compile(ASTSource(attention._decode_split_kernel, signature, constexprs=constexprs, attrs=aligned),
+                            target=H200, options={"num_warps": warps, "num_stages": stages})
+    ptx = kernel.asm["ptx"]
+    assert kernel.metadata.shared <= H200_SHARED_BYTES
+    assert "cp.async" in ptx  # the K/V loads are still pipelined
+    assert ("cvt.bf16.f16" in ptx) == (mode == "cast"), mode
+    # f16-vwords exists to read V from shared memory without byte loads (ptxas has checked its inline PTX)
+    assert ("ld.shared.b8" in ptx) == (mode != "f16-vwords"), mode
+    assert ("cvt.rn.f16x2.e4m3x2 p01, lo" in ptx) == (mode == "f16-vwords")  # its inline PTX, through ptxas

@@ -26,6 +26,8 @@ from stoker.engine.kernels import (  # noqa: E402  (after the interpreter fix ab
     rotary_and_cache_ref,
     rotary_and_cache_triton,
 )
+from stoker.engine.kernels._triton import tl  # noqa: E402
+from stoker.engine.kernels.kv_fp8_tiles import BITS_UNIT, Fp8AttentionConfig, e4m3_bits_to_f16  # noqa: E402
 from stoker.engine.kernels.kv_quant import FP8_KV_DTYPE, quantize_kv  # noqa: E402
 from test_kernels import ATTN_SHAPES, paged_batch  # noqa: E402
 
@@ -76,6 +78,79 @@ def test_fp8_paged_decode_attention(device: str, dtype: torch.dtype, hq: int, hk
                                         k_scale=k_scale, v_scale=v_scale)
     ref = paged_decode_attention_ref(q, k8, v8, block_tables, context_lens, 0.1, k_scale, v_scale)
     close(out, ref, dtype)
+
+
+# The FP8 cache's other conversions (kv_fp8_tiles.py). Small: one shape each, so the interpreter run stays short.
+MODE_CASES = [Fp8AttentionConfig("f16"), Fp8AttentionConfig("bits"), Fp8AttentionConfig("f16", 128, 8, 2),
+              Fp8AttentionConfig("f16-vwords"),  # the interpreter converts its words' bytes by cast, not PTX
+              pytest.param(Fp8AttentionConfig("f16-vwords", 128, 8, 3), marks=[GPU, NO_CUDA])]
+MODE_IDS = ["f16", "bits", "f16-n128-w8-s2", "f16-vwords", "f16-vwords-n128-w8"]
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("config", MODE_CASES, ids=MODE_IDS)
+def test_fp8_decode_attention_modes(device: str, dtype: torch.dtype, config: Fp8AttentionConfig) -> None:
+    lens = [1, 17, 100, 33]
+    k8, v8, block_tables, k_scale, v_scale = fp8_batch(lens, 2, 40, 8, device)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(lens), 6, 40, device=device, dtype=dtype)
+    for num_splits in (1, 3):
+        out = paged_decode_attention_triton(q, k8, v8, block_tables, context_lens, 0.1, num_splits,
+                                            k_scale=k_scale, v_scale=v_scale, fp8_config=config)
+        close(out, paged_decode_attention_ref(q, k8, v8, block_tables, context_lens, 0.1, k_scale, v_scale), dtype)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("config", MODE_CASES, ids=MODE_IDS)
+def test_fp8_paged_attention_modes(device: str, dtype: torch.dtype, config: Fp8AttentionConfig) -> None:
+    shapes = [(17, 17), (5, 40), (1, 1), (0, 9)]
+    k8, v8, block_tables, k_scale, v_scale = fp8_batch([c for _, c in shapes], 2, 40, 8, device)
+    query_start_loc = torch.tensor([0] + [n for n, _ in shapes], device=device).cumsum(0).to(torch.int32)
+    context_lens = torch.tensor([c for _, c in shapes], dtype=torch.int32, device=device)
+    q = torch.randn(int(query_start_loc[-1]), 6, 40, device=device, dtype=dtype)
+    args = (q, k8, v8, block_tables, query_start_loc, context_lens, 40**-0.5, k_scale, v_scale)
+    close(paged_attention_triton(*args, fp8_config=config), paged_attention_ref(*args), dtype)
+
+
+@GPU
+@NO_CUDA
+def test_fp8_f16_dots_clamp_bf16_queries_beyond_fp16() -> None:
+    """bf16 q past fp16's range (the 'f16' mode casts q to fp16): clamped, so the output stays finite and equals
+    the reference run on the clamped q."""
+    lens = [40, 9]
+    k8, v8, block_tables, k_scale, v_scale = fp8_batch(lens, 2, 64, 16, "cuda")
+    context_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 6, 64, device="cuda", dtype=torch.bfloat16)
+    q[0, 0, 3] = 2.0e5
+    out = paged_decode_attention_triton(q, k8, v8, block_tables, context_lens, 1e-4, k_scale=k_scale,
+                                        v_scale=v_scale, fp8_config=Fp8AttentionConfig("f16"))
+    clamped = q.float().clamp(-65504, 65504).to(torch.bfloat16)
+    ref = paged_decode_attention_ref(clamped, k8, v8, block_tables, context_lens, 1e-4, k_scale, v_scale)
+    assert torch.isfinite(out).all()
+    close(out, ref, torch.bfloat16)
+
+
+@triton.jit
+def _bits_to_f16_kernel(codes_ptr, out_ptr):
+    offs = tl.arange(0, 256)
+    tl.store(out_ptr + offs, e4m3_bits_to_f16(tl.load(codes_ptr + offs)))
+
+
+@pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs the interpreter or CUDA")
+def test_e4m3_bit_trick_on_all_256_codes() -> None:
+    """kv_fp8_tiles.e4m3_bits_to_f16 gives every finite e4m3fn code's value times 2^-8 exactly (normals,
+    subnormals, +-0, +-448), and the two NaN codes +-480 * 2^-8 (documented there). The interpreter runs it
+    on the CPU; on a GPU machine the same kernel runs compiled."""
+    device = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+    codes = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)
+    out = torch.empty(256, dtype=torch.float16, device=device)
+    _bits_to_f16_kernel[(1,)](codes, out)
+    values = codes.view(FP8_KV_DTYPE).float()
+    nan = values.isnan()
+    assert int(nan.sum()) == 2
+    assert torch.equal(out[~nan].float() * BITS_UNIT, values[~nan])
+    assert torch.equal(torch.signbit(out[~nan]), torch.signbit(values[~nan]))  # -0 stays -0
+    assert out[nan].float().abs().tolist() == [480 / BITS_UNIT] * 2
 
 
 def _write_both(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

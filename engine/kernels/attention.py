@@ -8,6 +8,19 @@ from __future__ import annotations
 
 import torch
 from stoker.engine.kernels._triton import check_launchable, tl, triton
+from stoker.engine.kernels.kv_fp8_tiles import (
+    DEFAULT_DECODE,
+    DEFAULT_PREFILL,
+    FP8_F16,
+    FP8_F16_VWORDS,
+    FP8_MODES,
+    Fp8AttentionConfig,
+    fp8_dot_fp16,
+    fp8_unit,
+    kv_for_dots,
+    q_for_dots,
+    v_words_f16,
+)
 from stoker.engine.kernels.kv_quant import check_scale, dequantize_kv, is_fp8_cache
 
 
@@ -140,6 +153,19 @@ def _check_kernel_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                              f"with a contiguous last dim, got {t.dtype}, strides {t.stride()}")
 
 
+def _fp8_launch(fp8: bool, config: Fp8AttentionConfig, q: torch.Tensor) -> tuple[dict, dict]:
+    """The FP8 cache's constexprs and launch options (kv_fp8_tiles.py); a cache in q's dtype launches as ever."""
+    if not fp8:
+        return {}, {"num_warps": 4}
+    mode = FP8_MODES[config.mode]
+    if mode == FP8_F16_VWORDS and q.shape[2] % 4:
+        mode = FP8_F16  # the words need head_dim % 4 == 0 (the prefill kernel reads V as F16 in this mode)
+    constexprs = {"FP8_MODE": mode, "DOT_FP16": fp8_dot_fp16(config.mode, q.dtype == torch.float32)}
+    if mode == FP8_F16_VWORDS:
+        constexprs["FP8_PTX"] = q.is_cuda  # the interpreter runs no PTX: a cast per byte there (kv_fp8_tiles.py)
+    return constexprs, {"num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
 # Integer arguments that vary from batch to batch are not specialized on (Triton otherwise compiles a variant
 # per "== 1" / "% 16 == 0" class of each value): a mid-run compile costs ~1 s of host time and stalls the GPU.
 @triton.jit(do_not_specialize=["block_table_stride"])
@@ -150,6 +176,7 @@ def _decode_split_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_CACHE: tl.constexpr,
+    FP8_MODE: tl.constexpr = 0, DOT_FP16: tl.constexpr = False, FP8_PTX: tl.constexpr = False,
 ):
     # Program (sequence, kv head, split): all GROUP query heads sharing this kv head are rows of one tile,
     # so each K/V row is read once per group; the context is cut into NUM_SPLITS contiguous pieces.
@@ -172,8 +199,9 @@ def _decode_split_kernel(
     dim_mask = dims < HEAD_DIM
     q = tl.load(q_ptr + seq * q_seq_stride + heads[:, None] * q_head_stride + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
-    if FP8_CACHE:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    if FP8_CACHE:  # kv_fp8_tiles.py: the dots' dtype and the scales' unit follow FP8_MODE
+        qk_scale = qk_scale * tl.load(k_scale_ptr) * fp8_unit(FP8_MODE)
+        q = q_for_dots(q, DOT_FP16)
     running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -184,18 +212,21 @@ def _decode_split_kernel(
         slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         kv_offset = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
         kv_mask = key_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offset, mask=kv_mask, other=0.0).to(q.dtype)
+        k = kv_for_dots(tl.load(k_cache_ptr + kv_offset, mask=kv_mask, other=0.0), q.dtype, FP8_MODE)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         scores = tl.where(key_mask[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         correction = tl.exp2(running_max - new_max)
         probs = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * correction + tl.sum(probs, axis=1)
-        v = tl.load(v_cache_ptr + kv_offset, mask=kv_mask, other=0.0).to(q.dtype)
+        if FP8_MODE == 3:  # kv_fp8_tiles.py: F16_VWORDS
+            v = v_words_f16(v_cache_ptr, slot, kv_head, key_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, FP8_PTX).to(q.dtype)
+        else:
+            v = kv_for_dots(tl.load(v_cache_ptr + kv_offset, mask=kv_mask, other=0.0), q.dtype, FP8_MODE)
         acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
         running_max = new_max
     if FP8_CACHE:
-        acc = acc * tl.load(v_scale_ptr)
+        acc = acc * (tl.load(v_scale_ptr) * fp8_unit(FP8_MODE))
 
     out_mask = row_mask[:, None] & dim_mask[None, :]
     if NUM_SPLITS == 1:
@@ -283,9 +314,11 @@ def paged_decode_attention_triton(
     num_splits: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    fp8_config: Fp8AttentionConfig | None = None,
 ) -> torch.Tensor:
     """num_splits: None picks from the shapes (decode_num_splits); tests force 1 or several. k_scale/v_scale:
-    an FP8 cache's scales (kv_quant.py), ignored for a cache in q's dtype."""
+    an FP8 cache's scales (kv_quant.py), ignored for a cache in q's dtype. fp8_config: the FP8 cache's
+    conversion and tile (kv_fp8_tiles.py; None: its DEFAULT_DECODE); benches and tests pick others."""
     _check_cache(q, k_cache, v_cache, k_scale, v_scale)
     if q.shape[0] != context_lens.shape[0] or block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
         raise ValueError(f"decode attention: q [B, Hq, D], block_tables [B, max_blocks], context_lens [B] "
@@ -298,6 +331,10 @@ def paged_decode_attention_triton(
         return out
     group = num_q_heads // num_kv_heads
     tile_n = 64 if q.is_cuda else 16  # the interpreter pays per element: small tiles keep tests fast
+    fp8 = is_fp8_cache(k_cache)
+    fp8_args, launch = _fp8_launch(fp8, fp8_config or DEFAULT_DECODE, q)
+    if fp8 and q.is_cuda:
+        tile_n = (fp8_config or DEFAULT_DECODE).tile_n
     max_context = block_tables.shape[1] * block_size  # a bound on every context length, known without sync
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, max_context, _sm_count(q.device), tile_n)
@@ -305,14 +342,13 @@ def paged_decode_attention_triton(
     if num_splits > 1:
         part_out, part_max, part_sum = _decode_partials(batch, num_q_heads, num_splits, head_dim, q.device)
     block_d = triton.next_power_of_2(head_dim)
-    fp8 = is_fp8_cache(k_cache)
     k_scale_arg, v_scale_arg = (k_scale, v_scale) if fp8 else (out, out)  # placeholders when not FP8
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max, part_sum, k_scale_arg, v_scale_arg,
         scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=tile_n,
-        NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype), FP8_CACHE=fp8, num_warps=4,
+        NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype), FP8_CACHE=fp8, **fp8_args, **launch,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_q_heads)](
@@ -349,6 +385,7 @@ def _prefill_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     PAD_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_CACHE: tl.constexpr,
+    FP8_MODE: tl.constexpr = 0, DOT_FP16: tl.constexpr = False,
 ):
     # Program (query tile, kv head). A tile is up to BLOCK_Q consecutive tokens of ONE sequence times the
     # GROUP query heads of this kv head: BLOCK_M = BLOCK_Q * GROUP rows (padded to a power of two), so
@@ -385,8 +422,9 @@ def _prefill_kernel(
         token = (seq_start + query).to(tl.int64)
         q = tl.load(q_ptr + token[:, None] * q_token_stride + heads[:, None] * q_head_stride + dims[None, :],
                     mask=row_mask[:, None] & dim_mask, other=0.0)
-        if FP8_CACHE:
-            qk_scale = qk_scale * tl.load(k_scale_ptr)
+        if FP8_CACHE:  # kv_fp8_tiles.py
+            qk_scale = qk_scale * tl.load(k_scale_ptr) * fp8_unit(FP8_MODE)
+            q = q_for_dots(q, DOT_FP16)
         query_pos = context_len - num_queries + query
         running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
         running_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -400,7 +438,8 @@ def _prefill_kernel(
                             mask=key_mask, other=0)
             slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
             kv_offset = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
-            k = tl.load(k_cache_ptr + kv_offset, mask=key_mask[:, None] & dim_mask, other=0.0).to(q.dtype)
+            k = kv_for_dots(tl.load(k_cache_ptr + kv_offset, mask=key_mask[:, None] & dim_mask, other=0.0), q.dtype,
+                            FP8_MODE)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             visible = key_mask[None, :] & (pos[None, :] <= query_pos[:, None])
             scores = tl.where(visible, scores, float("-inf"))
@@ -408,12 +447,13 @@ def _prefill_kernel(
             correction = tl.exp2(running_max - new_max)
             probs = tl.exp2(scores - new_max[:, None])
             running_sum = running_sum * correction + tl.sum(probs, axis=1)
-            v = tl.load(v_cache_ptr + kv_offset, mask=key_mask[:, None] & dim_mask, other=0.0).to(q.dtype)
+            v = kv_for_dots(tl.load(v_cache_ptr + kv_offset, mask=key_mask[:, None] & dim_mask, other=0.0), q.dtype,
+                            FP8_MODE)
             acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
             running_max = new_max
         out = acc / running_sum[:, None]
         if FP8_CACHE:
-            out = out * tl.load(v_scale_ptr)
+            out = out * (tl.load(v_scale_ptr) * fp8_unit(FP8_MODE))
         tl.store(out_ptr + token[:, None] * out_token_stride + heads[:, None] * out_head_stride + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask)
 
@@ -429,8 +469,10 @@ def paged_attention_triton(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    fp8_config: Fp8AttentionConfig | None = None,
 ) -> torch.Tensor:
-    """out: where to write [T, Hq, D] (every row is written, padding rows with zeros); None allocates."""
+    """out: where to write [T, Hq, D] (every row is written, padding rows with zeros); None allocates.
+    fp8_config: as for paged_decode_attention_triton (None: kv_fp8_tiles.DEFAULT_PREFILL)."""
     _check_cache(q, k_cache, v_cache, k_scale, v_scale)
     _check_batch(q.shape[0], block_tables, query_start_loc, context_lens)
     _check_kernel_inputs(q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
@@ -458,13 +500,17 @@ def paged_attention_triton(
     # over real rows load one int and store nothing (T=8192: 128 programs per kv head, ~1% of the grid).
     pad_rows = 64 if q.is_cuda else 16
     fp8 = is_fp8_cache(k_cache)
+    fp8_args, launch = _fp8_launch(fp8, fp8_config or DEFAULT_PREFILL, q)
+    tile_n = 64 if q.is_cuda else 16
+    if fp8 and q.is_cuda:
+        tile_n = (fp8_config or DEFAULT_PREFILL).tile_n
     k_scale_arg, v_scale_arg = (k_scale, v_scale) if fp8 else (out, out)  # placeholders when not FP8
     _prefill_kernel[(num_tiles + triton.cdiv(num_tokens, pad_rows), num_kv_heads)](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, k_scale_arg, v_scale_arg,
         scale * _LOG2E, num_seqs, num_tokens, num_tiles,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=64 if q.is_cuda else 16,
-        PAD_ROWS=pad_rows, DOT_PRECISION=_dot_precision(q.dtype), FP8_CACHE=fp8, num_warps=4,
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
+        PAD_ROWS=pad_rows, DOT_PRECISION=_dot_precision(q.dtype), FP8_CACHE=fp8, **fp8_args, **launch,
     )
     return out
