@@ -134,7 +134,7 @@ def _attention_signature(names: list[str], cache: str) -> tuple[dict[str, str], 
 
 @pytest.mark.parametrize("mode, tile_n, warps, stages", [("f16", 64, 4, 3), ("bits", 64, 4, 3), ("f16", 128, 8, 2),
                                                          ("cast", 64, 4, 3), ("f16-vwords", 64, 4, 3),
-                                                         ("f16-vwords", 128, 8, 3)])
+                                                         ("f16-vwords", 128, 8, 3), ("f16-vwords", 128, 4, 3)])
 def test_fp8_decode_attention_variants_compile_for_sm90(mode: str, tile_n: int, warps: int, stages: int) -> None:
     """The FP8 cache's decode variants (kv_fp8_tiles.py) compile for sm_90 and fit shared memory; the fp16-dot
     modes carry none of the per-element fp16 -> bf16 conversions that made the 'cast' path issue-bound."""

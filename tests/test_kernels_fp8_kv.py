@@ -83,8 +83,9 @@ def test_fp8_paged_decode_attention(device: str, dtype: torch.dtype, hq: int, hk
 # The FP8 cache's other conversions (kv_fp8_tiles.py). Small: one shape each, so the interpreter run stays short.
 MODE_CASES = [Fp8AttentionConfig("f16"), Fp8AttentionConfig("bits"), Fp8AttentionConfig("f16", 128, 8, 2),
               Fp8AttentionConfig("f16-vwords"),  # the interpreter converts its words' bytes by cast, not PTX
-              pytest.param(Fp8AttentionConfig("f16-vwords", 128, 8, 3), marks=[GPU, NO_CUDA])]
-MODE_IDS = ["f16", "bits", "f16-n128-w8-s2", "f16-vwords", "f16-vwords-n128-w8"]
+              pytest.param(Fp8AttentionConfig("f16-vwords", 128, 8, 3), marks=[GPU, NO_CUDA]),
+              pytest.param(Fp8AttentionConfig("f16-vwords", 128, 4, 3), marks=[GPU, NO_CUDA])]  # the default
+MODE_IDS = ["f16", "bits", "f16-n128-w8-s2", "f16-vwords", "f16-vwords-n128-w8", "f16-vwords-n128-w4"]
 
 
 @pytest.mark.parametrize("device,dtype", CASES)

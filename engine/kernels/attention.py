@@ -153,13 +153,14 @@ def _check_kernel_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                              f"with a contiguous last dim, got {t.dtype}, strides {t.stride()}")
 
 
-def _fp8_launch(fp8: bool, config: Fp8AttentionConfig, q: torch.Tensor) -> tuple[dict, dict]:
-    """The FP8 cache's constexprs and launch options (kv_fp8_tiles.py); a cache in q's dtype launches as ever."""
+def _fp8_launch(fp8: bool, config: Fp8AttentionConfig, q: torch.Tensor, decode: bool) -> tuple[dict, dict]:
+    """The FP8 cache's constexprs and launch options (kv_fp8_tiles.py); a cache in q's dtype launches as ever.
+    decode: the decode kernel (F16_VWORDS is a decode-kernel mode: the prefill kernel runs it as F16)."""
     if not fp8:
         return {}, {"num_warps": 4}
     mode = FP8_MODES[config.mode]
-    if mode == FP8_F16_VWORDS and q.shape[2] % 4:
-        mode = FP8_F16  # the words need head_dim % 4 == 0 (the prefill kernel reads V as F16 in this mode)
+    if mode == FP8_F16_VWORDS and (q.shape[2] % 4 or not decode):
+        mode = FP8_F16  # the words need head_dim % 4 == 0; the prefill kernel has no word path (nor FP8_PTX)
     constexprs = {"FP8_MODE": mode, "DOT_FP16": fp8_dot_fp16(config.mode, q.dtype == torch.float32)}
     if mode == FP8_F16_VWORDS:
         constexprs["FP8_PTX"] = q.is_cuda  # the interpreter runs no PTX: a cast per byte there (kv_fp8_tiles.py)
@@ -332,7 +333,7 @@ def paged_decode_attention_triton(
     group = num_q_heads // num_kv_heads
     tile_n = 64 if q.is_cuda else 16  # the interpreter pays per element: small tiles keep tests fast
     fp8 = is_fp8_cache(k_cache)
-    fp8_args, launch = _fp8_launch(fp8, fp8_config or DEFAULT_DECODE, q)
+    fp8_args, launch = _fp8_launch(fp8, fp8_config or DEFAULT_DECODE, q, decode=True)
     if fp8 and q.is_cuda:
         tile_n = (fp8_config or DEFAULT_DECODE).tile_n
     max_context = block_tables.shape[1] * block_size  # a bound on every context length, known without sync
@@ -500,7 +501,7 @@ def paged_attention_triton(
     # over real rows load one int and store nothing (T=8192: 128 programs per kv head, ~1% of the grid).
     pad_rows = 64 if q.is_cuda else 16
     fp8 = is_fp8_cache(k_cache)
-    fp8_args, launch = _fp8_launch(fp8, fp8_config or DEFAULT_PREFILL, q)
+    fp8_args, launch = _fp8_launch(fp8, fp8_config or DEFAULT_PREFILL, q, decode=False)
     tile_n = 64 if q.is_cuda else 16
     if fp8 and q.is_cuda:
         tile_n = (fp8_config or DEFAULT_PREFILL).tile_n

@@ -57,11 +57,16 @@ class Fp8AttentionConfig:
         return f"{self.mode} n{self.tile_n} w{self.num_warps} s{self.num_stages}"
 
 
-# Picked before the H200 measured them (ops/bench_decode_attention_fp8.py times all; its --ptx table, sm_90,
+# Measured on the H200 (2026-12-01 15:28 UTC, ops/bench_decode_attention_fp8.py, CUDA-graph replay, 8B heads):
+# decode at B=1,024 ctx 640: bf16 cache 628 us; FP8 cast n64 661, f16 n64 581, f16-vwords n64 555, f16-vwords
+# n128 w4 **469** (2.86 TB/s of FP8 bytes; the fastest at every B >= 256 and ctx 640 / 4,096), n128 w8 669,
+# bits 753. At B=1 all are 6-7 us (bf16 5.9). Prefill (8,192 tokens): bf16 189 us, cast 248, f16 n64 212, n32
+# 208, bits 272: F16 stays there (compute-bound; the conversion still costs ~12 %).
+# Before that run: picked (ops/bench_decode_attention_fp8.py times all; its --ptx table, sm_90,
 # TILE_N 64, 4 warps): F16_VWORDS is the only FP8 decode variant without the 64 byte-wide shared-memory loads
 # and the 128 fp16 -> bf16 conversions a thread and tile (whole-kernel PTX: 957 lines vs 918 for the bf16
 # cache, 1,145 CAST, 1,194 F16). The prefill kernel reads no V byte-wise (its M is 64), so F16 there.
-DEFAULT_DECODE = Fp8AttentionConfig("f16-vwords")
+DEFAULT_DECODE = Fp8AttentionConfig("f16-vwords", tile_n=128)
 DEFAULT_PREFILL = Fp8AttentionConfig("f16")
 
 
