@@ -17,6 +17,7 @@ that returned none of the request's tokens. `--json-out` writes every step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -27,6 +28,69 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "ops")]
+
+
+class PhaseClock:
+    """Host seconds inside each named callable of the engine (an instance attribute wraps the bound method), per
+    step: which part of a step() blocks (a host wait on the GPU shows up in the part that makes it)."""
+
+    def __init__(self, eng: Any) -> None:
+        self.ms: dict[str, float] = {}
+        targets = {"schedule": (eng.scheduler, "schedule"), "prepare": (eng.runner, "prepare"),
+                   "forward": (eng.runner, "forward"), "sample": (eng, "_sample"), "finish": (eng, "_finish_step")}
+        for name, (obj, attr) in targets.items():
+            setattr(obj, attr, self._timed(name, getattr(obj, attr)))
+
+    def _timed(self, name: str, fn: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - t0) * 1000
+
+        return run
+
+    def take(self) -> dict[str, float]:
+        out, self.ms = {k: round(v, 2) for k, v in self.ms.items()}, {}
+        return out
+
+
+class SyncLog:
+    """torch's CUDA sync debug mode while installed: each synchronizing op's warning, counted by the engine
+    frame that made it (file:line function), so a host wait hidden in a step is named."""
+
+    def __init__(self) -> None:
+        self.sites: dict[str, int] = {}
+
+    def __enter__(self) -> SyncLog:
+        import traceback
+        import warnings
+
+        import torch
+
+        self._old = warnings.showwarning
+
+        def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+            frames = [f for f in traceback.extract_stack()[:-1] if "/stoker/" in f.filename or "/engine/" in f.filename]
+            site = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-3:][::-1])
+            self.sites[site or f"{filename}:{lineno}"] = self.sites.get(site, 0) + 1
+
+        warnings.showwarning = show
+        warnings.simplefilter("always")
+        self._cuda = torch.cuda.is_available()  # a CPU dry run has nothing to watch
+        if self._cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import warnings
+
+        import torch
+
+        if self._cuda:
+            torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = self._old
 
 
 class GcClock:
@@ -43,9 +107,10 @@ class GcClock:
             self.events.append((info["generation"], (time.perf_counter() - self._started) * 1000))
 
 
-def trace(eng: Any, prompts: list[list[int]], new: int) -> tuple[list[dict[str, Any]], dict[str, list[int]]]:
+def trace(eng: Any, prompts: list[list[int]], new: int,
+          phased: bool = False) -> tuple[list[dict[str, Any]], dict[str, list[int]]]:
     """Runs the requests to the end. -> (one row per step, request id -> indexes of the steps that returned
-    its tokens)."""
+    its tokens). phased: each step also gets the host ms inside its parts (PhaseClock)."""
     from stoker.engine import EngineRequest, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
@@ -53,6 +118,7 @@ def trace(eng: Any, prompts: list[list[int]], new: int) -> tuple[list[dict[str, 
         eng.add_request(EngineRequest(f"t{i}", prompt_token_ids=prompt, params=params))
     clock = GcClock()
     gc.callbacks.append(clock)
+    phases = PhaseClock(eng) if phased else None
     steps: list[dict[str, Any]] = []
     token_steps: dict[str, list[int]] = {}
     try:
@@ -69,7 +135,8 @@ def trace(eng: Any, prompts: list[list[int]], new: int) -> tuple[list[dict[str, 
                     token_steps.setdefault(out.request_id, []).append(len(steps))
             steps.append({"start": t0, "end": t1, "ms": (t1 - t0) * 1000, "tokens": eng.last_step_tokens,
                           "mixed": eng.last_step_mixed, "running": stats.num_running, "waiting": stats.num_waiting,
-                          "outputs_with_tokens": with_tokens, "gc": clock.events[seen:]})
+                          "outputs_with_tokens": with_tokens, "gc": clock.events[seen:],
+                          **({"phases_ms": phases.take()} if phases else {})})
     finally:
         gc.callbacks.remove(clock)
     return steps, token_steps
@@ -119,6 +186,10 @@ def report(res: dict[str, Any], steps: list[dict[str, Any]], top: int) -> None:
         st = steps[i]
         print(f"{i:>6}{st['ms']:>10.1f}{st['tokens']:>8}{st['mixed']!s:>7}{st['running']:>9}{st['waiting']:>9}"
               f"{st['outputs_with_tokens']:>9}  {[(g, round(ms, 1)) for g, ms in st['gc']]}")
+    if steps and "phases_ms" in steps[0]:
+        print(f"\nthe first {top} steps in order, host ms by part")
+        for i, st in enumerate(steps[:top]):
+            print(f"{i:>6}{st['ms']:>10.1f}{st['tokens']:>8}{st['mixed']!s:>7}{st['running']:>9}  {st['phases_ms']}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -132,6 +203,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--top", type=int, default=15, help="longest steps listed")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--phases", action="store_true", help="per step, host ms in schedule / prepare / forward / "
+                    "sample / finish (which part waits on the GPU)")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="torch.cuda.set_sync_debug_mode('warn') during the timed run: synchronizing ops by call site")
     args = ap.parse_args(argv)
     import bench
     from stoker.engine import LLMEngine
@@ -143,9 +218,17 @@ def main(argv: list[str] | None = None) -> None:
                                         max_num_batched_tokens=args.max_num_batched_tokens))
     vocab = eng.model_config.vocab_size
     trace(eng, bench.random_prompts(2, args.prompt, vocab, 7), 4)  # first compiles and graph buckets: untimed
-    steps, token_steps = trace(eng, bench.random_prompts(args.requests, args.prompt, vocab, 1), args.new)
+    prompts = bench.random_prompts(args.requests, args.prompt, vocab, 1)
+    syncs = SyncLog() if args.sync_debug else contextlib.nullcontext()
+    with syncs:
+        steps, token_steps = trace(eng, prompts, args.new, phased=args.phases)
     res = summarize(steps, gaps_of(steps, token_steps))
     report(res, steps, args.top)
+    if isinstance(syncs, SyncLog):
+        res["sync_sites"] = syncs.sites
+        print("\nsynchronizing ops (torch sync debug mode) by call site:")
+        for site, n in sorted(syncs.sites.items(), key=lambda kv: -kv[1]):
+            print(f"{n:>8}  {site}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"args": vars(args), "summary": res, "steps": steps}, indent=1))
 
