@@ -77,3 +77,23 @@ def test_gemv_configs_fit_the_h200s_shared_memory(dtype: str, elem_bytes: int, k
                       QK_NORM=False, HALF=64, SPLITS_PER_HEAD=2, PAIRED=kind in ("silu", "rope"), USE_PDL=False)
     kernel = _compile(gemv._gemv_kernel, _gemv_signature(dtype), constexprs, cfg.num_warps, cfg.num_stages)
     assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)
+
+
+@pytest.mark.parametrize("fused_combine", [False, True])
+def test_decode_attention_compiles_for_sm90(fused_combine: bool) -> None:
+    """The split kernel with the fused combine (a gpu-scope acq_rel atomic, a barrier, .cg loads: none of which
+    the interpreter checks) and the separate reduce kernel it replaces, at the 8B shape (8 kv heads, 32 splits)."""
+    from stoker.engine.kernels import attention
+
+    ints = ("q_seq_stride", "q_head_stride", "block_table_stride", "out_seq_stride", "out_head_stride")
+    signature = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "block_tables_ptr": "*i32",
+                 "context_lens_ptr": "*i32", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32",
+                 "part_sum_ptr": "*fp32", "k_scale_ptr": "*bf16", "v_scale_ptr": "*bf16", "counters_ptr": "*i32",
+                 "qk_scale": "fp32", **{name: "i32" for name in ints}}
+    constexprs = dict(NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, TILE_N=64,
+                      NUM_SPLITS=32, DOT_PRECISION="tf32", FP8_CACHE=False, FUSED_COMBINE=fused_combine, BLOCK_S=32)
+    signature.update({name: "constexpr" for name in constexprs})
+    kernel = _compile(attention._decode_split_kernel, signature, constexprs, warps=4)
+    assert kernel.metadata.shared <= H200_SHARED_BYTES
+    ptx = kernel.asm["ptx"]
+    assert ("atom.global.gpu.acq_rel.add" in ptx) == fused_combine, "the arrival counter must be a gpu-scope acq_rel atomic"

@@ -14,8 +14,14 @@ import math
 import torch
 from stoker.engine import kernels
 from stoker.engine.batch import AttentionMetadata
+from stoker.engine.kernels.attention import decode_combine_counters
 from stoker.engine.layers.weights import WeightModule
 from torch import nn
+
+# The decode kernel combines its splits itself up to this batch (one launch instead of two). Above it the
+# grid has one split per (sequence, kv head) at the shapes we run (decode_num_splits: 2 waves are filled by
+# 33 sequences of 8 kv heads on 132 SMs), so there is nothing to combine and no counters are needed.
+FUSED_COMBINE_MAX_BATCH = 64
 
 
 class PagedAttention(WeightModule):
@@ -28,6 +34,8 @@ class PagedAttention(WeightModule):
         self.kv_scales_required = kv_scales_required
         self.k_scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
         self.v_scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
+        # The decode kernel's fused-combine counters (made on first use on q's device; not a weight).
+        self._combine_counters: torch.Tensor | None = None
 
     def load_weight(self, param_name: str, loaded: torch.Tensor, shard: str = "") -> None:
         # Checkpoints save a scalar (shape []) or [1]; a scale must be a positive finite number.
@@ -48,9 +56,19 @@ class PagedAttention(WeightModule):
         """q [T, Hq, D] (this step's keys and values already in the cache) -> [T, Hq, D]."""
         if meta.decode_only:
             return kernels.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale, self.k_scale, self.v_scale
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale, self.k_scale, self.v_scale,
+                self._counters_for(q),
             )
         return kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, self.scale,
             self.k_scale, self.v_scale,
         )
+
+    def _counters_for(self, q: torch.Tensor) -> torch.Tensor | None:
+        """The fused combine's counters for a decode batch of q.shape[0] sequences, or None for the two-kernel
+        combine (batches above FUSED_COMBINE_MAX_BATCH: one split per program there, nothing to combine)."""
+        if q.shape[0] > FUSED_COMBINE_MAX_BATCH:
+            return None
+        if self._combine_counters is None or self._combine_counters.device != q.device:
+            self._combine_counters = decode_combine_counters(FUSED_COMBINE_MAX_BATCH, self.num_kv_heads, q.device)
+        return self._combine_counters
