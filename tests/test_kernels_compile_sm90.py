@@ -58,23 +58,27 @@ def _gemv_signature(dtype: str) -> dict[str, str]:
     signature.update(positions_ptr="*i64", slot_ptr="*i64", cos_sin_ptr="*fp32", eps="fp32")
     signature.update({name: "i32" for name in _GEMV_INTS})
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_DOT", "DOT_PRECISION", "NORM", "PRO_RESIDUAL", "APPLY_G",
-                 "HAS_BIAS", "SILU_MUL", "ADD", "ROTARY", "QK_NORM", "HALF", "SPLITS_PER_HEAD", "PAIRED", "USE_PDL"):
+                 "HAS_BIAS", "SILU_MUL", "ADD", "ROTARY", "QK_NORM", "HALF", "SPLITS_PER_HEAD", "PAIRED", "USE_PDL",
+                 "NORM_CHUNK"):
         signature[name] = "constexpr"
     return signature
 
 
 @pytest.mark.parametrize("dtype, elem_bytes", [("bf16", 2), ("fp32", 4)])
-@pytest.mark.parametrize("kind, rows", [("silu", 8), ("rope", 8), ("plain", 1)])
-def test_gemv_configs_fit_the_h200s_shared_memory(dtype: str, elem_bytes: int, kind: str, rows: int) -> None:
+@pytest.mark.parametrize("kind, rows, norm", [("silu", 8, False), ("rope", 8, False), ("plain", 1, False),
+                                              ("silu", 1, True), ("rope", 1, True)])
+def test_gemv_configs_fit_the_h200s_shared_memory(dtype: str, elem_bytes: int, kind: str, rows: int,
+                                                  norm: bool) -> None:
     """The configs gemv_config picks for the 8B shape compile for sm_90 and fit a block's shared memory (the
-    float32 rotary tile of the bf16 sweep's shape asked 245,760 bytes)."""
+    float32 rotary tile of the bf16 sweep's shape asked 245,760 bytes); norm: the folded prologue norm."""
     from stoker.engine.kernels import gemv
 
     cfg = gemv.gemv_config(kind, rows, 4096, 4096, True, elem_bytes)
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
-                      DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", NORM=False, PRO_RESIDUAL=False,
+                      DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", NORM=norm, PRO_RESIDUAL=False,
                       APPLY_G=False, HAS_BIAS=False, SILU_MUL=kind == "silu", ADD=False, ROTARY=kind == "rope",
-                      QK_NORM=False, HALF=64, SPLITS_PER_HEAD=2, PAIRED=kind in ("silu", "rope"), USE_PDL=False)
+                      QK_NORM=False, HALF=64, SPLITS_PER_HEAD=2, PAIRED=kind in ("silu", "rope"), USE_PDL=False,
+                      NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True))
     kernel = _compile(gemv._gemv_kernel, _gemv_signature(dtype), constexprs, cfg.num_warps, cfg.num_stages)
     assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)
 

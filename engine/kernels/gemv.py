@@ -14,10 +14,11 @@ constexpr flags of one kernel:
   residual, rounded to the model dtype like torch; program 0 writes s out exactly once (into a new buffer:
   other programs still read the old residual, so it must never be updated in place). The decode path does
   not need it: the residual add lives in the o_proj / down epilogue.
-  Measured cost (H200, bf16, 2026-12-01): the pre-pass is K / BLOCK_K dependent L2 round trips per program
-  before its weight stream starts, +12 us on the 8B qkv (26.3 vs 14.2 us plain at M = 1) and +21 us on
-  gate_up (78.9 vs 57.7): until it overlaps the weight loop, a separate RMSNorm kernel (~2 us) before the
-  rope / SiLU variants without a prologue norm is faster (see ops/bench_gemv.py and BENCHMARKS.md);
+  Measured cost (H200, bf16, 2026-12-01) of the first pre-pass, BLOCK_K-wide slices of all BLOCK_M rows:
+  K / BLOCK_K L2 round trips per program before its weight stream starts, +12 us on the 8B qkv (26.3 vs
+  14.2 us plain at M = 1) and +21 us on gate_up (78.9 vs 57.7), slower than a separate RMSNorm kernel
+  (~2 us). It now reads each live row in slices as wide as the registers allow (_row_sumsq: 1-4 round trips
+  at M = 1); its H200 figure is ops/bench_gemv.py --ablate's "fold" columns;
 - bias (Qwen2's q/k/v bias);
 - SiLU-and-mul epilogue (`silu_mul`): weight rows are [gate; up] as in engine/models/llama.py; each program
   streams gate row n and up row I + n and writes silu(gate) * up;
@@ -232,6 +233,24 @@ def _gemv_step(
 
 
 @triton.jit
+def _row_sumsq(x_ptr, x_stride, M, K, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """[BLOCK_M] float32 sums of squares of the M live rows of x. One live row at a time in CHUNK-wide
+    slices (CHUNK = K rounded up to a power of two, at most 32 elements a thread): at M = 1 that is one to
+    four L2 round trips before the weight stream starts, where BLOCK_K-wide slices of all BLOCK_M rows (the
+    tile's 15 padding rows included on the tl.dot path) took K / BLOCK_K = 32 of them at the 8B shape."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, CHUNK)
+    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for row in range(0, M):
+        row_sum = tl.zeros([CHUNK], dtype=tl.float32)
+        for c0 in range(0, K, CHUNK):
+            xr = tl.load(x_ptr + row * x_stride + c0 + cols, mask=c0 + cols < K, other=0.0).to(tl.float32)
+            row_sum += xr * xr
+        sumsq = tl.where(rows == row, tl.sum(row_sum, axis=0), sumsq)
+    return sumsq
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, bias_ptr, norm_ptr, hres_ptr, res_out_ptr, add_ptr,
     positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_norm_ptr, k_norm_ptr,
@@ -243,7 +262,7 @@ def _gemv_kernel(
     NORM: tl.constexpr, PRO_RESIDUAL: tl.constexpr, APPLY_G: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr, ADD: tl.constexpr,
     ROTARY: tl.constexpr, QK_NORM: tl.constexpr, HALF: tl.constexpr, SPLITS_PER_HEAD: tl.constexpr,
-    PAIRED: tl.constexpr, USE_PDL: tl.constexpr,
+    PAIRED: tl.constexpr, USE_PDL: tl.constexpr, NORM_CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     j = tl.arange(0, BLOCK_N)
@@ -281,11 +300,7 @@ def _gemv_kernel(
         # The rms of each x row in a pass of its own (x is M*K elements, read from L2 by every program),
         # so that the weight loop below stays a plain pipelined GEMV: normalising x inside the loop took
         # the 8B qkv GEMV from 15 to 35-57 us at M = 8 on the tl.dot path (H200, ops/bench_gemv.py --ablate).
-        for p0 in range(0, K, BLOCK_K):
-            pk = p0 + ks
-            xp = tl.load(x_ptr + m[:, None] * x_stride + pk[None, :], mask=m_mask[:, None] & (pk[None, :] < K),
-                         other=0.0).to(tl.float32)
-            sumsq += tl.sum(xp * xp, axis=1)
+        sumsq = _row_sumsq(x_ptr, x_stride, M, K, BLOCK_M, NORM_CHUNK)
     if USE_PDL:
         acc_a, acc_b, sumsq = _gemv_step(
             0, wa, wb, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
@@ -416,6 +431,14 @@ def _gpu_gemv_config(kind: str, num_rows: int, n_out: int, hidden: int) -> GemvC
     return GemvConfig(16, 16, 512, True, 4, 3) if hidden >= 8192 else GemvConfig(16, 32, 256, True, 4, 4)
 
 
+def norm_chunk(hidden: int, num_warps: int, on_gpu: bool) -> int:
+    """Slice width of the prologue norm's rms pass (_row_sumsq): the whole row up to 32 float32 registers a
+    thread; in the interpreter 64, so the tests' K = 200 takes several slices and a masked tail."""
+    if not on_gpu:
+        return 64
+    return min(triton.next_power_of_2(hidden), 1024 * num_warps)
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
 
@@ -468,7 +491,8 @@ def _launch(
         APPLY_G=norm_weight is not None, HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul, ADD=add is not None,
         ROTARY=rotary is not None, QK_NORM=qk_norm is not None, HALF=half, SPLITS_PER_HEAD=splits,
-        PAIRED=silu_mul or rotary is not None, USE_PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PAIRED=silu_mul or rotary is not None, USE_PDL=use_pdl, NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
     )
 
