@@ -114,6 +114,9 @@ def main() -> None:
         sys.exit("bench_decode_attention needs a CUDA GPU (or --dry-run under TRITON_INTERPRET=1)")
     if opts.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("--dry-run runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
+    if opts.dry_run:  # triton 3.6's interpreter needs tests/kernel_harness.py's numpy >= 2.4 fix
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        import kernel_harness  # noqa: F401
     device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
     cases = opts.cases.split(",") if on_gpu else ["tiny:1x40x64", "tiny:3x40x64"]
     max_layers, chain = (LAYERS, CHAIN) if on_gpu else (2, 2)
