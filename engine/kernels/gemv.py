@@ -390,8 +390,15 @@ class GemvConfig:
                 f"w{self.num_warps} s{self.num_stages}")
 
 
+# M = 1 launch shapes per (kind, n_out, hidden) as gemv_config sees them, each the fastest candidate of
+# ops/bench_gemv.py --sweep-fused for that projection (see _gpu_gemv_config for the shapes not listed).
+_TUNED_M1: dict[tuple[str, int, int], GemvConfig] = {}
+
+
 def gemv_config(kind: str, num_rows: int, n_out: int, hidden: int, on_gpu: bool, elem_bytes: int = 2) -> GemvConfig:
-    """Block sizes for M tokens; kind is "plain" (also the norm / bias / add variants), "silu" or "rope".
+    """Block sizes for M tokens; kind is "plain" (also the bias / add / unfolded-norm variants), "silu" or
+    "rope", with "-norm" for the folded prologue norm (its rms pass changes which shape is fastest; without a
+    tuned entry it takes its base kind's config). For "rope", n_out is half the qkv rows (a program's pairs).
     elem_bytes: the operands' element size. The sweeps were of 16-bit operands; a float32 tile of the same
     shape needs twice the shared memory per pipeline stage (the SiLU config's 5 stages then asked 240 KB of the
     H200's 227 KB and failed to launch), so 4-byte operands take half the K slice: the same bytes per stage.
@@ -418,6 +425,10 @@ def gemv_config(kind: str, num_rows: int, n_out: int, hidden: int, on_gpu: bool,
 
 
 def _gpu_gemv_config(kind: str, num_rows: int, n_out: int, hidden: int) -> GemvConfig:
+    tuned = _TUNED_M1.get((kind, n_out, hidden)) if num_rows == 1 else None
+    if tuned is not None:
+        return tuned
+    kind = kind.removesuffix("-norm")
     if kind == "silu":
         return GemvConfig(16, 32, 128, True, 2, 5)
     if kind == "rope":
@@ -527,7 +538,8 @@ def gemv_triton(
     s = x if norm_residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
     if num_rows == 0 or n_out == 0:
         return out, s
-    cfg = config or gemv_config("silu" if silu_mul else "plain", num_rows, n_out, hidden, x.is_cuda,
+    kind = ("silu" if silu_mul else "plain") + ("-norm" if norm_folded else "")
+    cfg = config or gemv_config(kind, num_rows, n_out, hidden, x.is_cuda,
                                 x.element_size())
     _launch(x, weight, out, n_out, triton.cdiv(n_out, cfg.block_n), cfg, bias, norm_weight, eps,
             norm_residual, s, silu_mul, add, pdl, norm_folded=norm_folded)
@@ -593,7 +605,8 @@ def gemv_rotary_cache_triton(
     if num_rows == 0:
         return out, s
     half = head_dim // 2
-    cfg = config or gemv_config("rope", num_rows, n_total // 2, hidden, x.is_cuda, x.element_size())
+    kind = "rope-norm" if norm_folded else "rope"
+    cfg = config or gemv_config(kind, num_rows, n_total // 2, hidden, x.is_cuda, x.element_size())
     block_n = min(cfg.block_n, triton.next_power_of_2(half))
     if q_norm is not None:
         block_n = triton.next_power_of_2(half)  # the per-head norm needs the whole head in one program
