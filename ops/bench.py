@@ -478,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-cold", action="store_true", help="no cold start (page cache drop + first engine)")
-    ap.add_argument("--skip-w2", action="store_true", help="no W2 (nor --profile, which profiles W1 and W2 together)")
+    ap.add_argument("--skip-w2", action="store_true", help="no W2 (--profile then gives the W1 kernel table alone)")
     ap.add_argument("--decode-kernels", default="auto",
                     help="comma-separated EngineConfig.decode_kernels settings (auto|fused|fused-folded|cublas, each "
                          "optionally +pdl): the first runs everything; each other one runs W1 on a fresh engine")
@@ -562,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     r["w1_by_decode"] = {decodes[0]: w1_summary(r["w1"], r["warm_startup"])}
     log(f"W1 {r['w1']}")
     if args.skip_w2:
+        if args.profile:  # the W1 kernel table alone (W2's tables need W2)
+            profile_w1(eng, vocab, args.prompt)
         return finish(eng, r, args, path, decodes, quantization)
 
     # W2
