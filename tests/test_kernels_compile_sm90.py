@@ -101,3 +101,30 @@ def test_decode_attention_compiles_for_sm90(fused_combine: bool) -> None:
     assert kernel.metadata.shared <= H200_SHARED_BYTES
     ptx = kernel.asm["ptx"]
     assert ("atom.global.gpu.acq_rel.add" in ptx) == fused_combine, "the arrival counter must be a gpu-scope acq_rel atomic"
+
+
+def _tuned_entries() -> list[Any]:
+    from stoker.engine.kernels import gemv
+
+    seen, entries = set(), []
+    for (kind, n_out, hidden), cfg in sorted(gemv._TUNED_M1.items()):
+        if (kind, cfg) not in seen:  # one compile per distinct (kind, config)
+            seen.add((kind, cfg))
+            entries.append(pytest.param(kind, n_out, hidden, id=f"{kind}-{n_out}x{hidden}"))
+    return entries
+
+
+@pytest.mark.parametrize("kind, n_out, hidden", _tuned_entries())
+def test_tuned_m1_configs_fit_the_h200s_shared_memory_in_fp32(kind: str, n_out: int, hidden: int) -> None:
+    """The M = 1 table's configs as float32 operands get them (the halved K slice): the largest tiles it asks."""
+    from stoker.engine.kernels import gemv
+
+    cfg = gemv.gemv_config(kind, 1, n_out, hidden, True, 4)
+    base = kind.removesuffix("-norm")
+    constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
+                      DOT_PRECISION="ieee", NORM=kind.endswith("-norm"), PRO_RESIDUAL=False, APPLY_G=False,
+                      HAS_BIAS=False, SILU_MUL=base == "silu", ADD=base == "plain", ROTARY=base == "rope",
+                      QK_NORM=False, HALF=64, SPLITS_PER_HEAD=8, PAIRED=base in ("silu", "rope"), USE_PDL=False,
+                      NORM_CHUNK=gemv.norm_chunk(hidden, cfg.num_warps, True))
+    kernel = _compile(gemv._gemv_kernel, _gemv_signature("fp32"), constexprs, cfg.num_warps, cfg.num_stages)
+    assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)

@@ -101,12 +101,16 @@ def test_fused_combine_rejects_counters_it_cannot_use(device: str, dtype: torch.
         paged_decode_attention_triton(*args, counters=torch.zeros(8, dtype=torch.int64, device=device))
 
 
-def test_the_layer_hands_counters_to_small_batches_only() -> None:
+def test_the_layer_hands_counters_to_small_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stoker.engine.layers import attention as layer_module
+
     layer = PagedAttention(num_heads=8, num_kv_heads=2, head_dim=16, scale=0.25)
-    small = layer._counters_for(torch.zeros(FUSED_COMBINE_MAX_BATCH, 8, 16))
-    assert small is not None and small.numel() == FUSED_COMBINE_MAX_BATCH * 2 and small.dtype == torch.int32
-    assert layer._counters_for(torch.zeros(1, 8, 16)) is small  # one buffer per layer, made once
     assert layer._counters_for(torch.zeros(FUSED_COMBINE_MAX_BATCH + 1, 8, 16)) is None
+    monkeypatch.setattr(layer_module, "FUSED_COMBINE_MAX_BATCH", 5)
+    small = layer._counters_for(torch.zeros(5, 8, 16))
+    assert small is not None and small.numel() == 5 * 2 and small.dtype == torch.int32
+    assert layer._counters_for(torch.zeros(1, 8, 16)) is small  # one buffer per layer, made once
+    assert layer._counters_for(torch.zeros(6, 8, 16)) is None
 
 
 @GPU

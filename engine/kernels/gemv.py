@@ -391,8 +391,17 @@ class GemvConfig:
 
 
 # M = 1 launch shapes per (kind, n_out, hidden) as gemv_config sees them, each the fastest candidate of
-# ops/bench_gemv.py --sweep-fused for that projection (see _gpu_gemv_config for the shapes not listed).
-_TUNED_M1: dict[tuple[str, int, int], GemvConfig] = {}
+# ops/bench_gemv.py --sweep-fused for that projection (H200, bf16, 2026-12-01 14:43 UTC; us per call in
+# CUDA-graph chains, the rule below -> this entry). Listed where the gain passed 0.3 us; the rule below was
+# already the best or within 0.2 us for the others (8B rope / silu / o / down, 1B silu / o / down). The folded
+# norm's rms pass wants more rows per program than the plain kinds: fewer programs repeat it.
+_TUNED_M1: dict[tuple[str, int, int], GemvConfig] = {
+    ("rope-norm", 3072, 4096): GemvConfig(1, 8, 512, False, 4, 3),  # 8B qkv, folded norm: 21.2 -> 16.1
+    ("silu-norm", 14336, 4096): GemvConfig(16, 64, 128, True, 4, 4),  # 8B gate_up, folded norm: 60.3 -> 58.0
+    ("rope", 1536, 2048): GemvConfig(1, 2, 1024, False, 4, 3),  # 1B qkv: 5.7 -> 5.4
+    ("rope-norm", 1536, 2048): GemvConfig(1, 2, 1024, False, 4, 3),  # 1B qkv, folded norm: 6.3 -> 5.9
+    ("silu-norm", 8192, 2048): GemvConfig(16, 64, 128, True, 4, 4),  # 1B gate_up, folded norm: 18.8 -> 18.2
+}
 
 
 def gemv_config(kind: str, num_rows: int, n_out: int, hidden: int, on_gpu: bool, elem_bytes: int = 2) -> GemvConfig:

@@ -18,10 +18,13 @@ from stoker.engine.kernels.attention import decode_combine_counters
 from stoker.engine.layers.weights import WeightModule
 from torch import nn
 
-# The decode kernel combines its splits itself up to this batch (one launch instead of two). Above it the
-# grid has one split per (sequence, kv head) at the shapes we run (decode_num_splits: 2 waves are filled by
-# 33 sequences of 8 kv heads on 132 SMs), so there is nothing to combine and no counters are needed.
-FUSED_COMBINE_MAX_BATCH = 64
+# The decode kernel combines its splits itself (counters, one launch) up to this batch; above it the reduce
+# kernel does. 0: nowhere, measured slower at every batch (H200, bf16, 2026-12-01 14:43 UTC,
+# ops/bench_decode_attention.py, us per layer in CUDA-graph chains, two kernels vs fused): 8B batch 1 ctx 768
+# 6.3 vs 9.1, batch 4 10.1 vs 15.4, batch 16 20.1 vs 22.0, batch 1 ctx 4096 11.6 vs 17.6; 1B batch 1 5.5 vs
+# 7.5. The last split's combine of its GROUP heads one after another (a dependent L2 round trip each) and the
+# gpu-scope release every split pays cost more than the second launch inside a graph.
+FUSED_COMBINE_MAX_BATCH = 0
 
 
 class PagedAttention(WeightModule):
@@ -66,9 +69,11 @@ class PagedAttention(WeightModule):
 
     def _counters_for(self, q: torch.Tensor) -> torch.Tensor | None:
         """The fused combine's counters for a decode batch of q.shape[0] sequences, or None for the two-kernel
-        combine (batches above FUSED_COMBINE_MAX_BATCH: one split per program there, nothing to combine)."""
-        if q.shape[0] > FUSED_COMBINE_MAX_BATCH:
+        combine (batches above FUSED_COMBINE_MAX_BATCH)."""
+        limit = FUSED_COMBINE_MAX_BATCH  # read at call time: tests and benches change it
+        if q.shape[0] > limit:
             return None
-        if self._combine_counters is None or self._combine_counters.device != q.device:
-            self._combine_counters = decode_combine_counters(FUSED_COMBINE_MAX_BATCH, self.num_kv_heads, q.device)
+        if self._combine_counters is None or self._combine_counters.shape[0] < limit * self.num_kv_heads \
+                or self._combine_counters.device != q.device:
+            self._combine_counters = decode_combine_counters(limit, self.num_kv_heads, q.device)
         return self._combine_counters
