@@ -95,7 +95,8 @@ def test_decode_attention_compiles_for_sm90(fused_combine: bool) -> None:
                  "part_sum_ptr": "*fp32", "k_scale_ptr": "*bf16", "v_scale_ptr": "*bf16", "counters_ptr": "*i32",
                  "qk_scale": "fp32", **{name: "i32" for name in ints}}
     constexprs = dict(NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, TILE_N=64,
-                      NUM_SPLITS=32, DOT_PRECISION="tf32", FP8_CACHE=False, FUSED_COMBINE=fused_combine, BLOCK_S=32)
+                      NUM_SPLITS=32, DOT_PRECISION="tf32", FP8_CACHE=False, FUSED_COMBINE=fused_combine, BLOCK_S=32,
+                      BLOCK_GP=4, CHUNK_S=16)
     signature.update({name: "constexpr" for name in constexprs})
     kernel = _compile(attention._decode_split_kernel, signature, constexprs, warps=4)
     assert kernel.metadata.shared <= H200_SHARED_BYTES

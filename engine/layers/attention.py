@@ -22,8 +22,8 @@ from torch import nn
 # kernel does. 0: nowhere, measured slower at every batch (H200, bf16, 2026-12-01 14:43 UTC,
 # ops/bench_decode_attention.py, us per layer in CUDA-graph chains, two kernels vs fused): 8B batch 1 ctx 768
 # 6.3 vs 9.1, batch 4 10.1 vs 15.4, batch 16 20.1 vs 22.0, batch 1 ctx 4096 11.6 vs 17.6; 1B batch 1 5.5 vs
-# 7.5. The last split's combine of its GROUP heads one after another (a dependent L2 round trip each) and the
-# gpu-scope release every split pays cost more than the second launch inside a graph.
+# 7.5. That version combined the GROUP heads one after another (a dependent L2 round trip each); the kernel now
+# combines them at once (attention._combine_group), not measured yet: ops/bench_decode_attention.py decides.
 FUSED_COMBINE_MAX_BATCH = 0
 
 
