@@ -50,8 +50,8 @@ class EngineConfig:
     # Decode steps of <= 16 sequences (a CUDA-graph bucket takes its branch at capture): "fused" = the Triton
     # GEMVs with the rotary + KV-cache write, SiLU-mul and residual-add epilogues (engine/models/fused_decode.py);
     # "fused-folded" = the same with the RMSNorm weights folded into qkv / gate_up at load and the norm in their
-    # prologue (a win at 1B-class shapes, a loss at 8B: BENCHMARKS.md); "cublas" = the unfused kernels (F.linear);
-    # "auto" = "fused" on CUDA with Triton, "cublas" otherwise. FP8 and tensor-parallel linears keep their path.
+    # prologue (no RMSNorm launches; BENCHMARKS.md); "cublas" = the unfused kernels (F.linear); "auto" =
+    # "fused-folded" on CUDA with Triton, "cublas" otherwise. FP8 and tensor-parallel linears keep their path.
     decode_kernels: str = "auto"
     # The fused decode GEMVs launched with programmatic dependent launch (their weight stream starts while the
     # previous kernel drains): measured to help 1B-sized GEMVs, neutral at 8B (BENCHMARKS.md).

@@ -494,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-cold", action="store_true", help="no cold start (page cache drop + first engine)")
-    ap.add_argument("--skip-w2", action="store_true", help="no W2 (nor --profile, which profiles W1 and W2 together)")
+    ap.add_argument("--skip-w2", action="store_true", help="no W2 (--profile then gives the W1 kernel table alone)")
     ap.add_argument("--decode-kernels", default="auto",
                     help="comma-separated EngineConfig.decode_kernels settings (auto|fused|fused-folded|cublas, each "
                          "optionally +pdl, +overlap[N] (decode_overlap, N its min rows), +smsK (decode_overlap_sms)): the first runs "
@@ -579,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
     r["w1_by_decode"] = {decodes[0]: w1_summary(r["w1"], r["warm_startup"])}
     log(f"W1 {r['w1']}")
     if args.skip_w2:
+        if args.profile:  # the W1 kernel table alone (W2's tables need W2)
+            profile_w1(eng, vocab, args.prompt)
         return finish(eng, r, args, path, decodes, quantization)
 
     # W2

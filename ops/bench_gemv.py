@@ -18,15 +18,27 @@ done by the next RMSNorm in the unfused path and counted there); gemv = our kern
 and fused+PDL = the fused kernel, without and with programmatic dependent launch. `layer` rows chain the four
 projections of a decoder layer (no attention) over several layers' weights, unfused vs fused.
 --sweep first times block-size configs of the plain GEMV per shape and M (used to pick gemv_config).
+--sweep-fused times the decode path's fused kinds instead (rope + KV write, SiLU-mul, residual add, and the
+folded prologue norm with rope / SiLU) over FUSED_SWEEP's configs, in --jobs processes that compile in parallel
+and take turns on the GPU, and prints the best config per kind and shape; `--sweep-fused --dry-run` under
+TRITON_INTERPRET=1 runs it on the CPU at a tiny shape (a check of the script, not a measurement).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import fcntl
+import json
 import math
+import multiprocessing
+import os
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +62,7 @@ from stoker.engine.kernels.gemv import (  # noqa: E402
 MODELS = {  # hidden, q heads, kv heads, head_dim, intermediate
     "8b": (4096, 32, 8, 128, 14336),
     "1b": (2048, 32, 8, 64, 8192),
+    "tiny": (256, 4, 2, 32, 384),  # the CPU dry run's (--dry-run)
 }
 ROTATE_BYTES = 512 * 2**20
 DEVICE = "cuda"
@@ -284,6 +297,129 @@ def layer_rows(model: str, m: int, dtype: torch.dtype, bw: float) -> None:
           f"{layer_bytes / min(fus, pdl) / 1e6 / bw * 1e12:5.0%} | {unf / min(fus, pdl):5.2f}x | floor {floor:.1f} us")
 
 
+# ------------------------------------------------------------- the fused kinds' sweep (issue 13 item 3)
+def _cores(bn: int, bk: int, warps: int = 4, stages: int = 3) -> GemvConfig:
+    return GemvConfig(1, bn, bk, False, warps, stages)
+
+
+def _dot(bn: int, bk: int, warps: int, stages: int) -> GemvConfig:
+    return GemvConfig(16, bn, bk, True, warps, stages)
+
+
+# Candidates at M = 1 per epilogue, around the configs gemv_config picks now (the first entry of each run is
+# that pick itself, config=None). CUDA cores: 1-row programs, weights in registers; tl.dot: the 16-row tile.
+FUSED_SWEEP: dict[str, list[GemvConfig]] = {
+    "rope": [_cores(2, 1024), _cores(4, 512), _cores(4, 1024), _cores(8, 512), _cores(4, 512, 2),
+             _cores(4, 256, 4, 4), _dot(16, 256, 1, 4), _dot(16, 128, 1, 5)],
+    "silu": [_dot(32, 128, 2, 5), _dot(16, 128, 1, 5), _dot(16, 256, 1, 4), _dot(32, 128, 1, 5),
+             _dot(32, 256, 2, 4), _dot(64, 128, 4, 4), _cores(4, 512), _cores(8, 512)],
+    "add": [_dot(16, 256, 1, 4), _dot(16, 128, 1, 5), _dot(16, 512, 1, 3), _dot(32, 256, 2, 4),
+            _dot(32, 128, 1, 5), _cores(4, 1024), _cores(8, 512), _cores(2, 1024)],
+}
+FUSED_TASKS = [("qkv", "rope"), ("qkv", "rope+fold"), ("gate_up", "silu"), ("gate_up", "silu+fold"),
+               ("o", "add"), ("down", "add")]
+
+
+def fused_call(p: Proj, kind: str, w: torch.Tensor, cfg: GemvConfig | None) -> Callable[[], object]:
+    """One call of the decode path's kernel for this projection: rope (+ KV write), SiLU-mul or residual add;
+    "+fold" adds the prologue norm (the weight's values do not change the time, so w is used as it is)."""
+    fold, x = kind.endswith("+fold"), p.x
+    if kind.startswith("rope"):
+        return lambda: gemv_rotary_cache_triton(
+            x, w, None, num_heads=p.hq, num_kv_heads=p.hkv, positions=p.positions, cos_sin=p.cos_sin,
+            k_cache=p.k_cache, v_cache=p.v_cache, slot_mapping=p.slots, norm_folded=fold, eps=EPS, config=cfg)
+    if kind.startswith("silu"):
+        return lambda: gemv_triton(x, w, silu_mul=True, norm_folded=fold, eps=EPS, config=cfg)
+    return lambda: gemv_triton(x, w, add=p.add, config=cfg)
+
+
+@contextlib.contextmanager
+def _gpu_lock(path: str) -> Iterator[None]:
+    """One sweep worker on the GPU at a time; the others compile meanwhile (compiles are most of a sweep)."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _wall_us(calls: list[Callable[[], object]]) -> float:
+    start = time.perf_counter()
+    for call in calls:
+        call()
+    return (time.perf_counter() - start) * 1e6 / len(calls)
+
+
+def _sweep_task(task: tuple[str, str, str, int, str, str, bool]) -> list[dict[str, Any]]:
+    """A worker process: every candidate config of one (model, projection, kind, M)."""
+    model, proj, kind, m, dtype_name, lock_path, dry = task
+    global DEVICE
+    if dry:
+        DEVICE = "cpu"
+        _interpreter_fix()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
+    torch.manual_seed(0)
+    with _gpu_lock(lock_path):
+        p = Proj(model, proj, m, dtype, n_copies=2 if dry else None)
+    rows: list[dict[str, Any]] = []
+    # A dry run checks the script, not the configs: gemv_config's pick and one candidate.
+    for cfg in [None, *FUSED_SWEEP[kind.split("+")[0]][: 1 if dry else None]]:
+        row: dict[str, Any] = {"model": model, "proj": proj, "kind": kind, "m": m,
+                               "config": "default" if cfg is None else cfg.label(),
+                               "fields": None if cfg is None else dataclasses.astuple(cfg)}
+        try:
+            calls = p.chain(lambda w, c=cfg: fused_call(p, kind, w, c))
+            calls[0]()  # compile outside the lock, while another worker times
+            with _gpu_lock(lock_path):
+                row["us"] = _wall_us(calls[:2]) if dry else graph_us(calls)
+        except Exception as e:  # a config that does not compile or fit: report it, keep going
+            row["error"] = f"{type(e).__name__}: {str(e)[:100]}"
+        rows.append(row)
+    row_bytes = p.bytes["fused"]
+    for row in rows:
+        row["tb_s"] = row_bytes / row["us"] / 1e6 if "us" in row else None
+    return rows
+
+
+def _interpreter_fix() -> None:
+    """A CPU dry run only: triton 3.6's interpreter needs tests/kernel_harness.py's numpy >= 2.4 fix."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import kernel_harness  # noqa: F401
+
+
+def sweep_fused(models: list[str], ms: list[int], dtype_name: str, jobs: int, dry: bool) -> list[dict[str, Any]]:
+    """Times FUSED_SWEEP's configs per (model, projection, fused kind, M) in `jobs` worker processes that
+    compile in parallel and take turns on the GPU; prints each run and the best config per kind and shape."""
+    print("\n## sweep of the fused kinds: us per call (CUDA-graph chains; 'default' = gemv_config's pick now)")
+    lock_path = str(Path(tempfile.gettempdir()) / f"bench_gemv_sweep_{os.getpid()}.lock")
+    tasks = [(model, proj, kind, m, dtype_name, lock_path, dry)
+             for model in models for proj, kind in FUSED_TASKS for m in ms]
+    rows: list[dict[str, Any]] = []
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        for result in pool.imap_unordered(_sweep_task, tasks):
+            rows += result
+            head = result[0]
+            cells = " ".join(f"{r['config']}={r['us']:.1f}" if "us" in r else f"{r['config']}=ERR({r['error'][:40]})"
+                             for r in result)
+            print(f"{head['model']} {head['proj']} {head['kind']} M={head['m']}: {cells}", flush=True)
+    print("\n| model | proj | kind | M | default us | best us | TB/s | saved | best config | GemvConfig(...) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for model in models:
+        for proj, kind in FUSED_TASKS:
+            for m in ms:
+                runs = [r for r in rows if (r["model"], r["proj"], r["kind"], r["m"]) == (model, proj, kind, m)
+                        and "us" in r]
+                if not runs:
+                    print(f"| {model} | {proj} | {kind} | {m} | | | | | all failed | |")
+                    continue
+                default = next((r["us"] for r in runs if r["config"] == "default"), float("nan"))
+                best = min(runs, key=lambda r: r["us"])
+                print(f"| {model} | {proj} | {kind} | {m} | {default:.1f} | {best['us']:.1f} | {best['tb_s']:.2f} | "
+                      f"{default - best['us']:+.1f} | {best['config']} | {best['fields']} |", flush=True)
+    return rows
+
+
 def ptx_load_widths() -> None:
     """How the compiled GEMV kernels load weights: 16-byte vector loads (ld.global.v4, or cp.async of 16 bytes
     on the pipelined tl.dot path) or narrower."""
@@ -307,7 +443,26 @@ def main() -> None:
     parser.add_argument("--sweep-ms", default="1,4,16")
     parser.add_argument("--ablate", action="store_true", help="time each fusion per block config")
     parser.add_argument("--models", default="8b,1b")
+    parser.add_argument("--sweep-fused", action="store_true",
+                        help="time FUSED_SWEEP's configs of the fused kinds (rope, silu, add, +fold), then stop")
+    parser.add_argument("--sweep-fused-ms", default="1")
+    parser.add_argument("--jobs", type=int, default=8, help="--sweep-fused's worker processes (parallel compiles)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="--sweep-fused on the CPU under TRITON_INTERPRET=1 at a tiny shape (checks the script)")
     opts = parser.parse_args()
+    if opts.sweep_fused:
+        if opts.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("--dry-run runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
+        if not opts.dry_run and not torch.cuda.is_available():
+            sys.exit("bench_gemv needs a CUDA GPU (or --sweep-fused --dry-run under TRITON_INTERPRET=1)")
+        t0 = time.time()
+        models = ["tiny"] if opts.dry_run else opts.models.split(",")
+        rows = sweep_fused(models, [int(m) for m in opts.sweep_fused_ms.split(",")],
+                           "fp32" if opts.dry_run else opts.dtype, opts.jobs, opts.dry_run)
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "gemv_sweep_fused.json").write_text(json.dumps(rows, indent=1))
+        print(f"(fused sweep took {time.time() - t0:.0f} s)")
+        return
     if not torch.cuda.is_available():
         sys.exit("bench_gemv needs a CUDA GPU")
     dtype = torch.bfloat16 if opts.dtype == "bf16" else torch.float16

@@ -189,7 +189,7 @@ def test_decode_kernels_setting_is_validated(tmp_path, monkeypatch) -> None:
         assert EngineConfig(model_path=path, device="cpu", decode_kernels=ok).decode_kernels == ok
 
 
-def test_auto_is_fused_on_cuda_with_triton_only(tmp_path) -> None:
+def test_auto_is_fused_folded_on_cuda_with_triton_only(tmp_path) -> None:
     def resolve(device: str, **kw: Any) -> str:
         config = EngineConfig(model_path=str(tmp_path), device="cpu")
         config.device = device  # as __post_init__ leaves it on a CUDA machine (none is needed to resolve)
@@ -198,7 +198,8 @@ def test_auto_is_fused_on_cuda_with_triton_only(tmp_path) -> None:
         return fused_decode.resolve_decode_kernels(config)
 
     assert resolve("cpu") == "cublas"
-    assert resolve("cuda") == "fused"
+    assert resolve("cuda") == "fused-folded"
+    assert resolve("cuda", decode_kernels="fused") == "fused"
     assert resolve("cuda", use_triton=False) == "cublas"
     assert resolve("cuda", decode_kernels="cublas") == "cublas"
     assert resolve("cuda", decode_kernels="fused-folded") == "fused-folded"
@@ -242,42 +243,48 @@ def _gpu_engine(path: str, dtype: str, decode_kernels: str, pdl: bool = False) -
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_bf16_fused_decode_matches_cublas_with_cuda_graphs(tmp_path) -> None:
-    """Decode logprobs of the fused path (graph buckets 1..8) against the cublas path's, both bf16, and both
-    against transformers float32: the fused path no further off than cublas (x1.25 + 2e-2). Greedy tokens
+    """Decode logprobs of the fused paths (plain and folded; graph buckets 1..8) against the cublas path's, all
+    bf16, and against transformers float32: the fused paths no further off than cublas (x1.25 + 2e-2). Greedy tokens
     equal to cublas's up to a near-tie (top two logprobs within 0.05, where two bf16 roundings may pick
     differently) and for at least 3 steps; PDL changes no token."""
     hf = _hf_llama_gpu(str(tmp_path), 0.015).to("cuda")
     ids = prompts(7, [5, 37, 70, 12])
     max_tokens = [8, 8, 6, 4]
     runs = {}
-    for mode, pdl in (("cublas", False), ("fused", False), ("fused", True)):
+    for mode, pdl in (("cublas", False), ("fused", False), ("fused", True), ("fused-folded", False)):
         engine = _gpu_engine(str(tmp_path), "bfloat16", mode, pdl)
         assert engine.runner.graphs is not None
         report = engine.runner.startup["decode_kernels"]
-        assert report["fused_layers"] == (4 if mode == "fused" else 0), report
+        assert report["fused_layers"] == (0 if mode == "cublas" else 4), report
         before = engine.runner.graphs.replays
         runs[mode, pdl] = generate(engine, ids, max_tokens)
         assert engine.runner.graphs.replays - before >= max(max_tokens) - 1
         engine.close()
     for i, (p, n) in enumerate(zip(ids, max_tokens, strict=True)):
         rid = f"r{i}"
-        cublas, fused, pdl_run = runs["cublas", False][rid], runs["fused", False][rid], runs["fused", True][rid]
-        assert pdl_run[0] == fused[0]  # PDL changes when a kernel starts, not what it computes
-        torch.testing.assert_close(pdl_run[1], fused[1], atol=1e-3, rtol=0)
-        # Greedy equal up to a near-tie: where the two bf16 paths part, cublas's top two were within bf16 noise.
-        same = next((t for t in range(n) if fused[0][t] != cublas[0][t]), n)
-        if same < n:
-            assert cublas[2][same] < 0.05, (f"prompt {i}: tokens part at step {same} although cublas's top two "
-                                            f"logprobs are {cublas[2][same]:.3f} apart: {fused[0]} vs {cublas[0]}")
-        assert same >= min(n, 3), f"prompt {i}: fused and cublas part at step {same}"
-        with torch.no_grad():
-            hf_lp = torch.log_softmax(hf(torch.tensor([p + fused[0][:-1]], device="cuda")).logits[0, len(p) - 1 :]
-                                      .float(), dim=-1).cpu()
-        want = hf_lp[torch.arange(same), torch.tensor(fused[0][:same])]
-        fused_err = (torch.tensor(fused[1][:same]) - want).abs().max().item()
-        cublas_err = (torch.tensor(cublas[1][:same]) - want).abs().max().item()
-        assert fused_err <= 1.25 * cublas_err + 2e-2, f"prompt {i}: fused {fused_err:.3e} vs cublas {cublas_err:.3e}"
-        torch.testing.assert_close(fused[1][:same], cublas[1][:same], atol=3e-2, rtol=0)
+        cublas, pdl_run = runs["cublas", False][rid], runs["fused", True][rid]
+        assert pdl_run[0] == runs["fused", False][rid][0]  # PDL changes when a kernel starts, not what it computes
+        torch.testing.assert_close(pdl_run[1], runs["fused", False][rid][1], atol=1e-3, rtol=0)
+        for mode in ("fused", "fused-folded"):  # the folded weights (W diag(g) rounded) held to the same bounds
+            _check_against_cublas_and_hf(hf, p, n, i, runs[mode, False][rid], cublas)
+
+
+def _check_against_cublas_and_hf(hf: Any, p: list[int], n: int, i: int, fused: Any, cublas: Any) -> None:
+    """One prompt's fused-path run (tokens, logprobs, top-two gaps) against cublas's and transformers'."""
+    # Greedy equal up to a near-tie: where the two bf16 paths part, cublas's top two were within bf16 noise.
+    same = next((t for t in range(n) if fused[0][t] != cublas[0][t]), n)
+    if same < n:
+        assert cublas[2][same] < 0.05, (f"prompt {i}: tokens part at step {same} although cublas's top two "
+                                        f"logprobs are {cublas[2][same]:.3f} apart: {fused[0]} vs {cublas[0]}")
+    assert same >= min(n, 3), f"prompt {i}: fused and cublas part at step {same}"
+    with torch.no_grad():
+        hf_lp = torch.log_softmax(hf(torch.tensor([p + fused[0][:-1]], device="cuda")).logits[0, len(p) - 1 :]
+                                  .float(), dim=-1).cpu()
+    want = hf_lp[torch.arange(same), torch.tensor(fused[0][:same])]
+    fused_err = (torch.tensor(fused[1][:same]) - want).abs().max().item()
+    cublas_err = (torch.tensor(cublas[1][:same]) - want).abs().max().item()
+    assert fused_err <= 1.25 * cublas_err + 2e-2, f"prompt {i}: fused {fused_err:.3e} vs cublas {cublas_err:.3e}"
+    torch.testing.assert_close(fused[1][:same], cublas[1][:same], atol=3e-2, rtol=0)
 
 
 @pytest.mark.gpu

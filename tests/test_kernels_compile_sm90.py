@@ -59,24 +59,26 @@ def _gemv_signature(dtype: str) -> dict[str, str]:
     signature.update({name: "i32" for name in _GEMV_INTS})
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_DOT", "DOT_PRECISION", "NORM", "PRO_RESIDUAL", "APPLY_G",
                  "HAS_BIAS", "SILU_MUL", "ADD", "ROTARY", "QK_NORM", "HALF", "SPLITS_PER_HEAD", "PAIRED", "USE_PDL",
-                 "W_SCALED", "W_CONVERT"):
+                 "NORM_CHUNK", "W_SCALED", "W_CONVERT"):
         signature[name] = "constexpr"
     return signature
 
 
 @pytest.mark.parametrize("dtype, elem_bytes", [("bf16", 2), ("fp32", 4)])
-@pytest.mark.parametrize("kind, rows", [("silu", 8), ("rope", 8), ("plain", 1)])
-def test_gemv_configs_fit_the_h200s_shared_memory(dtype: str, elem_bytes: int, kind: str, rows: int) -> None:
+@pytest.mark.parametrize("kind, rows, norm", [("silu", 8, False), ("rope", 8, False), ("plain", 1, False),
+                                              ("silu", 1, True), ("rope", 1, True)])
+def test_gemv_configs_fit_the_h200s_shared_memory(dtype: str, elem_bytes: int, kind: str, rows: int,
+                                                  norm: bool) -> None:
     """The configs gemv_config picks for the 8B shape compile for sm_90 and fit a block's shared memory (the
-    float32 rotary tile of the bf16 sweep's shape asked 245,760 bytes)."""
+    float32 rotary tile of the bf16 sweep's shape asked 245,760 bytes); norm: the folded prologue norm."""
     from stoker.engine.kernels import gemv
 
     cfg = gemv.gemv_config(kind, rows, 4096, 4096, True, elem_bytes)
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
-                      DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", NORM=False, PRO_RESIDUAL=False,
+                      DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", NORM=norm, PRO_RESIDUAL=False,
                       APPLY_G=False, HAS_BIAS=False, SILU_MUL=kind == "silu", ADD=False, ROTARY=kind == "rope",
                       QK_NORM=False, HALF=64, SPLITS_PER_HEAD=2, PAIRED=kind in ("silu", "rope"), USE_PDL=False,
-                      W_SCALED=False, W_CONVERT=0)
+                      NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True), W_SCALED=False, W_CONVERT=0)
     kernel = _compile(gemv._gemv_kernel, _gemv_signature(dtype), constexprs, cfg.num_warps, cfg.num_stages)
     assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)
 
@@ -95,7 +97,7 @@ def test_fp8_fused_gemv_compiles_for_sm90(w_convert: int, kind: str, rows: int) 
                       DOT_PRECISION="tf32", NORM=False, PRO_RESIDUAL=False, APPLY_G=False, HAS_BIAS=False,
                       SILU_MUL=kind == "silu", ADD=kind == "plain", ROTARY=kind == "rope", QK_NORM=False, HALF=64,
                       SPLITS_PER_HEAD=2, PAIRED=kind in ("silu", "rope"), USE_PDL=False, W_SCALED=True,
-                      W_CONVERT=w_convert)
+                      W_CONVERT=w_convert, NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True))
     kernel = _compile(gemv._gemv_kernel, signature, constexprs, cfg.num_warps, cfg.num_stages)
     assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)
     if w_convert == 2:
@@ -146,7 +148,8 @@ def test_fp8_decode_attention_variants_compile_for_sm90(mode: str, tile_n: int, 
     names = list(inspect.signature(attention._decode_split_kernel.fn).parameters)
     signature, aligned = _attention_signature(names, "fp8e4nv")
     constexprs = dict(NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, TILE_N=tile_n,
-                      NUM_SPLITS=1, DOT_PRECISION="tf32", FP8_CACHE=True, FP8_MODE=FP8_MODES[mode],
+                      NUM_SPLITS=1, DOT_PRECISION="tf32", FP8_CACHE=True, FUSED_COMBINE=False, BLOCK_S=1,
+                      BLOCK_GP=4, CHUNK_S=1, FP8_MODE=FP8_MODES[mode],
                       DOT_FP16=mode != "cast", FP8_PTX=mode == "f16-vwords")
     kernel = triton.compile(ASTSource(attention._decode_split_kernel, signature, constexprs=constexprs, attrs=aligned),
                             target=H200, options={"num_warps": warps, "num_stages": stages})
@@ -157,3 +160,51 @@ def test_fp8_decode_attention_variants_compile_for_sm90(mode: str, tile_n: int, 
     # f16-vwords exists to read V from shared memory without byte loads (ptxas has checked its inline PTX)
     assert ("ld.shared.b8" in ptx) == (mode != "f16-vwords"), mode
     assert ("cvt.rn.f16x2.e4m3x2 p01, lo" in ptx) == (mode == "f16-vwords")  # its inline PTX, through ptxas
+
+
+@pytest.mark.parametrize("fused_combine", [False, True])
+def test_decode_attention_compiles_for_sm90(fused_combine: bool) -> None:
+    """The split kernel with the fused combine (a gpu-scope acq_rel atomic, a barrier, .cg loads: none of which
+    the interpreter checks) and the separate reduce kernel it replaces, at the 8B shape (8 kv heads, 32 splits)."""
+    from stoker.engine.kernels import attention
+
+    ints = ("q_seq_stride", "q_head_stride", "block_table_stride", "out_seq_stride", "out_head_stride")
+    signature = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "block_tables_ptr": "*i32",
+                 "context_lens_ptr": "*i32", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32",
+                 "part_sum_ptr": "*fp32", "k_scale_ptr": "*bf16", "v_scale_ptr": "*bf16", "counters_ptr": "*i32",
+                 "qk_scale": "fp32", **{name: "i32" for name in ints}}
+    constexprs = dict(NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, TILE_N=64,
+                      NUM_SPLITS=32, DOT_PRECISION="tf32", FP8_CACHE=False, FUSED_COMBINE=fused_combine, BLOCK_S=32,
+                      BLOCK_GP=4, CHUNK_S=16)
+    signature.update({name: "constexpr" for name in constexprs})
+    kernel = _compile(attention._decode_split_kernel, signature, constexprs, warps=4)
+    assert kernel.metadata.shared <= H200_SHARED_BYTES
+    ptx = kernel.asm["ptx"]
+    assert ("atom.global.gpu.acq_rel.add" in ptx) == fused_combine, "the arrival counter must be a gpu-scope acq_rel atomic"
+
+
+def _tuned_entries() -> list[Any]:
+    from stoker.engine.kernels import gemv
+
+    seen, entries = set(), []
+    for (kind, n_out, hidden), cfg in sorted(gemv._TUNED_M1.items()):
+        if (kind, cfg) not in seen:  # one compile per distinct (kind, config)
+            seen.add((kind, cfg))
+            entries.append(pytest.param(kind, n_out, hidden, id=f"{kind}-{n_out}x{hidden}"))
+    return entries
+
+
+@pytest.mark.parametrize("kind, n_out, hidden", _tuned_entries())
+def test_tuned_m1_configs_fit_the_h200s_shared_memory_in_fp32(kind: str, n_out: int, hidden: int) -> None:
+    """The M = 1 table's configs as float32 operands get them (the halved K slice): the largest tiles it asks."""
+    from stoker.engine.kernels import gemv
+
+    cfg = gemv.gemv_config(kind, 1, n_out, hidden, True, 4)
+    base = kind.removesuffix("-norm")
+    constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
+                      DOT_PRECISION="ieee", NORM=kind.endswith("-norm"), PRO_RESIDUAL=False, APPLY_G=False,
+                      HAS_BIAS=False, SILU_MUL=base == "silu", ADD=base == "plain", ROTARY=base == "rope",
+                      QK_NORM=False, HALF=64, SPLITS_PER_HEAD=8, PAIRED=base in ("silu", "rope"), USE_PDL=False,
+                      NORM_CHUNK=gemv.norm_chunk(hidden, cfg.num_warps, True), W_SCALED=False, W_CONVERT=0)
+    kernel = _compile(gemv._gemv_kernel, _gemv_signature("fp32"), constexprs, cfg.num_warps, cfg.num_stages)
+    assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)

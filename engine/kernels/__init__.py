@@ -105,10 +105,12 @@ def paged_decode_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """counters: the fused combine's (attention.decode_combine_counters); the reference needs none."""
     if use_triton(q):
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                             k_scale=k_scale, v_scale=v_scale)
+                                             k_scale=k_scale, v_scale=v_scale, counters=counters)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
 
 

@@ -172,11 +172,12 @@ def _fp8_launch(fp8: bool, config: Fp8AttentionConfig, q: torch.Tensor, decode: 
 @triton.jit(do_not_specialize=["block_table_stride"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, k_scale_ptr, v_scale_ptr,
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, k_scale_ptr, v_scale_ptr, counters_ptr,
     qk_scale, q_seq_stride, q_head_stride, block_table_stride, out_seq_stride, out_head_stride,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_CACHE: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_GP: tl.constexpr, CHUNK_S: tl.constexpr,
     FP8_MODE: tl.constexpr = 0, DOT_FP16: tl.constexpr = False, FP8_PTX: tl.constexpr = False,
 ):
     # Program (sequence, kv head, split): all GROUP query heads sharing this kv head are rows of one tile,
@@ -240,6 +241,92 @@ def _decode_split_kernel(
         tl.store(part_max_ptr + part, running_max, mask=row_mask)
         tl.store(part_sum_ptr + part, running_sum, mask=row_mask)
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
+        if FUSED_COMBINE:
+            _combine_if_last(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, counters_ptr, seq, kv_head,
+                             tl.cdiv(context_len, split_len), out_seq_stride, out_head_stride,
+                             NUM_KV_HEADS, GROUP, BLOCK_GP, HEAD_DIM, BLOCK_D, NUM_SPLITS, CHUNK_S)
+
+
+@triton.jit
+def _combine_if_last(
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, counters_ptr, seq, kv_head, num_live,
+    out_seq_stride, out_head_stride,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_GP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK_S: tl.constexpr,
+):
+    # The combine without a second kernel: every live split of (seq, kv head) bumps one counter after its
+    # partials are stored; the one that sees num_live - 1 arrived last, so all partials are visible to it
+    # (release by the writers, acquire here) and it combines them for the GROUP query heads. It then puts
+    # the counter back to 0: the buffer stays zeroed between launches, so a CUDA graph replays it as is.
+    # The barrier first: the release below is one thread's, and must follow every thread's partial stores.
+    num_live = tl.maximum(num_live, 1)  # split 0 always runs, even for a context of 0
+    tl.debug_barrier()
+    counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_live - 1:
+        tl.store(counter, 0)
+        _combine_group(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq, kv_head, num_live, out_seq_stride,
+                       out_head_stride, NUM_KV_HEADS, GROUP, BLOCK_GP, HEAD_DIM, BLOCK_D, NUM_SPLITS, CHUNK_S)
+
+
+@triton.jit
+def _combine_group(
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq, kv_head, num_live, out_seq_stride, out_head_stride,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_GP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK_S: tl.constexpr,
+):
+    """out[seq, the GROUP heads of kv_head] from their num_live splits' partials: all heads at once in
+    [BLOCK_GP, CHUNK_S(, D)] tiles, merged online over chunks of splits, so the last split waits one L2 round
+    trip per chunk (one at W1's 16 splits) where a head at a time (_combine_head) waited one per head: that
+    made the first fused combine slower than the second kernel (8B batch 1: 9.1 vs 6.3 us a layer)."""
+    g = tl.arange(0, BLOCK_GP)
+    heads = kv_head * GROUP + g
+    head_mask = g < GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    first = (seq * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS  # [BLOCK_GP]: each head's split 0
+    run_max = tl.full([BLOCK_GP], -1e30, tl.float32)  # finite, so the padding heads never make inf - inf
+    run_sum = tl.zeros([BLOCK_GP], tl.float32)
+    acc = tl.zeros([BLOCK_GP, BLOCK_D], tl.float32)
+    for s0 in range(0, num_live, CHUNK_S):
+        splits = s0 + tl.arange(0, CHUNK_S)
+        mask = head_mask[:, None] & (splits[None, :] < num_live)
+        part = first[:, None] + splits[None, :]
+        part_max = tl.load(part_max_ptr + part, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        part_sum = tl.load(part_sum_ptr + part, mask=mask, other=0.0, cache_modifier=".cg")
+        part_out = tl.load(part_out_ptr + part[:, :, None] * HEAD_DIM + dims[None, None, :],
+                           mask=mask[:, :, None] & dim_mask[None, None, :], other=0.0, cache_modifier=".cg")
+        new_max = tl.maximum(run_max, tl.max(part_max, axis=1))
+        keep = tl.exp2(run_max - new_max)
+        weight = tl.exp2(part_max - new_max[:, None])
+        run_sum = run_sum * keep + tl.sum(part_sum * weight, axis=1)
+        acc = acc * keep[:, None] + tl.sum(part_out * weight[:, :, None], axis=1)
+        run_max = new_max
+    out = acc / tl.where(run_sum > 0, run_sum, 1.0)[:, None]
+    tl.store(out_ptr + seq * out_seq_stride + heads[:, None] * out_head_stride + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
+
+
+@triton.jit
+def _combine_head(
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq, head, num_live, out_seq_stride, out_head_stride,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """out[seq, head] from the partials of its num_live first splits (the others were never written): the
+    reduce kernel's work, one program per (sequence, query head)."""
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    part = (seq * NUM_Q_HEADS + head) * NUM_SPLITS + splits
+    split_mask = splits < num_live
+    part_max = tl.load(part_max_ptr + part, mask=split_mask, other=float("-inf"))
+    part_sum = tl.load(part_sum_ptr + part, mask=split_mask, other=0.0)
+    part_out = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+                       mask=split_mask[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+    weight = tl.exp2(part_max - tl.max(part_max, axis=0))  # split 0 is live, so the max is finite
+    out = tl.sum(part_out * weight[:, None], axis=0) / tl.sum(part_sum * weight, axis=0)
+    tl.store(out_ptr + seq * out_seq_stride + head * out_head_stride + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
 @triton.jit
@@ -256,20 +343,11 @@ def _decode_reduce_kernel(
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    splits = tl.arange(0, BLOCK_S)
-    dims = tl.arange(0, BLOCK_D)
-    part = (seq * NUM_Q_HEADS + head) * NUM_SPLITS + splits
     # The splits the decode kernel ran (the empty ones exited without writing their partials).
     context_len = tl.load(context_lens_ptr + seq)
-    split_mask = splits < tl.cdiv(context_len, _decode_split_len(context_len, NUM_SPLITS, TILE_N))
-    part_max = tl.load(part_max_ptr + part, mask=split_mask, other=float("-inf"))
-    part_sum = tl.load(part_sum_ptr + part, mask=split_mask, other=0.0)
-    part_out = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :],
-                       mask=split_mask[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
-    weight = tl.exp2(part_max - tl.max(part_max, axis=0))  # split 0 is live, so the max is finite
-    out = tl.sum(part_out * weight[:, None], axis=0) / tl.sum(part_sum * weight, axis=0)
-    tl.store(out_ptr + seq * out_seq_stride + head * out_head_stride + dims,
-             out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+    num_live = tl.cdiv(context_len, _decode_split_len(context_len, NUM_SPLITS, TILE_N))
+    _combine_head(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq, head, num_live, out_seq_stride,
+                  out_head_stride, NUM_Q_HEADS, HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -305,6 +383,32 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count:
     return max(1, min(wanted, triton.cdiv(max_context, tile_n), 64))
 
 
+def _combine_chunk(num_splits: int, block_gp: int, block_d: int, on_gpu: bool) -> int:
+    """Splits per step of the fused combine (_combine_group): its [BLOCK_GP, CHUNK_S, BLOCK_D] float32 tile at
+    <= 8192 elements (64 registers a thread at 4 warps): all 16 splits of W1's 8B step in one step. The
+    interpreter takes 2, so the tests' few splits still take several steps and a masked tail."""
+    if not on_gpu:
+        return 2
+    return max(1, min(triton.next_power_of_2(num_splits), 8192 // (block_gp * block_d)))
+
+
+def decode_combine_counters(max_batch: int, num_kv_heads: int, device: torch.device | str) -> torch.Tensor:
+    """The fused combine's arrival counters, one per (sequence, kv head) of up to max_batch sequences: zeroed
+    once here, and left zeroed by every launch (the last split of each pair resets its counter). One buffer
+    per attention layer: two launches sharing one must never run at the same time (a layer's steps are
+    ordered on its stream)."""
+    return torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=device)
+
+
+def _check_counters(counters: torch.Tensor, needed: int, device: torch.device) -> None:
+    if counters.dtype != torch.int32 or counters.dim() != 1 or counters.device != device or counters.stride(0) != 1:
+        raise ValueError(f"decode attention: counters must be a contiguous int32 vector on {device} "
+                         f"(decode_combine_counters), got {counters.dtype} {tuple(counters.shape)} on {counters.device}")
+    if counters.numel() < needed:
+        raise ValueError(f"decode attention: counters hold {counters.numel()} entries, the batch needs "
+                         f"B * Hkv = {needed}; make them with decode_combine_counters(max_batch, ...)")
+
+
 def paged_decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -316,10 +420,14 @@ def paged_decode_attention_triton(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     fp8_config: Fp8AttentionConfig | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """num_splits: None picks from the shapes (decode_num_splits); tests force 1 or several. k_scale/v_scale:
     an FP8 cache's scales (kv_quant.py), ignored for a cache in q's dtype. fp8_config: the FP8 cache's
-    conversion and tile (kv_fp8_tiles.py; None: its DEFAULT_DECODE); benches and tests pick others."""
+    conversion and tile (kv_fp8_tiles.py; None: its DEFAULT_DECODE); benches and tests pick others. counters: a
+    zeroed int32 buffer of >= B * Hkv entries (decode_combine_counters) that the kernel leaves zeroed: with it
+    the last split of each (sequence, kv head) combines the partials (one launch); without it a second kernel
+    does."""
     _check_cache(q, k_cache, v_cache, k_scale, v_scale)
     if q.shape[0] != context_lens.shape[0] or block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
         raise ValueError(f"decode attention: q [B, Hq, D], block_tables [B, max_blocks], context_lens [B] "
@@ -344,14 +452,21 @@ def paged_decode_attention_triton(
         part_out, part_max, part_sum = _decode_partials(batch, num_q_heads, num_splits, head_dim, q.device)
     block_d = triton.next_power_of_2(head_dim)
     k_scale_arg, v_scale_arg = (k_scale, v_scale) if fp8 else (out, out)  # placeholders when not FP8
+    fused_combine = num_splits > 1 and counters is not None
+    block_gp = triton.next_power_of_2(group)
+    if counters is not None:
+        _check_counters(counters, batch * num_kv_heads, q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max, part_sum, k_scale_arg, v_scale_arg,
+        counters if counters is not None else context_lens,  # a placeholder without the fused combine
         scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=tile_n,
-        NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype), FP8_CACHE=fp8, **fp8_args, **launch,
+        NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype), FP8_CACHE=fp8,
+        FUSED_COMBINE=fused_combine, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_GP=block_gp,
+        CHUNK_S=_combine_chunk(num_splits, block_gp, block_d, q.is_cuda), **fp8_args, **launch,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused_combine:
         _decode_reduce_kernel[(batch, num_q_heads)](
             out, part_out, part_max, part_sum, context_lens, out.stride(0), out.stride(1),
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,

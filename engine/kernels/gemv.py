@@ -14,10 +14,11 @@ constexpr flags of one kernel:
   residual, rounded to the model dtype like torch; program 0 writes s out exactly once (into a new buffer:
   other programs still read the old residual, so it must never be updated in place). The decode path does
   not need it: the residual add lives in the o_proj / down epilogue.
-  Measured cost (H200, bf16, 2026-12-01): the pre-pass is K / BLOCK_K dependent L2 round trips per program
-  before its weight stream starts, +12 us on the 8B qkv (26.3 vs 14.2 us plain at M = 1) and +21 us on
-  gate_up (78.9 vs 57.7): until it overlaps the weight loop, a separate RMSNorm kernel (~2 us) before the
-  rope / SiLU variants without a prologue norm is faster (see ops/bench_gemv.py and BENCHMARKS.md);
+  Measured cost (H200, bf16, 2026-12-01) of the first pre-pass, BLOCK_K-wide slices of all BLOCK_M rows:
+  K / BLOCK_K L2 round trips per program before its weight stream starts, +12 us on the 8B qkv (26.3 vs
+  14.2 us plain at M = 1) and +21 us on gate_up (78.9 vs 57.7), slower than a separate RMSNorm kernel
+  (~2 us). It now reads each live row in slices as wide as the registers allow (_row_sumsq: 1-4 round trips
+  at M = 1); its H200 figure is ops/bench_gemv.py --ablate's "fold" columns;
 - bias (Qwen2's q/k/v bias);
 - SiLU-and-mul epilogue (`silu_mul`): weight rows are [gate; up] as in engine/models/llama.py; each program
   streams gate row n and up row I + n and writes silu(gate) * up;
@@ -255,6 +256,24 @@ def _gemv_step(
 
 
 @triton.jit
+def _row_sumsq(x_ptr, x_stride, M, K, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """[BLOCK_M] float32 sums of squares of the M live rows of x. One live row at a time in CHUNK-wide
+    slices (CHUNK = K rounded up to a power of two, at most 32 elements a thread): at M = 1 that is one to
+    four L2 round trips before the weight stream starts, where BLOCK_K-wide slices of all BLOCK_M rows (the
+    tile's 15 padding rows included on the tl.dot path) took K / BLOCK_K = 32 of them at the 8B shape."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, CHUNK)
+    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for row in range(0, M):
+        row_sum = tl.zeros([CHUNK], dtype=tl.float32)
+        for c0 in range(0, K, CHUNK):
+            xr = tl.load(x_ptr + row * x_stride + c0 + cols, mask=c0 + cols < K, other=0.0).to(tl.float32)
+            row_sum += xr * xr
+        sumsq = tl.where(rows == row, tl.sum(row_sum, axis=0), sumsq)
+    return sumsq
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, bias_ptr, norm_ptr, hres_ptr, res_out_ptr, add_ptr,
     positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_norm_ptr, k_norm_ptr, w_scale_ptr,
@@ -266,7 +285,8 @@ def _gemv_kernel(
     NORM: tl.constexpr, PRO_RESIDUAL: tl.constexpr, APPLY_G: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr, ADD: tl.constexpr,
     ROTARY: tl.constexpr, QK_NORM: tl.constexpr, HALF: tl.constexpr, SPLITS_PER_HEAD: tl.constexpr,
-    PAIRED: tl.constexpr, USE_PDL: tl.constexpr, W_SCALED: tl.constexpr, W_CONVERT: tl.constexpr,
+    PAIRED: tl.constexpr, USE_PDL: tl.constexpr, NORM_CHUNK: tl.constexpr, W_SCALED: tl.constexpr,
+    W_CONVERT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     j = tl.arange(0, BLOCK_N)
@@ -305,11 +325,7 @@ def _gemv_kernel(
         # The rms of each x row in a pass of its own (x is M*K elements, read from L2 by every program),
         # so that the weight loop below stays a plain pipelined GEMV: normalising x inside the loop took
         # the 8B qkv GEMV from 15 to 35-57 us at M = 8 on the tl.dot path (H200, ops/bench_gemv.py --ablate).
-        for p0 in range(0, K, BLOCK_K):
-            pk = p0 + ks
-            xp = tl.load(x_ptr + m[:, None] * x_stride + pk[None, :], mask=m_mask[:, None] & (pk[None, :] < K),
-                         other=0.0).to(tl.float32)
-            sumsq += tl.sum(xp * xp, axis=1)
+        sumsq = _row_sumsq(x_ptr, x_stride, M, K, BLOCK_M, NORM_CHUNK)
     if USE_PDL:
         acc_a, acc_b, sumsq = _gemv_step(
             0, wa, wb, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
@@ -404,8 +420,24 @@ class GemvConfig:
                 f"w{self.num_warps} s{self.num_stages}")
 
 
+# M = 1 launch shapes per (kind, n_out, hidden) as gemv_config sees them, each the fastest candidate of
+# ops/bench_gemv.py --sweep-fused for that projection (H200, bf16, 2026-12-01 14:43 UTC; us per call in
+# CUDA-graph chains, the rule below -> this entry). Listed where the gain passed 0.3 us; the rule below was
+# already the best or within 0.2 us for the others (8B rope / silu / o / down, 1B silu / o / down). The folded
+# norm's rms pass wants more rows per program than the plain kinds: fewer programs repeat it.
+_TUNED_M1: dict[tuple[str, int, int], GemvConfig] = {
+    ("rope-norm", 3072, 4096): GemvConfig(1, 8, 512, False, 4, 3),  # 8B qkv, folded norm: 21.2 -> 16.1
+    ("silu-norm", 14336, 4096): GemvConfig(16, 64, 128, True, 4, 4),  # 8B gate_up, folded norm: 60.3 -> 58.0
+    ("rope", 1536, 2048): GemvConfig(1, 2, 1024, False, 4, 3),  # 1B qkv: 5.7 -> 5.4
+    ("rope-norm", 1536, 2048): GemvConfig(1, 2, 1024, False, 4, 3),  # 1B qkv, folded norm: 6.3 -> 5.9
+    ("silu-norm", 8192, 2048): GemvConfig(16, 64, 128, True, 4, 4),  # 1B gate_up, folded norm: 18.8 -> 18.2
+}
+
+
 def gemv_config(kind: str, num_rows: int, n_out: int, hidden: int, on_gpu: bool, elem_bytes: int = 2) -> GemvConfig:
-    """Block sizes for M tokens; kind is "plain" (also the norm / bias / add variants), "silu" or "rope".
+    """Block sizes for M tokens; kind is "plain" (also the bias / add / unfolded-norm variants), "silu" or
+    "rope", with "-norm" for the folded prologue norm (its rms pass changes which shape is fastest; without a
+    tuned entry it takes its base kind's config). For "rope", n_out is half the qkv rows (a program's pairs).
     elem_bytes: the operands' element size. The sweeps were of 16-bit operands; a float32 tile of the same
     shape needs twice the shared memory per pipeline stage (the SiLU config's 5 stages then asked 240 KB of the
     H200's 227 KB and failed to launch), so 4-byte operands take half the K slice: the same bytes per stage.
@@ -432,6 +464,10 @@ def gemv_config(kind: str, num_rows: int, n_out: int, hidden: int, on_gpu: bool,
 
 
 def _gpu_gemv_config(kind: str, num_rows: int, n_out: int, hidden: int) -> GemvConfig:
+    tuned = _TUNED_M1.get((kind, n_out, hidden)) if num_rows == 1 else None
+    if tuned is not None:
+        return tuned
+    kind = kind.removesuffix("-norm")
     if kind == "silu":
         return GemvConfig(16, 32, 128, True, 2, 5)
     if kind == "rope":
@@ -443,6 +479,14 @@ def _gpu_gemv_config(kind: str, num_rows: int, n_out: int, hidden: int) -> GemvC
     if num_rows == 1:
         return GemvConfig(1, 4, 1024, False, 4, 3)
     return GemvConfig(16, 16, 512, True, 4, 3) if hidden >= 8192 else GemvConfig(16, 32, 256, True, 4, 4)
+
+
+def norm_chunk(hidden: int, num_warps: int, on_gpu: bool) -> int:
+    """Slice width of the prologue norm's rms pass (_row_sumsq): the whole row up to 32 float32 registers a
+    thread; in the interpreter 64, so the tests' K = 200 takes several slices and a masked tail."""
+    if not on_gpu:
+        return 64
+    return min(triton.next_power_of_2(hidden), 1024 * num_warps)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -519,7 +563,8 @@ def _launch(
         APPLY_G=norm_weight is not None, HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul, ADD=add is not None,
         ROTARY=rotary is not None, QK_NORM=qk_norm is not None, HALF=half, SPLITS_PER_HEAD=splits,
-        PAIRED=silu_mul or rotary is not None, USE_PDL=use_pdl, W_SCALED=weight_scale is not None, W_CONVERT=w_convert,
+        PAIRED=silu_mul or rotary is not None, USE_PDL=use_pdl, NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda),
+        W_SCALED=weight_scale is not None, W_CONVERT=w_convert,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
     )
@@ -559,7 +604,8 @@ def gemv_triton(
     s = x if norm_residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
     if num_rows == 0 or n_out == 0:
         return out, s
-    cfg = config or gemv_config("silu" if silu_mul else "plain", num_rows, n_out, hidden, x.is_cuda,
+    kind = ("silu" if silu_mul else "plain") + ("-norm" if norm_folded else "")
+    cfg = config or gemv_config(kind, num_rows, n_out, hidden, x.is_cuda,
                                 x.element_size())
     _launch(x, weight, out, n_out, triton.cdiv(n_out, cfg.block_n), cfg, bias, norm_weight, eps,
             norm_residual, s, silu_mul, add, pdl, norm_folded=norm_folded, weight_scale=weight_scale,
@@ -629,7 +675,8 @@ def gemv_rotary_cache_triton(
     if num_rows == 0:
         return out, s
     half = head_dim // 2
-    cfg = config or gemv_config("rope", num_rows, n_total // 2, hidden, x.is_cuda, x.element_size())
+    kind = "rope-norm" if norm_folded else "rope"
+    cfg = config or gemv_config(kind, num_rows, n_total // 2, hidden, x.is_cuda, x.element_size())
     block_n = min(cfg.block_n, triton.next_power_of_2(half))
     if q_norm is not None:
         block_n = triton.next_power_of_2(half)  # the per-head norm needs the whole head in one program

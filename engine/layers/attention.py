@@ -14,8 +14,17 @@ import math
 import torch
 from stoker.engine import kernels
 from stoker.engine.batch import AttentionMetadata
+from stoker.engine.kernels.attention import decode_combine_counters
 from stoker.engine.layers.weights import WeightModule
 from torch import nn
+
+# The decode kernel combines its splits itself (counters, one launch) up to this batch; above it the reduce
+# kernel does. 0: nowhere, measured slower at every batch (H200, bf16, 2026-12-01 14:43 UTC,
+# ops/bench_decode_attention.py, us per layer in CUDA-graph chains, two kernels vs fused): 8B batch 1 ctx 768
+# 6.3 vs 9.1, batch 4 10.1 vs 15.4, batch 16 20.1 vs 22.0, batch 1 ctx 4096 11.6 vs 17.6; 1B batch 1 5.5 vs
+# 7.5. That version combined the GROUP heads one after another (a dependent L2 round trip each); the kernel now
+# combines them at once (attention._combine_group), not measured yet: ops/bench_decode_attention.py decides.
+FUSED_COMBINE_MAX_BATCH = 0
 
 
 class PagedAttention(WeightModule):
@@ -28,6 +37,8 @@ class PagedAttention(WeightModule):
         self.kv_scales_required = kv_scales_required
         self.k_scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
         self.v_scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
+        # The decode kernel's fused-combine counters (made on first use on q's device; not a weight).
+        self._combine_counters: torch.Tensor | None = None
 
     def load_weight(self, param_name: str, loaded: torch.Tensor, shard: str = "") -> None:
         # Checkpoints save a scalar (shape []) or [1]; a scale must be a positive finite number.
@@ -48,9 +59,21 @@ class PagedAttention(WeightModule):
         """q [T, Hq, D] (this step's keys and values already in the cache) -> [T, Hq, D]."""
         if meta.decode_only:
             return kernels.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale, self.k_scale, self.v_scale
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale, self.k_scale, self.v_scale,
+                self._counters_for(q),
             )
         return kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, self.scale,
             self.k_scale, self.v_scale,
         )
+
+    def _counters_for(self, q: torch.Tensor) -> torch.Tensor | None:
+        """The fused combine's counters for a decode batch of q.shape[0] sequences, or None for the two-kernel
+        combine (batches above FUSED_COMBINE_MAX_BATCH)."""
+        limit = FUSED_COMBINE_MAX_BATCH  # read at call time: tests and benches change it
+        if q.shape[0] > limit:
+            return None
+        if self._combine_counters is None or self._combine_counters.shape[0] < limit * self.num_kv_heads \
+                or self._combine_counters.device != q.device:
+            self._combine_counters = decode_combine_counters(limit, self.num_kv_heads, q.device)
+        return self._combine_counters

@@ -7,8 +7,8 @@ tokens runs, per layer,
 (engine/kernels/gemv.py's kernels: 8 launches where the unfused path has 12: no rotary, SiLU or split-K reduce
 kernels). The residual add sits in the o_proj and down epilogues, so the layer's output is already the new
 residual stream: it returns (stream, None) and the next RMSNorm has nothing to add. With "fused-folded" the
-RMSNorm weight lives in qkv_proj / gate_up_proj and both norms run in the GEMV prologues (6 launches); measured
-a loss at 8B (+12 us qkv, +21 us gate_up: the rms pre-pass delays the weight stream) and a win at 1B only.
+RMSNorm weight lives in qkv_proj / gate_up_proj and both norms run in the GEMV prologues (6 launches): what "auto"
+picks (resolve_decode_kernels says why).
 
 Weights: the kernels read the nn.Linear layout [N, K] as it is (16-byte loads along K; gemv.py says why no
 re-layout pays), so the fused path multiplies the very parameters the unfused one does: no second copy. Folding
@@ -93,11 +93,16 @@ _FP8_KINDS = (Fp8QKVLinear, Fp8Linear, Fp8GateUpLinear, Fp8Linear)
 
 
 def resolve_decode_kernels(config: EngineConfig) -> str:
-    """"auto" -> "fused" on CUDA with Triton, else "cublas"; other values as they are."""
+    """"auto" -> "fused-folded" on CUDA with Triton, else "cublas"; other values as they are.
+
+    Why folded: on the H200 (bf16, W1, 2026-12-01 14:44 UTC) it was already faster at the 1B shape (0.994 vs
+    1.039 ms a token) and its kernels got their own M = 1 configs since (gemv._TUNED_M1: the 8B folded qkv 21.2
+    -> 16.1 us, gate_up 60.3 -> 58.0, against 14.8 + 56.4 us unfolded plus two RMSNorm launches of ~2.8 us
+    each with their gaps), which puts it ahead at 8B too by that arithmetic; the next W1 run measures it."""
     if config.decode_kernels != "auto":
         return config.decode_kernels
     on_cuda = config.device is not None and config.device.startswith("cuda")
-    return "fused" if on_cuda and config.use_triton and HAS_TRITON else "cublas"
+    return "fused-folded" if on_cuda and config.use_triton and HAS_TRITON else "cublas"
 
 
 def bind_fused_decode(
