@@ -75,7 +75,11 @@ class ModelRunner:
         self.sampler = Sampler()
         self._tables = _BlockTables(-(-max_model_len // self.block_size))
         self.graphs = None
-        if self.device.type == "cuda" and config.cuda_graphs:
+        if self.device.type == "cuda" and config.cuda_graphs and not config.use_triton:
+            # The torch references (use_triton=False) skip padding slots with boolean masks, which synchronize
+            # and cannot be captured: they run eagerly (they exist for A/B runs and tests, not for speed).
+            log.info("CUDA graphs off: use_triton=False runs the torch kernel references, which cannot be captured")
+        elif self.device.type == "cuda" and config.cuda_graphs:
             from stoker.engine.cuda_graphs import DecodeGraphs
 
             # Tensor parallel: every rank captures the same buckets in the same order (a graph-captured all-reduce
