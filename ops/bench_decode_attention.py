@@ -26,7 +26,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout too
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_gemv import graph_us  # noqa: E402
 from stoker.engine.kernels.attention import (  # noqa: E402
     decode_combine_counters,
     paged_decode_attention_ref,
@@ -81,27 +83,14 @@ class Case:
 
 
 def time_chain(calls: list[Callable[[], torch.Tensor]], on_gpu: bool, replays: int = 10) -> float:
-    """us per call: CUDA-graph replay of the chain on the GPU; eager wall clock in a CPU dry run."""
-    if not on_gpu:
-        start = time.perf_counter()
-        for call in calls:
-            call()
-        return (time.perf_counter() - start) * 1e6 / len(calls)
-    for call in calls[:2]:
+    """us per call: CUDA-graph replay of the chain on the GPU (ops/bench_gemv.py's graph_us); eager wall clock
+    in a CPU dry run."""
+    if on_gpu:
+        return graph_us(calls, replays)
+    start = time.perf_counter()
+    for call in calls:
         call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays / len(calls)
+    return (time.perf_counter() - start) * 1e6 / len(calls)
 
 
 def main() -> None:
