@@ -478,7 +478,15 @@ class Worker:
         assert self.rio is not None
         for entry in claims:
             self._start_early(entry)
-        outcomes = await self.rio.admit([entry.request_id for entry in claims])
+        try:
+            outcomes = await self.rio.admit([entry.request_id for entry in claims])
+        except BaseException:  # no answer (refused credentials, a stop, a bug): no early run goes on for nobody
+            for entry in claims:
+                if entry.early is not None:
+                    entry.early = None
+                    if self.driver is not None:
+                        self.driver.abort(entry.request_id)
+            raise
         claimed_ms = now_ms()
         for entry, (status, attempt) in zip(claims, outcomes, strict=True):
             if status in (Admission.DONE, Admission.BUSY):
