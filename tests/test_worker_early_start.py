@@ -11,7 +11,7 @@ import pytest
 from stoker.engine import EngineRequest, SamplingParams
 from stoker.schemas import Done
 from stoker.worker.fake_engine import FakeEngine
-from stoker.worker.redis_io import Admission
+from stoker.worker.redis_io import Admission, RedisAccessError
 from worker_harness import check_sequence, job, produce, running_worker, stack_fixtures, wait_results
 
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(120)]
@@ -98,3 +98,26 @@ async def test_a_job_started_early_whose_claim_says_done_or_cancelled_stops_and_
     assert isinstance(gone.terminal, Done) and gone.terminal.finish_reason == "cancelled"
     assert gone.events == [gone.terminal] and gone.terminal.text == ""  # none of the early run's tokens
     check_sequence(results["new"])
+
+
+async def test_a_claim_round_that_raises_aborts_the_jobs_it_started_early(space, r):
+    """No answer from the claim script (refused credentials: RedisAccessError, which stops the worker): the job
+    the engine was given early is aborted there, not left running for nobody with its outputs held."""
+    names = space.names
+    engine = RecordingEngine()
+    with pytest.raises(RuntimeError, match="the worker failed: RedisAccessError"):
+        async with running_worker(space, engine) as worker:
+            assert worker.rio is not None
+
+            async def refused_admit(ids: list[str]) -> list[tuple[Admission, int]]:
+                await asyncio.sleep(0.2)  # the early start is in the engine by now
+                raise RedisAccessError("NOPERM this user has no permissions to run the 'evalsha' command")
+
+            worker.rio.admit = refused_admit  # type: ignore[method-assign]
+            await produce(space.bootstrap, names.jobs_topic, [job("a", max_tokens=50)])
+            for _ in range(200):
+                if "a" in engine.aborted:
+                    break
+                await asyncio.sleep(0.05)
+    assert "a" in engine.added and "a" in engine.aborted and engine.aborted["a"] >= engine.added["a"]
+    assert await r.xrange(names.stream("a")) == []  # nothing of the unclaimed run was published
