@@ -183,6 +183,7 @@ class MaskMeter:
 def run_case(eng: Any, meter: MaskMeter, batch: int, guided: Any, args: argparse.Namespace, tag: str) -> dict[str, Any]:
     from stoker.engine import EngineRequest, SamplingParams
     from stoker.ops.bench import StepProbe, random_prompts
+    from stoker.ops.guided_timeline import StepTimeline
 
     # Seeded per request when sampling, so runs repeat; greedy (the default) drives a random model's rows
     # through the same states (every row the same string), sampling makes them diverge as real ones do.
@@ -214,15 +215,17 @@ def run_case(eng: Any, meter: MaskMeter, batch: int, guided: Any, args: argparse
         step()
     meter.reset()
     probe = StepProbe(eng) if meter.cuda else None
+    timeline = StepTimeline(eng, meter.cuda) if args.timeline else None  # after the probe: unwrapped first
     walls: list[float] = []
     tokens_before = sum(len(v) for v in outputs.values())
     cpu0, thread0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
     for _ in range(args.steps):
         began = time.perf_counter()
-        step()
+        step() if timeline is None else timeline.step(step)
         walls.append(time.perf_counter() - began)
     wall = time.perf_counter() - t0
     cpu, thread = time.process_time() - cpu0, time.thread_time() - thread0
+    phases = timeline.close() if timeline is not None else None
     work = meter.snapshot()
     gpu = probe.close() if probe is not None else {}
     tokens = sum(len(v) for v in outputs.values()) - tokens_before
@@ -248,6 +251,7 @@ def run_case(eng: Any, meter: MaskMeter, batch: int, guided: Any, args: argparse
         # GPU time of a decode step, forward launch .. sampler's last kernel (CUDA events; 0 on the CPU)
         "gpu_busy_ms_per_step": gpu.get("decode_busy_ms", 0.0) / max(1, gpu.get("decode_steps", 0)),
         "closed_early_reasons": sorted(set(closed.values())),
+        **({"timeline": phases} if phases is not None else {}),
         "num_closed_early": len(closed),
         "outputs": outputs,
     }
@@ -288,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the guided tokenizer from this file (default: built for the vocabulary, cached)")
     ap.add_argument("--record", default=None,
                     help="write every constrained case's output token ids here (JSON; ops/llg_fill_probe.py)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="per case, the median step's host phases and GPU waits (ops/guided_timeline.py)")
     ap.add_argument("--budget-s", type=float, default=200.0,
                     help="start no further case once this many seconds have passed since the start")
     args = ap.parse_args(argv)
@@ -372,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(r: dict[str, Any]) -> None:
+    from stoker.ops.guided_timeline import format_timeline
+
     print(f"# temperature {r.get('temperature', 0.0)}; {r['gpu']}, {r['host_cpus']} host CPUs; tokenizer {r['tokenizer_vocab']:,} tokens; schema "
           f"{r['schema_bytes']} B compiled in {r['compile_ms']:.1f} ms into {r['templates']} templates (mask threads "
           f"{r['mask_threads']}); engine start {r['engine_start_s']:.1f} s")
@@ -396,6 +404,9 @@ def print_table(r: dict[str, Any]) -> None:
         print("| " + " | ".join(str(x) for x in cells) + " |")
     if r.get("skipped"):
         print(f"# skipped (past --budget-s): {r['skipped']}")
+    for c in r["cases"]:
+        if "timeline" in c:
+            print(format_timeline(f"{c['batch']} {'schema' if c['constrained'] else 'none'}", c["timeline"]))
     for c in r["cases"]:
         if c["constrained"]:
             print(f"# batch {c['batch']} sample output: {c['sample_text']!r}")
