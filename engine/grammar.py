@@ -27,6 +27,8 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from stoker.engine.grammar_masks import MaskStaging
@@ -119,6 +121,15 @@ class GrammarCompiler:
         self._executor = llguidance.LLExecutor(num_threads=self.mask_threads)
         self.staging = MaskStaging()  # the sampler's pinned mask buffers for this model's engine
         self._limits = llguidance.LLParserLimits(**PARSER_LIMITS)
+        self._worker: ThreadPoolExecutor | None = None  # submit(): one thread, so its jobs run in order
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run fn(*args) on this compiler's grammar thread, after the jobs submitted before it (the engine
+        queues a step's advance, then the next step's fill, and works meanwhile). That thread mostly waits on
+        llguidance's executor, which runs without the GIL."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        return self._worker.submit(fn, *args)
 
     def new_state(self, guided: GuidedDecoding) -> GrammarState:
         """A fresh request state for guided (GrammarError when it cannot be compiled)."""
@@ -214,6 +225,26 @@ class GrammarCompiler:
         )
 
 
+    def advance_all(self, states: list[GrammarState], token_ids: list[int]) -> list[bool | Exception]:
+        """states[i] consumes token_ids[i], on the executor's threads -> per row what GrammarState.advance
+        returns (True: the grammar is complete) or raises (returned here, so that one bad row fails alone). One
+        call for the step's rows, grouped by family as the fill is (the consume lexes the token's bytes under
+        the family's lexer lock): the engine thread spent ~4.5 ms a step advancing 1,024 matchers one by one
+        (H200, 15:31 UTC), outside the forward's shadow."""
+        order = sorted(range(len(states)), key=lambda i: states[i].family)
+        consumed = self._executor.consume_token_par([(states[i].matcher, token_ids[i]) for i in order])
+        accepted = [False] * len(states)
+        for i, ok in zip(order, consumed, strict=True):
+            accepted[i] = ok
+        results: list[bool | Exception] = []
+        for state, token_id, ok in zip(states, token_ids, accepted, strict=True):
+            try:
+                results.append(state.settle(ok, token_id))
+            except (GrammarTooComplex, RuntimeError) as e:
+                results.append(e)
+        return results
+
+
 class GrammarState:
     """One request's matcher: it has consumed exactly the request's output tokens whose values reached the
     host. A preempted request keeps its output tokens (they are recomputed as prompt), so its matcher stays
@@ -229,7 +260,12 @@ class GrammarState:
         """Consume a sampled token -> True when the grammar is complete (nothing but EOS may follow: the
         request ends `stop` without waiting for the model to sample EOS). A token the mask did not allow
         (only possible if another rule overrode the mask) raises."""
-        if not self.matcher.consume_token(token_id):
+        return self.settle(self.matcher.consume_token(token_id), token_id)
+
+    def settle(self, consumed: bool, token_id: int) -> bool:
+        """What advance makes of consume_token's answer (consumed: it took token_id): True when the grammar is
+        complete; a refusal raises GrammarTooComplex when a parser limit caused it, else RuntimeError."""
+        if not consumed:
             error = _first_line(self.matcher.get_error())
             if _past_a_limit(self.matcher.stop_reason(), error):
                 raise GrammarTooComplex(

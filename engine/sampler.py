@@ -9,6 +9,7 @@ same tokens whatever else is in the batch, on any device, with no generator stat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from stoker.engine.grammar import GrammarState
@@ -132,15 +133,11 @@ class SamplingBatch:
                 torch.int64,
             )
         grammar_rows = grammar_bitmask = None
-        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
-        if constrained:  # unconstrained batches skip this entirely
-            states = [r.grammar for r in rows if r.grammar is not None]
-            compiler = states[0].compiler  # pinned staging, one upload (engine/grammar_masks.py)
-            every = len(constrained) == len(rows)  # then no row index: masked in place (token_bitmask)
-            grammar_bitmask, grammar_rows = compiler.staging.masks(
-                compiler, [s.matcher for s in states], None if every else constrained, vocab_size, torch.device(device),
-                [s.family for s in states],
-            )
+        masks = _grammar_mask_args(rows)
+        if masks is not None:  # unconstrained batches skip this entirely
+            compiler = masks[0]  # pinned staging, one upload (engine/grammar_masks.py)
+            grammar_bitmask, grammar_rows = compiler.staging.masks(*masks[:3], vocab_size, torch.device(device),
+                                                                   masks[3])
         presence = frequency = repetition = None
         if want_counts:
             presence, frequency, repetition = columns(
@@ -167,6 +164,25 @@ class SamplingBatch:
             any_top_p=any(p.top_p < 1 and not p.greedy for p in ps),
             any_min_p=any(p.min_p > 0 and not p.greedy for p in ps),
         )
+
+
+def _grammar_mask_args(rows: list[SamplingRequest]) -> tuple[Any, list[Any], list[int] | None, list[int]] | None:
+    """-> (compiler, matchers, their logits rows or None when every row has one, families) of the constrained
+    rows; None when no row has a grammar."""
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if not constrained:
+        return None
+    states = [r.grammar for r in rows if r.grammar is not None]
+    every = len(constrained) == len(rows)  # then no row index: masked in place (token_bitmask)
+    return states[0].compiler, [s.matcher for s in states], None if every else constrained, [s.family for s in states]
+
+
+def prefetch_grammar_masks(rows: list[SamplingRequest], vocab_size: int, device: torch.device) -> None:
+    """Start filling the grammar masks that SamplingBatch.build(rows, vocab_size, device) will take, on the
+    staging's fill thread (engine/grammar_masks.py), so that the caller's own work overlaps the fill."""
+    masks = _grammar_mask_args(rows)
+    if masks is not None:
+        masks[0].staging.prefetch(*masks[:3], vocab_size, device, masks[3])
 
 
 @dataclass(slots=True)

@@ -12,7 +12,10 @@ For each batch: N requests (random prompt ids, greedy, ignore_eos) run through t
 steps, then --steps decode steps are timed, first all unconstrained (overlapped steps, the engine's default on
 a GPU), then all constrained by SCHEMA, which cannot close within the steps measured (its array needs
 MIN_ITEMS objects), and for the first batch constrained again with overlap off ("schema (sync)": what the
-engine did before it overlapped constrained steps; --no-sync-case skips it). Per case: step wall p50 / mean, the constrained / unconstrained ratio (target <= 1.10 at
+engine did before it overlapped constrained steps; --no-sync-case skips it); --grammar-modes inline,overlap adds the
+constrained case with the grammar work on the engine thread (matchers advanced one by one, masks filled inline:
+the engine before its grammar_overlap) beside the default; --timeline adds each case's step timeline
+(ops/guided_timeline.py). Per case: step wall p50 / mean, the constrained / unconstrained ratio (target <= 1.10 at
 1024), process CPU cores over the timed steps, the engine thread's CPU per step, and the mask work split:
 `fill` (llguidance computing the masks: wall and process CPU, which counts its own threads), `build`
 (SamplingBatch.build, which holds the fill and the upload), `advance` (matchers consuming the sampled tokens,
@@ -117,7 +120,8 @@ class MaskMeter:
         self.apply_events: list[tuple[Any, Any]] = []
         self._restore: list[tuple[Any, str, Any]] = []
         self._wrap(GrammarCompiler, "fill_bitmasks", "fill", process=True)
-        self._wrap(GrammarState, "advance", "advance")
+        self._wrap(GrammarState, "advance", "advance")  # one by one (grammar work inline)
+        self._wrap(GrammarCompiler, "advance_all", "advance")  # the step's rows in one call (overlap)
         self._wrap_classmethod(sampler.SamplingBatch, "build", "build")
         original_apply = sampler.apply_token_bitmask
 
@@ -292,6 +296,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="the guided tokenizer from this file (default: built for the vocabulary, cached)")
     ap.add_argument("--record", default=None,
                     help="write every constrained case's output token ids here (JSON; ops/llg_fill_probe.py)")
+    ap.add_argument("--grammar-modes", default="overlap",
+                    help="constrained cases per batch, by where the grammar work runs: overlap (the engine's "
+                         "default: matchers advanced on the mask threads, masks prefetched beside the engine "
+                         "thread's work), inline (both on the engine thread, as before), or both: inline,overlap")
+    ap.add_argument("--async-steps", action="store_true",
+                    help="overlapped steps on the CPU too (the GPU's default), for a dry run of that path")
     ap.add_argument("--timeline", action="store_true",
                     help="per case, the median step's host phases and GPU waits (ops/guided_timeline.py)")
     ap.add_argument("--budget-s", type=float, default=200.0,
@@ -321,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     eng = LLMEngine(engine_config(path, args.max_num_seqs, device=args.device))
     r["engine_start_s"] = time.perf_counter() - started
+    if args.async_steps:
+        eng.async_scheduling = True  # the GPU's step order on the CPU (a dry run of the overlapped path)
     started = time.perf_counter()
     compiler = eng.grammar_compiler()
     r["lltokenizer_s"] = time.perf_counter() - started
@@ -341,23 +353,32 @@ def main(argv: list[str] | None = None) -> int:
         for index, batch in enumerate(int(b) for b in args.batches.split(",")):
             # (grammar, synchronous steps): "sync" (the first batch only, unless --no-sync-case) is the constrained
             # step with the engine's overlap off, what a constrained batch cost before the engine overlapped it
-            modes = [("none", False)] * args.unconstrained_case + [("schema", False)] + ([("schema", True)] if index == 0 and args.sync_case else [])
-            for mode, sync in modes:
+            # (grammar, synchronous steps, grammar work): "sync" (the first batch only, unless --no-sync-case) is
+            # the constrained step with the engine's overlap off, what a constrained batch cost before the engine
+            # overlapped it; grammar work "inline" is the matchers advanced and the masks filled on the engine
+            # thread (LLMEngine.grammar_overlap off), "overlap" the engine's default (--grammar-modes)
+            work = args.grammar_modes.split(",")
+            modes = ([("none", False, "overlap")] * args.unconstrained_case + [("schema", False, w) for w in work]
+                     + ([("schema", True, work[-1])] if index == 0 and args.sync_case else []))
+            for mode, sync, grammar_work in modes:
                 if time.perf_counter() - began > args.budget_s:
-                    log(f"past --budget-s {args.budget_s:g}: batch {batch} {mode} sync={sync} skipped")
-                    r.setdefault("skipped", []).append([batch, mode, sync])
+                    log(f"past --budget-s {args.budget_s:g}: batch {batch} {mode} sync={sync} {grammar_work} skipped")
+                    r.setdefault("skipped", []).append([batch, mode, sync, grammar_work])
                     continue
-                log(f"batch {batch}, {mode}{', synchronous steps' if sync else ''}")
+                log(f"batch {batch}, {mode}{', synchronous steps' if sync else ''}, grammar work {grammar_work}")
                 overlap, eng.async_scheduling = eng.async_scheduling, eng.async_scheduling and not sync
+                eng.grammar_overlap = grammar_work == "overlap"
                 try:
                     case = run_case(eng, meter, batch, guided if mode == "schema" else None, args,
-                                    f"{mode[0]}{'s' if sync else ''}{batch}")
+                                    f"{mode[0]}{'s' if sync else ''}{grammar_work[0]}{batch}")
                 finally:
-                    eng.async_scheduling = overlap
+                    eng.async_scheduling, eng.grammar_overlap = overlap, True
+                case["grammar_work"] = grammar_work
                 case["sync_steps"] = sync or not overlap
                 outputs = case.pop("outputs")
                 if mode == "schema":
-                    recorded[f"{batch}{' sync' if sync else ''}"] = list(outputs.values())
+                    recorded[f"{batch}{' sync' if sync else ''}{' inline' if grammar_work == 'inline' else ''}"] = list(
+                        outputs.values())
                 case["valid_prefixes"] = valid_prefixes(compiler, guided, outputs)
                 case["distinct_outputs"] = len({tuple(tokens) for tokens in outputs.values()})
                 sample = next(iter(outputs.values()))
@@ -393,7 +414,8 @@ def print_table(r: dict[str, Any]) -> None:
         base = unconstrained.get(c["batch"])
         ratio = c["step_p50_ms"] / base["step_p50_ms"] if base and c["constrained"] else 1.0
         apply_ms = w.get("apply_gpu_ms", w.get("apply_host_ms", 0.0))
-        grammar = ("schema" if c["constrained"] else "none") + (" (sync)" if c["sync_steps"] else "")
+        grammar = ("schema" if c["constrained"] else "none") + (" (sync)" if c["sync_steps"] else "") + (
+            " inline" if c["constrained"] and c.get("grammar_work") == "inline" else "")
         cells = (c["batch"], grammar, f"{c['step_p50_ms']:.2f}",
                  f"{c['step_mean_ms']:.2f}", f"{ratio:.2f}x", f"{c['gpu_busy_ms_per_step']:.2f}",
                  f"{c['process_cpu_cores']:.2f}",
@@ -406,7 +428,8 @@ def print_table(r: dict[str, Any]) -> None:
         print(f"# skipped (past --budget-s): {r['skipped']}")
     for c in r["cases"]:
         if "timeline" in c:
-            print(format_timeline(f"{c['batch']} {'schema' if c['constrained'] else 'none'}", c["timeline"]))
+            tag = "schema " + c.get("grammar_work", "") if c["constrained"] else "none"
+            print(format_timeline(f"{c['batch']} {tag}", c["timeline"]))
     for c in r["cases"]:
         if c["constrained"]:
             print(f"# batch {c['batch']} sample output: {c['sample_text']!r}")

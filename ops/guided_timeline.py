@@ -3,7 +3,9 @@
 Used by ops/bench_guided.py --timeline. Host side: wall ms per step inside each wrapped engine call (the engine
 thread's own phases; nested ones are inside their parent: `token wait`, `advance`, `detokenize`, `update` inside
 `finish`; `build` inside `sample launch`, `fill` inside `build`), and `other` = the step's wall less its top-level
-phases (the inbox, output objects, the bench loop). GPU side (CUDA events recorded at the forward's and the
+phases (the inbox, output objects, the bench loop). With the engine's grammar_overlap, `advance` and `fill` run on
+the grammar thread (their wall there, beside the engine thread's) and the engine thread's share is `advance wait`
+and `fill wait`. GPU side (CUDA events recorded at the forward's and the
 sampler's entry and exit): the forward's GPU time, the GPU idle between the forward's end and the sampler's
 first kernel (`gpu wait for masks`: the host had not launched the sampling yet), the sampling's own GPU time
 (mask upload, bitmask op, argmax / draw, token copies), and the GPU idle from there to the next forward (`gpu
@@ -22,7 +24,7 @@ import torch
 # (label, top-level): top-level phases are disjoint parts of step(); the others nest inside one of them
 HOST_PHASES: list[tuple[str, bool]] = [
     ("schedule", True), ("prepare", True), ("forward launch", True), ("finish", True), ("token wait", False),
-    ("advance", False), ("detokenize", False), ("update", False), ("sample launch", True), ("build", False),
+    ("advance", False), ("advance wait", False), ("detokenize", False), ("update", False), ("sample launch", True), ("build", False),
     ("fill", False), ("fill wait", False),
 ]
 GPU_PHASES = ["gpu forward", "gpu wait for masks", "gpu sampling", "gpu wait for next forward"]
@@ -46,6 +48,8 @@ class StepTimeline:
         self._wrap(eng, "_finish_step", "finish")
         self._wrap(model_runner.PendingSample, "wait", "token wait", cls=True)
         self._wrap(eng.outputs, "detokenize", "detokenize")
+        if hasattr(eng, "_wait_grammars"):  # the engine thread's wait for the grammar thread's advance
+            self._wrap(eng, "_wait_grammars", "advance wait")
         self._wrap(eng.scheduler, "update_from_output", "update")
         self._wrap(runner, "sample_async", "sample launch", gpu=(2, 3))
         self._wrap(grammar.GrammarCompiler, "fill_bitmasks", "fill", cls=True)
