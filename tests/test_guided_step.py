@@ -122,28 +122,28 @@ def test_overlapped_engine_launches_the_next_forward_before_the_grammars_advance
     engine.runner.forward = recorded_forward  # type: ignore[method-assign]
     from stoker.engine import grammar
 
-    advance = grammar.GrammarState.advance
+    advance_all = grammar.GrammarCompiler.advance_all
 
-    def recorded_advance(self, token_id):
-        events.append("advance")
-        return advance(self, token_id)
+    def recorded_advance(self, states, token_ids):
+        events.append(f"advance {len(states)}")  # on the grammar thread: after the forward was queued
+        return advance_all(self, states, token_ids)
 
     requests = [r for r in _mixed_batch(12) if r.request_id.startswith("grammar")]
     for request in requests:
         engine.add_request(request)
     steps: list[list[str]] = []
-    grammar.GrammarState.advance = recorded_advance  # type: ignore[method-assign]
+    grammar.GrammarCompiler.advance_all = recorded_advance  # type: ignore[method-assign]
     try:
         while engine.has_unfinished():
             events.clear()
             engine.step()
             steps.append(list(events))
     finally:
-        grammar.GrammarState.advance = advance  # type: ignore[method-assign]
-    decode_steps = [s for s in steps if "forward" in s and "advance" in s]
+        grammar.GrammarCompiler.advance_all = advance_all  # type: ignore[method-assign]
+    decode_steps = [s for s in steps if "forward" in s and "advance 2" in s]
     assert len(decode_steps) >= 10, steps
-    for step_events in decode_steps:  # one forward, then both requests' tokens of the step before
-        assert step_events == ["forward", "advance", "advance"], steps
+    for step_events in decode_steps:  # one forward, then both requests' tokens of the step before, in one call
+        assert step_events == ["forward", "advance 2"], steps
 
 
 def _matchers_in_different_states(compiler: GrammarCompiler, count: int) -> list:
