@@ -87,8 +87,9 @@ def _requests() -> list[EngineRequest]:
     after a few tokens (ends `stop`), one that will be forced onto a refused token (_force_refusal), and an
     unconstrained row beside them."""
     def params(guided: GuidedDecoding | None, seed: int | None = None) -> SamplingParams:
+        # ignore_eos on every row: a closed grammar must end its request itself, not leave it to an EOS
         return SamplingParams(max_tokens=20, temperature=0 if seed is None else 1.0, seed=seed, guided=guided,
-                              ignore_eos=guided is None)
+                              ignore_eos=True)
 
     return [
         EngineRequest("long-greedy-a", prompt="first prompt", params=params(LONG)),
@@ -151,7 +152,7 @@ def test_overlapped_grammar_work_ends_requests_as_the_inline_engine_does(model_p
     overlapped = _run(model_path, overlap=True, monkeypatch=monkeypatch)
     assert overlapped == inline
     tokens, end = inline["closes"]
-    assert end is not None and end[:2] == ("stop", None) and 0 < len(tokens) < 20
+    assert end is not None and end[:2] == ("stop", None) and 0 < len(tokens) < 20 and 1 not in tokens  # 1: EOS
     tokens, end = inline["refused"]
     assert end is not None and end[1] == "internal" and "breaks the grammar" in end[2], end
     assert len(tokens) == 3  # the three tokens sampled under its real masks
