@@ -224,7 +224,6 @@ class GrammarCompiler:
             [(matchers[i], i) for i in order], bitmask.data_ptr(), bitmask.shape[1] * 4, len(matchers)
         )
 
-
     def advance_all(self, states: list[GrammarState], token_ids: list[int]) -> list[bool | Exception]:
         """states[i] consumes token_ids[i], on the executor's threads -> per row what GrammarState.advance
         returns (True: the grammar is complete) or raises (returned here, so that one bad row fails alone). One

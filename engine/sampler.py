@@ -179,7 +179,7 @@ def _grammar_mask_args(rows: list[SamplingRequest]) -> tuple[Any, list[Any], lis
 
 def prefetch_grammar_masks(rows: list[SamplingRequest], vocab_size: int, device: torch.device) -> None:
     """Start filling the grammar masks that SamplingBatch.build(rows, vocab_size, device) will take, on the
-    staging's fill thread (engine/grammar_masks.py), so that the caller's own work overlaps the fill."""
+    grammar compiler's thread (engine/grammar_masks.py), so that the caller's own work overlaps the fill."""
     masks = _grammar_mask_args(rows)
     if masks is not None:
         masks[0].staging.prefetch(*masks[:3], vocab_size, device, masks[3])
