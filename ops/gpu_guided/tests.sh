@@ -5,10 +5,10 @@ set -u
 R=${R:-/tmp/guided-results}
 mkdir -p "$R"
 MARK=(-m gpu); [ "${DRY:-0}" = 1 ] && MARK=()
-timeout 40 python3 -m pytest -q -p no:cacheprovider -p no:warnings "${MARK[@]}" tests/test_structured_output.py \
+timeout 32 python3 -m pytest -q -p no:cacheprovider -p no:warnings "${MARK[@]}" tests/test_structured_output.py \
   tests/test_guided_step.py -k "synchronizes or staged_masks" > "$R/gpu_tests.txt" 2>&1
 echo "rc=$?" >> "$R/gpu_tests.txt"
-[ "${DRY:-0}" = 1 ] || timeout 20 python3 - >> "$R/gpu_tests.txt" 2>&1 <<'PY'
+[ "${DRY:-0}" = 1 ] || timeout 14 python3 - >> "$R/gpu_tests.txt" 2>&1 <<'PY'
 import torch
 from stoker.engine.kernels.token_bitmask import _BIT_OF_BYTE
 torch.zeros(1, device="cuda")
