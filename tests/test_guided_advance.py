@@ -184,3 +184,31 @@ def test_overlapped_engine_fills_each_steps_masks_once_off_its_thread(model_path
     # step 1 (prefill) samples with nothing in flight: filled inline; then one prefetched fill per sampling step
     assert threads[0] == engine_thread
     assert len(threads) == 20 and all(name.startswith("grammar") for name in threads[1:]), threads
+
+
+def test_a_prefetched_fill_is_taken_only_by_the_build_it_was_for(model_path):
+    """MaskStaging.masks takes a prefetched fill only for the same matchers and rows; any other build (the
+    row-by-row fallback after a failed batch) waits for it, drops it and fills its own rows; a failed fill's
+    error surfaces in the build that waits for it, and the next build works."""
+    with open(os.path.join(model_path, "tokenizer.json"), encoding="utf-8") as f:
+        compiler = GrammarCompiler(f.read(), VOCAB, [1], mask_threads=2)
+    walker = compiler.matcher(LONG)
+    matchers = []
+    for step in range(5):  # five matchers in five states: their masks differ
+        matchers.append(walker.deep_copy())
+        allowed = _allowed(walker)
+        assert walker.consume_token(allowed[step * 5 % len(allowed)])
+    own = [torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.int32)[: (VOCAB + 31) // 32] for m in matchers]
+    assert len({tuple(mask.tolist()) for mask in own}) > 1
+    staging, cpu = compiler.staging, torch.device("cpu")
+    staging.prefetch(compiler, matchers, None, VOCAB, cpu)
+    bitmask, rows = staging.masks(compiler, matchers[1:2], [3], VOCAB, cpu)  # another build: its own row
+    assert torch.equal(bitmask[0], own[1]) and rows is not None and rows.tolist() == [3]
+    staging.prefetch(compiler, matchers, [0, 2, 4, 6, 8], VOCAB, cpu)
+    bitmask, rows = staging.masks(compiler, matchers, [0, 2, 4, 6, 8], VOCAB, cpu)
+    assert torch.equal(bitmask, torch.stack(own)) and rows is not None and rows.tolist() == [0, 2, 4, 6, 8]
+    staging.prefetch(compiler, ["not a matcher"], None, VOCAB, cpu)  # its fill raises on the grammar thread
+    with pytest.raises(TypeError):
+        staging.masks(compiler, ["not a matcher"], None, VOCAB, cpu)
+    bitmask, _ = staging.masks(compiler, matchers[:1], None, VOCAB, cpu)
+    assert torch.equal(bitmask[0], own[0])
