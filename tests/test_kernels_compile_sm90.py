@@ -46,6 +46,18 @@ def test_fp8_quantization_kernel_compiles_for_sm90(norm: bool, static: bool) -> 
     assert kernel.metadata.shared <= H200_SHARED_BYTES
 
 
+@pytest.mark.parametrize("has_rows", [False, True])
+def test_token_bitmask_kernel_compiles_for_sm90(has_rows: bool) -> None:
+    from stoker.engine.kernels import token_bitmask
+
+    signature = {"logits_ptr": "*fp32", "bitmask_ptr": "*i32", "rows_ptr": "*i64" if has_rows else "*i32",
+                 "logits_row_stride": "i32", "bitmask_row_stride": "i32", "vocab": "i32",
+                 "HAS_ROWS": "constexpr", "WORDS": "constexpr"}
+    kernel = _compile(token_bitmask._token_bitmask_kernel, signature,
+                      {"HAS_ROWS": has_rows, "WORDS": token_bitmask.WORDS_PER_PROGRAM}, warps=4)
+    assert kernel.metadata.shared <= H200_SHARED_BYTES
+
+
 _GEMV_POINTERS = ("x_ptr", "w_ptr", "out_ptr", "bias_ptr", "norm_ptr", "hres_ptr", "res_out_ptr", "add_ptr",
                   "positions_ptr", "cos_sin_ptr", "k_cache_ptr", "v_cache_ptr", "slot_ptr", "q_norm_ptr",
                   "k_norm_ptr", "w_scale_ptr")

@@ -16,7 +16,7 @@ for case in greedy:0.0:$((TOTAL / 2 + 4)) sampled:1.0:0; do  # the sampled run g
   [ "$limit" = 0 ] && limit=$((TOTAL - SECONDS))
   mkdir -p "$R/$name"
   OUT="$R/$name" timeout "$limit" python3 ops/bench_guided.py --batches 1024,256 --no-sync-case --temperature "$temp" \
-    --grammar-modes "${GUIDED_MODES:-inline,overlap}" --timeline --budget-s $((limit - 14)) ${GUIDED_DRY:-} > "$R/$name.log" 2>&1
+    --grammar-modes "${GUIDED_MODES:-inline,overlap}" --timeline --budget-s $((limit - 6)) ${GUIDED_DRY:-} > "$R/$name.log" 2>&1
   echo "$name exit $?" >> "$R/_driver.log"
   grep -v '^\[bench_guided\|^loading' "$R/$name.log" >> "$R/_driver.log"
 done

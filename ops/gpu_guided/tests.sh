@@ -1,12 +1,13 @@
 # Issue 15's GPU tests: the bitmask op launches nothing that synchronizes (torch's sync debug mode 'error'), the
-# staged masks on the GPU equal each matcher's own; then the per-call pageable copy the op made before the fix run
+# staged masks on the GPU equal each matcher's own, the bitmask kernel equals its definition (bf16/fp16/fp32); then the per-call pageable copy the op made before the fix run
 # under the same mode, to show the test would have caught it. R: the results folder; DRY=1: the CPU selection.
 set -u
 R=${R:-/tmp/guided-results}
 mkdir -p "$R"
 MARK=(-m gpu); [ "${DRY:-0}" = 1 ] && MARK=()
-timeout 32 python3 -m pytest -q -p no:cacheprovider -p no:warnings "${MARK[@]}" tests/test_structured_output.py \
-  tests/test_guided_step.py -k "synchronizes or staged_masks" > "$R/gpu_tests.txt" 2>&1
+timeout 40 python3 -m pytest -q -p no:cacheprovider -p no:warnings "${MARK[@]}" tests/test_structured_output.py \
+  tests/test_guided_step.py tests/test_kernels_token_bitmask.py -k "synchronizes or staged_masks or kernel" \
+  > "$R/gpu_tests.txt" 2>&1
 echo "rc=$?" >> "$R/gpu_tests.txt"
 [ "${DRY:-0}" = 1 ] || timeout 14 python3 - >> "$R/gpu_tests.txt" 2>&1 <<'PY'
 import torch
