@@ -1,4 +1,6 @@
-"""The grammar bitmask kernel (engine/kernels/token_bitmask.py) against its definition, apply_token_bitmask_ref.
+"""The grammar bitmask kernel (engine/kernels/token_bitmask.py) against its definition, apply_token_bitmask_ref,
+and the op on CUDA launching nothing that synchronizes (here rather than in tests/test_structured_output.py, which
+needs jsonschema: the GPU machine has none).
 
 Runs like tests/test_kernels.py: fp32/fp16 on the CPU under TRITON_INTERPRET=1 (the driver at the bottom re-runs
 this file so), bf16/fp16/fp32 on CUDA (marked gpu). Odd vocabularies (a partial last word, a partial last
@@ -10,9 +12,10 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-from kernel_harness import INTERPRET, cases, run_under_interpreter  # noqa: E402
+from kernel_harness import GPU, INTERPRET, NO_CUDA, cases, run_under_interpreter  # noqa: E402
 from stoker.engine.kernels.token_bitmask import (  # noqa: E402
     WORDS_PER_PROGRAM,
+    apply_token_bitmask,
     apply_token_bitmask_ref,
     apply_token_bitmask_triton,
 )
@@ -52,6 +55,34 @@ def test_kernel_refuses_what_it_cannot_mask(device: str, dtype: torch.dtype) -> 
         apply_token_bitmask_triton(logits, bitmask[:, :2], None)
     with pytest.raises(ValueError, match="contiguous"):
         apply_token_bitmask_triton(logits.t().contiguous().t(), bitmask, None)
+
+
+@GPU
+@NO_CUDA
+@pytest.mark.parametrize("every_row", [True, False])
+def test_bitmask_op_never_synchronizes_the_gpu(every_row):
+    """The op is launched while the step's forward still runs: an op that synchronizes (a copy from pageable host
+    memory, an .item()) makes the host wait for the whole forward (H200, 17:54 UTC: 14 ms a step at batch
+    1,024, and the GPU then idle for the next forward's launch). Past the first call on a device (the bit
+    table's one copy), nothing in it may synchronize."""
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 1001, generator=gen)
+    rows = None if every_row else torch.tensor([4, 1, 3])
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (6 if every_row else 3, 32), generator=gen, dtype=torch.int64)
+    bitmask = bitmask.to(torch.int32)
+    want = logits.clone()
+    apply_token_bitmask_ref(want, bitmask, rows)
+    device = torch.device("cuda")
+    on_device = [t if t is None else t.to(device) for t in (logits, bitmask, rows)]
+    apply_token_bitmask(on_device[0].clone(), on_device[1], on_device[2])  # the table's one copy to the device
+    got = on_device[0].clone()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        apply_token_bitmask(got, on_device[1], on_device[2])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(got.cpu(), want)
 
 
 @pytest.mark.skipif(INTERPRET, reason="this is the interpreter run itself")
