@@ -122,6 +122,7 @@ class GrammarCompiler:
         self.staging = MaskStaging()  # the sampler's pinned mask buffers for this model's engine
         self._limits = llguidance.LLParserLimits(**PARSER_LIMITS)
         self._worker: ThreadPoolExecutor | None = None  # submit(): one thread, so its jobs run in order
+        self._consume_par = getattr(self._executor, "consume_token_par", None)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run fn(*args) on this compiler's grammar thread, after the jobs submitted before it (the engine
@@ -231,7 +232,11 @@ class GrammarCompiler:
         the family's lexer lock): the engine thread spent ~4.5 ms a step advancing 1,024 matchers one by one
         (H200, 15:31 UTC), outside the forward's shadow."""
         order = sorted(range(len(states)), key=lambda i: states[i].family)
-        consumed = self._executor.consume_token_par([(states[i].matcher, token_ids[i]) for i in order])
+        pairs = [(states[i].matcher, token_ids[i]) for i in order]
+        if self._consume_par is not None:
+            consumed = self._consume_par(pairs)
+        else:  # an llguidance without LLExecutor.consume_token_par (pyproject allows >= 1.1; 1.9.1 has it)
+            consumed = [matcher.consume_token(token) for matcher, token in pairs]
         accepted = [False] * len(states)
         for i, ok in zip(order, consumed, strict=True):
             accepted[i] = ok

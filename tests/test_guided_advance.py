@@ -45,12 +45,16 @@ def _outcome(result: object) -> object:
     return (type(result).__name__, str(result)) if isinstance(result, Exception) else result
 
 
-def test_advance_all_gives_each_matcher_its_own_token(model_path):
+@pytest.mark.parametrize("parallel", [True, False], ids=["consume_token_par", "without-it"])
+def test_advance_all_gives_each_matcher_its_own_token(model_path, parallel):
     """Rows in several states and families (so the family grouping reorders them), one completing its grammar,
     one given a token its grammar refuses: each outcome and each matcher's next mask equal those of a copy
-    advanced alone by GrammarState.advance."""
+    advanced alone by GrammarState.advance; also with an llguidance that has no consume_token_par."""
     with open(os.path.join(model_path, "tokenizer.json"), encoding="utf-8") as f:
         compiler = GrammarCompiler(f.read(), VOCAB, [1], mask_threads=2)
+    assert compiler._consume_par is not None  # the installed llguidance has it: the fallback is simulated
+    if not parallel:
+        compiler._consume_par = None
     walker = compiler.matcher(LONG)
     states, tokens = [], []
     for row in range(7):  # row i: i + 1 tokens into one allowed path, its token the (7i)-th allowed one
