@@ -50,7 +50,7 @@ import redis.asyncio as aioredis  # noqa: E402
 from aiokafka import AIOKafkaProducer  # noqa: E402
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic  # noqa: E402
 
-STAGES = ("polled", "claimed", "engine_added", "first_output", "published")
+STAGES = ("polled", "claimed", "engine_added", "scheduled", "first_output", "published")
 
 
 def _job(rid: str, max_tokens: int) -> bytes:

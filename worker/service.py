@@ -137,7 +137,7 @@ class Worker:
         self.names = config.names
         self.metrics = WorkerMetrics(config.max_tenant_labels, self.model_name)
         self._stage = {name: self.metrics.stage.labels(name)
-                       for name in ("polled", "claimed", "engine_added", "first_output", "published")}
+                       for name in ("polled", "claimed", "engine_added", "scheduled", "first_output", "published")}
         self.tracker = OffsetTracker()
         self.requests = RequestTable()  # every job we hold, by id: claiming, parked, running, finishing
         # Cancels for ids we have not met yet (the pub/sub message may beat the Kafka record).
@@ -872,6 +872,7 @@ class Worker:
 
     def _first_scheduled(self, req: Request, out: RequestOutput, prompt_tokens: dict[str | None, int]) -> None:
         req.first_scheduled_ms = out.first_scheduled_ms
+        self._observe("scheduled", req.record_ms, out.first_scheduled_ms or req.record_ms)
         self.metrics.queue.observe(max(0.0, (out.first_scheduled_ms or 0.0) - req.record_ms) / 1000)
         prompt_tokens[req.job.tenant] = prompt_tokens.get(req.job.tenant, 0) + out.prompt_tokens
 
