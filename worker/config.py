@@ -92,6 +92,9 @@ class WorkerConfig:
     # Least cap per request stream; the worker raises it to fit its longest request (Worker.stream_cap)
     stream_maxlen: int = 10_000
     claim_ttl_s: float = 10.0
+    # A job that wakes an idle engine is claimed once the engine's step has launched it, waiting at most this
+    # long (Worker._until_launched; 0: claim at once)
+    claim_after_launch_s: float = 0.01
     # Unreachable this long, the worker leaves the consumer group so others take its partitions
     redis_outage_leave_s: float = 60.0
     attempts_ttl_s: int = 86_400
@@ -164,6 +167,8 @@ class WorkerConfig:
         if self.max_tenant_labels < 0:
             problems.append(f"max_tenant_labels must be >= 0 (0: every tenant counts as other), got "
                             f"{self.max_tenant_labels}")
+        if not 0 <= self.claim_after_launch_s <= 1:
+            problems.append(f"claim_after_launch_s must be in [0, 1] seconds, got {self.claim_after_launch_s}")
         if self.claim_ttl_s < 1:
             problems.append(f"claim_ttl_s must be >= 1 s (renewed every third of it), got {self.claim_ttl_s}")
         if self.redis_outage_leave_s <= 0:

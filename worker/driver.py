@@ -8,6 +8,7 @@ stop advancing, intake pauses, and memory stays bounded instead of queueing toke
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -59,6 +60,11 @@ class EngineDriver:
         # Told of every abort before the engine is: a request still compiling its grammar (worker.grammar_gate)
         # is not in the engine yet, and must learn of its cancel there.
         self.on_abort: Callable[[str], None] | None = None
+        # Overlapped steps (engine.async_scheduling): step() returns once its forward is launched, so a caller
+        # may wait for that launch (add_request's future) without waiting for the GPU.
+        self._overlapped = getattr(engine, "async_scheduling", False) is True
+        self._idle = False  # the thread sleeps in _run's wait (no work, or the publisher behind)
+        self._step_waiters: list[asyncio.Future[None]] = []  # resolved when the current or next step() returns
         set_waker = getattr(engine, "set_waker", None)  # a ModelSet wakes us when a model loads or idles out
         if set_waker is not None:
             set_waker(self.notify)
@@ -73,6 +79,7 @@ class EngineDriver:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+        self._release_waiters()
 
     def notify(self) -> None:
         """New work (a request added or aborted): wake the thread if it sleeps."""
@@ -85,9 +92,20 @@ class EngineDriver:
             self._unpublished -= 1
             self._cond.notify_all()
 
-    def add_request(self, request: EngineRequest) -> None:
-        self.engine.add_request(request)  # validates synchronously; raises EngineRequestError
-        self.notify()
+    def add_request(self, request: EngineRequest) -> asyncio.Future[None] | None:
+        """Into the engine's inbox, and wake the thread. When that wakes an idle engine whose step() returns at
+        its launch (overlapped steps), a future (on the loop) resolved when the step taking the request in has
+        launched; else None. Raises EngineRequestError (validated synchronously)."""
+        self.engine.add_request(request)
+        with self._cond:
+            waiter = None
+            if self._overlapped and self._idle and not self._stopping:
+                # Registered before the thread can step (it needs this lock to leave its wait): the step it
+                # runs next takes the request in, and its return resolves this future.
+                waiter = self._loop.create_future()
+                self._step_waiters.append(waiter)
+            self._cond.notify_all()
+        return waiter
 
     def abort(self, request_id: str) -> None:
         if self.on_abort is not None:
@@ -103,7 +121,9 @@ class EngineDriver:
                 while not self._stopping and (
                     self._unpublished >= self._max_unpublished or not engine.has_unfinished()
                 ):
+                    self._idle = True
                     self._cond.wait()
+                self._idle = False
                 if self._stopping:
                     return
             started = time.perf_counter()
@@ -116,10 +136,13 @@ class EngineDriver:
                 log.exception("event=engine_step_failed")
                 self.fatal = exc
                 self._loop.call_soon_threadsafe(self._sink, [], None, time.time() * 1000)
+                self._release_waiters()
                 return
             self.busy_s += time.perf_counter() - started
             self.steps += 1
             self.last_stats = stats
+            if self._step_waiters:  # only after a wake-up from idle: a lone job's first step
+                self._release_waiters()
             if outputs:
                 with self._cond:
                     self._unpublished += 1
@@ -127,3 +150,17 @@ class EngineDriver:
                     self._loop.call_soon_threadsafe(self._sink, outputs, stats, time.time() * 1000)
                 except RuntimeError:  # the loop closed under us: shutting down
                     return
+
+    def _release_waiters(self) -> None:
+        """Resolve the futures add_request handed out (from any thread; the loop may be closed: shutting down)."""
+        with self._cond:
+            waiters, self._step_waiters = self._step_waiters, []
+        if waiters:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(_resolve, waiters)
+
+
+def _resolve(waiters: list[asyncio.Future[None]]) -> None:
+    for waiter in waiters:
+        if not waiter.done():
+            waiter.set_result(None)

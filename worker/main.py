@@ -102,6 +102,9 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
      "least length each request stream keeps; raised to max_attempts x (max_model_len + 1) + 1, so even the "
      "longest request the engine can run keeps every chunk for late readers"),
     ("--claim-ttl-s", "STOKER_CLAIM_TTL_S", float, 10.0, "claim TTL (renewed every third of it)"),
+    ("--claim-after-launch-s", "STOKER_CLAIM_AFTER_LAUNCH_S", float, 0.01,
+     "a job that wakes an idle engine is claimed once its first step is launched, waiting at most this long "
+     "(its prefill's launches need the GIL the claim would hold; 0: claim at once)"),
     ("--redis-outage-leave-s", "STOKER_REDIS_OUTAGE_LEAVE_S", float, 60.0,
      "Redis unreachable this long: leave the consumer group (others take the partitions), rejoin after"),
     ("--max-attempts", "STOKER_MAX_ATTEMPTS", int, 3, "starts before a job is dead-lettered as poison"),

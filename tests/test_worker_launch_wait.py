@@ -1,0 +1,177 @@
+"""A job that wakes an idle engine is claimed once the engine's step has launched it (Worker._until_launched,
+EngineDriver.add_request's future): the step's host work does not share the GIL with the claim's send and
+answer (W1's TTFT through the queue, issue 12). The driver alone, then the worker against the real Kafka and
+Redis with a stand-in engine that steps as the overlapped CUDA engine does (step() returns at the launch)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from stoker.engine import EngineRequest, RequestOutput, SamplingParams
+from stoker.schemas import Done
+from stoker.worker.driver import EngineDriver
+from stoker.worker.fake_engine import FakeEngine
+from stoker.worker.redis_io import Admission
+from worker_harness import check_sequence, job, produce, running_worker, stack_fixtures, wait_results
+
+space, r = stack_fixtures()
+
+
+class LaunchingEngine(FakeEngine):
+    """The stand-in engine with overlapped steps' surface: a step that takes new requests in spends
+    `launch_s` (its host work) before it returns; every step notes when it returned and what it took in."""
+
+    async_scheduling = True
+
+    def __init__(self, launch_s: float = 0.0):
+        super().__init__()
+        self.launch_s = launch_s
+        self.returns: list[tuple[float, list[str]]] = []  # (epoch s, request ids taken in)
+        self.added: dict[str, float] = {}
+
+    def add_request(self, request: EngineRequest) -> None:
+        super().add_request(request)
+        self.added.setdefault(request.request_id, time.time())
+
+    def step(self) -> list[RequestOutput]:
+        with self._lock:
+            new = [req.request_id for req in self._inbox]
+        if new:
+            time.sleep(self.launch_s)
+        outputs = super().step()
+        self.returns.append((time.time(), new))
+        return outputs
+
+
+def request(rid: str, max_tokens: int = 3) -> EngineRequest:
+    return EngineRequest(rid, prompt="p", params=SamplingParams(max_tokens=max_tokens))
+
+
+async def until_idle(driver: EngineDriver) -> None:
+    for _ in range(200):
+        if driver._idle:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("the engine thread never went idle")
+
+
+# -- the driver -----------------------------------------------------------------------------------------------
+async def test_a_request_that_wakes_an_idle_overlapped_engine_gets_a_future_of_its_steps_return():
+    loop = asyncio.get_running_loop()
+    engine = LaunchingEngine(launch_s=0.2)
+    engine.step_delay_s = 0.05  # "a"'s 50 tokens keep the engine busy for 2.5 s
+    driver = EngineDriver(engine, loop, lambda outs, stats, ms: driver.published())
+    driver.start()
+    try:
+        await until_idle(driver)
+        launch = driver.add_request(request("a", max_tokens=50))
+        assert launch is not None
+        await asyncio.wait_for(launch, 5)
+        resolved = time.time()
+        # Resolved once the step that took "a" in had returned, not before (its launch takes 0.2 s).
+        took_in = [at for at, ids in engine.returns if "a" in ids]
+        assert took_in and took_in[0] <= resolved and resolved - engine.added["a"] >= 0.19
+        # The engine is busy now: a request added meanwhile gets no future (its step is under way).
+        assert driver.add_request(request("b")) is None
+    finally:
+        driver.stop()
+
+
+async def test_an_engine_without_overlapped_steps_gets_no_future():
+    """step() of the stand-in (and of the CPU engine) returns after the whole step: waiting for it would hold
+    the claim back for the step's full length."""
+    loop = asyncio.get_running_loop()
+    driver = EngineDriver(FakeEngine(), loop, lambda outs, stats, ms: driver.published())
+    driver.start()
+    try:
+        await until_idle(driver)
+        assert driver.add_request(request("a")) is None
+    finally:
+        driver.stop()
+
+
+async def test_a_broken_engine_and_a_stop_resolve_the_futures_handed_out():
+    loop = asyncio.get_running_loop()
+
+    class Broken(LaunchingEngine):
+        def step(self) -> list[RequestOutput]:
+            raise RuntimeError("the GPU fell off")
+
+    driver = EngineDriver(Broken(), loop, lambda outs, stats, ms: None)
+    driver.start()
+    try:
+        await until_idle(driver)
+        launch = driver.add_request(request("a"))
+        assert launch is not None
+        await asyncio.wait_for(launch, 5)  # resolved by the failed step, not left hanging
+        assert driver.fatal is not None
+    finally:
+        driver.stop()
+
+    gate = threading.Event()
+
+    class Stuck(LaunchingEngine):
+        def step(self) -> list[RequestOutput]:
+            gate.wait(5)
+            return super().step()
+
+    driver = EngineDriver(Stuck(), loop, lambda outs, stats, ms: None)
+    driver.start()
+    await until_idle(driver)
+    launch = driver.add_request(request("a"))
+    assert launch is not None
+    stopping = asyncio.create_task(asyncio.to_thread(driver.stop, 0.1))  # the step is stuck: join times out
+    await asyncio.wait_for(launch, 5)
+    gate.set()
+    await stopping
+
+
+# -- the worker -----------------------------------------------------------------------------------------------
+@pytest.mark.stack
+@pytest.mark.timeout(120)
+async def test_a_job_that_wakes_an_idle_engine_is_claimed_after_its_launch_and_runs_as_before(space, r):
+    names = space.names
+    engine = LaunchingEngine(launch_s=0.15)
+    claimed: dict[str, float] = {}
+    async with running_worker(space, engine, claim_after_launch_s=1.0) as worker:
+        assert worker.rio is not None
+        admit = worker.rio.admit
+
+        async def timed_admit(ids: list[str]) -> list[tuple[Admission, int]]:
+            claimed.update(dict.fromkeys(ids, time.time()))
+            return await admit(ids)
+
+        worker.rio.admit = timed_admit  # type: ignore[method-assign]
+        await produce(space.bootstrap, names.jobs_topic, [job("a", max_tokens=5)])
+        results = await wait_results(r, names, ["a"], timeout=30)
+    launched = next(at for at, ids in engine.returns if "a" in ids)
+    # In the engine before the claim, and the claim sent only once the step taking it in had returned.
+    assert engine.added["a"] < launched <= claimed["a"]
+    outcome = results["a"]
+    check_sequence(outcome)
+    assert isinstance(outcome.terminal, Done) and outcome.terminal.attempt == 1 and len(outcome.events) == 6
+
+
+@pytest.mark.stack
+@pytest.mark.timeout(120)
+async def test_the_claim_waits_for_the_launch_no_longer_than_claim_after_launch_s(space, r):
+    names = space.names
+    engine = LaunchingEngine(launch_s=1.0)
+    claimed: dict[str, float] = {}
+    async with running_worker(space, engine, claim_after_launch_s=0.05) as worker:
+        assert worker.rio is not None
+        admit = worker.rio.admit
+
+        async def timed_admit(ids: list[str]) -> list[tuple[Admission, int]]:
+            claimed.update(dict.fromkeys(ids, time.time()))
+            return await admit(ids)
+
+        worker.rio.admit = timed_admit  # type: ignore[method-assign]
+        await produce(space.bootstrap, names.jobs_topic, [job("a", max_tokens=3)])
+        results = await wait_results(r, names, ["a"], timeout=30)
+    launched = next(at for at, ids in engine.returns if "a" in ids)
+    assert claimed["a"] - engine.added["a"] < 0.5 and claimed["a"] < launched  # the cap, not the 1 s launch
+    check_sequence(results["a"])
