@@ -30,6 +30,7 @@ class LaunchingEngine(FakeEngine):
         super().__init__()
         self.launch_s = launch_s
         self.returns: list[tuple[float, list[str]]] = []  # (epoch s, request ids taken in)
+        self.starts: list[float] = []  # epoch s of each step() call
         self.added: dict[str, float] = {}
 
     def add_request(self, request: EngineRequest) -> None:
@@ -37,6 +38,7 @@ class LaunchingEngine(FakeEngine):
         self.added.setdefault(request.request_id, time.time())
 
     def step(self) -> list[RequestOutput]:
+        self.starts.append(time.time())
         with self._lock:
             new = [req.request_id for req in self._inbox]
         if new:
@@ -127,6 +129,39 @@ async def test_a_broken_engine_and_a_stop_resolve_the_futures_handed_out():
     await asyncio.wait_for(launch, 5)
     gate.set()
     await stopping
+
+
+@pytest.mark.parametrize(("wait_s", "publish_after_s"), [(1.0, 0.1), (0.05, 0.4)])
+async def test_after_a_first_token_the_next_step_waits_for_its_publish_at_most_first_token_wait_s(
+        wait_s: float, publish_after_s: float):
+    """A step whose outputs carry a request's first token: the engine thread starts its next step only once
+    the loop has published them (or first_token_wait_s passed); later tokens' steps do not wait."""
+    loop = asyncio.get_running_loop()
+    engine = LaunchingEngine()
+    sunk: list[tuple[float, bool]] = []  # (epoch s, first tokens among the outputs)
+
+    def sink(outs: list[RequestOutput], stats: object, ms: float) -> None:
+        sunk.append((time.time(), any(o.completion_tokens == len(o.new_token_ids) for o in outs)))
+        loop.call_later(publish_after_s, driver.published)  # the publish's round trip
+
+    driver = EngineDriver(engine, loop, sink, max_unpublished_steps=100, first_token_wait_s=wait_s)
+    driver.start()
+    try:
+        await until_idle(driver)
+        driver.add_request(request("a", max_tokens=4))
+        for _ in range(200):
+            if len(sunk) == 4:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(publish_after_s)
+    finally:
+        driver.stop()
+    assert [first for _, first in sunk] == [True, False, False, False]
+    # The step after the first token's began once it was published (0.1 s), or at the cap (0.05 s) before its
+    # 0.4 s publish; the steps after later tokens did not wait for theirs.
+    gap_after_first = engine.starts[1] - sunk[0][0]
+    assert min(wait_s, publish_after_s) - 0.01 <= gap_after_first < min(wait_s, publish_after_s) + 0.2
+    assert engine.starts[2] - sunk[1][0] < 0.04 and engine.starts[3] - sunk[2][0] < 0.04
 
 
 # -- the worker -----------------------------------------------------------------------------------------------

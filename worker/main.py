@@ -105,6 +105,9 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
     ("--claim-after-launch-s", "STOKER_CLAIM_AFTER_LAUNCH_S", float, 0.01,
      "a job that wakes an idle engine is claimed once its first step is launched, waiting at most this long "
      "(its prefill's launches need the GIL the claim would hold; 0: claim at once)"),
+    ("--first-token-wait-s", "STOKER_FIRST_TOKEN_WAIT_S", float, 0.002,
+     "the engine thread waits at most this long for a step's first tokens to be published before its next "
+     "step, whose host work would hold the GIL the publish needs (overlapped engines; 0: never)"),
     ("--redis-outage-leave-s", "STOKER_REDIS_OUTAGE_LEAVE_S", float, 60.0,
      "Redis unreachable this long: leave the consumer group (others take the partitions), rejoin after"),
     ("--max-attempts", "STOKER_MAX_ATTEMPTS", int, 3, "starts before a job is dead-lettered as poison"),
