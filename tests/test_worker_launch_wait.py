@@ -6,6 +6,8 @@ Redis with a stand-in engine that steps as the overlapped CUDA engine does (step
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,7 +17,7 @@ from stoker.schemas import Done
 from stoker.worker.driver import EngineDriver
 from stoker.worker.fake_engine import FakeEngine
 from stoker.worker.redis_io import Admission
-from worker_harness import check_sequence, job, produce, running_worker, stack_fixtures, wait_results
+from worker_harness import ROOT, check_sequence, job, produce, running_worker, stack_fixtures, wait_results
 
 space, r = stack_fixtures()
 
@@ -210,3 +212,68 @@ async def test_the_claim_waits_for_the_launch_no_longer_than_claim_after_launch_
     launched = next(at for at, ids in engine.returns if "a" in ids)
     assert claimed["a"] - engine.added["a"] < 0.5 and claimed["a"] < launched  # the cap, not the 1 s launch
     check_sequence(results["a"])
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    out = tmp_path_factory.mktemp("model") / "tiny"
+    subprocess.run([sys.executable, "-m", "stoker.engine.make_model", str(out), "--preset", "tiny"], cwd=ROOT,
+                   check=True, capture_output=True)
+    return str(out)
+
+
+@pytest.mark.stack
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_the_real_engine_with_overlapped_steps_runs_lone_jobs_through_both_hand_offs(space, r, tiny_model):
+    """The CUDA engine's path on the CPU: LLMEngine with async_scheduling on, so each lone job is claimed after
+    its launch and its first token's publish holds the next step back; every job's text equals the engine
+    alone's (greedy), and both hand-offs ran (the claim after the step that took the job in)."""
+    from stoker.engine import EngineConfig, LLMEngine
+
+    def engine(overlapped: bool) -> LLMEngine:
+        return LLMEngine(EngineConfig(model_path=tiny_model, device="cpu", kv_cache_memory_bytes=32 << 20,
+                                      max_num_seqs=4, async_scheduling=overlapped))
+
+    prompts = {f"j{i}": f"lone job number {i}" for i in range(4)}
+    alone = engine(False)
+    expected: dict[str, str] = {}
+    for rid, prompt in prompts.items():
+        alone.add_request(EngineRequest(rid, prompt=prompt, params=SamplingParams(max_tokens=6, temperature=0.0)))
+        parts = []
+        while alone.has_unfinished():
+            parts += [o.text_delta for o in alone.step() if o.request_id == rid]
+        expected[rid] = "".join(parts)
+    overlapped = engine(True)
+    steps: list[tuple[float, bool]] = []  # (return time, the engine took a job in: its inbox was not empty)
+    original_step = overlapped.step
+
+    def timed_step() -> list[RequestOutput]:
+        took_in = bool(overlapped._inbox)
+        outputs = original_step()
+        steps.append((time.time(), took_in))
+        return outputs
+
+    overlapped.step = timed_step  # type: ignore[method-assign]
+    claimed: list[float] = []
+    results = {}
+    async with running_worker(space, overlapped, fake_engine=False, model=tiny_model, claim_after_launch_s=1.0,
+                              first_token_wait_s=0.05) as worker:
+        assert worker.rio is not None
+        admit = worker.rio.admit
+
+        async def timed_admit(ids: list[str]) -> list[tuple[Admission, int]]:
+            claimed.append(time.time())
+            return await admit(ids)
+
+        worker.rio.admit = timed_admit  # type: ignore[method-assign]
+        for rid, prompt in prompts.items():  # one at a time: each wakes an idle engine
+            await produce(space.bootstrap, space.names.jobs_topic,
+                          [job(rid, prompt=prompt, max_tokens=6, temperature=0.0)])
+            results.update(await wait_results(r, space.names, [rid], timeout=60))
+    for rid, outcome in results.items():
+        check_sequence(outcome)
+        assert isinstance(outcome.terminal, Done) and outcome.terminal.text == expected[rid]
+    launches = [at for at, took_in in steps if took_in]
+    assert len(launches) == len(claimed) == len(prompts)
+    assert all(launch <= claim for launch, claim in zip(launches, claimed, strict=True))
