@@ -1,6 +1,7 @@
 """A job that wakes an idle engine is claimed once the engine's step has launched it (Worker._until_launched,
-EngineDriver.add_request's future): the step's host work does not share the GIL with the claim's send and
-answer (W1's TTFT through the queue, issue 12). The driver alone, then the worker against the real Kafka and
+EngineDriver.add_request's future; off by default, claim_after_launch_s=0), and a first token's publish holds
+the engine thread's next step back (first_token_wait_s): the engine's host work and the loop's do not share the
+GIL at those two points (W1's TTFT through the queue, issue 12). The driver alone, then the worker against the real Kafka and
 Redis with a stand-in engine that steps as the overlapped CUDA engine does (step() returns at the launch)."""
 
 from __future__ import annotations
@@ -211,6 +212,31 @@ async def test_the_claim_waits_for_the_launch_no_longer_than_claim_after_launch_
         results = await wait_results(r, names, ["a"], timeout=30)
     launched = next(at for at, ids in engine.returns if "a" in ids)
     assert claimed["a"] - engine.added["a"] < 0.5 and claimed["a"] < launched  # the cap, not the 1 s launch
+    check_sequence(results["a"])
+
+
+@pytest.mark.stack
+@pytest.mark.timeout(120)
+async def test_by_default_the_claim_goes_out_at_once_even_to_an_overlapped_engine(space, r):
+    """claim_after_launch_s defaults to 0 (the H200 showed no gain: the config's comment): the claim of a job
+    that woke an idle engine leaves before the step that took it in returns."""
+    names = space.names
+    engine = LaunchingEngine(launch_s=1.0)
+    claimed: dict[str, float] = {}
+    async with running_worker(space, engine) as worker:
+        assert worker.rio is not None and worker.cfg.claim_after_launch_s == 0
+        admit = worker.rio.admit
+
+        async def timed_admit(ids: list[str]) -> list[tuple[Admission, int]]:
+            claimed.update(dict.fromkeys(ids, time.time()))
+            return await admit(ids)
+
+        worker.rio.admit = timed_admit  # type: ignore[method-assign]
+        await produce(space.bootstrap, names.jobs_topic, [job("a", max_tokens=3)])
+        results = await wait_results(r, names, ["a"], timeout=30)
+    launched = next(at for at, ids in engine.returns if "a" in ids)
+    # In the same pass of the loop as the add (no await between them), long before the 1 s step returned.
+    assert 0 <= claimed["a"] - engine.added["a"] < 0.005 and claimed["a"] < launched - 0.5
     check_sequence(results["a"])
 
 
