@@ -240,6 +240,33 @@ async def test_by_default_the_claim_goes_out_at_once_even_to_an_overlapped_engin
     check_sequence(results["a"])
 
 
+@pytest.mark.stack
+@pytest.mark.timeout(120)
+async def test_the_stage_scheduled_is_the_engines_first_step_of_the_job(space, r):
+    """stoker_job_stage_seconds{stage="scheduled"} reads the engine's first_scheduled_ms: an engine that reports
+    its first step 0.3 s after the add shows `scheduled` 0.3 s after `engine_added`."""
+
+    class LateFirstStep(FakeEngine):
+        def step(self) -> list[RequestOutput]:
+            outputs = super().step()
+            for out in outputs:
+                if out.first_scheduled_ms is not None:
+                    out.first_scheduled_ms += 300.0
+            return outputs
+
+    names = space.names
+    async with running_worker(space, LateFirstStep()) as worker:
+        await produce(space.bootstrap, names.jobs_topic, [job("a", max_tokens=3)])
+        await wait_results(r, names, ["a"], timeout=30)
+        sample = worker.metrics.registry.get_sample_value
+        stage = {name: (sample("stoker_job_stage_seconds_count", {"stage": name}),
+                        sample("stoker_job_stage_seconds_sum", {"stage": name}))
+                 for name in ("engine_added", "scheduled", "first_output")}
+    assert stage["scheduled"][0] == stage["engine_added"][0] == 1
+    assert 0.29 <= stage["scheduled"][1] - stage["engine_added"][1] < 0.45
+    assert stage["scheduled"][1] > stage["first_output"][1] + 0.2  # the engine's clock, not the step's end
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     out = tmp_path_factory.mktemp("model") / "tiny"
