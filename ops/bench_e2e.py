@@ -75,7 +75,7 @@ WORKER_ENV: dict[str, tuple[str, Callable[[Any], str]]] = {
     "quantization": ("STOKER_QUANTIZATION", str),
     "kv_cache_dtype": ("STOKER_KV_CACHE_DTYPE", str),
 }
-STAGES = ("polled", "claimed", "engine_added", "first_output", "published")
+STAGES = ("polled", "claimed", "engine_added", "scheduled", "first_output", "published")
 
 
 def log(msg: str) -> None:
@@ -391,7 +391,12 @@ def queue_side(args: argparse.Namespace, path: str, vocab: int, settings: Any, e
             return s
 
         phase("first", args.first_n, args.prompt, args.first_new)
-        phase("W1", 1, args.prompt, args.new, runs=args.w1_runs)
+        observer = plain_consumer(bootstrap, names["topic"]) if args.observe_w1 else None
+        w1_from = time.time()
+        w1 = phase("W1", 1, args.prompt, args.new, runs=args.w1_runs)
+        if observer is not None:
+            w1["plain_consumer"] = fetch_delays(observer.stop(), w1_from)
+            log(f"W1 records at a plain consumer in another process, ms from CreateTime: {w1['plain_consumer']}")
         phase("steady", args.first_n, args.prompt, args.first_new)
         for c in curve_points(args):
             phase(f"c={c}", c, args.prompt, args.new, procs=procs_for(args, c))
@@ -414,6 +419,24 @@ def queue_side(args: argparse.Namespace, path: str, vocab: int, settings: Any, e
         r["worker_exit"] = worker.stop()
         r["worker_log_tail"] = worker.tail(15)
     return r
+
+
+def plain_consumer(bootstrap: str, topic: str) -> Any:
+    """ops/bench_ttft.py's observer: a consumer of its own group in a child process, printing when each record
+    reached it. Beside the worker's stage `polled` it says whether a record reached us late (the time is the
+    worker's) or reached every consumer late (the producer's or the broker's)."""
+    from bench_ttft import Observer
+
+    return Observer(bootstrap, topic)
+
+
+def fetch_delays(seen: dict[str, dict[str, float]], since_s: float) -> dict[str, float]:
+    """Mean and p50 ms from CreateTime to the plain consumer's fetch, of the records made after since_s (the
+    observer reads the topic from its start: earlier phases' records come in its first fetch)."""
+    delays = [(row["fetched"] - row["created"]) * 1000 for row in seen.values() if row["created"] >= since_s - 0.001]
+    if not delays:
+        return {"records": 0}
+    return {"records": len(delays), "mean_ms": sum(delays) / len(delays), "p50_ms": pct(delays, 50)}
 
 
 def worker_env_vars(args: argparse.Namespace, path: str, settings: Any, bootstrap: str, redis_url: str,
@@ -469,6 +492,8 @@ def engine_side(args: argparse.Namespace, path: str, rate: float, settings: Any)
     r["kv_blocks"] = getattr(eng.runner, "num_blocks", None)
     r["startup"] = dict(getattr(eng.runner, "startup", {}))
     seq = [0]
+    scheduled: list[float] = []  # ms from add_request to the engine's first step of the request (its stage
+    # "scheduled" in the worker, from engine_added)
 
     def run(prompts: list[list[int]], new: int, arrivals: list[float] | None = None) -> list[list[Any]]:
         """Adds each prompt at its arrival (seconds from now; None: all now) and steps to the end. A request's
@@ -478,6 +503,7 @@ def engine_side(args: argparse.Namespace, path: str, rate: float, settings: Any)
         arrivals = arrivals or [0.0] * len(prompts)
         recs: dict[str, list[Any]] = {}
         last: dict[str, float] = {}
+        added_ms: dict[str, float] = {}  # epoch ms of each add_request: the engine's first_scheduled_ms clock
         pending = 0
         while pending < len(prompts) or eng.has_unfinished():
             now = time.monotonic()
@@ -485,6 +511,7 @@ def engine_side(args: argparse.Namespace, path: str, rate: float, settings: Any)
                 rid = f"e{seq[0]}"
                 seq[0] += 1
                 recs[rid] = [time.monotonic(), None, None, 0, None, []]
+                added_ms[rid] = time.time() * 1000
                 eng.add_request(EngineRequest(rid, prompt_token_ids=prompts[pending], params=params))
                 pending += 1
             if not eng.has_unfinished():
@@ -494,6 +521,8 @@ def engine_side(args: argparse.Namespace, path: str, rate: float, settings: Any)
             now = time.monotonic()
             for out in outs:
                 rec = recs[out.request_id]
+                if out.first_scheduled_ms is not None and out.request_id in added_ms:
+                    scheduled.append(out.first_scheduled_ms - added_ms.pop(out.request_id))
                 if out.error_code:
                     rec[4] = out.error_code
                 k = len(out.new_token_ids)
@@ -511,6 +540,7 @@ def engine_side(args: argparse.Namespace, path: str, rate: float, settings: Any)
     def phase(name: str, n: int, prompt: int, new: int, runs: int = 1, arrivals: list[float] | None = None,
               warm: bool = False) -> None:
         records: list[list[Any]] = []
+        scheduled.clear()
         ru0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
         for i in range(runs):
             records += run(bench.random_prompts(n, prompt, vocab, 100 + i + len(r["phases"])), new, arrivals)
@@ -523,6 +553,8 @@ def engine_side(args: argparse.Namespace, path: str, rate: float, settings: Any)
                  phase_wall_s=wall)
         if runs > 1:
             s["ttft_runs_ms"] = [round((x[1] - x[0]) * 1e3, 2) for x in records if x[1] is not None]
+        if scheduled:
+            s["add_to_scheduled_ms_mean"] = sum(scheduled) / len(scheduled)
         r["phases"][name] = s
         log(f"engine {name}: {brief(s)}")
 
@@ -600,6 +632,13 @@ def table(q: dict[str, Any], e: dict[str, Any], args: argparse.Namespace) -> lis
                              ("ttft_p99_ms", "TTFT p99", "{:.1f}"), ("itl_p50_ms", "inter-token p50", "{:.2f}"),
                              ("itl_p99_ms", "inter-token p99", "{:.2f}"), ("e2e_p99_ms", "e2e p99", "{:.0f}")):
             row(f"{rl}: {what}", g(qp, "rate", k), g(ep, "rate", k), fmt, "" if k == "tok_s" else " ms")
+    pc = qp.get("W1", {}).get("plain_consumer", {})
+    if pc.get("records"):
+        rows.append((f"W1 records at a plain consumer (another process), ms from CreateTime: mean / p50 "
+                     f"({pc['records']} records)", f"{pc['mean_ms']:.2f} / {pc['p50_ms']:.2f}", "", ""))
+    add_sched = g(ep, "W1", "add_to_scheduled_ms_mean")
+    if add_sched is not None:
+        rows.append(("W1 engine alone: add_request -> first step launched, mean ms", f"{add_sched:.2f}", "", ""))
     for name in ("W1", "W2"):
         st = qp.get(name, {}).get("stages_ms", {})
         if st:
@@ -644,6 +683,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rate-seconds", type=float, default=20.0, help="0: no rate phase")
     ap.add_argument("--kafka-warmup", type=int, default=3000,
                     help="Kafka round trips while the worker starts (0: none; see KafkaWarmup)")
+    ap.add_argument("--observe-w1", action=argparse.BooleanOptionalAction, default=True,
+                    help="a plain consumer in another process times W1's records beside the worker (bench_ttft's)")
     ap.add_argument("--load-procs", type=int, default=4, help="load generator processes for the larger phases")
     ap.add_argument("--procs-from", type=int, default=64, help="phases of this many requests use --load-procs")
     ap.add_argument("--request-timeout", type=float, default=120.0)

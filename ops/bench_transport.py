@@ -50,7 +50,7 @@ import redis.asyncio as aioredis  # noqa: E402
 from aiokafka import AIOKafkaProducer  # noqa: E402
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic  # noqa: E402
 
-STAGES = ("polled", "claimed", "engine_added", "first_output", "published")
+STAGES = ("polled", "claimed", "engine_added", "scheduled", "first_output", "published")
 
 
 def _job(rid: str, max_tokens: int) -> bytes:
@@ -83,7 +83,9 @@ class WorkerProc:
 
     @classmethod
     async def start(cls, bootstrap: str, redis_url: str, max_num_seqs: int, step_delay_s: float,
-                    stream_maxlen: int, profile_out: str | None = None) -> WorkerProc:
+                    stream_maxlen: int, profile_out: str | None = None,
+                    engine_argv: list[str] | None = None, ready_timeout_s: float = 60) -> WorkerProc:
+        """engine_argv: the worker's engine flags in place of the stand-in's (a real model: --model DIR ...)."""
         tag = uuid.uuid4().hex[:8]
         topic, prefix, port = f"bench.{tag}", f"bench{tag}", _free_port()
         admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
@@ -97,16 +99,17 @@ class WorkerProc:
         # cProfile sees the main thread only: the event loop, which is the event path's cost (the stand-in
         # engine steps on its own thread). The profile is written when the worker exits (stop()).
         wrap = ["-m", "cProfile", "-o", profile_out] if profile_out else []
-        argv = [sys.executable, *wrap, "-m", "stoker.worker.main", "--fake-engine", "--bootstrap-servers", bootstrap,
+        engine = engine_argv if engine_argv is not None else [
+            "--fake-engine", "--max-model-len", "2000000", "--fake-step-delay-s", repr(step_delay_s)]
+        argv = [sys.executable, *wrap, "-m", "stoker.worker.main", *engine, "--bootstrap-servers", bootstrap,
                 "--redis-url", redis_url, "--job-topic", topic, "--prefix", prefix, "--group-id", f"bench-{tag}",
                 "--metrics-host", "127.0.0.1", "--metrics-port", str(port), "--max-num-seqs", str(max_num_seqs),
-                "--max-waiting", str(max_num_seqs), "--max-model-len", "2000000", "--max-poll-records", "500",
-                "--stream-maxlen", str(stream_maxlen), "--fake-step-delay-s", repr(step_delay_s),
-                "--log-level", "WARNING"]
+                "--max-waiting", str(max_num_seqs), "--max-poll-records", "500",
+                "--stream-maxlen", str(stream_maxlen), "--log-level", "WARNING"]
         with open(log, "wb") as out:
             proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
         worker = cls(proc, port, prefix, topic, log)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + ready_timeout_s
         while not worker.get("/readyz").startswith("ready"):
             if proc.poll() is not None or time.monotonic() > deadline:
                 worker.stop()

@@ -150,7 +150,11 @@ async def run(args: argparse.Namespace, bootstrap: str, redis_url: str) -> dict[
     res: dict[str, Any] = {"jobs": args.jobs, "tokens": args.tokens, "step_delay_ms": args.step_delay_ms,
                            "cpus": os.cpu_count(), "phases": {}}
     res["kafka_before"] = summary(await kafka_rtt(bootstrap, args.kafka_records, 0, "all"))
-    worker = await WorkerProc.start(bootstrap, redis_url, 64, args.step_delay_ms / 1000, 1000)
+    engine_argv = None if args.model is None else [
+        "--model", args.model, "--device", args.device, "--max-model-len", str(args.max_model_len)]
+    res["engine"] = args.model or "stand-in"
+    worker = await WorkerProc.start(bootstrap, redis_url, 64, args.step_delay_ms / 1000, 1000,
+                                    engine_argv=engine_argv, ready_timeout_s=300)
     observer = Observer(bootstrap, worker.topic)
     phases = {}
     try:
@@ -180,7 +184,8 @@ async def run(args: argparse.Namespace, bootstrap: str, redis_url: str) -> dict[
 
 
 def report(res: dict[str, Any]) -> None:
-    print(f"\nlone-job hops with the stand-in engine ({res['step_delay_ms']:g} ms steps, {res['tokens']} tokens): "
+    engine = "the stand-in engine" if res["engine"] == "stand-in" else f"the engine on {res['engine']}"
+    print(f"\nlone-job hops with {engine} ({res['step_delay_ms']:g} ms stand-in steps, {res['tokens']} tokens): "
           f"{res['jobs']} jobs one at a time per phase, {res['cpus']} CPUs")
     head = f"{'(ms)':<40}{'mean':>8}{'p50':>8}{'p90':>8}{'p99':>8}"
     for name, ph in res["phases"].items():
@@ -226,6 +231,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gaps-ms", default="0,50", help="one phase per gap: pause between a done event and the next job")
     ap.add_argument("--tokens", type=int, default=8, help="max_tokens of each job")
     ap.add_argument("--step-delay-ms", type=float, default=4.0, help="the stand-in engine's step time")
+    ap.add_argument("--model", default=None,
+                    help="the real engine on this model folder (e.g. ops/bench.py's /tmp/stoker-bench-tiny) instead of "
+                         "the stand-in")
+    ap.add_argument("--device", default="cpu", help="with --model: cpu or cuda")
+    ap.add_argument("--max-model-len", type=int, default=1024, help="with --model")
     ap.add_argument("--acks", default="all", help="comma list of the client producer's acks (all, 1): phases for each")
     ap.add_argument("--kafka-records", type=int, default=200, help="records of each Kafka-alone measurement")
     ap.add_argument("--stack", choices=("external", "start"), default="external",

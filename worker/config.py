@@ -92,6 +92,13 @@ class WorkerConfig:
     # Least cap per request stream; the worker raises it to fit its longest request (Worker.stream_cap)
     stream_maxlen: int = 10_000
     claim_ttl_s: float = 10.0
+    # A job that wakes an idle engine is claimed once the engine's step has launched it, waiting at most this
+    # long (Worker._until_launched). Off (0: claim at once): on the H200 the prefill step's step() returned
+    # more than 10 ms after the add, so the wait only moved the claim into that step (BENCHMARKS.md, call 2)
+    claim_after_launch_s: float = 0.0
+    # The engine thread waits at most this long for a step's first tokens to be published before its next
+    # step (EngineDriver._let_first_tokens_out; overlapped engines; 0: never)
+    first_token_wait_s: float = 0.002
     # Unreachable this long, the worker leaves the consumer group so others take its partitions
     redis_outage_leave_s: float = 60.0
     attempts_ttl_s: int = 86_400
@@ -164,6 +171,10 @@ class WorkerConfig:
         if self.max_tenant_labels < 0:
             problems.append(f"max_tenant_labels must be >= 0 (0: every tenant counts as other), got "
                             f"{self.max_tenant_labels}")
+        if not 0 <= self.first_token_wait_s <= 0.1:
+            problems.append(f"first_token_wait_s must be in [0, 0.1] seconds, got {self.first_token_wait_s}")
+        if not 0 <= self.claim_after_launch_s <= 1:
+            problems.append(f"claim_after_launch_s must be in [0, 1] seconds, got {self.claim_after_launch_s}")
         if self.claim_ttl_s < 1:
             problems.append(f"claim_ttl_s must be >= 1 s (renewed every third of it), got {self.claim_ttl_s}")
         if self.redis_outage_leave_s <= 0:

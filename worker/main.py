@@ -102,6 +102,12 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
      "least length each request stream keeps; raised to max_attempts x (max_model_len + 1) + 1, so even the "
      "longest request the engine can run keeps every chunk for late readers"),
     ("--claim-ttl-s", "STOKER_CLAIM_TTL_S", float, 10.0, "claim TTL (renewed every third of it)"),
+    ("--claim-after-launch-s", "STOKER_CLAIM_AFTER_LAUNCH_S", float, 0.0,
+     "a job that wakes an idle engine is claimed once its first step has returned, waiting at most this long "
+     "(that step's host work needs the GIL the claim would hold; 0, the default: claim at once)"),
+    ("--first-token-wait-s", "STOKER_FIRST_TOKEN_WAIT_S", float, 0.002,
+     "the engine thread waits at most this long for a step's first tokens to be published before its next "
+     "step, whose host work would hold the GIL the publish needs (overlapped engines; 0: never)"),
     ("--redis-outage-leave-s", "STOKER_REDIS_OUTAGE_LEAVE_S", float, 60.0,
      "Redis unreachable this long: leave the consumer group (others take the partitions), rejoin after"),
     ("--max-attempts", "STOKER_MAX_ATTEMPTS", int, 3, "starts before a job is dead-lettered as poison"),

@@ -160,7 +160,8 @@ class WorkerMetrics:
                                    _LATENCY_BUCKETS, registry=r)
         # Where a job's first-event latency goes: seconds from the Kafka record's timestamp to each stage
         # (polled: getmany returned it; claimed: the claim script answered; engine_added: add_request
-        # returned; first_output: the engine step that made its first output ended; published: the
+        # returned; scheduled: the engine's thread launched its first step (engine_added -> scheduled is the
+        # step loop's wake-up); first_output: the engine step that made its first output ended; published: the
         # pipeline carrying that first event returned). Differences of adjacent stages locate a delay.
         self.stage = LoopHistogram("stoker_job_stage_seconds", "Kafka record time to each stage of a job's start",
                                    _STAGE_BUCKETS, ["stage"], registry=r)

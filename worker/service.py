@@ -137,7 +137,7 @@ class Worker:
         self.names = config.names
         self.metrics = WorkerMetrics(config.max_tenant_labels, self.model_name)
         self._stage = {name: self.metrics.stage.labels(name)
-                       for name in ("polled", "claimed", "engine_added", "first_output", "published")}
+                       for name in ("polled", "claimed", "engine_added", "scheduled", "first_output", "published")}
         self.tracker = OffsetTracker()
         self.requests = RequestTable()  # every job we hold, by id: claiming, parked, running, finishing
         # Cancels for ids we have not met yet (the pub/sub message may beat the Kafka record).
@@ -183,7 +183,7 @@ class Worker:
         # partitions it could never serve (an outage, by contrast, is waited out).
         await self.rio.retry("ping", self.redis.ping)
         self.admitter.start(self.redis, self.rio.retry)
-        self.driver = EngineDriver(self.engine, loop, self._on_step)
+        self.driver = EngineDriver(self.engine, loop, self._on_step, first_token_wait_s=cfg.first_token_wait_s)
         self.grammars = GrammarGate(self.engine, cfg.grammar_compile_threads, cfg.grammar_compile_timeout_s)
         self.driver.on_abort = self.grammars.abort  # a cancel must reach a request still compiling
         self.metrics.watch_engine(self.driver)
@@ -476,9 +476,10 @@ class Worker:
 
     async def _claim(self, claims: list[Request]) -> None:
         assert self.rio is not None
-        for entry in claims:
-            self._start_early(entry)
+        launches = [launch for entry in claims if (launch := self._start_early(entry)) is not None]
         try:
+            if launches and self.cfg.claim_after_launch_s > 0:
+                await self._until_launched(launches)
             outcomes = await self.rio.admit([entry.request_id for entry in claims])
         except BaseException:  # no answer (refused credentials, a stop, a bug): no early run goes on for nobody
             for entry in claims:
@@ -596,28 +597,41 @@ class Worker:
         self._adopt(req, held)
         return True
 
-    def _start_early(self, entry: Request) -> None:
+    async def _until_launched(self, launches: list[asyncio.Future[None]]) -> None:
+        """Jobs started early woke an idle engine: their claim waits until its step has launched them (at most
+        claim_after_launch_s). That step's host work (schedule, prepare, the prefill's launches) needs the GIL,
+        which this loop would hold meanwhile to send the claim and read its answer; after the launch the loop's
+        work overlaps the GPU's instead, and the claim's round trip still ends long before a prefill does. Off by
+        default: on the H200 a 512-token prefill step returned > 10 ms after the add (it blocks before its
+        launch is done), so the claim only moved into that step (BENCHMARKS.md, W1's TTFT, call 2)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.cfg.claim_after_launch_s):
+                await asyncio.gather(*launches)
+
+    def _start_early(self, entry: Request) -> asyncio.Future[None] | None:
         """Hand a job being claimed to the engine now, so that the claim's round trip overlaps its first step
         instead of preceding it (a lone job's TTFT). Nothing of it is published before the claim is ours: its
         outputs wait in `entry.early` until _admitted adopts them or aborts the job. Not for a job that would
         not run anyway (cancelled, past its deadline, of a model not served) nor one whose grammar compiles
-        first; one the engine refuses now takes the usual path (and gets the same answer after the claim)."""
+        first; one the engine refuses now takes the usual path (and gets the same answer after the claim).
+        Returns the driver's future of the launch when the job woke an idle engine (see _until_launched)."""
         assert self.driver is not None and self.grammars is not None
         job = entry.job
         if entry.state is not CLAIMING or entry.request_id in self._early_cancels or \
                 (job.deadline_ms is not None and now_ms() >= job.deadline_ms) or \
                 (job.model is not None and job.model not in self.model_names):
-            return
+            return None
         try:
             request = engine_request(job)
             request.priority = self.admitter.engine_priority(entry.request_id, request.priority)
             if self.grammars.needs_compile(request):
-                return
-            self.driver.add_request(request)
+                return None
+            launch = self.driver.add_request(request)
         except Exception:  # noqa: BLE001 -- refused (too long, a bad field): the claim's path answers it
-            return
+            return None
         entry.early = []
         self._observe("engine_added", entry.record_ms, now_ms())
+        return launch
 
     def _hold_early(self, out: RequestOutput, step_ms: float) -> None:
         """An output of no running request: kept if its job started early and is still being claimed."""
@@ -872,6 +886,7 @@ class Worker:
 
     def _first_scheduled(self, req: Request, out: RequestOutput, prompt_tokens: dict[str | None, int]) -> None:
         req.first_scheduled_ms = out.first_scheduled_ms
+        self._observe("scheduled", req.record_ms, out.first_scheduled_ms or req.record_ms)
         self.metrics.queue.observe(max(0.0, (out.first_scheduled_ms or 0.0) - req.record_ms) / 1000)
         prompt_tokens[req.job.tenant] = prompt_tokens.get(req.job.tenant, 0) + out.prompt_tokens
 
