@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the timing helpers o
 
 from bench_fp8_gemv import wall_us  # noqa: E402
 from bench_gemv import MODELS, copies_for, copy_bandwidth, graph_us  # noqa: E402
+from stoker.engine.kernels import gemv as gemv_mod  # noqa: E402
 from stoker.engine.kernels import rope_cos_sin  # noqa: E402
 from stoker.engine.kernels.fp8_linear import fp8_gemv_config, quantize_rows  # noqa: E402
 from stoker.engine.kernels.gemv import (  # noqa: E402
@@ -60,6 +61,34 @@ DOT_GRID = {
     "gate_up+silu": [(16, 128, 1, 5), (64, 128, 4, 5), (32, 256, 2, 4)],
     "qkv+rope": [(16, 128, 1, 5), (32, 128, 2, 5), (16, 256, 2, 4)],
 }
+
+
+# --row-grid: one-token CUDA-core launch shapes (rows per program, K step, warps) for the [BN, BK] accumulator in
+# the weight load's layout (gemv.ROW_ACC_FP8; its sm_90 PTX has no shared-memory round trip per K step, the 3-D
+# accumulator's had an 8 KB one). For rope, rows are the half-heads' pairs (two weight streams).
+ROW_GRID = {
+    "add": [(2, 2048, 4), (4, 1024, 4), (4, 2048, 8), (8, 1024, 4), (16, 1024, 4)],
+    "gate_up+silu": [(2, 1024, 4), (4, 1024, 4), (2, 2048, 8), (8, 512, 4)],
+    "qkv+rope": [(2, 1024, 4), (4, 512, 2), (4, 1024, 4), (8, 512, 4), (2, 2048, 8)],
+}
+
+
+def row_configs(kind: str, dry_run: bool) -> dict[str, tuple[GemvConfig | None, bool, bool]]:
+    """label -> (launch shape, gemv.ROW_ACC_FP8, gemv.ROW_PREFETCH) for --row-grid: the grid with the new
+    accumulator and the register prefetch; the engine's M = 1 shape of the kind with the 3-D accumulator (what
+    ran until now) and the new one without the prefetch."""
+    key = "add" if kind.endswith("add") else kind
+    grid = [(2, 64, 1), (4, 32, 1)] if dry_run else ROW_GRID[key]
+    out = {f"row+pf {bn}x{bk} w{w}": (GemvConfig(1, bn, bk, False, w, 3), True, True) for bn, bk, w in grid}
+    bn, bk, warps = (2, 64, 1) if dry_run else {"add": (8, 1024, 4), "qkv+rope": (4, 512, 4),
+                                                 "gate_up+silu": (4, 1024, 4)}[key]
+    engine = GemvConfig(1, bn, bk, False, warps, 3)
+    out[f"3d {bn}x{bk} w{warps}"] = (engine, False, False)
+    out[f"row {bn}x{bk} w{warps}"] = (engine, True, False)
+    out.setdefault(f"row+pf {bn}x{bk} w{warps}", (engine, True, True))
+    if kind == "gate_up+silu" and not dry_run:
+        out["engine"] = (None, True, True)  # the tl.dot tile gemv_config gives it (84 % with asm-join at 14:45)
+    return out
 
 
 def configs(kind: str, m: int, n: int, k: int, on_gpu: bool, grid: bool = False) -> dict[str, GemvConfig | None]:
@@ -140,6 +169,8 @@ def main() -> None:
     parser.add_argument("--converts", default="cast,bits-join,asm-join")
     parser.add_argument("--budget-s", type=float, default=30.0, help="start no projection after this long")
     parser.add_argument("--grid", action="store_true", help="also the tl.dot launch shapes of DOT_GRID")
+    parser.add_argument("--row-grid", action="store_true", help="M = 1 CUDA-core shapes of ROW_GRID, old and new "
+                        "accumulator (instead of the engine / --grid launches)")
     parser.add_argument("--dry-run", action="store_true", help="CPU under TRITON_INTERPRET=1: tiny shapes")
     opts = parser.parse_args()
     t0 = time.time()
@@ -168,7 +199,11 @@ def main() -> None:
                 print(f"| {kind} | {m} | skipped: past --budget-s {opts.budget_s:.0f} |", flush=True)
                 continue
             proj = Proj(model, kind, m, dtype, device, copies)
-            for label, cfg in configs(kind, m, proj.n, proj.k, device == "cuda", opts.grid).items():
+            launches = (row_configs(kind, opts.dry_run) if opts.row_grid else
+                        {label: (cfg, gemv_mod.ROW_ACC_FP8, gemv_mod.ROW_PREFETCH)
+                         for label, cfg in configs(kind, m, proj.n, proj.k, device == "cuda", opts.grid).items()})
+            for label, (cfg, row_acc, prefetch) in launches.items():
+                gemv_mod.ROW_ACC_FP8, gemv_mod.ROW_PREFETCH = row_acc, prefetch
                 us = {conv: measure(proj, cfg, conv, timer) for conv in converts}
                 timed = [v for v in us.values() if v is not None]
                 best = min(timed) if timed else None

@@ -59,7 +59,7 @@ def _gemv_signature(dtype: str) -> dict[str, str]:
     signature.update({name: "i32" for name in _GEMV_INTS})
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_DOT", "DOT_PRECISION", "NORM", "PRO_RESIDUAL", "APPLY_G",
                  "HAS_BIAS", "SILU_MUL", "ADD", "ROTARY", "QK_NORM", "HALF", "SPLITS_PER_HEAD", "PAIRED", "USE_PDL",
-                 "NORM_CHUNK", "W_SCALED", "W_CONVERT"):
+                 "NORM_CHUNK", "W_SCALED", "W_CONVERT", "W_VEC", "W_PREFETCH"):
         signature[name] = "constexpr"
     return signature
 
@@ -78,7 +78,8 @@ def test_gemv_configs_fit_the_h200s_shared_memory(dtype: str, elem_bytes: int, k
                       DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", NORM=norm, PRO_RESIDUAL=False,
                       APPLY_G=False, HAS_BIAS=False, SILU_MUL=kind == "silu", ADD=False, ROTARY=kind == "rope",
                       QK_NORM=False, HALF=64, SPLITS_PER_HEAD=2, PAIRED=kind in ("silu", "rope"), USE_PDL=False,
-                      NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True), W_SCALED=False, W_CONVERT=0)
+                      NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True), W_SCALED=False, W_CONVERT=0,
+                      W_VEC=0, W_PREFETCH=False)
     kernel = _compile(gemv._gemv_kernel, _gemv_signature(dtype), constexprs, cfg.num_warps, cfg.num_stages)
     assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)
 
@@ -97,7 +98,8 @@ def test_fp8_fused_gemv_compiles_for_sm90(w_convert: int, kind: str, rows: int) 
                       DOT_PRECISION="tf32", NORM=False, PRO_RESIDUAL=False, APPLY_G=False, HAS_BIAS=False,
                       SILU_MUL=kind == "silu", ADD=kind == "plain", ROTARY=kind == "rope", QK_NORM=False, HALF=64,
                       SPLITS_PER_HEAD=2, PAIRED=kind in ("silu", "rope"), USE_PDL=False, W_SCALED=True,
-                      W_CONVERT=w_convert, NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True))
+                      W_CONVERT=w_convert, NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True),
+                      W_VEC=gemv._row_vec(cfg, 2, True), W_PREFETCH=gemv._row_vec(cfg, 2, True) != 0)
     kernel = _compile(gemv._gemv_kernel, signature, constexprs, cfg.num_warps, cfg.num_stages)
     assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)
     if w_convert == 2:
@@ -205,6 +207,7 @@ def test_tuned_m1_configs_fit_the_h200s_shared_memory_in_fp32(kind: str, n_out: 
                       DOT_PRECISION="ieee", NORM=kind.endswith("-norm"), PRO_RESIDUAL=False, APPLY_G=False,
                       HAS_BIAS=False, SILU_MUL=base == "silu", ADD=base == "plain", ROTARY=base == "rope",
                       QK_NORM=False, HALF=64, SPLITS_PER_HEAD=8, PAIRED=base in ("silu", "rope"), USE_PDL=False,
-                      NORM_CHUNK=gemv.norm_chunk(hidden, cfg.num_warps, True), W_SCALED=False, W_CONVERT=0)
+                      NORM_CHUNK=gemv.norm_chunk(hidden, cfg.num_warps, True), W_SCALED=False, W_CONVERT=0,
+                      W_VEC=0, W_PREFETCH=False)
     kernel = _compile(gemv._gemv_kernel, _gemv_signature("fp32"), constexprs, cfg.num_warps, cfg.num_stages)
     assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)
