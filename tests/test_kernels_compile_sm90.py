@@ -8,6 +8,7 @@ float32 GEMV config asked 240 KB of shared memory (the H200 has 227 KB a block).
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
@@ -211,3 +212,42 @@ def test_tuned_m1_configs_fit_the_h200s_shared_memory_in_fp32(kind: str, n_out: 
                       W_VEC=0, W_PREFETCH=False)
     kernel = _compile(gemv._gemv_kernel, _gemv_signature("fp32"), constexprs, cfg.num_warps, cfg.num_stages)
     assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)
+
+
+def _fp8_m1_entries() -> list[Any]:
+    from stoker.engine.models.fused_decode import FP8_FUSED_M1
+
+    return [pytest.param(kernel, n, k, cfg, convert, id=f"{kernel}-{n}x{k}-{convert}")
+            for (kernel, n, k), (cfg, convert) in sorted(FP8_FUSED_M1.items())]
+
+
+@pytest.mark.parametrize("kernel, n, k, cfg, convert", _fp8_m1_entries())
+def test_fp8_fused_m1_table_compiles_for_sm90(kernel: str, n: int, k: int, cfg: Any, convert: str) -> None:
+    """fused_decode.FP8_FUSED_M1's launches as the engine makes them at one token (the one-token CUDA-core loop's
+    W_VEC where the config is one: its loop carries no shared-memory layout conversion, the reason it exists)."""
+    from stoker.engine.kernels import gemv
+    from stoker.engine.kernels.fp8_convert import CONVERT_CODE
+
+    w_convert = 0 if convert == "cast" else CONVERT_CODE[convert] - 2
+    w_vec = gemv._row_vec(cfg, 2, True)
+    signature = _gemv_signature("bf16")
+    signature["w_ptr"] = "*fp8e4nv" if w_convert == 0 else "*i32"
+    names = list(inspect.signature(gemv._gemv_kernel.fn).parameters)  # attrs index the kernel's own order
+    signature = {name: signature[name] for name in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
+               if name.endswith("_ptr") or name in ("K", "x_stride", "w_stride", "out_stride", "add_stride")}
+    constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
+                      DOT_PRECISION="tf32", NORM=kernel != "add", PRO_RESIDUAL=False, APPLY_G=kernel != "add",
+                      HAS_BIAS=False, SILU_MUL=kernel == "silu", ADD=kernel == "add", ROTARY=kernel == "rope",
+                      QK_NORM=False, HALF=64, SPLITS_PER_HEAD=1, PAIRED=kernel != "add", USE_PDL=False, W_SCALED=True,
+                      W_CONVERT=w_convert, NORM_CHUNK=gemv.norm_chunk(k, cfg.num_warps, True), W_VEC=w_vec,
+                      W_PREFETCH=w_vec != 0 and gemv.ROW_PREFETCH)
+    kernel_bin = triton.compile(ASTSource(gemv._gemv_kernel, signature, constexprs=constexprs, attrs=aligned),
+                                target=H200, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    assert kernel_bin.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel_bin.metadata.shared)
+    if w_vec:  # the weight loop: the loop whose body converts E4M3 (the norm's rms pass has loops too)
+        loops = [part.split("bra", 1)[0] for part in kernel_bin.asm["ptx"].split("Loop Header")[1:]]
+        weight_loops = [body for body in loops if "e4m3x2" in body]
+        assert weight_loops, "no loop converts the FP8 weights"
+        assert all("bar.sync" not in body and "st.shared" not in body for body in weight_loops), \
+            "a layout conversion through shared memory inside the K loop"

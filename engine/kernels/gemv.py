@@ -389,7 +389,10 @@ def _gemv_kernel(
         is_k = (head >= NUM_Q_HEADS) & (head < NUM_Q_HEADS + NUM_KV_HEADS)
         if QK_NORM:  # Qwen3: RMSNorm over each q / k head (this program holds the whole head), rounded
             norm_w = tl.where(is_q, q_norm_ptr, k_norm_ptr)
-            inv = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)[:, None]
+            # the head's own columns only: a padding column (d >= HALF) must not reach the sum whatever it holds
+            live = col_mask[None, :]
+            sq = tl.where(live, a * a, 0.0) + tl.where(live, b * b, 0.0)
+            inv = tl.rsqrt(tl.sum(sq, axis=1) / (2 * HALF) + eps)[:, None]
             wa_n = tl.load(norm_w + d, mask=col_mask & (is_q | is_k), other=1.0).to(tl.float32)[None, :]
             wb_n = tl.load(norm_w + HALF + d, mask=col_mask & (is_q | is_k), other=1.0).to(tl.float32)[None, :]
             na = ((a * inv).to(dtype).to(tl.float32) * wa_n).to(dtype).to(tl.float32)
@@ -521,10 +524,13 @@ def _contiguous_last(name: str, t: torch.Tensor | None) -> None:
 # st.shared + ldmatrix round trip and 3 barriers per K step; with W_VEC none). ROW_ACC_BF16: the same loop for
 # 16/32-bit weights (shared with the bf16 path: off until measured there).
 ROW_ACC_FP8 = True
+REFUSE_WORDS_WITH_QK_NORM = True  # see gemv_rotary_cache_triton (ops/probe_qk_norm_words.py lifts it to probe)
 ROW_ACC_BF16 = False
-# That loop with the next K step's weight tile loaded into registers before this step's math (W_PREFETCH): the
-# CUDA-core loads are not pipelined through shared memory as the tl.dot path's are (no cp.async in its PTX).
-ROW_PREFETCH = True
+# That loop with the next K step's weight tile loaded into registers before this step's math (W_PREFETCH; the
+# CUDA-core loads are not pipelined through shared memory as the tl.dot path's are): slower on the H200 (17:56
+# UTC, 8B, M = 1, cast, us: down 1x8x1024 w4 17.5 without -> 26.1 with, qkv 1x4x512 w4 10.1 -> 14.8, o 7.1 ->
+# 10.3), so off; kept for the sweep (ops/bench_fp8_fused.py --row-grid).
+ROW_PREFETCH = False
 
 
 def _row_vec(cfg: GemvConfig, elem_bytes: int, fp8: bool) -> int:
@@ -688,16 +694,13 @@ def gemv_rotary_cache_triton(
                          f"{(num_heads + 2 * num_kv_heads) * head_dim}")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("gemv_rotary_cache: q_norm and k_norm go together")
-    if q_norm is not None and weight_convert != "cast" and x.is_cuda:
+    if q_norm is not None and weight_convert != "cast" and x.is_cuda and REFUSE_WORDS_WITH_QK_NORM:
         # Known bug, not yet found: on the H200 (2026-12-01 15:50 UTC) the asm-join words with the per-head
         # q/k norm gave NaN at M = 1 (tests/test_kernels_gemv_fp8.py, head_dim 40), while the same words without
         # the norm and the cast with it match the reference. The engine's qkv conversion is "cast" (fused_decode).
-        raise ValueError(f"gemv_rotary_cache: weight_convert={weight_convert!r} with q_norm/k_norm is refused on CUDA "
-                         "(NaN measured on the H200 with the per-head norm): use 'cast'")
-    if q_norm is not None and weight_convert != "cast" and x.is_cuda:
-        # Known bug, not yet found: on the H200 (2026-12-01 15:50 UTC) the asm-join words with the per-head
-        # q/k norm gave NaN at M = 1 (tests/test_kernels_gemv_fp8.py, head_dim 40), while the same words without
-        # the norm and the cast with it match the reference. The engine's qkv conversion is "cast" (fused_decode).
+        # The NaN rows were the q and k heads (the normed ones, 240 of 320 outputs), whose norm then also summed
+        # the padding columns d >= HALF (head_dim 40: 12 of 32); the sum now takes live columns only, and
+        # ops/probe_qk_norm_words.py checks on the GPU whether that was it before this refusal is lifted.
         raise ValueError(f"gemv_rotary_cache: weight_convert={weight_convert!r} with q_norm/k_norm is refused on CUDA "
                          "(NaN measured on the H200 with the per-head norm): use 'cast'")
     for t in (q_norm, k_norm):
