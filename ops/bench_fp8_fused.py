@@ -272,6 +272,8 @@ def main() -> None:
                 shape = cfg or resolved_config(kind, m, proj)
                 rows.append({"kind": kind, "m": m, "launch": name, "us": us, "bytes": proj.nbytes(), "n": proj.n,
                              "k": proj.k, "config": None if shape is None else list(dataclasses.astuple(shape))})
+            if opts.pick:  # after every projection: a call cut by its timeout still leaves the picks so far
+                Path(opts.pick).write_text(json.dumps(pick([r for r in rows if r["m"] == 1]), indent=1))
             del proj
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -280,10 +282,8 @@ def main() -> None:
         path = Path(os.environ["OUT"]) / "fp8_fused_gemv.json"
         path.write_text(json.dumps({"copy_bandwidth_tbs": bw / 1e12, "rows": rows}, indent=1))
         print(f"wrote {path}")
-    if opts.pick:
-        picked = pick([r for r in rows if r["m"] == 1])
-        Path(opts.pick).write_text(json.dumps(picked, indent=1))
-        for entry in picked:
+    if opts.pick and Path(opts.pick).exists():
+        for entry in json.loads(Path(opts.pick).read_text()):
             print(f"pick: {entry['kernel']} {entry['n']}x{entry['k']}: {entry['launch']} {entry['convert']} "
                   f"{entry['us']:.1f} us")
 
