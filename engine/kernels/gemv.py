@@ -322,7 +322,9 @@ def _gemv_kernel(
     sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
     write_residual = pid == 0
     k_start = 0
-    if USE_PDL or W_PREFETCH:
+    # FP8 with the prologue norm (unfolded g, the FP8 "fused-folded"): the first weight tile is in flight during
+    # the rms pass's L2 round trips, as under PDL.
+    if USE_PDL or W_PREFETCH or (NORM and W_SCALED and not PRO_RESIDUAL):
         wa, wb = _load_w(wa_ptrs, wb_ptrs, 0, col_mask, kw, K, PAIRED, W_CONVERT)
     if USE_PDL:
         # Weights never depend on the previous kernel: start their stream, then wait for its outputs
@@ -334,7 +336,7 @@ def _gemv_kernel(
         # so that the weight loop below stays a plain pipelined GEMV: normalising x inside the loop took
         # the 8B qkv GEMV from 15 to 35-57 us at M = 8 on the tl.dot path (H200, ops/bench_gemv.py --ablate).
         sumsq = _row_sumsq(x_ptr, x_stride, M, K, BLOCK_M, NORM_CHUNK)
-    if USE_PDL and not W_PREFETCH:
+    if (USE_PDL or (NORM and W_SCALED and not PRO_RESIDUAL)) and not W_PREFETCH:
         acc_a, acc_b, sumsq = _gemv_step(
             0, wa, wb, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
             res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
