@@ -211,18 +211,22 @@ def test_decode_kernels_setting_is_validated(tmp_path, monkeypatch) -> None:
 
 
 def test_fp8_launch_takes_the_one_token_table_on_the_gpu_only(monkeypatch) -> None:
-    """fp8_launch: FP8_FUSED_M1's shape and conversion for one token on the GPU; otherwise FP8_WEIGHT_CONVERT with
-    the W8A16 table for o_proj / down and the launcher's own shape for the others; the cast where the words or
-    the PTX cannot run (K not whole words, the CPU)."""
+    """fp8_launch: FP8_FUSED_M1's shape and conversion for one token on the GPU, FP8_FUSED_DOT's for 2-16;
+    otherwise FP8_WEIGHT_CONVERT with the W8A16 table for o_proj / down and the launcher's own shape for the
+    others; the cast where the words or the PTX cannot run (K not whole words, the CPU)."""
     from stoker.engine.kernels.fp8_linear import fp8_gemv_config
     from stoker.engine.kernels.gemv import GemvConfig
 
-    tuned = GemvConfig(1, 4, 2048, False, 8, 3)
+    tuned, dot = GemvConfig(1, 4, 2048, False, 8, 3), GemvConfig(16, 16, 256, True, 2, 4)
     monkeypatch.setattr(fused_decode, "FP8_FUSED_M1", {("add", 4096, 14336): (tuned, "asm-join")})
+    monkeypatch.setattr(fused_decode, "FP8_FUSED_DOT", {"add": (dot, "asm-join")})
     monkeypatch.setattr(fused_decode, "FP8_WEIGHT_CONVERT", {"rope": "cast", "silu": "asm-join", "add": "bits-join"})
     launch = fused_decode.fp8_launch
     assert launch("add", 4096, 14336, 1, True) == (tuned, "asm-join")
-    assert launch("add", 4096, 14336, 2, True) == (fp8_gemv_config(4096, 14336, 2, True), "bits-join")
+    assert launch("add", 4096, 14336, 2, True) == (dot, "asm-join")
+    assert launch("add", 4096, 14336, 16, True) == (dot, "asm-join")
+    assert launch("rope", 6144, 4096, 4, True) == (None, "cast")  # no dot entry: the launcher's own
+    assert launch("add", 4096, 14336, 2, False) == (None, "bits-join")
     assert launch("add", 4096, 4096, 1, True) == (fp8_gemv_config(4096, 4096, 1, True), "bits-join")
     assert launch("add", 4096, 14336, 1, False) == (None, "bits-join")
     assert launch("silu", 28672, 4096, 1, True) == (None, "asm-join")

@@ -215,16 +215,20 @@ def test_tuned_m1_configs_fit_the_h200s_shared_memory_in_fp32(kind: str, n_out: 
 
 
 def _fp8_m1_entries() -> list[Any]:
-    from stoker.engine.models.fused_decode import FP8_FUSED_M1
+    """fused_decode's FP8 launch tables: one token per shape (FP8_FUSED_M1), 2-16 tokens per kernel (FP8_FUSED_DOT,
+    compiled at the 8B K)."""
+    from stoker.engine.models.fused_decode import FP8_FUSED_DOT, FP8_FUSED_M1
 
-    return [pytest.param(kernel, n, k, cfg, convert, id=f"{kernel}-{n}x{k}-{convert}")
-            for (kernel, n, k), (cfg, convert) in sorted(FP8_FUSED_M1.items())]
+    return ([pytest.param(kernel, n, k, cfg, convert, id=f"{kernel}-{n}x{k}-{convert}")
+             for (kernel, n, k), (cfg, convert) in sorted(FP8_FUSED_M1.items())]
+            + [pytest.param(kernel, 0, 4096, cfg, convert, id=f"dot-{kernel}-{convert}")
+               for kernel, (cfg, convert) in sorted(FP8_FUSED_DOT.items())])
 
 
 @pytest.mark.parametrize("kernel, n, k, cfg, convert", _fp8_m1_entries())
 def test_fp8_fused_m1_table_compiles_for_sm90(kernel: str, n: int, k: int, cfg: Any, convert: str) -> None:
-    """fused_decode.FP8_FUSED_M1's launches as the engine makes them at one token (the one-token CUDA-core loop's
-    W_VEC where the config is one: its loop carries no shared-memory layout conversion, the reason it exists)."""
+    """fused_decode's FP8 launches as the engine makes them (the one-token CUDA-core loop's W_VEC where the config
+    is one: its loop carries no shared-memory layout conversion, the reason it exists)."""
     from stoker.engine.kernels import gemv
     from stoker.engine.kernels.fp8_convert import CONVERT_CODE
 

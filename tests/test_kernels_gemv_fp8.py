@@ -125,29 +125,32 @@ def test_fp8_gemv_rotary_cache(device: str, dtype: torch.dtype, num_rows: int, v
     close_to_truth(v_out, v_ref, v_true, dtype)
 
 
-def _m1_table() -> list[Any]:
-    from stoker.engine.models.fused_decode import FP8_FUSED_M1
+def _launch_tables() -> list[Any]:
+    """fused_decode's FP8 launches: FP8_FUSED_M1 at one token, FP8_FUSED_DOT at five."""
+    from stoker.engine.models.fused_decode import FP8_FUSED_DOT, FP8_FUSED_M1
 
-    return [pytest.param(kernel, cfg, convert, id=f"{kernel}-{n}x{k}-{convert}")
-            for (kernel, n, k), (cfg, convert) in sorted(FP8_FUSED_M1.items())]
+    return ([pytest.param(kernel, cfg, convert, 1, id=f"{kernel}-{n}x{k}-{convert}")
+             for (kernel, n, k), (cfg, convert) in sorted(FP8_FUSED_M1.items())]
+            + [pytest.param(kernel, cfg, convert, 5, id=f"dot-{kernel}-{convert}")
+               for kernel, (cfg, convert) in sorted(FP8_FUSED_DOT.items())])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the one-token table is the GPU's")
-@pytest.mark.parametrize("kernel,cfg,convert", _m1_table())
-def test_fp8_m1_table_launches_on_the_gpu(kernel: str, cfg: GemvConfig, convert: str) -> None:
-    """fused_decode.FP8_FUSED_M1's launch shapes and conversions, one token, as the engine calls them (qkv and
-    gate_up with the unfolded prologue norm), at small odd shapes against the reference."""
+@pytest.mark.parametrize("kernel,cfg,convert,num_rows", _launch_tables())
+def test_fp8_launch_tables_on_the_gpu(kernel: str, cfg: GemvConfig, convert: str, num_rows: int) -> None:
+    """fused_decode's FP8 launch shapes and conversions as the engine calls them (qkv and gate_up with the
+    unfolded prologue norm), at small odd shapes against the reference."""
     device, dtype = "cuda", torch.bfloat16
-    x = rand(1, K, device=device, dtype=dtype)
+    x = rand(num_rows, K, device=device, dtype=dtype)
     g = rand(K, device=device, dtype=dtype) + 1
     if kernel == "rope":
         hq, hkv, head_dim = 4, 2, 64
         w8, scale, w64 = fp8_weight((hq + 2 * hkv) * head_dim, K, device)
         caches = [rand(3, 8, hkv, head_dim, device=device, dtype=dtype) for _ in range(2)]
         common: dict[str, Any] = {"num_heads": hq, "num_kv_heads": hkv, "norm_weight": g, "eps": 1e-6,
-                                  "slot_mapping": torch.tensor([5], device=device),
-                                  "positions": torch.tensor([17], device=device),
+                                  "slot_mapping": torch.tensor([5, -1, 9, 2, 11][:num_rows], device=device),
+                                  "positions": torch.arange(num_rows, device=device) + 17,
                                   "cos_sin": rope_cos_sin(head_dim, 256, 10000.0, None, device=device)}
         kv_out, kv_ref = [c.clone() for c in caches], [c.clone() for c in caches]
         kv_true = [c.double() for c in caches]
@@ -160,7 +163,7 @@ def test_fp8_m1_table_launches_on_the_gpu(kernel: str, cfg: GemvConfig, convert:
         close_to_truth(kv_out[0], kv_ref[0], kv_true[0], dtype)
         return
     kwargs: dict[str, Any] = ({"silu_mul": True, "norm_weight": g, "eps": 1e-5} if kernel == "silu"
-                              else {"add": rand(1, 72, device=device, dtype=dtype)})
+                              else {"add": rand(num_rows, 72, device=device, dtype=dtype)})
     w8, scale, w64 = fp8_weight(90 if kernel == "silu" else 72, K, device)
     out, _ = gemv_triton(x, w8, **kwargs, weight_scale=scale, config=cfg, weight_convert=convert)
     ref, _ = gemv_ref(x, w8, **kwargs, weight_scale=scale)

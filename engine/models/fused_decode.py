@@ -39,6 +39,7 @@ from typing import Any, cast
 import torch
 from stoker.engine.batch import AttentionMetadata
 from stoker.engine.config import EngineConfig
+from stoker.engine.kernels import gemv
 from stoker.engine.kernels._triton import HAS_TRITON
 from stoker.engine.kernels.fp8_linear import fp8_gemv_config
 from stoker.engine.kernels.gemv import (
@@ -82,6 +83,16 @@ FP8_FUSED_M1: dict[tuple[str, int, int], tuple[GemvConfig, str]] = {
     ("add", 4096, 14336): (GemvConfig(1, 8, 1024, False, 4, 3), "cast"),  # down: 3d 23.4 -> row 17.5 (79 % of copy)
     # gate_up: the tl.dot tile 16x32x128 w2 s5 with asm-join stays (32.8); the row path's best was 36.7 (1x4x1024)
     ("silu", 28672, 4096): (GemvConfig(16, 32, 128, True, 2, 5), "asm-join"),
+}
+# 2-16 tokens on the GPU: the 16-row tl.dot tile, whose cost does not depend on how many of its rows are live, so
+# the one-token figures of the same tile stand for these (H200 15:50 UTC, 8B, us): o + add 16x16x256 w2 s4
+# asm-join 9.6 (the W8A16 table's 16x32x512 cast: 11.8 at M = 2-16, 11:30 UTC), down + add 25.9 (33.8), qkv +
+# rope 16x32x128 w2 s5 asm-join 17.3 (the casts on dot tiles: 32.0-32.4), gate_up + SiLU 16x32x128 w2 s5
+# asm-join 32.7. Qwen3's q/k norm keeps the cast (gemv_rotary_cache_triton refuses the words with it on CUDA).
+FP8_FUSED_DOT: dict[str, tuple[GemvConfig, str]] = {
+    "add": (GemvConfig(16, 16, 256, True, 2, 4), "asm-join"),
+    "rope": (GemvConfig(16, 32, 128, True, 2, 5), "asm-join"),
+    "silu": (GemvConfig(16, 32, 128, True, 2, 5), "asm-join"),
 }
 
 
@@ -163,10 +174,12 @@ def _fp8_problem(linears: tuple[Fp8Linear, ...]) -> str | None:
 
 def fp8_launch(kernel: str, n: int, k: int, num_tokens: int, on_gpu: bool) -> tuple[GemvConfig | None, str]:
     """(launch shape or None for the launcher's own, conversion) of the fused `kernel` ("rope", "silu", "add") on
-    FP8 weights [n, k] at M tokens: FP8_FUSED_M1 for one token on the GPU; else FP8_WEIGHT_CONVERT, and for
-    o_proj / down the W8A16 GEMV's table. The word conversions need K in whole int32 words (every Llama shape),
-    the inline PTX a GPU."""
-    tuned = FP8_FUSED_M1.get((kernel, n, k)) if num_tokens == 1 and on_gpu else None
+    FP8 weights [n, k] at M tokens: on the GPU FP8_FUSED_M1 for one token, FP8_FUSED_DOT for more; else (and for
+    one-token shapes the table lacks) FP8_WEIGHT_CONVERT, and for o_proj / down the W8A16 GEMV's table. The word
+    conversions need K in whole int32 words (every Llama shape), the inline PTX a GPU."""
+    tuned = None
+    if on_gpu:
+        tuned = FP8_FUSED_M1.get((kernel, n, k)) if num_tokens == 1 else FP8_FUSED_DOT.get(kernel)
     config: GemvConfig | None
     if tuned is not None:
         config, convert = tuned
@@ -260,10 +273,13 @@ def _qkv_rotary_cache(
     k_norm = fd.k_norm.weight if fd.k_norm is not None else None
     # One eps serves the prologue norm and Qwen3's q/k norm: the model builds all of them from rms_norm_eps.
     eps = fd.input_norm.eps if fd.prologue_norm or fd.q_norm is None else fd.q_norm.eps
+    fp8 = _fp8_args(fd.qkv, "rope", x.shape[0])
+    if q_norm is not None and fp8.get("weight_convert", "cast") != "cast" and gemv.REFUSE_WORDS_WITH_QK_NORM:
+        fp8["weight_convert"] = "cast"  # refused with the q/k norm on CUDA (see gemv_rotary_cache_triton)
     qkv, _ = gemv_rotary_cache_triton(
         x, fd.qkv.weight, fd.qkv.bias, num_heads=fd.attention.num_heads, num_kv_heads=fd.attention.num_kv_heads,
         positions=positions, cos_sin=fd.rotary.cos_sin, k_cache=k_cache, v_cache=v_cache,
         slot_mapping=meta.slot_mapping, eps=eps, q_norm=q_norm, k_norm=k_norm, pdl=fd.pdl, norm_folded=fd.folded,
-        **_fp8_args(fd.qkv, "rope", x.shape[0]), **_unfolded_norm(fd, fd.input_norm),
+        **fp8, **_unfolded_norm(fd, fd.input_norm),
     )
     return qkv
