@@ -114,12 +114,41 @@ def test_fp8_gemv_word_conversions_compile_for_sm90() -> None:
     fp8_linear = importlib.import_module("stoker.engine.kernels.fp8_linear")  # the package exports a function of that name
     signature = {"x_ptr": "*bf16", "w_ptr": "*i32", "scale_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16"}
     signature.update({name: "i32" for name in ("M", "N", "K", "x_stride", "w_stride", "out_stride", "scale_stride")})
+    cfg = fp8_linear.Fp8GemvConfig(1, 8, 1024, False, 4, 3)
     for convert in (1, 2, 3, 4):
         constexprs = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, USE_DOT=False, BLOCK_SCALES=False, SCALE_BN=1,
-                          SCALE_BK=1, HAS_BIAS=False, DOT_PRECISION="tf32", CONVERT=convert)
+                          SCALE_BK=1, HAS_BIAS=False, DOT_PRECISION="tf32", CONVERT=convert,
+                          ROW_VEC=fp8_linear.row_vec(cfg, 1024, 2, fp8_linear.CONVERTS[convert]))
         sig = {**signature, **{name: "constexpr" for name in constexprs}}
         kernel = _compile(fp8_linear._gemv_fp8_kernel, sig, constexprs, 4)
         assert kernel.metadata.shared <= H200_SHARED_BYTES
+
+
+def test_fp8_gemv_one_token_loop_has_no_layout_conversion_on_sm90() -> None:
+    """The W8A16 GEMV's one-token CUDA-core configs (FP8_GEMV_CONFIGS, M = 1) with the cast and row scales: the
+    ROW_VEC loop, whose K loop must not go through shared memory (the [1, BN, BK] accumulator's did, every weight
+    tile). Block scales narrow the K step to 128 (one element a thread) and load a scale vector per step: not
+    checked."""
+    import importlib
+
+    fp8_linear = importlib.import_module("stoker.engine.kernels.fp8_linear")
+    names = list(inspect.signature(fp8_linear._gemv_fp8_kernel.fn).parameters)
+    signature = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16"}
+    signature.update({name: "i32" for name in ("M", "N", "K", "x_stride", "w_stride", "out_stride", "scale_stride")})
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
+               if name.endswith("_ptr") or name in ("K", "x_stride", "w_stride", "out_stride")}
+    for (shape_class, m), cfg in sorted(fp8_linear.FP8_GEMV_CONFIGS.items()):
+        if m != 1 or cfg.use_dot:
+            continue
+        constexprs = dict(BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=False, BLOCK_SCALES=False,
+                          SCALE_BN=1, SCALE_BK=1, HAS_BIAS=False, DOT_PRECISION="tf32", CONVERT=0,
+                          ROW_VEC=fp8_linear.row_vec(cfg, cfg.block_k, 2, "cast"))
+        assert constexprs["ROW_VEC"], shape_class
+        sig = {name: {**signature, **dict.fromkeys(constexprs, "constexpr")}[name] for name in names}
+        kernel = triton.compile(ASTSource(fp8_linear._gemv_fp8_kernel, sig, constexprs=constexprs, attrs=aligned),
+                                target=H200, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+        loops = [part.split("bra", 1)[0] for part in kernel.asm["ptx"].split("Loop Header")[1:]]
+        assert loops and all("bar.sync" not in body for body in loops), (shape_class, cfg)
 
 
 def _attention_signature(names: list[str], cache: str) -> tuple[dict[str, str], dict[tuple[int, ...], Any]]:
