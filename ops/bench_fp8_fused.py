@@ -113,6 +113,9 @@ def engine_launches(kind: str, m: int, n: int, k: int, on_gpu: bool) -> dict[str
     out = {"engine": (cfg, convert, False)}
     if kernel != "add":
         out["engine + norm"] = (cfg, convert, True)
+    if m > 1:  # what 2-16 tokens ran before FP8_FUSED_DOT (the 14:45 conversions, the W8A16 table for o / down)
+        before = fp8_gemv_config(n, k, m, on_gpu) if kernel == "add" and on_gpu else None
+        out["before"] = (before, "asm-join" if kernel == "silu" and on_gpu else "cast", False)
     return out
 
 
