@@ -74,22 +74,23 @@ FP8_WEIGHT_CONVERT: dict[str, str] = {"rope": "cast", "silu": "asm-join", "add":
 # FP8 under "fused-folded": the two RMSNorms run in the qkv / gate_up prologues with g unfolded (x * g in the K
 # loop, which the one-token CUDA-core loop pays on [1, BK] only), so a layer is 4 launches instead of 6.
 FP8_PROLOGUE_NORM = True
-# One token on the GPU: (kernel, weight rows, K) -> (launch shape, conversion), from ops/bench_fp8_fused.py
-# --row-grid (H200, 2026-12-01 17:56 UTC, 8B shapes, us per call in CUDA-graph chains; "row": gemv.py's one-token
-# [BN, BK] accumulator, W_VEC; "3d" what ran before); shapes it does not list take FP8_WEIGHT_CONVERT and the
-# launchers' own configs.
+# One token on the GPU: (kernel, weight rows, K) -> (launch shape, conversion), the fastest of ops/bench_fp8_fused.py
+# --row-grid --pick (H200, 2026-12-01 18:25 UTC, 8B shapes, us per call in CUDA-graph chains, 36 launch shapes x
+# cast / asm-join; "row": gemv.py's one-token [BN, BK] accumulator, W_VEC; "3d": what ran before, 17:56 UTC);
+# shapes it does not list take FP8_WEIGHT_CONVERT and the launchers' own configs. W1 FP8 with it: 2.77 ms (3.20
+# before; 18:25 UTC, ops/bench.py --dtype fp8).
 FP8_FUSED_M1: dict[tuple[str, int, int], tuple[GemvConfig, str]] = {
-    ("rope", 6144, 4096): (GemvConfig(1, 4, 512, False, 4, 3), "cast"),  # qkv: 3d 13.6 -> row 10.1 (asm-join 17.0)
-    ("add", 4096, 4096): (GemvConfig(1, 8, 1024, False, 4, 3), "cast"),  # o: 3d 8.8 -> row 7.1
-    ("add", 4096, 14336): (GemvConfig(1, 8, 1024, False, 4, 3), "cast"),  # down: 3d 23.4 -> row 17.5 (79 % of copy)
-    # gate_up: the tl.dot tile 16x32x128 w2 s5 with asm-join stays (32.8); the row path's best was 36.7 (1x4x1024)
+    ("rope", 6144, 4096): (GemvConfig(1, 2, 512, False, 2, 3), "asm-join"),  # qkv: 3d 13.6 -> 9.2 (64 % of copy)
+    ("add", 4096, 4096): (GemvConfig(1, 4, 1024, False, 4, 3), "cast"),  # o: 3d 8.8 -> 6.8 (58 %)
+    ("add", 4096, 14336): (GemvConfig(1, 4, 1024, False, 4, 3), "cast"),  # down: 3d 23.4 -> 16.4 (84 %)
+    # gate_up: the tl.dot tile 16x32x128 w2 s5 with asm-join stays (32.8, 84 %); the row path's best 33.9 (1x2x1024)
     ("silu", 28672, 4096): (GemvConfig(16, 32, 128, True, 2, 5), "asm-join"),
 }
 # 2-16 tokens on the GPU: the 16-row tl.dot tile, whose cost does not depend on how many of its rows are live, so
 # the one-token figures of the same tile stand for these (H200 15:50 UTC, 8B, us): o + add 16x16x256 w2 s4
 # asm-join 9.6 (the W8A16 table's 16x32x512 cast: 11.8 at M = 2-16, 11:30 UTC), down + add 25.9 (33.8), qkv +
 # rope 16x32x128 w2 s5 asm-join 17.3 (the casts on dot tiles: 32.0-32.4), gate_up + SiLU 16x32x128 w2 s5
-# asm-join 32.7. Qwen3's q/k norm keeps the cast (gemv_rotary_cache_triton refuses the words with it on CUDA).
+# asm-join 32.7.
 FP8_FUSED_DOT: dict[str, tuple[GemvConfig, str]] = {
     "add": (GemvConfig(16, 16, 256, True, 2, 4), "asm-join"),
     "rope": (GemvConfig(16, 32, 128, True, 2, 5), "asm-join"),
