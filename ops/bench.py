@@ -27,6 +27,7 @@ import resource
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -482,6 +483,20 @@ def hf_peer(path: str, vocab: int, w2_requests: int, prompt: int, new: int) -> d
     return res
 
 
+def apply_fp8_m1_table(path: str) -> None:
+    """--fp8-m1-table: the picked one-token FP8 launches in place of fused_decode.FP8_FUSED_M1's own."""
+    from stoker.engine.kernels.gemv import GemvConfig
+    from stoker.engine.models import fused_decode
+
+    if not os.path.exists(path):
+        log(f"--fp8-m1-table {path}: no such file, the table stays {fused_decode.FP8_FUSED_M1}")
+        return
+    for entry in json.loads(Path(path).read_text()):
+        key = (entry["kernel"], entry["n"], entry["k"])
+        fused_decode.FP8_FUSED_M1[key] = (GemvConfig(*entry["config"]), entry["convert"])
+    log(f"FP8_FUSED_M1 from {path}: {fused_decode.FP8_FUSED_M1}")
+
+
 # ---- main ------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -510,7 +525,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensor-parallel", type=int, default=1,
                     help="GPUs the engine splits the model over (issue 17; NOT yet run: no multi-GPU machine lent). "
                          "The weight-byte floors below count rank 0's shard")
+    ap.add_argument("--fp8-m1-table", default=None,
+                    help="JSON of FP8_FUSED_M1 entries (ops/bench_fp8_fused.py --pick) that replace the table of "
+                         "engine/models/fused_decode.py for this run (a missing file leaves the table as it is)")
     args = ap.parse_args(argv)
+    if args.fp8_m1_table:
+        apply_fp8_m1_table(args.fp8_m1_table)
     decodes = args.decode_kernels.split(",")
     for d in decodes:
         decode_setting(d)  # a typo fails here, before the floors and the weights

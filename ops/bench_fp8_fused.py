@@ -16,6 +16,7 @@ bandwidth of the same run. Each variant's output is checked once against gemv_re
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -31,7 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the timing helpers o
 
 from bench_fp8_gemv import wall_us  # noqa: E402
 from bench_gemv import MODELS, copies_for, copy_bandwidth, graph_us  # noqa: E402
+from stoker.engine.kernels import gemv as gemv_mod  # noqa: E402
 from stoker.engine.kernels import rope_cos_sin  # noqa: E402
+from stoker.engine.kernels.fp8_convert import CONVERTS  # noqa: E402
 from stoker.engine.kernels.fp8_linear import fp8_gemv_config, quantize_rows  # noqa: E402
 from stoker.engine.kernels.gemv import (  # noqa: E402
     GemvConfig,
@@ -41,6 +44,7 @@ from stoker.engine.kernels.gemv import (  # noqa: E402
     gemv_rotary_cache_triton,
     gemv_triton,
 )
+from stoker.engine.models.fused_decode import fp8_launch  # noqa: E402
 
 KINDS = ("down+add", "qkv+rope", "o+add", "gate_up+silu")  # gate_up last: it was measured at 14:45
 
@@ -60,6 +64,59 @@ DOT_GRID = {
     "gate_up+silu": [(16, 128, 1, 5), (64, 128, 4, 5), (32, 256, 2, 4)],
     "qkv+rope": [(16, 128, 1, 5), (32, 128, 2, 5), (16, 256, 2, 4)],
 }
+
+
+# --row-grid: one-token CUDA-core launch shapes (rows per program, K step, warps) for the [BN, BK] accumulator in
+# the weight load's layout (gemv.ROW_ACC_FP8; its sm_90 PTX has no shared-memory round trip per K step, the 3-D
+# accumulator's had an 8 KB one). For rope, rows are the half-heads' pairs (two weight streams). 17:56 UTC's grid
+# (with the register prefetch, which lost everywhere) had the engine's shapes best without it; this one is
+# around them without it.
+ROW_GRID = {
+    "add": [(8, 1024, 4), (4, 1024, 4), (16, 1024, 8), (8, 2048, 8), (16, 512, 4), (8, 512, 2), (4, 2048, 4),
+            (2, 2048, 2), (8, 1024, 8), (4, 512, 1)],
+    "gate_up+silu": [(4, 1024, 4), (2, 1024, 4), (8, 1024, 8), (4, 512, 2), (8, 512, 4), (2, 2048, 4), (4, 2048, 8)],
+    "qkv+rope": [(4, 512, 4), (2, 512, 2), (4, 512, 2), (8, 512, 8), (2, 1024, 4), (4, 256, 1), (8, 256, 2),
+                 (4, 1024, 8)],
+}
+
+
+def row_configs(kind: str, dry_run: bool) -> dict[str, tuple[GemvConfig | None, bool, bool]]:
+    """label -> (launch shape, gemv.ROW_ACC_FP8, gemv.ROW_PREFETCH) for --row-grid: the grid with the new
+    accumulator, without the register prefetch (gate_up also on its tl.dot tile, which the engine runs)."""
+    key = "add" if kind.endswith("add") else kind
+    grid = [(2, 64, 1), (4, 32, 1)] if dry_run else ROW_GRID[key]
+    out: dict[str, tuple[GemvConfig | None, bool, bool]] = {
+        f"row {bn}x{bk} w{w}": (GemvConfig(1, bn, bk, False, w, 3), True, False) for bn, bk, w in grid}
+    if kind == "gate_up+silu" and not dry_run:
+        out["dot engine"] = (None, True, False)  # gemv_config's tl.dot tile (84 % with asm-join at 14:45)
+    return out
+
+
+def pick(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """--pick: per kind the fastest (launch shape, conversion) of the rows, as fused_decode.FP8_FUSED_M1 entries
+    (kernel, weight rows n, K) -> ([block_m, block_n, block_k, use_dot, warps, stages], conversion)."""
+    best: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        for conv, us in row["us"].items():
+            if us is not None and row["config"] is not None and (row["kind"] not in best or us < best[row["kind"]]["us"]):
+                kernel = {"qkv+rope": "rope", "gate_up+silu": "silu"}.get(row["kind"], "add")
+                best[row["kind"]] = {"kernel": kernel, "n": row["n"], "k": row["k"], "config": row["config"],
+                                     "convert": conv, "us": us, "launch": row["launch"]}
+    return list(best.values())
+
+
+def engine_launches(kind: str, m: int, n: int, k: int, on_gpu: bool) -> dict[str, tuple[GemvConfig | None, str, bool]]:
+    """--engine: label -> (launch shape, conversion, prologue norm) as engine/models/fused_decode.py launches the
+    kind at M tokens (fused_decode.fp8_launch), without and (qkv, gate_up) with the unfolded prologue norm."""
+    kernel = {"qkv+rope": "rope", "gate_up+silu": "silu"}.get(kind, "add")
+    cfg, convert = fp8_launch(kernel, n, k, m, on_gpu)
+    out = {"engine": (cfg, convert, False)}
+    if kernel != "add":
+        out["engine + norm"] = (cfg, convert, True)
+    if m > 1:  # what 2-16 tokens ran before FP8_FUSED_DOT (the 14:45 conversions, the W8A16 table for o / down)
+        before = fp8_gemv_config(n, k, m, on_gpu) if kernel == "add" and on_gpu else None
+        out["before"] = (before, "asm-join" if kernel == "silu" and on_gpu else "cast", False)
+    return out
 
 
 def configs(kind: str, m: int, n: int, k: int, on_gpu: bool, grid: bool = False) -> dict[str, GemvConfig | None]:
@@ -100,19 +157,22 @@ class Proj:
         self.cos_sin = rope_cos_sin(self.head_dim, 4096, 500000.0, None, device=device)
         self.positions = torch.arange(m, device=device) + 100
         self.slots = torch.arange(m, device=device) * 16
+        self.norm = False  # the prologue RMSNorm with its weight unfolded (qkv, gate_up: FP8 "fused-folded")
+        self.g = (torch.randn(self.k, device=device) * 0.1 + 1).to(dtype)
 
     def call(self, i: int, cfg: GemvConfig | None, convert: str, ref: bool = False) -> torch.Tensor:
         w, s = self.ws[i], self.scales[i]
+        norm = {"norm_weight": self.g, "eps": 1e-5} if self.norm and self.kind in ("qkv+rope", "gate_up+silu") else {}
         if self.kind == "qkv+rope":
             fn: Any = gemv_rotary_cache_ref if ref else gemv_rotary_cache_triton
             extra = {} if ref else {"config": cfg, "weight_convert": convert}
             return fn(self.x, w, None, num_heads=self.hq, num_kv_heads=self.hkv, positions=self.positions,
                       cos_sin=self.cos_sin, k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=self.slots,
-                      weight_scale=s, **extra)[0]
+                      weight_scale=s, **extra, **norm)[0]
         kw: dict[str, Any] = {"silu_mul": True} if self.kind == "gate_up+silu" else {"add": self.add}
         if ref:
-            return gemv_ref(self.x, w, weight_scale=s, **kw)[0]
-        return gemv_triton(self.x, w, weight_scale=s, config=cfg, weight_convert=convert, **kw)[0]
+            return gemv_ref(self.x, w, weight_scale=s, **kw, **norm)[0]
+        return gemv_triton(self.x, w, weight_scale=s, config=cfg, weight_convert=convert, **kw, **norm)[0]
 
     def nbytes(self) -> int:
         return self.n * self.k + 4 * self.n
@@ -134,16 +194,49 @@ def measure(proj: Proj, cfg: GemvConfig | None, convert: str, timer: Callable[[l
         return None
 
 
+Launch = tuple[GemvConfig | None, bool, bool, bool, list[str]]  # shape, ROW_ACC_FP8, ROW_PREFETCH, norm, converts
+
+
+def resolved_config(kind: str, m: int, proj: Proj) -> GemvConfig | None:
+    """The shape a launch without a config gets from its launcher (gemv_config), for the JSON rows."""
+    if kind == "gate_up+silu":
+        return gemv_config("silu", m, proj.n // 2, proj.k, True)
+    if kind == "qkv+rope":
+        return None  # the rotary launcher reshapes its config per head: only explicit shapes are picked
+    return gemv_config("plain", m, proj.n, proj.k, True)
+
+
+def launch_set(opts: argparse.Namespace, kind: str, m: int, proj: Proj, on_gpu: bool,
+               converts: list[str]) -> dict[str, Launch]:
+    """label -> Launch for the mode the command line asked for."""
+    if opts.engine:
+        return {label: (cfg, gemv_mod.ROW_ACC_FP8, gemv_mod.ROW_PREFETCH, norm, [conv])
+                for label, (cfg, conv, norm) in engine_launches(kind, m, proj.n, proj.k, on_gpu).items()}
+    if opts.row_grid:
+        return {label: (cfg, row_acc, prefetch, False, converts)
+                for label, (cfg, row_acc, prefetch) in row_configs(kind, opts.dry_run).items()}
+    return {label: (cfg, gemv_mod.ROW_ACC_FP8, gemv_mod.ROW_PREFETCH, False, converts)
+            for label, cfg in configs(kind, m, proj.n, proj.k, on_gpu, opts.grid).items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ms", default="1")
     parser.add_argument("--converts", default="cast,bits-join,asm-join")
     parser.add_argument("--budget-s", type=float, default=30.0, help="start no projection after this long")
     parser.add_argument("--grid", action="store_true", help="also the tl.dot launch shapes of DOT_GRID")
+    parser.add_argument("--row-grid", action="store_true", help="M = 1 CUDA-core shapes of ROW_GRID, old and new "
+                        "accumulator (instead of the engine / --grid launches)")
+    parser.add_argument("--pick", default=None, help="write the fastest launch per kind here as JSON, the "
+                        "FP8_FUSED_M1 entries ops/bench.py --fp8-m1-table applies")
+    parser.add_argument("--engine", action="store_true", help="what the engine launches at each M (its conversion "
+                        "only), and qkv / gate_up with the prologue norm (FP8 under fused-folded)")
     parser.add_argument("--dry-run", action="store_true", help="CPU under TRITON_INTERPRET=1: tiny shapes")
     opts = parser.parse_args()
     t0 = time.time()
     converts = opts.converts.split(",")
+    if opts.engine:
+        converts = [c for c in CONVERTS if c == "cast" or c.endswith("-join")]  # each row times the engine's own
     if opts.dry_run:
         if os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("--dry-run runs the kernels under the Triton interpreter: set TRITON_INTERPRET=1")
@@ -168,8 +261,10 @@ def main() -> None:
                 print(f"| {kind} | {m} | skipped: past --budget-s {opts.budget_s:.0f} |", flush=True)
                 continue
             proj = Proj(model, kind, m, dtype, device, copies)
-            for label, cfg in configs(kind, m, proj.n, proj.k, device == "cuda", opts.grid).items():
-                us = {conv: measure(proj, cfg, conv, timer) for conv in converts}
+            launches = launch_set(opts, kind, m, proj, device == "cuda", converts)
+            for label, (cfg, row_acc, prefetch, norm, conv_set) in launches.items():
+                gemv_mod.ROW_ACC_FP8, gemv_mod.ROW_PREFETCH, proj.norm = row_acc, prefetch, norm
+                us = {conv: measure(proj, cfg, conv, timer) if conv in conv_set else None for conv in converts}
                 timed = [v for v in us.values() if v is not None]
                 best = min(timed) if timed else None
                 tbs = proj.nbytes() / best / 1e6 if best else 0.0
@@ -177,7 +272,11 @@ def main() -> None:
                 cells = " | ".join(f"{v:.1f}" if v is not None else "-" for v in us.values())
                 name = label if cfg is None else f"{label} ({cfg.label()})"
                 print(f"| {kind} | {m} | {name} | {cells} | {tbs:.2f} | {pct} |", flush=True)
-                rows.append({"kind": kind, "m": m, "launch": name, "us": us, "bytes": proj.nbytes()})
+                shape = cfg or resolved_config(kind, m, proj)
+                rows.append({"kind": kind, "m": m, "launch": name, "us": us, "bytes": proj.nbytes(), "n": proj.n,
+                             "k": proj.k, "config": None if shape is None else list(dataclasses.astuple(shape))})
+            if opts.pick:  # after every projection: a call cut by its timeout still leaves the picks so far
+                Path(opts.pick).write_text(json.dumps(pick([r for r in rows if r["m"] == 1]), indent=1))
             del proj
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -186,6 +285,10 @@ def main() -> None:
         path = Path(os.environ["OUT"]) / "fp8_fused_gemv.json"
         path.write_text(json.dumps({"copy_bandwidth_tbs": bw / 1e12, "rows": rows}, indent=1))
         print(f"wrote {path}")
+    if opts.pick and Path(opts.pick).exists():
+        for entry in json.loads(Path(opts.pick).read_text()):
+            print(f"pick: {entry['kernel']} {entry['n']}x{entry['k']}: {entry['launch']} {entry['convert']} "
+                  f"{entry['us']:.1f} us")
 
 
 if __name__ == "__main__":

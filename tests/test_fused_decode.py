@@ -71,6 +71,21 @@ class SpyCalls:
         monkeypatch.setattr(llama, "fused_decode_layer", spy)
 
 
+def count_norm_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts the fused qkv and gate_up GEMV launches with and without a prologue norm weight (norm_weight)."""
+    counts = {"with_norm": 0, "without": 0}
+    for name in ("gemv_triton", "gemv_rotary_cache_triton"):
+        original = getattr(fused_decode, name)
+
+        def spy(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            if kwargs.get("silu_mul") or "cos_sin" in kwargs:  # gate_up and qkv: the two after a norm
+                counts["with_norm" if kwargs.get("norm_weight") is not None else "without"] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(fused_decode, name, spy)
+    return counts
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def arch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, Any]:
     if not INTERPRET:
@@ -136,17 +151,19 @@ def test_folding_rewrites_the_weights_in_place(arch) -> None:
 @pytest.mark.parametrize("mode", ["fused", "fused-folded"])
 def test_fp8_weights_take_the_fused_path(arch, mode: str, monkeypatch) -> None:
     """FP8 weights (quantized per row at load) run the fused kernels with their row scales, unfolded even under
-    "fused-folded" (folding would requantize): every decode step fused, the weights untouched by planning, and
-    greedy tokens and logprobs equal to the unfused FP8 engine's (the dequantizing reference path, which
-    tests/test_fp8.py holds to transformers on the dequantized weights). The folded-mode run reads the weights
-    as int32 words through the bit trick ("bits-join") in every kernel, the others as the engine picks (on the
-    CPU: Triton's cast; the PTX conversion is the GPU's)."""
+    "fused-folded" (folding would requantize), which runs both RMSNorms in the qkv / gate_up prologues with the
+    norm weight applied to x (no separate norm kernel) where "fused" keeps them apart: every decode step fused,
+    the weights untouched by planning, and greedy tokens and logprobs equal to the unfused FP8 engine's (the
+    dequantizing reference path, which tests/test_fp8.py holds to transformers on the dequantized weights). The
+    folded-mode run reads the weights as int32 words through the bit trick ("bits-join") in every kernel, the
+    others as the engine picks (on the CPU: Triton's cast; the PTX conversion is the GPU's)."""
     name, path, _ = arch
     if name == "qwen3" or (mode == "fused-folded" and name != "llama"):
         pytest.skip("llama both modes, qwen2 (bias in the FP8 qkv epilogue) once: the interpreter run stays short")
     if mode == "fused-folded":
         monkeypatch.setattr(fused_decode, "FP8_WEIGHT_CONVERT", dict.fromkeys(("rope", "silu", "add"), "bits-join"))
     spy = SpyCalls(monkeypatch)
+    norm_calls = count_norm_calls(monkeypatch)
     engine = cpu_engine(path, mode, quantization="fp8")
     report = engine.runner.startup["decode_kernels"]
     assert report["fused_layers"] == 2 and "fallback" not in report, report
@@ -154,6 +171,10 @@ def test_fp8_weights_take_the_fused_path(arch, mode: str, monkeypatch) -> None:
     assert not layer.fused_decode.folded and layer.input_layernorm.weight.ne(1).any()
     got = generate(engine, PROMPTS[:3], MAX_TOKENS[:3])
     assert spy.calls == 2 * (max(MAX_TOKENS[:3]) - 1), "the fused path did not make every decode step"
+    # each fused layer call: qkv and gate_up take the norm weight themselves ("fused-folded") or none ("fused")
+    prologue = mode == "fused-folded"
+    assert layer.fused_decode.prologue_norm == prologue
+    assert norm_calls == {"with_norm": 2 * spy.calls if prologue else 0, "without": 0 if prologue else 2 * spy.calls}
     unfused = generate(cpu_engine(path, "cublas", quantization="fp8"), PROMPTS[:3], MAX_TOKENS[:3])
     for rid, (tokens, logprobs, _) in got.items():
         assert tokens == unfused[rid][0], f"{rid}: fused FP8 tokens differ from the unfused FP8 engine"
@@ -187,6 +208,30 @@ def test_decode_kernels_setting_is_validated(tmp_path, monkeypatch) -> None:
         EngineConfig(model_path=path, device="cpu", decode_kernels="fused-folded")
     for ok in ("auto", "cublas"):
         assert EngineConfig(model_path=path, device="cpu", decode_kernels=ok).decode_kernels == ok
+
+
+def test_fp8_launch_takes_the_one_token_table_on_the_gpu_only(monkeypatch) -> None:
+    """fp8_launch: FP8_FUSED_M1's shape and conversion for one token on the GPU, FP8_FUSED_DOT's for 2-16;
+    otherwise FP8_WEIGHT_CONVERT with the W8A16 table for o_proj / down and the launcher's own shape for the
+    others; the cast where the words or the PTX cannot run (K not whole words, the CPU)."""
+    from stoker.engine.kernels.fp8_linear import fp8_gemv_config
+    from stoker.engine.kernels.gemv import GemvConfig
+
+    tuned, dot = GemvConfig(1, 4, 2048, False, 8, 3), GemvConfig(16, 16, 256, True, 2, 4)
+    monkeypatch.setattr(fused_decode, "FP8_FUSED_M1", {("add", 4096, 14336): (tuned, "asm-join")})
+    monkeypatch.setattr(fused_decode, "FP8_FUSED_DOT", {"add": (dot, "asm-join")})
+    monkeypatch.setattr(fused_decode, "FP8_WEIGHT_CONVERT", {"rope": "cast", "silu": "asm-join", "add": "bits-join"})
+    launch = fused_decode.fp8_launch
+    assert launch("add", 4096, 14336, 1, True) == (tuned, "asm-join")
+    assert launch("add", 4096, 14336, 2, True) == (dot, "asm-join")
+    assert launch("add", 4096, 14336, 16, True) == (dot, "asm-join")
+    assert launch("rope", 6144, 4096, 4, True) == (None, "cast")  # no dot entry: the launcher's own
+    assert launch("add", 4096, 14336, 2, False) == (None, "bits-join")
+    assert launch("add", 4096, 4096, 1, True) == (fp8_gemv_config(4096, 4096, 1, True), "bits-join")
+    assert launch("add", 4096, 14336, 1, False) == (None, "bits-join")
+    assert launch("silu", 28672, 4096, 1, True) == (None, "asm-join")
+    assert launch("silu", 28672, 4096, 1, False) == (None, "cast")  # no PTX off the GPU
+    assert launch("add", 4096, 4098, 1, True)[1] == "cast"  # K not whole int32 words
 
 
 def test_auto_is_fused_folded_on_cuda_with_triton_only(tmp_path) -> None:

@@ -8,6 +8,7 @@ float32 GEMV config asked 240 KB of shared memory (the H200 has 227 KB a block).
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
@@ -71,7 +72,7 @@ def _gemv_signature(dtype: str) -> dict[str, str]:
     signature.update({name: "i32" for name in _GEMV_INTS})
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_DOT", "DOT_PRECISION", "NORM", "PRO_RESIDUAL", "APPLY_G",
                  "HAS_BIAS", "SILU_MUL", "ADD", "ROTARY", "QK_NORM", "HALF", "SPLITS_PER_HEAD", "PAIRED", "USE_PDL",
-                 "NORM_CHUNK", "W_SCALED", "W_CONVERT"):
+                 "NORM_CHUNK", "W_SCALED", "W_CONVERT", "W_VEC", "W_PREFETCH"):
         signature[name] = "constexpr"
     return signature
 
@@ -90,7 +91,8 @@ def test_gemv_configs_fit_the_h200s_shared_memory(dtype: str, elem_bytes: int, k
                       DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", NORM=norm, PRO_RESIDUAL=False,
                       APPLY_G=False, HAS_BIAS=False, SILU_MUL=kind == "silu", ADD=False, ROTARY=kind == "rope",
                       QK_NORM=False, HALF=64, SPLITS_PER_HEAD=2, PAIRED=kind in ("silu", "rope"), USE_PDL=False,
-                      NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True), W_SCALED=False, W_CONVERT=0)
+                      NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True), W_SCALED=False, W_CONVERT=0,
+                      W_VEC=0, W_PREFETCH=False)
     kernel = _compile(gemv._gemv_kernel, _gemv_signature(dtype), constexprs, cfg.num_warps, cfg.num_stages)
     assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)
 
@@ -109,7 +111,8 @@ def test_fp8_fused_gemv_compiles_for_sm90(w_convert: int, kind: str, rows: int) 
                       DOT_PRECISION="tf32", NORM=False, PRO_RESIDUAL=False, APPLY_G=False, HAS_BIAS=False,
                       SILU_MUL=kind == "silu", ADD=kind == "plain", ROTARY=kind == "rope", QK_NORM=False, HALF=64,
                       SPLITS_PER_HEAD=2, PAIRED=kind in ("silu", "rope"), USE_PDL=False, W_SCALED=True,
-                      W_CONVERT=w_convert, NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True))
+                      W_CONVERT=w_convert, NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True),
+                      W_VEC=gemv._row_vec(cfg, 2, True), W_PREFETCH=gemv._row_vec(cfg, 2, True) != 0)
     kernel = _compile(gemv._gemv_kernel, signature, constexprs, cfg.num_warps, cfg.num_stages)
     assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)
     if w_convert == 2:
@@ -123,12 +126,41 @@ def test_fp8_gemv_word_conversions_compile_for_sm90() -> None:
     fp8_linear = importlib.import_module("stoker.engine.kernels.fp8_linear")  # the package exports a function of that name
     signature = {"x_ptr": "*bf16", "w_ptr": "*i32", "scale_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16"}
     signature.update({name: "i32" for name in ("M", "N", "K", "x_stride", "w_stride", "out_stride", "scale_stride")})
+    cfg = fp8_linear.Fp8GemvConfig(1, 8, 1024, False, 4, 3)
     for convert in (1, 2, 3, 4):
         constexprs = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, USE_DOT=False, BLOCK_SCALES=False, SCALE_BN=1,
-                          SCALE_BK=1, HAS_BIAS=False, DOT_PRECISION="tf32", CONVERT=convert)
+                          SCALE_BK=1, HAS_BIAS=False, DOT_PRECISION="tf32", CONVERT=convert,
+                          ROW_VEC=fp8_linear.row_vec(cfg, 1024, 2, fp8_linear.CONVERTS[convert]))
         sig = {**signature, **{name: "constexpr" for name in constexprs}}
         kernel = _compile(fp8_linear._gemv_fp8_kernel, sig, constexprs, 4)
         assert kernel.metadata.shared <= H200_SHARED_BYTES
+
+
+def test_fp8_gemv_one_token_loop_has_no_layout_conversion_on_sm90() -> None:
+    """The W8A16 GEMV's one-token CUDA-core configs (FP8_GEMV_CONFIGS, M = 1) with the cast and row scales: the
+    ROW_VEC loop, whose K loop must not go through shared memory (the [1, BN, BK] accumulator's did, every weight
+    tile). Block scales narrow the K step to 128 (one element a thread) and load a scale vector per step: not
+    checked."""
+    import importlib
+
+    fp8_linear = importlib.import_module("stoker.engine.kernels.fp8_linear")
+    names = list(inspect.signature(fp8_linear._gemv_fp8_kernel.fn).parameters)
+    signature = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16"}
+    signature.update({name: "i32" for name in ("M", "N", "K", "x_stride", "w_stride", "out_stride", "scale_stride")})
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
+               if name.endswith("_ptr") or name in ("K", "x_stride", "w_stride", "out_stride")}
+    for (shape_class, m), cfg in sorted(fp8_linear.FP8_GEMV_CONFIGS.items()):
+        if m != 1 or cfg.use_dot:
+            continue
+        constexprs = dict(BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=False, BLOCK_SCALES=False,
+                          SCALE_BN=1, SCALE_BK=1, HAS_BIAS=False, DOT_PRECISION="tf32", CONVERT=0,
+                          ROW_VEC=fp8_linear.row_vec(cfg, cfg.block_k, 2, "cast"))
+        assert constexprs["ROW_VEC"], shape_class
+        sig = {name: {**signature, **dict.fromkeys(constexprs, "constexpr")}[name] for name in names}
+        kernel = triton.compile(ASTSource(fp8_linear._gemv_fp8_kernel, sig, constexprs=constexprs, attrs=aligned),
+                                target=H200, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+        loops = [part.split("bra", 1)[0] for part in kernel.asm["ptx"].split("Loop Header")[1:]]
+        assert loops and all("bar.sync" not in body for body in loops), (shape_class, cfg)
 
 
 def _attention_signature(names: list[str], cache: str) -> tuple[dict[str, str], dict[tuple[int, ...], Any]]:
@@ -217,6 +249,50 @@ def test_tuned_m1_configs_fit_the_h200s_shared_memory_in_fp32(kind: str, n_out: 
                       DOT_PRECISION="ieee", NORM=kind.endswith("-norm"), PRO_RESIDUAL=False, APPLY_G=False,
                       HAS_BIAS=False, SILU_MUL=base == "silu", ADD=base == "plain", ROTARY=base == "rope",
                       QK_NORM=False, HALF=64, SPLITS_PER_HEAD=8, PAIRED=base in ("silu", "rope"), USE_PDL=False,
-                      NORM_CHUNK=gemv.norm_chunk(hidden, cfg.num_warps, True), W_SCALED=False, W_CONVERT=0)
+                      NORM_CHUNK=gemv.norm_chunk(hidden, cfg.num_warps, True), W_SCALED=False, W_CONVERT=0,
+                      W_VEC=0, W_PREFETCH=False)
     kernel = _compile(gemv._gemv_kernel, _gemv_signature("fp32"), constexprs, cfg.num_warps, cfg.num_stages)
     assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)
+
+
+def _fp8_m1_entries() -> list[Any]:
+    """fused_decode's FP8 launch tables: one token per shape (FP8_FUSED_M1), 2-16 tokens per kernel (FP8_FUSED_DOT,
+    compiled at the 8B K)."""
+    from stoker.engine.models.fused_decode import FP8_FUSED_DOT, FP8_FUSED_M1
+
+    return ([pytest.param(kernel, n, k, cfg, convert, id=f"{kernel}-{n}x{k}-{convert}")
+             for (kernel, n, k), (cfg, convert) in sorted(FP8_FUSED_M1.items())]
+            + [pytest.param(kernel, 0, 4096, cfg, convert, id=f"dot-{kernel}-{convert}")
+               for kernel, (cfg, convert) in sorted(FP8_FUSED_DOT.items())])
+
+
+@pytest.mark.parametrize("kernel, n, k, cfg, convert", _fp8_m1_entries())
+def test_fp8_fused_m1_table_compiles_for_sm90(kernel: str, n: int, k: int, cfg: Any, convert: str) -> None:
+    """fused_decode's FP8 launches as the engine makes them (the one-token CUDA-core loop's W_VEC where the config
+    is one: its loop carries no shared-memory layout conversion, the reason it exists)."""
+    from stoker.engine.kernels import gemv
+    from stoker.engine.kernels.fp8_convert import CONVERT_CODE
+
+    w_convert = 0 if convert == "cast" else CONVERT_CODE[convert] - 2
+    w_vec = gemv._row_vec(cfg, 2, True)
+    signature = _gemv_signature("bf16")
+    signature["w_ptr"] = "*fp8e4nv" if w_convert == 0 else "*i32"
+    names = list(inspect.signature(gemv._gemv_kernel.fn).parameters)  # attrs index the kernel's own order
+    signature = {name: signature[name] for name in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
+               if name.endswith("_ptr") or name in ("K", "x_stride", "w_stride", "out_stride", "add_stride")}
+    constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
+                      DOT_PRECISION="tf32", NORM=kernel != "add", PRO_RESIDUAL=False, APPLY_G=kernel != "add",
+                      HAS_BIAS=False, SILU_MUL=kernel == "silu", ADD=kernel == "add", ROTARY=kernel == "rope",
+                      QK_NORM=False, HALF=64, SPLITS_PER_HEAD=1, PAIRED=kernel != "add", USE_PDL=False, W_SCALED=True,
+                      W_CONVERT=w_convert, NORM_CHUNK=gemv.norm_chunk(k, cfg.num_warps, True), W_VEC=w_vec,
+                      W_PREFETCH=w_vec != 0 and gemv.ROW_PREFETCH)
+    kernel_bin = triton.compile(ASTSource(gemv._gemv_kernel, signature, constexprs=constexprs, attrs=aligned),
+                                target=H200, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    assert kernel_bin.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel_bin.metadata.shared)
+    if w_vec:  # the weight loop: the loop whose body converts E4M3 (the norm's rms pass has loops too)
+        loops = [part.split("bra", 1)[0] for part in kernel_bin.asm["ptx"].split("Loop Header")[1:]]
+        weight_loops = [body for body in loops if "e4m3x2" in body]
+        assert weight_loops, "no loop converts the FP8 weights"
+        assert all("bar.sync" not in body and "st.shared" not in body for body in weight_loops), \
+            "a layout conversion through shared memory inside the K loop"

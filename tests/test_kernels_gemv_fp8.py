@@ -91,7 +91,7 @@ def test_fp8_gemv_fusion(device: str, dtype: torch.dtype, num_rows: int, cfg: Ge
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("num_rows", [1, 5])
 @pytest.mark.parametrize("variant,convert", [("llama", "cast"), ("qwen3_qk_norm_bias", "cast")]
-                         + [("llama", c) for c in WORD_CONVERTS])
+                         + [("llama", c) for c in WORD_CONVERTS] + [("qwen3_qk_norm_bias", "asm-join")] * (not INTERPRET))
 def test_fp8_gemv_rotary_cache(device: str, dtype: torch.dtype, num_rows: int, variant: str, convert: str) -> None:
     hq, hkv, head_dim, block_size, num_blocks = 4, 2, 40, 8, 3  # D/2 = 20: not a power of two
     n_total = (hq + 2 * hkv) * head_dim
@@ -125,6 +125,53 @@ def test_fp8_gemv_rotary_cache(device: str, dtype: torch.dtype, num_rows: int, v
     close_to_truth(v_out, v_ref, v_true, dtype)
 
 
+def _launch_tables() -> list[Any]:
+    """fused_decode's FP8 launches: FP8_FUSED_M1 at one token, FP8_FUSED_DOT at five."""
+    from stoker.engine.models.fused_decode import FP8_FUSED_DOT, FP8_FUSED_M1
+
+    return ([pytest.param(kernel, cfg, convert, 1, id=f"{kernel}-{n}x{k}-{convert}")
+             for (kernel, n, k), (cfg, convert) in sorted(FP8_FUSED_M1.items())]
+            + [pytest.param(kernel, cfg, convert, 5, id=f"dot-{kernel}-{convert}")
+               for kernel, (cfg, convert) in sorted(FP8_FUSED_DOT.items())])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the one-token table is the GPU's")
+@pytest.mark.parametrize("kernel,cfg,convert,num_rows", _launch_tables())
+def test_fp8_launch_tables_on_the_gpu(kernel: str, cfg: GemvConfig, convert: str, num_rows: int) -> None:
+    """fused_decode's FP8 launch shapes and conversions as the engine calls them (qkv and gate_up with the
+    unfolded prologue norm), at small odd shapes against the reference."""
+    device, dtype = "cuda", torch.bfloat16
+    x = rand(num_rows, K, device=device, dtype=dtype)
+    g = rand(K, device=device, dtype=dtype) + 1
+    if kernel == "rope":
+        hq, hkv, head_dim = 4, 2, 64
+        w8, scale, w64 = fp8_weight((hq + 2 * hkv) * head_dim, K, device)
+        caches = [rand(3, 8, hkv, head_dim, device=device, dtype=dtype) for _ in range(2)]
+        common: dict[str, Any] = {"num_heads": hq, "num_kv_heads": hkv, "norm_weight": g, "eps": 1e-6,
+                                  "slot_mapping": torch.tensor([5, -1, 9, 2, 11][:num_rows], device=device),
+                                  "positions": torch.arange(num_rows, device=device) + 17,
+                                  "cos_sin": rope_cos_sin(head_dim, 256, 10000.0, None, device=device)}
+        kv_out, kv_ref = [c.clone() for c in caches], [c.clone() for c in caches]
+        kv_true = [c.double() for c in caches]
+        out, _ = gemv_rotary_cache_triton(x, w8, None, k_cache=kv_out[0], v_cache=kv_out[1], weight_scale=scale,
+                                          weight_convert=convert, config=cfg, **common)
+        ref, _ = gemv_rotary_cache_ref(x, w8, None, k_cache=kv_ref[0], v_cache=kv_ref[1], weight_scale=scale, **common)
+        wide = {k: v.double() if k == "norm_weight" else v for k, v in common.items()}
+        truth, _ = gemv_rotary_cache_ref(x.double(), w64, None, k_cache=kv_true[0], v_cache=kv_true[1], **wide)
+        close_to_truth(out, ref, truth, dtype)
+        close_to_truth(kv_out[0], kv_ref[0], kv_true[0], dtype)
+        return
+    kwargs: dict[str, Any] = ({"silu_mul": True, "norm_weight": g, "eps": 1e-5} if kernel == "silu"
+                              else {"add": rand(num_rows, 72, device=device, dtype=dtype)})
+    w8, scale, w64 = fp8_weight(90 if kernel == "silu" else 72, K, device)
+    out, _ = gemv_triton(x, w8, **kwargs, weight_scale=scale, config=cfg, weight_convert=convert)
+    ref, _ = gemv_ref(x, w8, **kwargs, weight_scale=scale)
+    truth, _ = gemv_ref(x.double(), w64, **{k: v.double() if isinstance(v, torch.Tensor) else v
+                                             for k, v in kwargs.items()})
+    close_to_truth(out, ref, truth, dtype)
+
+
 def test_fp8_gemv_refuses_mismatched_scales() -> None:
     w8, scale, _ = fp8_weight(16, 32, "cpu")
     x = torch.randn(1, 32)
@@ -154,20 +201,3 @@ def test_fp8_gemv_refuses_conversions_it_cannot_run() -> None:
 def test_fp8_gemv_under_triton_interpreter() -> None:
     run_under_interpreter(__file__)
 
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the refusal is for CUDA launches")
-@pytest.mark.gpu
-def test_fp8_gemv_rotary_cache_refuses_words_with_the_qk_norm() -> None:
-    """The asm-join words with Qwen3's per-head q/k norm gave NaN on the H200 (a bug not yet found): refused."""
-    hq, hkv, head_dim = 4, 2, 40
-    w8, scale, _ = fp8_weight((hq + 2 * hkv) * head_dim, K, "cuda")
-    x = rand(1, K, device="cuda", dtype=torch.bfloat16)
-    caches = [rand(3, 8, hkv, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    norm = rand(head_dim, device="cuda", dtype=torch.bfloat16) + 1
-    with pytest.raises(ValueError, match="refused on CUDA"):
-        gemv_rotary_cache_triton(x, w8, None, k_cache=caches[0], v_cache=caches[1], weight_scale=scale,
-                                 weight_convert="asm-join", num_heads=hq, num_kv_heads=hkv,
-                                 slot_mapping=torch.zeros(1, dtype=torch.int64, device="cuda"),
-                                 positions=torch.ones(1, dtype=torch.int64, device="cuda"),
-                                 cos_sin=rope_cos_sin(head_dim, 256, 10000.0, None, device="cuda"),
-                                 q_norm=norm, k_norm=norm)

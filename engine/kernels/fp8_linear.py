@@ -127,16 +127,20 @@ Fp8GemvConfig = GemvConfig
 
 @triton.jit
 def _words_loop(x_ptr, w_ptr, M, N, K, x_stride, w_stride, n, n_mask, m, m_mask,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CONVERT: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CONVERT: tl.constexpr,
+                ROW_VEC: tl.constexpr):
     """CUDA-core W8A16 over int32 weight words ([N, K / 4], w_stride in words): sum_k x[m, k] w[n, k] in float32
     for the word conversions (fp8_convert.py). Element 4j + p of a row is byte p of word j. CONVERT 1 / 2:
     x read as four stride-4 slices, one product each; 3 / 4 (the "-join" twins): the four converted slices
     joined back into the [BLOCK_N, BLOCK_K] tile and x read contiguously, as the cast loop does (which of
     the two layouts costs fewer register shuffles is the sweep's question)."""
     js = tl.arange(0, BLOCK_K // 4)
-    w_ptrs = w_ptr + n.to(tl.int64)[:, None] * w_stride + js[None, :]
+    jw = tl.max_contiguous(js, max(1, ROW_VEC // 4)) if ROW_VEC != 0 else js  # see gemv_fp8_triton's row_vec
+    w_ptrs = w_ptr + n.to(tl.int64)[:, None] * w_stride + jw[None, :]
     x_rows = x_ptr + m[:, None] * x_stride
-    if CONVERT >= 3:
+    if ROW_VEC != 0:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    elif CONVERT >= 3:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // 4], dtype=tl.float32)
@@ -148,7 +152,10 @@ def _words_loop(x_ptr, w_ptr, M, N, K, x_stride, w_stride, n, n_mask, m, m_mask,
             w = e4m3_words_to_tile(words, CONVERT - 2, BLOCK_N, BLOCK_K)
             kk = 4 * j0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
-            acc += x[:, None, :] * w[None, :, :]
+            if ROW_VEC != 0:
+                acc += x * w
+            else:
+                acc += x[:, None, :] * w[None, :, :]
         else:
             f0, f1, f2, f3 = e4m3x4_to_f32(words, CONVERT)
             xm = m_mask[:, None] & j_mask[None, :]
@@ -158,7 +165,7 @@ def _words_loop(x_ptr, w_ptr, M, N, K, x_stride, w_stride, n, n_mask, m, m_mask,
             x3 = tl.load(x_rows + 4 * j[None, :] + 3, mask=xm, other=0.0).to(tl.float32)
             acc += (x0[:, None, :] * f0[None, :, :] + x1[:, None, :] * f1[None, :, :]
                     + x2[:, None, :] * f2[None, :, :] + x3[:, None, :] * f3[None, :, :])
-    acc = tl.sum(acc, axis=2)
+    acc = tl.sum(acc, axis=1)[None, :] if ROW_VEC != 0 else tl.sum(acc, axis=2)
     if CONVERT % 2 == 1:  # "bits" read every weight as value * 2^-8
         acc = acc * 256.0
     return acc
@@ -170,7 +177,7 @@ def _gemv_fp8_kernel(
     M, N, K, x_stride, w_stride, out_stride, scale_stride,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_SCALES: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, CONVERT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, CONVERT: tl.constexpr, ROW_VEC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -179,10 +186,11 @@ def _gemv_fp8_kernel(
     m_mask = m < M
     if CONVERT != 0:  # int32 words, row scales, CUDA cores (the launcher checks)
         acc = _words_loop(x_ptr, w_ptr, M, N, K, x_stride, w_stride, n, n_mask, m, m_mask,
-                          BLOCK_M, BLOCK_N, BLOCK_K, CONVERT)
+                          BLOCK_M, BLOCK_N, BLOCK_K, CONVERT, ROW_VEC)
     else:
         acc = _cast_loop(x_ptr, w_ptr, scale_ptr, M, N, K, x_stride, w_stride, scale_stride, n, n_mask, m, m_mask,
-                         BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, BLOCK_SCALES, SCALE_BN, SCALE_BK, DOT_PRECISION)
+                         BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, BLOCK_SCALES, SCALE_BN, SCALE_BK, DOT_PRECISION,
+                         ROW_VEC)
     if not BLOCK_SCALES:  # row scales: once, on the float32 sums (block scales were applied per K tile)
         acc = acc * tl.load(scale_ptr + n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
@@ -195,12 +203,15 @@ def _gemv_fp8_kernel(
 def _cast_loop(x_ptr, w_ptr, scale_ptr, M, N, K, x_stride, w_stride, scale_stride, n, n_mask, m, m_mask,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                BLOCK_SCALES: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, ROW_VEC: tl.constexpr):
     """The float8 tile loaded as such and converted by Triton's cast ("cast"): [BLOCK_M, BLOCK_N] float32 sums."""
     ks = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + n.to(tl.int64)[:, None] * w_stride + ks[None, :]
+    kw = tl.max_contiguous(ks, ROW_VEC) if ROW_VEC != 0 else ks  # see gemv_fp8_triton's row_vec
+    w_ptrs = w_ptr + n.to(tl.int64)[:, None] * w_stride + kw[None, :]
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    elif ROW_VEC != 0:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -212,13 +223,19 @@ def _cast_loop(x_ptr, w_ptr, scale_ptr, M, N, K, x_stride, w_stride, scale_strid
             s = tl.load(scale_ptr + (n // SCALE_BN) * scale_stride + k0 // SCALE_BK, mask=n_mask, other=0.0)
             if USE_DOT:  # FP8 -> x dtype in registers; the tile's scale on its float32 partial
                 acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION) * s[None, :]
+            elif ROW_VEC != 0:
+                acc += x.to(tl.float32) * (w.to(tl.float32) * s[:, None])
             else:
                 acc += x.to(tl.float32)[:, None, :] * (w.to(tl.float32) * s[:, None])[None, :, :]
         elif USE_DOT:
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
+        elif ROW_VEC != 0:
+            acc += x.to(tl.float32) * w.to(tl.float32)
         else:
             acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    if not USE_DOT:
+    if ROW_VEC != 0:  # [BN, BK] -> [1, BN]
+        acc = tl.sum(acc, axis=1)[None, :]
+    elif not USE_DOT:
         acc = tl.sum(acc, axis=2)
     return acc
 
@@ -375,6 +392,22 @@ def gemv_fp8_triton(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, USE_DOT=cfg.use_dot,
         BLOCK_SCALES=block is not None, SCALE_BN=block[0] if block else 1, SCALE_BK=block[1] if block else 1,
         HAS_BIAS=bias is not None, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        CONVERT=CONVERT_CODE[how], num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        CONVERT=CONVERT_CODE[how], ROW_VEC=row_vec(cfg, block_k, x.element_size(), how),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
+
+
+# The one-token CUDA-core loop of gemv.py (W_VEC) here too: a [BN, BK] accumulator in the weight load's layout,
+# the weight's contiguous run held to x's, instead of the [1, BN, BK] one whose layout cost a shared-memory
+# conversion of every weight tile (the fused GEMV's H200 figures with it, 17:56 UTC: down 23.4 -> 17.5 us, o 8.8
+# -> 7.1). Not for the stride-4 word layouts ("bits", "asm"), which read x in four slices.
+ROW_VEC_FP8 = True
+
+
+def row_vec(cfg: Fp8GemvConfig, block_k: int, elem_bytes: int, convert: str) -> int:
+    """ROW_VEC: 0 for the [BM, BN, BK] accumulator, else the K elements per thread of x's [1, BK] load (block_k:
+    the launch's K step, which block scales may have narrowed)."""
+    if not ROW_VEC_FP8 or cfg.use_dot or cfg.block_m != 1 or convert in ("bits", "asm"):
+        return 0
+    return max(1, min(16 // elem_bytes, block_k // (32 * cfg.num_warps)))

@@ -213,11 +213,14 @@ def _load_w(wa_ptrs, wb_ptrs, k0, w_mask_rows, ks, K, PAIRED: tl.constexpr, W_CO
 
 
 @triton.jit
-def _accumulate(acc, x, w, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, W_CONVERT: tl.constexpr):
+def _accumulate(acc, x, w, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, W_CONVERT: tl.constexpr,
+                W_VEC: tl.constexpr):
     if W_CONVERT != 0:  # FP8 words -> the float32 [BN, BK] tile (fp8_convert.py; "bits": times 2^-8)
         w = e4m3_words_to_tile(w, W_CONVERT, w.shape[0], 4 * w.shape[1])
     if USE_DOT:  # x [BM, BK] (model dtype) . w^T [BK, BN] on the tensor cores -> [BM, BN]
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)  # FP8 w: to x's dtype
+    elif W_VEC != 0:  # one token: x [1, BK] * w [BN, BK] into a [BN, BK] tile in the weight load's layout
+        acc += x * w.to(tl.float32)
     else:  # [BM, 1, BK] * [1, BN, BK] on the CUDA cores, summed over K once after the loop
         acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
     return acc
@@ -229,7 +232,7 @@ def _gemv_step(
     x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr, res_out_stride, norm_ptr,
     m, m_mask, ks, K, write_residual,
     PRO_RESIDUAL: tl.constexpr, APPLY_G: tl.constexpr, PAIRED: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, W_CONVERT: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, W_CONVERT: tl.constexpr, W_VEC: tl.constexpr,
 ):
     """One BLOCK_K slice: load (and norm-prepare) the x slice of every token, multiply-accumulate."""
     k = k0 + ks
@@ -249,9 +252,9 @@ def _gemv_step(
         xo = x32.to(x_ptr.dtype.element_ty) if USE_DOT else x32  # the dot's operands in the model dtype
     else:
         xo = x  # straight from the pipelined load into the dot: the fast path
-    acc_a = _accumulate(acc_a, xo, wa, USE_DOT, DOT_PRECISION, W_CONVERT)
+    acc_a = _accumulate(acc_a, xo, wa, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC)
     if PAIRED:
-        acc_b = _accumulate(acc_b, xo, wb, USE_DOT, DOT_PRECISION, W_CONVERT)
+        acc_b = _accumulate(acc_b, xo, wb, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC)
     return acc_a, acc_b, sumsq
 
 
@@ -286,7 +289,7 @@ def _gemv_kernel(
     SILU_MUL: tl.constexpr, ADD: tl.constexpr,
     ROTARY: tl.constexpr, QK_NORM: tl.constexpr, HALF: tl.constexpr, SPLITS_PER_HEAD: tl.constexpr,
     PAIRED: tl.constexpr, USE_PDL: tl.constexpr, NORM_CHUNK: tl.constexpr, W_SCALED: tl.constexpr,
-    W_CONVERT: tl.constexpr,
+    W_CONVERT: tl.constexpr, W_VEC: tl.constexpr, W_PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     j = tl.arange(0, BLOCK_N)
@@ -305,20 +308,27 @@ def _gemv_kernel(
     m_mask = m < M
     ks = tl.arange(0, BLOCK_K)
     kw = tl.arange(0, BLOCK_K // 4) if W_CONVERT != 0 else ks  # FP8 as int32 words: w_stride is in words
+    if W_VEC != 0:  # M = 1 on the CUDA cores: the weight tile's K run per thread = x's (see _row_vec)
+        kw = tl.max_contiguous(kw, W_VEC // 4 if W_CONVERT != 0 else W_VEC)
     wa_ptrs = w_ptr + rows_a.to(tl.int64)[:, None] * w_stride + kw[None, :]
     wb_ptrs = w_ptr + rows_b.to(tl.int64)[:, None] * w_stride + kw[None, :]
     if USE_DOT:
         acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    elif W_VEC != 0:
+        acc_a = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc_a = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_b = acc_a
     sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
     write_residual = pid == 0
     k_start = 0
+    # FP8 with the prologue norm (unfolded g, the FP8 "fused-folded"): the first weight tile is in flight during
+    # the rms pass's L2 round trips, as under PDL.
+    if USE_PDL or W_PREFETCH or (NORM and W_SCALED and not PRO_RESIDUAL):
+        wa, wb = _load_w(wa_ptrs, wb_ptrs, 0, col_mask, kw, K, PAIRED, W_CONVERT)
     if USE_PDL:
         # Weights never depend on the previous kernel: start their stream, then wait for its outputs
         # (x, the residual) to be visible, and let the next kernel get scheduled.
-        wa, wb = _load_w(wa_ptrs, wb_ptrs, 0, col_mask, kw, K, PAIRED, W_CONVERT)
         gdc_wait()
         gdc_launch_dependents()
     if NORM and not PRO_RESIDUAL:
@@ -326,19 +336,28 @@ def _gemv_kernel(
         # so that the weight loop below stays a plain pipelined GEMV: normalising x inside the loop took
         # the 8B qkv GEMV from 15 to 35-57 us at M = 8 on the tl.dot path (H200, ops/bench_gemv.py --ablate).
         sumsq = _row_sumsq(x_ptr, x_stride, M, K, BLOCK_M, NORM_CHUNK)
-    if USE_PDL:
+    if (USE_PDL or (NORM and W_SCALED and not PRO_RESIDUAL)) and not W_PREFETCH:
         acc_a, acc_b, sumsq = _gemv_step(
             0, wa, wb, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
             res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
-            PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT)
+            PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
-        wa, wb = _load_w(wa_ptrs, wb_ptrs, k0, col_mask, kw, K, PAIRED, W_CONVERT)
+        if W_PREFETCH:  # the next step's weights in flight during this step's math (past K: all masked off)
+            next_a, next_b = _load_w(wa_ptrs, wb_ptrs, k0 + BLOCK_K, col_mask, kw, K, PAIRED, W_CONVERT)
+        else:
+            wa, wb = _load_w(wa_ptrs, wb_ptrs, k0, col_mask, kw, K, PAIRED, W_CONVERT)
         acc_a, acc_b, sumsq = _gemv_step(
             k0, wa, wb, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
             res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
-            PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT)
-    if not USE_DOT:
+            PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC)
+        if W_PREFETCH:
+            wa, wb = next_a, next_b
+    if W_VEC != 0:  # [BN, BK] -> [1, BN]
+        acc_a = tl.sum(acc_a, axis=1)[None, :]
+        if PAIRED:
+            acc_b = tl.sum(acc_b, axis=1)[None, :]
+    elif not USE_DOT:
         acc_a = tl.sum(acc_a, axis=2)
         if PAIRED:
             acc_b = tl.sum(acc_b, axis=2)
@@ -372,7 +391,10 @@ def _gemv_kernel(
         is_k = (head >= NUM_Q_HEADS) & (head < NUM_Q_HEADS + NUM_KV_HEADS)
         if QK_NORM:  # Qwen3: RMSNorm over each q / k head (this program holds the whole head), rounded
             norm_w = tl.where(is_q, q_norm_ptr, k_norm_ptr)
-            inv = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)[:, None]
+            # the head's own columns only: a padding column (d >= HALF) must not reach the sum whatever it holds
+            live = col_mask[None, :]
+            sq = tl.where(live, a * a, 0.0) + tl.where(live, b * b, 0.0)
+            inv = tl.rsqrt(tl.sum(sq, axis=1) / (2 * HALF) + eps)[:, None]
             wa_n = tl.load(norm_w + d, mask=col_mask & (is_q | is_k), other=1.0).to(tl.float32)[None, :]
             wb_n = tl.load(norm_w + HALF + d, mask=col_mask & (is_q | is_k), other=1.0).to(tl.float32)[None, :]
             na = ((a * inv).to(dtype).to(tl.float32) * wa_n).to(dtype).to(tl.float32)
@@ -498,6 +520,33 @@ def _contiguous_last(name: str, t: torch.Tensor | None) -> None:
         raise ValueError(f"gemv: the last dim of {name} must be contiguous")
 
 
+# The one-token CUDA-core loop with a [BN, BK] accumulator in the weight load's own layout (W_VEC), for FP8
+# weights; the 3-D [1, BN, BK] product before it made Triton pick a layout of one K element per thread and
+# convert every weight tile to it through shared memory (sm_90 PTX of the 8B o_proj config 1x8x1024: an 8 KB
+# st.shared + ldmatrix round trip and 3 barriers per K step; with W_VEC none). ROW_ACC_BF16: the same loop for
+# 16/32-bit weights (shared with the bf16 path: off until measured there).
+ROW_ACC_FP8 = True
+# The word conversions with Qwen3's q/k norm on CUDA: refused while they gave NaN (H200 15:50 UTC); after the norm's
+# sum was held to the head's live columns, ops/probe_qk_norm_words.py found no NaN (18:25 UTC: asm-join and
+# bits-join, head_dim 40 and 128, M = 1 and 5, relative error 3.4e-3 to 5.0e-3), so no longer refused.
+REFUSE_WORDS_WITH_QK_NORM = False
+ROW_ACC_BF16 = False
+# That loop with the next K step's weight tile loaded into registers before this step's math (W_PREFETCH; the
+# CUDA-core loads are not pipelined through shared memory as the tl.dot path's are): slower on the H200 (17:56
+# UTC, 8B, M = 1, cast, us: down 1x8x1024 w4 17.5 without -> 26.1 with, qkv 1x4x512 w4 10.1 -> 14.8, o 7.1 ->
+# 10.3), so off; kept for the sweep (ops/bench_fp8_fused.py --row-grid).
+ROW_PREFETCH = False
+
+
+def _row_vec(cfg: GemvConfig, elem_bytes: int, fp8: bool) -> int:
+    """W_VEC: 0 for the [BM, BN, BK] accumulator, else the K elements per thread of x's [1, BK] load (16 bytes,
+    fewer when BK does not cover the block's threads); the weight's loads are held to the same run so the
+    product needs no layout conversion (FP8: 8-byte loads of 8 codes instead of 16)."""
+    if cfg.use_dot or cfg.block_m != 1 or not (ROW_ACC_FP8 if fp8 else ROW_ACC_BF16):
+        return 0
+    return max(1, min(16 // elem_bytes, cfg.block_k // (32 * cfg.num_warps)))
+
+
 def _check_weight_convert(weight_convert: str, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> int:
     """The kernel's W_CONVERT for FP8 weights: 0 Triton's cast of the float8 tile, 1 / 2 the int32-word "bits-join"
     / "asm-join" of fp8_convert.py (x stays contiguous here, so only the joined forms)."""
@@ -548,6 +597,7 @@ def _launch(
     num_q_heads, num_kv_heads, half, splits = heads
     use_pdl = pdl and not interpreting()
     w_convert = _check_weight_convert(weight_convert, weight, weight_scale)
+    w_vec = _row_vec(cfg, x.element_size(), weight_scale is not None)
     if w_convert:
         weight = weight.view(torch.int32)  # [N, K / 4]: four E4M3 codes a word (w_stride in words)
     _gemv_kernel[(grid,)](
@@ -564,7 +614,8 @@ def _launch(
         SILU_MUL=silu_mul, ADD=add is not None,
         ROTARY=rotary is not None, QK_NORM=qk_norm is not None, HALF=half, SPLITS_PER_HEAD=splits,
         PAIRED=silu_mul or rotary is not None, USE_PDL=use_pdl, NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda),
-        W_SCALED=weight_scale is not None, W_CONVERT=w_convert,
+        W_SCALED=weight_scale is not None, W_CONVERT=w_convert, W_VEC=w_vec,
+        W_PREFETCH=w_vec != 0 and ROW_PREFETCH,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
     )
@@ -648,16 +699,11 @@ def gemv_rotary_cache_triton(
                          f"{(num_heads + 2 * num_kv_heads) * head_dim}")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("gemv_rotary_cache: q_norm and k_norm go together")
-    if q_norm is not None and weight_convert != "cast" and x.is_cuda:
-        # Known bug, not yet found: on the H200 (2026-12-01 15:50 UTC) the asm-join words with the per-head
-        # q/k norm gave NaN at M = 1 (tests/test_kernels_gemv_fp8.py, head_dim 40), while the same words without
-        # the norm and the cast with it match the reference. The engine's qkv conversion is "cast" (fused_decode).
-        raise ValueError(f"gemv_rotary_cache: weight_convert={weight_convert!r} with q_norm/k_norm is refused on CUDA "
-                         "(NaN measured on the H200 with the per-head norm): use 'cast'")
-    if q_norm is not None and weight_convert != "cast" and x.is_cuda:
-        # Known bug, not yet found: on the H200 (2026-12-01 15:50 UTC) the asm-join words with the per-head
-        # q/k norm gave NaN at M = 1 (tests/test_kernels_gemv_fp8.py, head_dim 40), while the same words without
-        # the norm and the cast with it match the reference. The engine's qkv conversion is "cast" (fused_decode).
+    if q_norm is not None and weight_convert != "cast" and x.is_cuda and REFUSE_WORDS_WITH_QK_NORM:
+        # Off by default (REFUSE_WORDS_WITH_QK_NORM). On the H200 (2026-12-01 15:50 UTC) the asm-join words with
+        # the per-head q/k norm gave NaN at M = 1, head_dim 40, in the q and k heads only (240 of 320 outputs: the
+        # normed ones), whose norm also summed the padding columns d >= HALF (12 of 32); with that sum held to the
+        # live columns the probe found no NaN (18:25 UTC). Which padding value was NaN was not found out.
         raise ValueError(f"gemv_rotary_cache: weight_convert={weight_convert!r} with q_norm/k_norm is refused on CUDA "
                          "(NaN measured on the H200 with the per-head norm): use 'cast'")
     for t in (q_norm, k_norm):

@@ -21,9 +21,11 @@ Which layers take it (`bind_fused_decode`'s reasons; the answer is the same for 
   program per head, so a little slower at batch 1 than without it).
 - FP8 linears with row scales (per-channel, per-tensor, `--quantization fp8`) run the same kernels as W8A16
   (gemv.py's weight_scale: E4M3 converted in registers, the row scale on the float32 sums before each
-  epilogue); never folded (W diag(g) would need requantizing: "fused-folded" runs them unfolded). o_proj /
-  down take the FP8 GEMV's measured launch table (fp8_linear.FP8_GEMV_CONFIGS: same loop, same bytes), the
-  SiLU / rotary kernels the bf16 sweep's. Block-scaled FP8 (128 x 128) keeps the unfused path, as do
+  epilogue); never folded (W diag(g) would need requantizing): "fused-folded" runs their norms in the qkv /
+  gate_up prologues with g applied to x in the K loop instead (FP8_PROLOGUE_NORM), "fused" apart. Launch
+  shapes and conversions: FP8_FUSED_M1 per 8B shape at one token, FP8_FUSED_DOT at 2-16 (fp8_launch); other
+  one-token shapes take fp8_linear.FP8_GEMV_CONFIGS for o_proj / down and the bf16 sweep's configs for the
+  SiLU / rotary kernels. Block-scaled FP8 (128 x 128) keeps the unfused path, as do
   tensor-parallel linears (F.linear and their all-reduce: a residual add cannot precede the row-parallel sum).
 - The FP8 KV cache falls back: the rotary epilogue writes the model dtype, without kv_quant's scaling.
 - The LM head (tied or not) stays on F.linear in every mode: its float32 logits are issue 13 item 2's, and a
@@ -38,6 +40,7 @@ from typing import Any, cast
 import torch
 from stoker.engine.batch import AttentionMetadata
 from stoker.engine.config import EngineConfig
+from stoker.engine.kernels import gemv
 from stoker.engine.kernels._triton import HAS_TRITON
 from stoker.engine.kernels.fp8_linear import fp8_gemv_config
 from stoker.engine.kernels.gemv import (
@@ -68,6 +71,31 @@ _FOLD_ROWS = 1024  # rows folded per chunk: a 16 MB float32 temporary at hidden 
 # FP8 table's CUDA-core 1x8x1024: cast 8.8, asm-join 13.2; down + add: cast 23.4, asm-join 39.1; qkv + rope
 # (CUDA cores 1x4x512): cast 13.2, asm-join 13.6. Off the GPU "asm-join" becomes "cast" (no PTX there).
 FP8_WEIGHT_CONVERT: dict[str, str] = {"rope": "cast", "silu": "asm-join", "add": "cast"}
+# FP8 under "fused-folded": the two RMSNorms run in the qkv / gate_up prologues with g unfolded (x * g in the K
+# loop, which the one-token CUDA-core loop pays on [1, BK] only), so a layer is 4 launches instead of 6.
+FP8_PROLOGUE_NORM = True
+# One token on the GPU: (kernel, weight rows, K) -> (launch shape, conversion), the fastest of ops/bench_fp8_fused.py
+# --row-grid --pick (H200, 2026-12-01 18:25 UTC, 8B shapes, us per call in CUDA-graph chains, 36 launch shapes x
+# cast / asm-join; "row": gemv.py's one-token [BN, BK] accumulator, W_VEC; "3d": what ran before, 17:56 UTC);
+# shapes it does not list take FP8_WEIGHT_CONVERT and the launchers' own configs. W1 FP8 with it: 2.77 ms (3.20
+# before; 18:25 UTC, ops/bench.py --dtype fp8).
+FP8_FUSED_M1: dict[tuple[str, int, int], tuple[GemvConfig, str]] = {
+    ("rope", 6144, 4096): (GemvConfig(1, 2, 512, False, 2, 3), "asm-join"),  # qkv: 3d 13.6 -> 9.2 (64 % of copy)
+    ("add", 4096, 4096): (GemvConfig(1, 4, 1024, False, 4, 3), "cast"),  # o: 3d 8.8 -> 6.8 (58 %)
+    ("add", 4096, 14336): (GemvConfig(1, 4, 1024, False, 4, 3), "cast"),  # down: 3d 23.4 -> 16.4 (84 %)
+    # gate_up: the tl.dot tile 16x32x128 w2 s5 with asm-join stays (32.8, 84 %); the row path's best 33.9 (1x2x1024)
+    ("silu", 28672, 4096): (GemvConfig(16, 32, 128, True, 2, 5), "asm-join"),
+}
+# 2-16 tokens on the GPU: the 16-row tl.dot tile, whose cost does not depend on how many of its rows are live, so
+# the one-token figures of the same tile stand for these (H200 15:50 UTC, 8B, us): o + add 16x16x256 w2 s4
+# asm-join 9.6 (the W8A16 table's 16x32x512 cast: 11.8 at M = 2-16, 11:30 UTC), down + add 25.9 (33.8), qkv +
+# rope 16x32x128 w2 s5 asm-join 17.3 (the casts on dot tiles: 32.0-32.4), gate_up + SiLU 16x32x128 w2 s5
+# asm-join 32.7.
+FP8_FUSED_DOT: dict[str, tuple[GemvConfig, str]] = {
+    "add": (GemvConfig(16, 16, 256, True, 2, 4), "asm-join"),
+    "rope": (GemvConfig(16, 32, 128, True, 2, 5), "asm-join"),
+    "silu": (GemvConfig(16, 32, 128, True, 2, 5), "asm-join"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +103,7 @@ class FusedDecode:
     """A decoder layer's fused decode: how, and the layer's own modules it reads (no weight is copied)."""
 
     folded: bool  # the RMSNorm weights are folded into qkv / gate_up (the norms run in their prologues)
+    prologue_norm: bool  # the norms run in the qkv / gate_up prologues: folded, or (FP8) g applied to x there
     pdl: bool  # launch the GEMVs with programmatic dependent launch
     input_norm: RMSNorm
     qkv: QKVLinear | Fp8QKVLinear
@@ -130,10 +159,11 @@ def bind_fused_decode(
     if kv_dtype != dtype:
         return f"the KV cache is {kv_dtype}: the rotary epilogue writes the model dtype without kv_quant's scaling"
     folded = mode == "fused-folded" and not fp8  # FP8: folding g into W would requantize it
+    prologue = folded or (mode == "fused-folded" and FP8_PROLOGUE_NORM)
     if folded:  # again after a first fold: W' * 1 is W' exactly, so planning twice changes nothing
         _fold_norm_into(linears[0], input_norm)
         _fold_norm_into(linears[2], post_norm)
-    return FusedDecode(folded, pdl, input_norm, linears[0], q_norm, k_norm, rotary, attention, linears[1],
+    return FusedDecode(folded, prologue, pdl, input_norm, linears[0], q_norm, k_norm, rotary, attention, linears[1],
                        post_norm, linears[2], linears[3])
 
 
@@ -144,24 +174,38 @@ def _fp8_problem(linears: tuple[Fp8Linear, ...]) -> str | None:
     return None
 
 
-def _scale(linear: nn.Module, kernel: str) -> dict[str, Any]:
-    """The FP8 arguments of `kernel` ("rope", "silu", "add") on a linear: its float32 row scales and the
-    conversion; none for a plain linear. The word conversions need K in whole int32 words (every Llama shape)."""
+def fp8_launch(kernel: str, n: int, k: int, num_tokens: int, on_gpu: bool) -> tuple[GemvConfig | None, str]:
+    """(launch shape or None for the launcher's own, conversion) of the fused `kernel` ("rope", "silu", "add") on
+    FP8 weights [n, k] at M tokens: on the GPU FP8_FUSED_M1 for one token, FP8_FUSED_DOT for more; else (and for
+    one-token shapes the table lacks) FP8_WEIGHT_CONVERT, and for o_proj / down the W8A16 GEMV's table. The word
+    conversions need K in whole int32 words (every Llama shape), the inline PTX a GPU."""
+    tuned = None
+    if on_gpu:
+        tuned = FP8_FUSED_M1.get((kernel, n, k)) if num_tokens == 1 else FP8_FUSED_DOT.get(kernel)
+    config: GemvConfig | None
+    if tuned is not None:
+        config, convert = tuned
+    else:
+        convert = FP8_WEIGHT_CONVERT[kernel]
+        config = fp8_gemv_config(n, k, num_tokens, True) if kernel == "add" and on_gpu else None
+    if k % 4 or (convert.startswith("asm") and not on_gpu):
+        convert = "cast"
+    return config, convert
+
+
+def _fp8_args(linear: nn.Module, kernel: str, num_tokens: int) -> dict[str, Any]:
+    """fp8_launch's choice as the fused launcher's keywords, with the row scales; none for a plain linear."""
     if not isinstance(linear, Fp8Linear):
         return {}
-    convert = FP8_WEIGHT_CONVERT[kernel] if linear.weight.shape[1] % 4 == 0 else "cast"
-    if convert.startswith("asm") and not linear.weight.is_cuda:
-        convert = "cast"  # inline PTX: the GPU only
-    return {"weight_scale": linear.weight_scale, "weight_convert": convert}
-
-
-def _plain_config(linear: nn.Module, num_tokens: int) -> GemvConfig | None:
-    """o_proj / down: FP8 takes the W8A16 GEMV's measured table (the same loop over the same bytes), a plain
-    linear the launcher's own pick."""
-    if not isinstance(linear, Fp8Linear) or not linear.weight.is_cuda:
-        return None
     n, k = linear.weight.shape
-    return fp8_gemv_config(n, k, num_tokens, True)
+    config, convert = fp8_launch(kernel, n, k, num_tokens, linear.weight.is_cuda)
+    return {"weight_scale": linear.weight_scale, "weight_convert": convert, "config": config}
+
+
+def _unfolded_norm(fd: FusedDecode, norm: RMSNorm) -> dict[str, Any]:
+    """The prologue norm's weight where it is not folded into W (FP8 under "fused-folded"): the GEMV scales x by
+    it in its K loop (APPLY_G) after the rms pass."""
+    return {"norm_weight": norm.weight} if fd.prologue_norm and not fd.folded else {}
 
 
 def decode_report(mode: str, pdl: bool, reasons: list[str | None]) -> dict[str, Any]:
@@ -201,7 +245,7 @@ def fused_decode_layer(
     v_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, None]:
     """LlamaDecoderLayer.forward's semantics for a decode step -> (the new residual stream [M, H], None)."""
-    if fd.folded:  # the qkv GEMV normalises the stream itself
+    if fd.prologue_norm:  # the qkv GEMV normalises the stream itself
         stream = hidden if residual is None else hidden + residual
         x = stream
     else:
@@ -210,13 +254,11 @@ def fused_decode_layer(
     num_tokens, num_heads, head_dim = x.shape[0], fd.attention.num_heads, fd.attention.head_dim
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     out = fd.attention(q, k_cache, v_cache, meta).reshape(num_tokens, num_heads * head_dim)
-    stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=fd.pdl, **_scale(fd.o_proj, "add"),
-                            config=_plain_config(fd.o_proj, num_tokens))
-    x = stream if fd.folded else fd.post_norm(stream)[0]
+    stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=fd.pdl, **_fp8_args(fd.o_proj, "add", num_tokens))
+    x = stream if fd.prologue_norm else fd.post_norm(stream)[0]
     act, _ = gemv_triton(x, fd.gate_up.weight, silu_mul=True, norm_folded=fd.folded, eps=fd.post_norm.eps,
-                         pdl=fd.pdl, **_scale(fd.gate_up, "silu"))
-    stream, _ = gemv_triton(act, fd.down.weight, add=stream, pdl=fd.pdl, **_scale(fd.down, "add"),
-                            config=_plain_config(fd.down, num_tokens))
+                         pdl=fd.pdl, **_fp8_args(fd.gate_up, "silu", num_tokens), **_unfolded_norm(fd, fd.post_norm))
+    stream, _ = gemv_triton(act, fd.down.weight, add=stream, pdl=fd.pdl, **_fp8_args(fd.down, "add", num_tokens))
     return stream, None
 
 
@@ -232,11 +274,14 @@ def _qkv_rotary_cache(
     q_norm = fd.q_norm.weight if fd.q_norm is not None else None
     k_norm = fd.k_norm.weight if fd.k_norm is not None else None
     # One eps serves the prologue norm and Qwen3's q/k norm: the model builds all of them from rms_norm_eps.
-    eps = fd.input_norm.eps if fd.folded or fd.q_norm is None else fd.q_norm.eps
+    eps = fd.input_norm.eps if fd.prologue_norm or fd.q_norm is None else fd.q_norm.eps
+    fp8 = _fp8_args(fd.qkv, "rope", x.shape[0])
+    if q_norm is not None and fp8.get("weight_convert", "cast") != "cast" and gemv.REFUSE_WORDS_WITH_QK_NORM:
+        fp8["weight_convert"] = "cast"  # refused with the q/k norm on CUDA (see gemv_rotary_cache_triton)
     qkv, _ = gemv_rotary_cache_triton(
         x, fd.qkv.weight, fd.qkv.bias, num_heads=fd.attention.num_heads, num_kv_heads=fd.attention.num_kv_heads,
         positions=positions, cos_sin=fd.rotary.cos_sin, k_cache=k_cache, v_cache=v_cache,
         slot_mapping=meta.slot_mapping, eps=eps, q_norm=q_norm, k_norm=k_norm, pdl=fd.pdl, norm_folded=fd.folded,
-        **_scale(fd.qkv, "rope"),
+        **fp8, **_unfolded_norm(fd, fd.input_norm),
     )
     return qkv
