@@ -60,6 +60,9 @@ try:  # inline PTX (griddepcontrol.*): only reached when USE_PDL is set, never u
 except Exception:  # triton missing or without the extra module: the USE_PDL=False kernels never name them
     gdc_launch_dependents = gdc_wait = None
 
+# The folded norm's GEMVs load their first weight tile before the rms pass (the kernel's EARLY_W), so that pass's
+# L2 round trips overlap the weight stream's start. Read at each launch (benches flip it).
+EARLY_WEIGHT_TILE = False
 GEMV_MAX_M = 16  # above this the unfused path (cuBLAS) is used: the kernel's dot tile is 16 tokens tall
 
 
@@ -286,7 +289,7 @@ def _gemv_kernel(
     SILU_MUL: tl.constexpr, ADD: tl.constexpr,
     ROTARY: tl.constexpr, QK_NORM: tl.constexpr, HALF: tl.constexpr, SPLITS_PER_HEAD: tl.constexpr,
     PAIRED: tl.constexpr, USE_PDL: tl.constexpr, NORM_CHUNK: tl.constexpr, W_SCALED: tl.constexpr,
-    W_CONVERT: tl.constexpr,
+    W_CONVERT: tl.constexpr, EARLY_W: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     j = tl.arange(0, BLOCK_N)
@@ -315,18 +318,20 @@ def _gemv_kernel(
     sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
     write_residual = pid == 0
     k_start = 0
-    if USE_PDL:
+    if USE_PDL or EARLY_W:
         # Weights never depend on the previous kernel: start their stream, then wait for its outputs
-        # (x, the residual) to be visible, and let the next kernel get scheduled.
+        # (x, the residual) to be visible, and let the next kernel get scheduled. EARLY_W alone: the first
+        # tile is in flight while the folded norm's rms pass below waits on its L2 round trips.
         wa, wb = _load_w(wa_ptrs, wb_ptrs, 0, col_mask, kw, K, PAIRED, W_CONVERT)
-        gdc_wait()
-        gdc_launch_dependents()
+        if USE_PDL:
+            gdc_wait()
+            gdc_launch_dependents()
     if NORM and not PRO_RESIDUAL:
         # The rms of each x row in a pass of its own (x is M*K elements, read from L2 by every program),
         # so that the weight loop below stays a plain pipelined GEMV: normalising x inside the loop took
         # the 8B qkv GEMV from 15 to 35-57 us at M = 8 on the tl.dot path (H200, ops/bench_gemv.py --ablate).
         sumsq = _row_sumsq(x_ptr, x_stride, M, K, BLOCK_M, NORM_CHUNK)
-    if USE_PDL:
+    if USE_PDL or EARLY_W:
         acc_a, acc_b, sumsq = _gemv_step(
             0, wa, wb, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
             res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
@@ -565,6 +570,7 @@ def _launch(
         ROTARY=rotary is not None, QK_NORM=qk_norm is not None, HALF=half, SPLITS_PER_HEAD=splits,
         PAIRED=silu_mul or rotary is not None, USE_PDL=use_pdl, NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda),
         W_SCALED=weight_scale is not None, W_CONVERT=w_convert,
+        EARLY_W=EARLY_WEIGHT_TILE and (norm_weight is not None or norm_folded) and norm_residual is None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
     )
