@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout too
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from stoker.engine.kernels._triton import interpreting  # noqa: E402
 from stoker.engine.kernels.attention import decode_combine_counters, paged_decode_attention_triton  # noqa: E402
 from stoker.engine.kernels.gemv import fold_norm_weight, gemv_rotary_cache_triton, gemv_triton  # noqa: E402
 from stoker.engine.kernels.l2_prefetch import L2Prefetcher  # noqa: E402
@@ -97,6 +98,7 @@ class Runner:
 
     def __init__(self, layers: list[Layer], x: torch.Tensor, side: torch.cuda.Stream | None):
         self.layers, self.x, self.side = layers, x, side
+        self.heads: dict[tuple[int, float], L2Prefetcher] = {}
 
     @contextlib.contextmanager
     def _forked(self) -> Iterator[None]:
@@ -113,33 +115,59 @@ class Runner:
             torch.cuda.current_stream().wait_stream(self.side)
 
     def attn_o(self, layer: Layer, qkv: torch.Tensor, stream: torch.Tensor, prefetch: tuple[str, float] | None,
-               combine: bool) -> torch.Tensor:
+               combine: bool, head_of_next: torch.Tensor | None = None, heads_mb: float = 0.0) -> torch.Tensor:
         if prefetch is not None:
             with self._forked():
                 layer.prefetcher(*prefetch)()
         attn = layer.attention(qkv, combine)
         if prefetch is not None:
             self._join()
+        if head_of_next is not None:
+            self._head(head_of_next, heads_mb)
         out, _ = gemv_triton(attn, layer.o, add=stream)
+        if head_of_next is not None:
+            self._join()
         return out
 
-    def full_layer(self, layer: Layer, stream: torch.Tensor, prefetch: tuple[str, float] | None,
-                   combine: bool) -> torch.Tensor:
+    def _head(self, weight: torch.Tensor, heads_mb: float) -> None:
+        """Forks an evict-last prefetch of the leading heads_mb of `weight` (spread over its rows): it runs while
+        the kernel launched next on the main stream streams its own weights (joined after that kernel)."""
+        if heads_mb > 0:
+            fraction = min(1.0, heads_mb * 2**20 / (weight.numel() * weight.element_size()))
+            key = (weight.data_ptr(), fraction)
+            if key not in self.heads:
+                self.heads[key] = L2Prefetcher(weight, fraction, "load" if interpreting() else "evict-last")
+            with self._forked():
+                self.heads[key]()
+
+    def full_layer(self, index: int, stream: torch.Tensor, prefetch: tuple[str, float] | None,
+                   combine: bool, heads_mb: float = 0.0) -> torch.Tensor:
+        """heads_mb > 0: during each GEMV, the next GEMV's first heads_mb are prefetched (o_proj's only by
+        `prefetch`, during the attention)."""
+        layer, next_layer = self.layers[index % len(self.layers)], self.layers[(index + 1) % len(self.layers)]
         qkv = layer.qkv_rotary(stream)
-        stream = self.attn_o(layer, qkv, stream, prefetch, combine)
+        stream = self.attn_o(layer, qkv, stream, prefetch, combine, layer.gate_up if heads_mb else None, heads_mb)
+        self._head(layer.down, heads_mb)
         act, _ = gemv_triton(stream, layer.gate_up, silu_mul=True, norm_folded=True, eps=EPS)
+        self._join_if(heads_mb)
+        self._head(next_layer.qkv, heads_mb)
         out, _ = gemv_triton(act, layer.down, add=stream)
+        self._join_if(heads_mb)
         return out
+
+    def _join_if(self, heads_mb: float) -> None:
+        if heads_mb > 0:
+            self._join()
 
     def chain(self, kind: str, steps: int, prefetch: tuple[str, float] | None,
-              combine: bool) -> Callable[[], torch.Tensor]:
+              combine: bool, heads_mb: float = 0.0) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
             stream = self.x
             for i in range(steps):
-                layer = self.layers[i % len(self.layers)]
                 if kind == "layer":
-                    stream = self.full_layer(layer, stream, prefetch, combine)
+                    stream = self.full_layer(i, stream, prefetch, combine, heads_mb)
                 else:  # attn+o: a fixed qkv row (the first layer's), so only attention and o_proj run
+                    layer = self.layers[i % len(self.layers)]
                     stream = self.attn_o(layer, self.qkv0, self.x, prefetch, combine)
             return stream
         return run
@@ -182,6 +210,10 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=1024, help="block table width in tokens (the graphs' max_model_len)")
     ap.add_argument("--kinds", default="attn+o,layer")
     ap.add_argument("--combine", default="0,1", help="fused attention combine off / on (comma-separated 0/1)")
+    ap.add_argument("--heads-mb", default="2,6", help="layer chain: MB of the next GEMV prefetched during each GEMV "
+                    "(with no o_proj prefetch, and with the o_proj variant of --heads-with)")
+    ap.add_argument("--heads-with", default="evict-last:0.5", help="MODE:FRACTION of o_proj's prefetch combined "
+                    "with the heads")
     ap.add_argument("--dry-run", action="store_true", help="CPU under TRITON_INTERPRET=1, tiny shape, mode 'load'")
     opts = ap.parse_args()
     on_gpu = not opts.dry_run
@@ -215,18 +247,25 @@ def main() -> None:
         for combine in (c == "1" for c in opts.combine.split(",")):
             base_us = None
             base_out = None
-            for variant in variants:
-                us, out = timed(runner.chain(kind, steps[kind], variant, combine), on_gpu, 10)
+            mode, fraction = opts.heads_with.split(":")
+            with_heads = [(variant, 0.0) for variant in variants]
+            if kind == "layer":
+                with_heads += [(v, float(mb)) for mb in (opts.heads_mb.split(",") if on_gpu else ["0.001"])
+                               for v in (None, (mode if on_gpu else "load", float(fraction)))]
+            for variant, heads_mb in with_heads:
+                us, out = timed(runner.chain(kind, steps[kind], variant, combine, heads_mb), on_gpu, 10)
                 us /= steps[kind]
                 base_us = us if base_us is None else base_us
                 base_out = out if base_out is None else base_out
                 equal = bool(torch.equal(out, base_out))
                 mb = layers[0].prefetcher(*variant).nbytes / 2**20 if variant else 0.0
                 row = {"chain": kind, "combine": combine, "mode": variant[0] if variant else "none",
-                       "fraction": variant[1] if variant else 0.0, "mb": mb, "us": us, "equal": equal}
+                       "fraction": variant[1] if variant else 0.0, "mb": mb, "heads_mb": heads_mb, "us": us,
+                       "equal": equal}
                 rows.append(row)
-                print(f"| {kind} | {int(combine)} | {row['mode']} | {row['fraction']:.2f} | {mb:.1f} | {us:.2f} | "
-                      f"{us - base_us:+.2f} | {equal} |", flush=True)
+                heads = f" + heads {heads_mb:g} MB" if heads_mb else ""
+                print(f"| {kind} | {int(combine)} | {row['mode']}{heads} | {row['fraction']:.2f} | {mb:.1f} | "
+                      f"{us:.2f} | {us - base_us:+.2f} | {equal} |", flush=True)
         del layers, runner
         if on_gpu:
             torch.cuda.empty_cache()
