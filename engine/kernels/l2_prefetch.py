@@ -13,11 +13,14 @@ than the others. Modes (constexpr MODE):
 - 0 `prefetch.global.L2::evict_last` per line (the lines outlive the normal streaming traffic until read);
 - 1 `prefetch.global.L2` per line (normal eviction priority);
 - 2 one `cp.async.bulk.prefetch.L2` per row (Hopper's bulk copy engine: a single instruction a row);
-- 3 plain loads of each line's first 16 bytes, folded into a value that is stored only when a flag that is
-  never set is set: the one mode the CPU interpreter runs (no inline PTX there), so the index arithmetic and
-  the launcher are tested on the CPU; it costs registers and waits, which the hint modes do not.
+- 3 plain loads of each line's first byte, summed into a value that is stored only when a flag that the engine
+  never sets is set: the one mode the CPU interpreter runs (no inline PTX there), so the index arithmetic and
+  the launcher are tested on the CPU (the tests set the flag and check the sum); it costs registers and waits,
+  which the hint modes do not.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from stoker.engine.kernels._triton import check_launchable, interpreting, tl, triton
@@ -48,7 +51,7 @@ def _bulk_hint(ptrs, nbytes):
 @triton.jit
 def _l2_prefetch_kernel(
     base_ptr,  # uint8 view of the weight
-    sink_ptr,  # int32 [1]: written only in MODE 3 when never_ptr[0] != 0 (keeps the loads alive)
+    sink_ptr,  # int32 [1]: MODE 3 adds the bytes it read here when never_ptr[0] != 0 (keeps the loads alive)
     never_ptr,
     num_rows, row_stride, lines_per_row,
     BLOCK: tl.constexpr, MODE: tl.constexpr,
@@ -73,20 +76,20 @@ def _l2_prefetch_kernel(
                 folded += tl.load(ptrs, mask=live, other=0, eviction_policy="evict_last").to(tl.int32)
             else:
                 _line_hint(ptrs, MODE)
-        if MODE == 3:
-            never = tl.load(never_ptr)
-            tl.store(sink_ptr + tl.arange(0, BLOCK) * 0, folded, mask=(tl.arange(0, BLOCK) == 0) & (never != 0))
+        if MODE == 3:  # the sum of the loaded bytes, kept only on request (tests check which lines were read)
+            if tl.load(never_ptr) != 0:
+                tl.atomic_add(sink_ptr, tl.sum(folded, axis=0))
 
 
 def prefetch_plan(weight: torch.Tensor, fraction: float) -> tuple[int, int, int]:
     """(num_rows, row_stride_bytes, lines_per_row) that cover the leading `fraction` of each row of `weight`
-    [N, K] (rounded to whole 128-byte lines, at least one line, never past the row)."""
+    [N, K] (rounded up to whole 128-byte lines, never past the row)."""
     if weight.dim() != 2 or weight.stride(1) != 1:
         raise ValueError(f"l2_prefetch: a 2-d weight with contiguous rows expected, got {tuple(weight.shape)}")
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"l2_prefetch: fraction must be in (0, 1], got {fraction}")
     row_bytes = weight.shape[1] * weight.element_size()
-    lines = max(1, min(-(-row_bytes // LINE_BYTES), round(fraction * row_bytes / LINE_BYTES)))
+    lines = max(1, min(-(-row_bytes // LINE_BYTES), math.ceil(fraction * row_bytes / LINE_BYTES)))
     return weight.shape[0], weight.stride(0) * weight.element_size(), lines
 
 
@@ -124,3 +127,22 @@ class L2Prefetcher:
         _l2_prefetch_kernel[(grid,)](self.weight.view(torch.uint8), self.sink, self.never, self.num_rows,
                                      self.row_stride, self.lines_per_row, BLOCK=block, MODE=self.mode,
                                      num_warps=4)
+
+
+def prefetch_beside(prefetcher: L2Prefetcher, side: torch.cuda.Stream | None) -> None:
+    """Queues the prefetch on `side` behind everything queued so far on the current stream (a fork: in a CUDA
+    graph it becomes a branch parallel to what the current stream queues next); join_side() before the kernel
+    that reads the weight. side None (the CPU): the prefetch runs in line."""
+    if side is None:
+        prefetcher()
+        return
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        prefetcher()
+
+
+def join_side(side: torch.cuda.Stream | None) -> None:
+    """The current stream waits for what prefetch_beside queued on `side` (every fork must be joined before a
+    graph capture ends)."""
+    if side is not None:
+        torch.cuda.current_stream().wait_stream(side)
