@@ -76,7 +76,8 @@ def _l2_prefetch_kernel(
                 folded += tl.load(ptrs, mask=live, other=0, eviction_policy="evict_last").to(tl.int32)
             else:
                 _line_hint(ptrs, MODE)
-        if MODE == 3:  # the sum of the loaded bytes, kept only on request (tests check which lines were read)
+        if MODE == 3:  # noqa: SIM102 (a constexpr branch around a runtime one: Triton cannot join them by `and`)
+            # the sum of the loaded bytes, kept only on request (the tests check which lines were read)
             if tl.load(never_ptr) != 0:
                 tl.atomic_add(sink_ptr, tl.sum(folded, axis=0))
 
