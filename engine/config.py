@@ -56,6 +56,10 @@ class EngineConfig:
     # The fused decode GEMVs launched with programmatic dependent launch (their weight stream starts while the
     # previous kernel drains): measured to help 1B-sized GEMVs, neutral at 8B (BENCHMARKS.md).
     decode_pdl: bool = False
+    # Fused decode steps: this fraction of each o_proj row is prefetched into L2 on a side stream while the
+    # decode attention runs (its ~6 us at batch 1 move ~3 MB: HBM would idle; engine/kernels/l2_prefetch.py).
+    # 0 = off. BENCHMARKS.md (issue 13, W1) has the measured gain per fraction.
+    decode_l2_prefetch: float = 0.0
     # Two-nano-batch decode (engine/models/nano_batches.py): decode-only steps of >= decode_overlap_min_rows
     # sequences run as two halves whose GEMMs and attention interleave on two CUDA streams (in the graphs).
     # Off: measured 3.7 % slower at batch 1,024 and 13 % at 512 (8B, H200; BENCHMARKS.md, 14:44 UTC).
@@ -109,6 +113,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             problems.append(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         problems += self._decode_kernel_problems()
+        if not 0.0 <= self.decode_l2_prefetch <= 1.0:
+            problems.append(f"decode_l2_prefetch is a fraction of o_proj's rows in [0, 1] (0 = off), "
+                            f"got {self.decode_l2_prefetch}")
         if self.decode_overlap_min_rows < 2:
             problems.append(f"decode_overlap_min_rows must be >= 2 (two non-empty halves), "
                             f"got {self.decode_overlap_min_rows}")

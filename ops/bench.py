@@ -210,7 +210,8 @@ def engine_config(path: str, max_num_seqs: int, device: str = "cuda", quantizati
 def decode_setting(text: str) -> dict[str, Any]:
     """"fused+pdl" -> {"decode_kernels": "fused", "decode_pdl": True}: one --decode-kernels item. "+overlap"
     adds decode_overlap (two-nano-batch decode steps, engine/models/nano_batches.py), "+overlapN" with N rows
-    as its threshold (decode_overlap_min_rows), "+smsK" K SMs for its attention lane (decode_overlap_sms)."""
+    as its threshold (decode_overlap_min_rows), "+smsK" K SMs for its attention lane (decode_overlap_sms); "+l2pP"
+    prefetches P % of each o_proj row into L2 during the fused decode's attention (decode_l2_prefetch)."""
     kernels, *flags = text.split("+")
     setting: dict[str, Any] = {"decode_kernels": kernels, "decode_pdl": False}
     for flag in flags:
@@ -222,9 +223,11 @@ def decode_setting(text: str) -> dict[str, Any]:
             setting |= {"decode_overlap_min_rows": int(rows)} if rows else {}
         elif flag.startswith("sms") and flag[3:].isdigit():
             setting["decode_overlap_sms"] = int(flag[3:])
+        elif flag.startswith("l2p") and flag[3:].isdigit():
+            setting["decode_l2_prefetch"] = int(flag[3:]) / 100
         else:
             raise ValueError(f"--decode-kernels item {text!r}: a decode_kernels value, optionally with '+pdl', "
-                             "'+overlap[N]' and '+smsK'")
+                             "'+overlap[N]', '+smsK' and '+l2pP'")
     return setting
 
 

@@ -107,6 +107,35 @@ def test_fused_decode_greedy_matches_transformers_and_unfused(arch, mode: str, m
 
 
 @interpreted
+def test_l2_prefetch_runs_beside_every_fused_layer_and_changes_nothing(arch, monkeypatch) -> None:
+    """decode_l2_prefetch: each fused layer of each decode step launches its o_proj prefetch (the interpreter's
+    'load' mode, which reads the planned lines), and tokens and logprobs are exactly those without it."""
+    from stoker.engine.kernels import l2_prefetch
+
+    name, path, _ = arch
+    if name != "llama":
+        pytest.skip("once is enough")
+    launched: list[int] = []
+    original = l2_prefetch.L2Prefetcher.__call__
+
+    def counting(self: Any) -> None:
+        launched.append(self.weight.data_ptr())
+        original(self)
+
+    monkeypatch.setattr(l2_prefetch.L2Prefetcher, "__call__", counting)
+    engine = cpu_engine(path, "fused-folded", decode_l2_prefetch=0.5)
+    assert engine.runner.startup["decode_kernels"]["l2_prefetch"] == 0.5
+    o_weights = {layer.self_attn.o_proj.weight.data_ptr() for layer in engine.runner.model.model.layers}
+    got = generate(engine, PROMPTS, MAX_TOKENS)
+    assert len(launched) == 2 * (max(MAX_TOKENS) - 1) and set(launched) == o_weights
+    plain = generate(cpu_engine(path, "fused-folded"), PROMPTS, MAX_TOKENS)
+    assert len(launched) == 2 * (max(MAX_TOKENS) - 1), "the engine without decode_l2_prefetch prefetched"
+    assert got == plain
+    with pytest.raises(ValueError, match="decode_l2_prefetch is a fraction"):
+        cpu_engine(path, "fused-folded", decode_l2_prefetch=1.5)
+
+
+@interpreted
 def test_folding_rewrites_the_weights_in_place(arch) -> None:
     """fused-folded: qkv / gate_up hold W diag(g) in their own storage (no second copy on the device), the norms
     hold ones, no other parameter changes, no byte is added; planning again folds nothing twice."""
@@ -334,6 +363,25 @@ def test_fp8_fused_decode_matches_the_unfused_fp8_path_on_the_gpu(tmp_path, dtyp
             assert ref_gaps[same] < 0.05, f"{rid}: tokens part at step {same}: {tokens} vs {ref_tokens}"
         assert same >= min(len(tokens), 3), rid
         torch.testing.assert_close(logprobs[:same], ref_logprobs[:same], atol=3e-2, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_bf16_l2_prefetch_changes_no_token_or_logprob_with_cuda_graphs(tmp_path) -> None:
+    """The o_proj prefetch on its side stream, forked and joined inside every decode graph (buckets 1..8):
+    the same tokens and bit-equal logprobs as without it."""
+    _hf_llama_gpu(str(tmp_path), 0.015)
+    ids = prompts(7, [5, 37, 70, 12])
+    runs = []
+    for fraction in (0.0, 0.5):
+        engine = LLMEngine(EngineConfig(model_path=str(tmp_path), device="cuda", dtype="bfloat16", max_num_seqs=8,
+                                        max_model_len=256, num_kv_blocks=128, decode_kernels="fused-folded",
+                                        decode_l2_prefetch=fraction))
+        before = engine.runner.graphs.replays
+        runs.append(generate(engine, ids, [8, 8, 6, 4]))
+        assert engine.runner.graphs.replays - before >= 7
+        engine.close()
+    assert runs[0] == runs[1]
 
 
 # --------------------------------------------------------------------------------------------- the driver

@@ -38,7 +38,7 @@ from typing import Any, cast
 import torch
 from stoker.engine.batch import AttentionMetadata
 from stoker.engine.config import EngineConfig
-from stoker.engine.kernels._triton import HAS_TRITON
+from stoker.engine.kernels._triton import HAS_TRITON, interpreting
 from stoker.engine.kernels.fp8_linear import fp8_gemv_config
 from stoker.engine.kernels.gemv import (
     GEMV_MAX_M,
@@ -47,6 +47,7 @@ from stoker.engine.kernels.gemv import (
     gemv_rotary_cache_triton,
     gemv_triton,
 )
+from stoker.engine.kernels.l2_prefetch import L2Prefetcher, join_side, prefetch_beside
 from stoker.engine.layers import (
     Fp8GateUpLinear,
     Fp8Linear,
@@ -68,6 +69,8 @@ _FOLD_ROWS = 1024  # rows folded per chunk: a 16 MB float32 temporary at hidden 
 # FP8 table's CUDA-core 1x8x1024: cast 8.8, asm-join 13.2; down + add: cast 23.4, asm-join 39.1; qkv + rope
 # (CUDA cores 1x4x512): cast 13.2, asm-join 13.6. Off the GPU "asm-join" becomes "cast" (no PTX there).
 FP8_WEIGHT_CONVERT: dict[str, str] = {"rope": "cast", "silu": "asm-join", "add": "cast"}
+# EngineConfig.decode_l2_prefetch's hint (l2_prefetch.MODES), from ops/bench_l2_prefetch.py on the H200.
+L2_PREFETCH_MODE = "evict-last"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +89,9 @@ class FusedDecode:
     post_norm: RMSNorm
     gate_up: GateUpLinear | Fp8GateUpLinear
     down: Linear | Fp8Linear
+    # EngineConfig.decode_l2_prefetch: o_proj's leading bytes prefetched into L2 on `side` during the attention
+    o_prefetch: L2Prefetcher | None = None
+    side: torch.cuda.Stream | None = None
 
 
 _PLAIN_KINDS = (QKVLinear, Linear, GateUpLinear, Linear)
@@ -109,9 +115,11 @@ def bind_fused_decode(
     mode: str, pdl: bool, kv_dtype: torch.dtype, *, input_norm: RMSNorm, qkv: nn.Module, q_norm: RMSNorm | None,
     k_norm: RMSNorm | None, rotary: RotaryEmbedding, attention: PagedAttention, o_proj: nn.Module,
     post_norm: RMSNorm, gate_up: nn.Module, down: nn.Module,
+    l2_prefetch: tuple[float, torch.cuda.Stream | None] = (0.0, None),
 ) -> FusedDecode | str:
     """A layer's FusedDecode for `mode` ("fused" or "fused-folded"; called once the weights are in, and
-    folding them for fused-folded), or why the layer must keep the unfused decode path."""
+    folding them for fused-folded), or why the layer must keep the unfused decode path. l2_prefetch: (the
+    fraction of o_proj's rows to prefetch during the attention, 0 = none; the side stream, None on the CPU)."""
     # Exact types: the tensor-parallel twins are subclasses of the plain linears.
     kinds = (type(qkv), type(o_proj), type(gate_up), type(down))
     fp8 = kinds == _FP8_KINDS
@@ -133,8 +141,21 @@ def bind_fused_decode(
     if folded:  # again after a first fold: W' * 1 is W' exactly, so planning twice changes nothing
         _fold_norm_into(linears[0], input_norm)
         _fold_norm_into(linears[2], post_norm)
+    fraction, side = l2_prefetch
+    o_prefetch = _o_prefetcher(linears[1].weight, fraction) if fraction > 0 else None
     return FusedDecode(folded, pdl, input_norm, linears[0], q_norm, k_norm, rotary, attention, linears[1],
-                       post_norm, linears[2], linears[3])
+                       post_norm, linears[2], linears[3], o_prefetch, side)
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The stream the L2 prefetches run on beside the decode (None off CUDA: they then run in line)."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+def _o_prefetcher(weight: torch.Tensor, fraction: float) -> L2Prefetcher:
+    """The hint mode on the GPU; the interpreter runs the 'load' mode (no inline PTX there). FP8 weights are
+    bytes like any other: the same fraction of each row."""
+    return L2Prefetcher(weight, fraction, "load" if interpreting() else L2_PREFETCH_MODE)
 
 
 def _fp8_problem(linears: tuple[Fp8Linear, ...]) -> str | None:
@@ -209,7 +230,11 @@ def fused_decode_layer(
     qkv = _qkv_rotary_cache(fd, x, positions, meta, k_cache, v_cache)
     num_tokens, num_heads, head_dim = x.shape[0], fd.attention.num_heads, fd.attention.head_dim
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    if fd.o_prefetch is not None:  # o_proj's first bytes into L2 while the latency-bound attention runs
+        prefetch_beside(fd.o_prefetch, fd.side)
     out = fd.attention(q, k_cache, v_cache, meta).reshape(num_tokens, num_heads * head_dim)
+    if fd.o_prefetch is not None:
+        join_side(fd.side)
     stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=fd.pdl, **_scale(fd.o_proj, "add"),
                             config=_plain_config(fd.o_proj, num_tokens))
     x = stream if fd.folded else fd.post_norm(stream)[0]
