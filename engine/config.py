@@ -60,6 +60,10 @@ class EngineConfig:
     # decode attention runs (its ~6 us at batch 1 move ~3 MB: HBM would idle; engine/kernels/l2_prefetch.py).
     # 0 = off. BENCHMARKS.md (issue 13, W1) has the measured gain per fraction.
     decode_l2_prefetch: float = 0.0
+    # "fused-folded": the o_proj / down GEMVs also write partial sums of squares of the stream they store, and the
+    # next folded norm (gate_up, the next layer's qkv) takes its rms from them instead of a pass over x before its
+    # weight stream (engine/kernels/gemv.py: gemv_add_sumsq_triton). False: every folded GEMV runs that pass.
+    decode_carry_sumsq: bool = True
     # Two-nano-batch decode (engine/models/nano_batches.py): decode-only steps of >= decode_overlap_min_rows
     # sequences run as two halves whose GEMMs and attention interleave on two CUDA streams (in the graphs).
     # Off: measured 3.7 % slower at batch 1,024 and 13 % at 512 (8B, H200; BENCHMARKS.md, 14:44 UTC).
