@@ -14,7 +14,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 from kernel_harness import INTERPRET, TOLERANCE, cases, run_under_interpreter  # noqa: E402
-from stoker.engine.kernels import rope_cos_sin  # noqa: E402
+from stoker.engine.kernels import gemv, rope_cos_sin  # noqa: E402
 from stoker.engine.kernels.gemv import (  # noqa: E402
     GEMV_MAX_M,
     GemvConfig,
@@ -62,8 +62,16 @@ def test_partials_sum_to_each_rows_squares_as_stored(device: str, dtype: torch.d
     torch.testing.assert_close(partials.sum(dim=0)[:num_rows], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(params=[False, True], ids=["late", "early"])
+def partials_load(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Both ways the consumer reads the partials: after its weight stream, or loaded before it."""
+    monkeypatch.setattr(gemv, "CARRIED_SUMSQ_EARLY", request.param)
+    return bool(request.param)
+
+
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("num_rows,cfg", PATHS)
+@pytest.mark.usefixtures("partials_load")
 def test_folded_silu_gemv_on_carried_partials_matches_the_reference(device: str, dtype: torch.dtype,
                                                                      num_rows: int, cfg: GemvConfig | None) -> None:
     """o_proj -> gate_up: the SiLU GEMV with the norm folded, its rms from o_proj's partials."""
@@ -79,6 +87,7 @@ def test_folded_silu_gemv_on_carried_partials_matches_the_reference(device: str,
 
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("num_rows", [1, 5])
+@pytest.mark.usefixtures("partials_load")
 def test_folded_rotary_gemv_on_carried_partials_matches_the_reference(device: str, dtype: torch.dtype,
                                                                        num_rows: int) -> None:
     """down -> the next layer's qkv: rotary + KV write with the folded norm's rms from down's partials."""
@@ -103,6 +112,7 @@ def test_folded_rotary_gemv_on_carried_partials_matches_the_reference(device: st
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.usefixtures("partials_load")
 def test_the_partials_replace_the_rms_pass(device: str, dtype: torch.dtype) -> None:
     """Partials of 2x the stream (4x its sums of squares) halve the normalised output: the kernel takes its rms
     from them, not from x."""
@@ -130,11 +140,10 @@ def test_partials_are_refused_where_they_cannot_apply() -> None:
 
 
 @pytest.mark.skipif(INTERPRET, reason="compiling for sm_90 needs Triton's JIT, not its interpreter")
-@pytest.mark.parametrize("kind", ["add", "silu", "rope"])
-def test_sumsq_flags_compile_for_sm90(kind: str) -> None:
+@pytest.mark.parametrize("kind,mode", [("add", 0), ("silu", 1), ("rope", 1), ("rope", 2)])
+def test_sumsq_flags_compile_for_sm90(kind: str, mode: int) -> None:
     """The producer (ADD + SUMSQ_OUT) and consumer (NORM + SUMSQ_IN) kernels of the 8B batch-1 configs compile
     for the H200 and fit its shared memory (a constexpr global read in the kernel compiles only as such)."""
-    from stoker.engine.kernels import gemv
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -154,7 +163,8 @@ def test_sumsq_flags_compile_for_sm90(kind: str) -> None:
                       SILU_MUL=kind == "silu", ADD=kind == "add", ROTARY=kind == "rope", QK_NORM=False, HALF=64,
                       SPLITS_PER_HEAD=8, PAIRED=kind != "add", USE_PDL=False,
                       NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True), W_SCALED=False, W_CONVERT=0,
-                      EARLY_W=False, SUMSQ_OUT=kind == "add", SUMSQ_IN=kind != "add")
+                      EARLY_W=False, SUMSQ_OUT=kind == "add", SUMSQ_IN=0 if kind == "add" else mode,
+                      PARTIALS_P2=256)
     sig.update({name: "constexpr" for name in constexprs})
     try:
         kernel = triton.compile(ASTSource(gemv._gemv_kernel, sig, constexprs=constexprs),

@@ -63,6 +63,9 @@ except Exception:  # triton missing or without the extra module: the USE_PDL=Fal
 # The folded norm's GEMVs load their first weight tile before the rms pass (the kernel's EARLY_W), so that pass's
 # L2 round trips overlap the weight stream's start. Read at each launch (benches flip it).
 EARLY_WEIGHT_TILE = False
+# Carried sums of squares (sumsq_partials): the consumer loads the partials before its weight stream and sums them
+# after it (True), or reads them after the stream (False). Read at each launch (benches flip it).
+CARRIED_SUMSQ_EARLY = False
 GEMV_MAX_M = 16  # above this the unfused path (cuBLAS) is used: the kernel's dot tile is 16 tokens tall
 # Rows of a carried-sums-of-squares partials buffer [programs, SUMSQ_ROWS] (gemv_add_sumsq_triton): a constexpr
 # global, the only kind the GPU compiler lets a kernel read.
@@ -307,7 +310,7 @@ def _gemv_kernel(
     PAIRED: tl.constexpr, USE_PDL: tl.constexpr, NORM_CHUNK: tl.constexpr, W_SCALED: tl.constexpr,
     W_CONVERT: tl.constexpr, EARLY_W: tl.constexpr = False,
     sumsq_out_ptr=None, sumsq_in_ptr=None, num_partials=0, SUMSQ_OUT: tl.constexpr = False,
-    SUMSQ_IN: tl.constexpr = False,
+    SUMSQ_IN: tl.constexpr = 0, PARTIALS_P2: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
     j = tl.arange(0, BLOCK_N)
@@ -344,7 +347,11 @@ def _gemv_kernel(
         if USE_PDL:
             gdc_wait()
             gdc_launch_dependents()
-    if NORM and not PRO_RESIDUAL and not SUMSQ_IN:
+    if SUMSQ_IN == 2:  # issued before the weight stream, summed after it: the load's latency hides behind it
+        rows_p = tl.arange(0, PARTIALS_P2)
+        early_parts = tl.load(sumsq_in_ptr + rows_p[:, None] * SUMSQ_ROWS + m[None, :],
+                              mask=(rows_p < num_partials)[:, None] & m_mask[None, :], other=0.0)
+    if NORM and not PRO_RESIDUAL and SUMSQ_IN == 0:
         # The rms of each x row in a pass of its own (x is M*K elements, read from L2 by every program),
         # so that the weight loop below stays a plain pipelined GEMV: normalising x inside the loop took
         # the 8B qkv GEMV from 15 to 35-57 us at M = 8 on the tl.dot path (H200, ops/bench_gemv.py --ablate).
@@ -370,8 +377,10 @@ def _gemv_kernel(
         acc_a = acc_a * (tl.load(w_scale_ptr + rows_a, mask=col_mask, other=0.0) * unbias)[None, :]
         if PAIRED:
             acc_b = acc_b * (tl.load(w_scale_ptr + rows_b, mask=col_mask, other=0.0) * unbias)[None, :]
-    if SUMSQ_IN:  # the producer's per-program sums of squares of x's rows (carried_sumsq): after the stream
+    if SUMSQ_IN == 1:  # the producer's per-program sums of squares of x's rows, read after the stream
         sumsq = _sum_partials(sumsq_in_ptr, num_partials, M, BLOCK_M)
+    if SUMSQ_IN == 2:
+        sumsq = tl.sum(early_parts, axis=0)
     if NORM:
         inv_rms = tl.rsqrt(sumsq / K + eps)[:, None]
         acc_a = acc_a * inv_rms
@@ -542,6 +551,15 @@ def _check_weight_convert(weight_convert: str, weight: torch.Tensor, weight_scal
     return CONVERT_CODE[weight_convert] - 2
 
 
+def _sumsq_in_mode(partials: torch.Tensor | None, block_m: int) -> int:
+    """The kernel's SUMSQ_IN: 0 no carried partials; 2 loaded before the weight stream (CARRIED_SUMSQ_EARLY, when
+    the [P, BLOCK_M] tile stays within 32 float32 registers a thread at one warp), else 1: read after it."""
+    if partials is None:
+        return 0
+    early = CARRIED_SUMSQ_EARLY and triton.next_power_of_2(partials.shape[0]) * block_m <= 1024
+    return 2 if early else 1
+
+
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -598,7 +616,8 @@ def _launch(
         W_SCALED=weight_scale is not None, W_CONVERT=w_convert,
         EARLY_W=EARLY_WEIGHT_TILE and (norm_weight is not None or norm_folded) and norm_residual is None,
         sumsq_out_ptr=sumsq_out, sumsq_in_ptr=sumsq_in, num_partials=sumsq_in.shape[0] if sumsq_in is not None else 0,
-        SUMSQ_OUT=sumsq_out is not None, SUMSQ_IN=sumsq_in is not None,
+        SUMSQ_OUT=sumsq_out is not None, SUMSQ_IN=_sumsq_in_mode(sumsq_in, cfg.block_m),
+        PARTIALS_P2=triton.next_power_of_2(sumsq_in.shape[0]) if sumsq_in is not None else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
     )
@@ -686,7 +705,8 @@ def _gemv(
         raise ValueError(f"gemv: M = {num_rows} > {GEMV_MAX_M}; use F.linear (cuBLAS) for larger batches")
     out = torch.empty(num_rows, n_out, dtype=x.dtype, device=x.device)
     s = x if norm_residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
-    kind = ("silu" if silu_mul else "plain") + ("-norm" if norm_folded else "")
+    # Carried partials leave the weight loop as the plain kind's: its launch shape, not the rms pass's tuning.
+    kind = ("silu" if silu_mul else "plain") + ("-norm" if norm_folded and partials_in is None else "")
     cfg = config or gemv_config(kind, num_rows, n_out, hidden, x.is_cuda,
                                 x.element_size())
     grid = triton.cdiv(n_out, cfg.block_n)
@@ -777,7 +797,7 @@ def gemv_rotary_cache_triton(
     if num_rows == 0:
         return out, s
     half = head_dim // 2
-    kind = "rope-norm" if norm_folded else "rope"
+    kind = "rope-norm" if norm_folded and sumsq_partials is None else "rope"  # as in _gemv
     cfg = config or gemv_config(kind, num_rows, n_total // 2, hidden, x.is_cuda, x.element_size())
     block_n = min(cfg.block_n, triton.next_power_of_2(half))
     if q_norm is not None:
