@@ -56,10 +56,6 @@ class EngineConfig:
     # The fused decode GEMVs launched with programmatic dependent launch (their weight stream starts while the
     # previous kernel drains): measured to help 1B-sized GEMVs, neutral at 8B (BENCHMARKS.md).
     decode_pdl: bool = False
-    # Fused decode steps: this fraction of each o_proj row is prefetched into L2 on a side stream while the
-    # decode attention runs (its ~6 us at batch 1 move ~3 MB: HBM would idle; engine/kernels/l2_prefetch.py).
-    # 0 = off. BENCHMARKS.md (issue 13, W1) has the measured gain per fraction.
-    decode_l2_prefetch: float = 0.0
     # "fused-folded": the o_proj / down GEMVs also write partial sums of squares of the stream they store, and the
     # next folded norm (gate_up, the next layer's qkv) takes its rms from them instead of a pass over x before its
     # weight stream (engine/kernels/gemv.py: gemv_add_sumsq_triton). False: every folded GEMV runs that pass.
@@ -117,9 +113,6 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             problems.append(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         problems += self._decode_kernel_problems()
-        if not 0.0 <= self.decode_l2_prefetch <= 1.0:
-            problems.append(f"decode_l2_prefetch is a fraction of o_proj's rows in [0, 1] (0 = off), "
-                            f"got {self.decode_l2_prefetch}")
         if self.decode_overlap_min_rows < 2:
             problems.append(f"decode_overlap_min_rows must be >= 2 (two non-empty halves), "
                             f"got {self.decode_overlap_min_rows}")

@@ -20,10 +20,12 @@ from torch import nn
 
 # The decode batches (CUDA-graph buckets) at which the decode kernel combines its splits itself (counters, one
 # launch); at the others the reduce kernel does. The first version (head by head, 14:43 UTC) lost everywhere;
-# the group-at-once one (attention._combine_group; H200, bf16, 2026-12-01 15:47 UTC, ops/bench_decode_attention.py,
-# us per layer in CUDA-graph chains, two kernels vs fused, context 768 in a 1024-token table): 8B batch 1 6.21 vs
-# 5.78, batch 4 9.94 vs 10.16, batch 16 20.04 vs 18.33; 1B batch 1 5.49 vs 5.36.
-FUSED_COMBINE_BATCHES: frozenset[int] = frozenset({1})
+# the group-at-once one (attention._combine_group) on the H200 (bf16, 2026-12-01 17:57 UTC,
+# ops/bench_decode_attention.py, us per layer in CUDA-graph chains, two kernels vs fused, 8B shape, context 768
+# in a 1024-token table): batch 1 6.26 vs 5.82, 2 7.48 vs 7.55, 4 10.93 vs 10.56, 8 14.22 vs 13.76, 16 20.03 vs
+# 18.28, 32 30.80 vs 29.62 (15:47: batch 4 9.94 vs 10.16, so 4 and 8 are within a run's noise); 1B batch 1 5.48
+# vs 5.37. From 64 rows the kernel runs one split: nothing to combine.
+FUSED_COMBINE_BATCHES: frozenset[int] = frozenset({1, 4, 8, 16, 32})
 
 
 class PagedAttention(WeightModule):

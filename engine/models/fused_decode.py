@@ -38,7 +38,7 @@ from typing import Any, cast
 import torch
 from stoker.engine.batch import AttentionMetadata
 from stoker.engine.config import EngineConfig
-from stoker.engine.kernels._triton import HAS_TRITON, interpreting
+from stoker.engine.kernels._triton import HAS_TRITON
 from stoker.engine.kernels.fp8_linear import fp8_gemv_config
 from stoker.engine.kernels.gemv import (
     GEMV_MAX_M,
@@ -48,7 +48,6 @@ from stoker.engine.kernels.gemv import (
     gemv_rotary_cache_triton,
     gemv_triton,
 )
-from stoker.engine.kernels.l2_prefetch import L2Prefetcher, join_side, prefetch_beside
 from stoker.engine.layers import (
     Fp8GateUpLinear,
     Fp8Linear,
@@ -70,8 +69,6 @@ _FOLD_ROWS = 1024  # rows folded per chunk: a 16 MB float32 temporary at hidden 
 # FP8 table's CUDA-core 1x8x1024: cast 8.8, asm-join 13.2; down + add: cast 23.4, asm-join 39.1; qkv + rope
 # (CUDA cores 1x4x512): cast 13.2, asm-join 13.6. Off the GPU "asm-join" becomes "cast" (no PTX there).
 FP8_WEIGHT_CONVERT: dict[str, str] = {"rope": "cast", "silu": "asm-join", "add": "cast"}
-# EngineConfig.decode_l2_prefetch's hint (l2_prefetch.MODES), from ops/bench_l2_prefetch.py on the H200.
-L2_PREFETCH_MODE = "evict-last"
 
 
 class SumsqCarry:
@@ -111,9 +108,6 @@ class FusedDecode:
     post_norm: RMSNorm
     gate_up: GateUpLinear | Fp8GateUpLinear
     down: Linear | Fp8Linear
-    # EngineConfig.decode_l2_prefetch: o_proj's leading bytes prefetched into L2 on `side` during the attention
-    o_prefetch: L2Prefetcher | None = None
-    side: torch.cuda.Stream | None = None
     # Folded norms only: the o_proj / down GEMVs leave the sums of squares the next folded norm needs (the model's
     # one SumsqCarry links a layer's down to the next layer's qkv); None: each folded GEMV runs its rms pass.
     carry: SumsqCarry | None = None
@@ -140,11 +134,10 @@ def bind_fused_decode(
     mode: str, pdl: bool, kv_dtype: torch.dtype, *, input_norm: RMSNorm, qkv: nn.Module, q_norm: RMSNorm | None,
     k_norm: RMSNorm | None, rotary: RotaryEmbedding, attention: PagedAttention, o_proj: nn.Module,
     post_norm: RMSNorm, gate_up: nn.Module, down: nn.Module,
-    l2_prefetch: tuple[float, torch.cuda.Stream | None] = (0.0, None), carry: SumsqCarry | None = None,
+    carry: SumsqCarry | None = None,
 ) -> FusedDecode | str:
     """A layer's FusedDecode for `mode` ("fused" or "fused-folded"; called once the weights are in, and
-    folding them for fused-folded), or why the layer must keep the unfused decode path. l2_prefetch: (the
-    fraction of o_proj's rows to prefetch during the attention, 0 = none; the side stream, None on the CPU).
+    folding them for fused-folded), or why the layer must keep the unfused decode path.
     carry: the model's SumsqCarry (used when the layer is folded), None to run every folded norm's rms pass."""
     # Exact types: the tensor-parallel twins are subclasses of the plain linears.
     kinds = (type(qkv), type(o_proj), type(gate_up), type(down))
@@ -167,21 +160,8 @@ def bind_fused_decode(
     if folded:  # again after a first fold: W' * 1 is W' exactly, so planning twice changes nothing
         _fold_norm_into(linears[0], input_norm)
         _fold_norm_into(linears[2], post_norm)
-    fraction, side = l2_prefetch
-    o_prefetch = _o_prefetcher(linears[1].weight, fraction) if fraction > 0 else None
     return FusedDecode(folded, pdl, input_norm, linears[0], q_norm, k_norm, rotary, attention, linears[1],
-                       post_norm, linears[2], linears[3], o_prefetch, side, carry if folded else None)
-
-
-def side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The stream the L2 prefetches run on beside the decode (None off CUDA: they then run in line)."""
-    return torch.cuda.Stream(device) if device.type == "cuda" else None
-
-
-def _o_prefetcher(weight: torch.Tensor, fraction: float) -> L2Prefetcher:
-    """The hint mode on the GPU; the interpreter runs the 'load' mode (no inline PTX there). FP8 weights are
-    bytes like any other: the same fraction of each row."""
-    return L2Prefetcher(weight, fraction, "load" if interpreting() else L2_PREFETCH_MODE)
+                       post_norm, linears[2], linears[3], carry if folded else None)
 
 
 def _fp8_problem(linears: tuple[Fp8Linear, ...]) -> str | None:
@@ -258,11 +238,7 @@ def fused_decode_layer(
     qkv = _qkv_rotary_cache(fd, x, positions, meta, k_cache, v_cache, carried)
     num_tokens, num_heads, head_dim = x.shape[0], fd.attention.num_heads, fd.attention.head_dim
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    if fd.o_prefetch is not None:  # o_proj's first bytes into L2 while the latency-bound attention runs
-        prefetch_beside(fd.o_prefetch, fd.side)
     out = fd.attention(q, k_cache, v_cache, meta).reshape(num_tokens, num_heads * head_dim)
-    if fd.o_prefetch is not None:
-        join_side(fd.side)
     stream, carried = _add_gemv(fd, fd.o_proj, out, stream)
     x = stream if fd.folded else fd.post_norm(stream)[0]
     act, _ = gemv_triton(x, fd.gate_up.weight, silu_mul=True, norm_folded=fd.folded, eps=fd.post_norm.eps,

@@ -33,7 +33,6 @@ from stoker.engine.models.fused_decode import (
     bind_fused_decode,
     decode_report,
     fused_decode_layer,
-    side_stream,
     takes_fused_decode,
 )
 from stoker.engine.models.nano_batches import NanoBatchPlan, nano_batch_layers, takes_nano_batches
@@ -195,10 +194,8 @@ class LlamaForCausalLM(CausalLM):
         """[N, H] (only the rows we sample) -> [N, vocab] float32 (into `out` when given)."""
         return self.lm_head(hidden, out)
 
-    def plan_decode(self, mode: str, pdl: bool, kv_dtype: torch.dtype, l2_prefetch: float = 0.0,
-                    carry_sumsq: bool = True) -> dict[str, Any]:
+    def plan_decode(self, mode: str, pdl: bool, kv_dtype: torch.dtype, carry_sumsq: bool = True) -> dict[str, Any]:
         reasons: list[str | None] = []
-        side = side_stream(next(self.parameters()).device) if l2_prefetch > 0 else None  # one for all layers
         carry = SumsqCarry() if carry_sumsq else None  # links each layer's down GEMV to the next layer's qkv
         for layer in cast(list[LlamaDecoderLayer], list(self.model.layers)):
             attn = layer.self_attn
@@ -206,10 +203,10 @@ class LlamaForCausalLM(CausalLM):
                 mode, pdl, kv_dtype, input_norm=layer.input_layernorm, qkv=attn.qkv_proj, q_norm=attn.q_norm,
                 k_norm=attn.k_norm, rotary=attn.rotary, attention=attn.attn, o_proj=attn.o_proj,
                 post_norm=layer.post_attention_layernorm, gate_up=layer.mlp.gate_up_proj, down=layer.mlp.down_proj,
-                l2_prefetch=(l2_prefetch, side), carry=carry)
+                carry=carry)
             layer.fused_decode = planned if isinstance(planned, FusedDecode) else None
             reasons.append(planned if isinstance(planned, str) else None)
-        return decode_report(mode, pdl, reasons) | ({"l2_prefetch": l2_prefetch} if l2_prefetch > 0 else {})
+        return decode_report(mode, pdl, reasons)
 
     def plan_nano_batches(self, plan: NanoBatchPlan | None) -> dict[str, Any]:
         self.model.nano_batches = plan
