@@ -56,10 +56,6 @@ class EngineConfig:
     # The fused decode GEMVs launched with programmatic dependent launch (their weight stream starts while the
     # previous kernel drains): measured to help 1B-sized GEMVs, neutral at 8B (BENCHMARKS.md).
     decode_pdl: bool = False
-    # "fused-folded": the o_proj / down GEMVs also write partial sums of squares of the stream they store, and the
-    # next folded norm (gate_up, the next layer's qkv) takes its rms from them instead of a pass over x before its
-    # weight stream (engine/kernels/gemv.py: gemv_add_sumsq_triton). False: every folded GEMV runs that pass.
-    decode_carry_sumsq: bool = True
     # Two-nano-batch decode (engine/models/nano_batches.py): decode-only steps of >= decode_overlap_min_rows
     # sequences run as two halves whose GEMMs and attention interleave on two CUDA streams (in the graphs).
     # Off: measured 3.7 % slower at batch 1,024 and 13 % at 512 (8B, H200; BENCHMARKS.md, 14:44 UTC).

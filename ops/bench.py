@@ -210,8 +210,7 @@ def engine_config(path: str, max_num_seqs: int, device: str = "cuda", quantizati
 def decode_setting(text: str) -> dict[str, Any]:
     """"fused+pdl" -> {"decode_kernels": "fused", "decode_pdl": True}: one --decode-kernels item. "+overlap"
     adds decode_overlap (two-nano-batch decode steps, engine/models/nano_batches.py), "+overlapN" with N rows
-    as its threshold (decode_overlap_min_rows), "+smsK" K SMs for its attention lane (decode_overlap_sms);
-    "+nocarry" runs every folded norm's rms pass (decode_carry_sumsq off)."""
+    as its threshold (decode_overlap_min_rows), "+smsK" K SMs for its attention lane (decode_overlap_sms)."""
     kernels, *flags = text.split("+")
     setting: dict[str, Any] = {"decode_kernels": kernels, "decode_pdl": False}
     for flag in flags:
@@ -223,11 +222,9 @@ def decode_setting(text: str) -> dict[str, Any]:
             setting |= {"decode_overlap_min_rows": int(rows)} if rows else {}
         elif flag.startswith("sms") and flag[3:].isdigit():
             setting["decode_overlap_sms"] = int(flag[3:])
-        elif flag == "nocarry":
-            setting["decode_carry_sumsq"] = False
         else:
             raise ValueError(f"--decode-kernels item {text!r}: a decode_kernels value, optionally with '+pdl', "
-                             "'+overlap[N]', '+smsK' and '+nocarry'")
+                             "'+overlap[N]' and '+smsK'")
     return setting
 
 

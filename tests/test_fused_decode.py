@@ -107,35 +107,6 @@ def test_fused_decode_greedy_matches_transformers_and_unfused(arch, mode: str, m
 
 
 @interpreted
-def test_folded_norms_take_their_rms_from_the_carried_sums(arch, monkeypatch) -> None:
-    """fused-folded (decode_carry_sumsq on by default): every decode step's gate_up, and every qkv but layer 0's
-    (whose input is the embedding), get the partial sums of squares left by the GEMV that wrote their input; the
-    tokens equal transformers' and the run without the carry (logprobs within float32 noise)."""
-    name, path, hf = arch
-    if name != "llama":
-        pytest.skip("once is enough")
-    seen: list[tuple[str, bool]] = []
-
-    def spying(kernel: str, original: Any) -> Any:
-        def spy(*args: Any, **kwargs: Any) -> Any:
-            if kernel == "qkv" or kwargs.get("silu_mul"):
-                seen.append((kernel, kwargs.get("sumsq_partials") is not None))
-            return original(*args, **kwargs)
-        return spy
-
-    monkeypatch.setattr(fused_decode, "gemv_rotary_cache_triton", spying("qkv", fused_decode.gemv_rotary_cache_triton))
-    monkeypatch.setattr(fused_decode, "gemv_triton", spying("gate_up", fused_decode.gemv_triton))
-    carried = generate(cpu_engine(path, "fused-folded"), PROMPTS, MAX_TOKENS)
-    assert seen == [("qkv", False), ("gate_up", True), ("qkv", True), ("gate_up", True)] * (max(MAX_TOKENS) - 1)
-    seen.clear()
-    plain = generate(cpu_engine(path, "fused-folded", decode_carry_sumsq=False), PROMPTS, MAX_TOKENS)
-    assert seen and not any(used for _, used in seen)
-    for i, (p, n) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
-        assert carried[f"r{i}"][0] == plain[f"r{i}"][0] == hf_greedy(hf, p, n), f"prompt {i}"
-        torch.testing.assert_close(carried[f"r{i}"][1], plain[f"r{i}"][1], atol=1e-5, rtol=0)
-
-
-@interpreted
 def test_folding_rewrites_the_weights_in_place(arch) -> None:
     """fused-folded: qkv / gate_up hold W diag(g) in their own storage (no second copy on the device), the norms
     hold ones, no other parameter changes, no byte is added; planning again folds nothing twice."""
@@ -363,32 +334,6 @@ def test_fp8_fused_decode_matches_the_unfused_fp8_path_on_the_gpu(tmp_path, dtyp
             assert ref_gaps[same] < 0.05, f"{rid}: tokens part at step {same}: {tokens} vs {ref_tokens}"
         assert same >= min(len(tokens), 3), rid
         torch.testing.assert_close(logprobs[:same], ref_logprobs[:same], atol=3e-2, rtol=0)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_bf16_carried_sums_with_cuda_graphs(tmp_path) -> None:
-    """The carried sums of squares (on by default) against every folded norm's own rms pass, CUDA graphs on
-    (buckets 1..8): tokens equal up to a near-tie (the float32 sums are added in another order), logprobs
-    within 1e-2."""
-    _hf_llama_gpu(str(tmp_path), 0.015)
-    ids = prompts(7, [5, 37, 70, 12])
-    runs = []
-    for carry in (True, False):
-        engine = LLMEngine(EngineConfig(model_path=str(tmp_path), device="cuda", dtype="bfloat16", max_num_seqs=8,
-                                        max_model_len=256, num_kv_blocks=128, decode_kernels="fused-folded",
-                                        decode_carry_sumsq=carry))
-        before = engine.runner.graphs.replays
-        runs.append(generate(engine, ids, [8, 8, 6, 4]))
-        assert engine.runner.graphs.replays - before >= 7
-        engine.close()
-    for rid, (tokens, logprobs, _) in runs[0].items():
-        ref_tokens, ref_logprobs, ref_gaps = runs[1][rid]
-        same = next((t for t in range(len(tokens)) if tokens[t] != ref_tokens[t]), len(tokens))
-        if same < len(tokens):
-            assert ref_gaps[same] < 0.05, f"{rid}: tokens part at step {same}: {tokens} vs {ref_tokens}"
-        assert same >= min(len(tokens), 3), rid
-        torch.testing.assert_close(logprobs[:same], ref_logprobs[:same], atol=1e-2, rtol=0)
 
 
 # --------------------------------------------------------------------------------------------- the driver

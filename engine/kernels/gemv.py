@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from stoker.engine.kernels._triton import HAS_TRITON, check_launchable, interpreting, tl, triton
+from stoker.engine.kernels._triton import check_launchable, interpreting, tl, triton
 from stoker.engine.kernels.activation import silu_and_mul_ref
 from stoker.engine.kernels.fp8_convert import CONVERT_CODE, e4m3_words_to_tile
 from stoker.engine.kernels.rmsnorm import rms_norm_ref
@@ -60,16 +60,7 @@ try:  # inline PTX (griddepcontrol.*): only reached when USE_PDL is set, never u
 except Exception:  # triton missing or without the extra module: the USE_PDL=False kernels never name them
     gdc_launch_dependents = gdc_wait = None
 
-# The folded norm's GEMVs load their first weight tile before the rms pass (the kernel's EARLY_W), so that pass's
-# L2 round trips overlap the weight stream's start. Read at each launch (benches flip it).
-EARLY_WEIGHT_TILE = False
-# Carried sums of squares (sumsq_partials): the consumer loads the partials before its weight stream and sums them
-# after it (True), or reads them after the stream (False). Read at each launch (benches flip it).
-CARRIED_SUMSQ_EARLY = False
 GEMV_MAX_M = 16  # above this the unfused path (cuBLAS) is used: the kernel's dot tile is 16 tokens tall
-# Rows of a carried-sums-of-squares partials buffer [programs, SUMSQ_ROWS] (gemv_add_sumsq_triton): a constexpr
-# global, the only kind the GPU compiler lets a kernel read.
-SUMSQ_ROWS = tl.constexpr(GEMV_MAX_M) if HAS_TRITON else GEMV_MAX_M
 
 
 # -------------------------------------------------------------------------------------------- reference
@@ -283,19 +274,6 @@ def _row_sumsq(x_ptr, x_stride, M, K, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr
 
 
 @triton.jit
-def _sum_partials(ptr, num_partials, M, BLOCK_M: tl.constexpr):
-    """[BLOCK_M] float32: the column sums of the live rows of partials [num_partials, SUMSQ_ROWS]."""
-    rows = tl.arange(0, BLOCK_M)
-    parts = tl.arange(0, 64)
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for p0 in range(0, num_partials, 64):
-        mask = (p0 + parts < num_partials)[:, None] & (rows < M)[None, :]
-        total += tl.sum(tl.load(ptr + (p0 + parts)[:, None] * SUMSQ_ROWS + rows[None, :], mask=mask, other=0.0),
-                        axis=0)
-    return total
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, bias_ptr, norm_ptr, hres_ptr, res_out_ptr, add_ptr,
     positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_norm_ptr, k_norm_ptr, w_scale_ptr,
@@ -308,9 +286,7 @@ def _gemv_kernel(
     SILU_MUL: tl.constexpr, ADD: tl.constexpr,
     ROTARY: tl.constexpr, QK_NORM: tl.constexpr, HALF: tl.constexpr, SPLITS_PER_HEAD: tl.constexpr,
     PAIRED: tl.constexpr, USE_PDL: tl.constexpr, NORM_CHUNK: tl.constexpr, W_SCALED: tl.constexpr,
-    W_CONVERT: tl.constexpr, EARLY_W: tl.constexpr = False,
-    sumsq_out_ptr=None, sumsq_in_ptr=None, num_partials=0, SUMSQ_OUT: tl.constexpr = False,
-    SUMSQ_IN: tl.constexpr = 0, PARTIALS_P2: tl.constexpr = 1,
+    W_CONVERT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     j = tl.arange(0, BLOCK_N)
@@ -339,24 +315,18 @@ def _gemv_kernel(
     sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
     write_residual = pid == 0
     k_start = 0
-    if USE_PDL or EARLY_W:
+    if USE_PDL:
         # Weights never depend on the previous kernel: start their stream, then wait for its outputs
-        # (x, the residual) to be visible, and let the next kernel get scheduled. EARLY_W alone: the first
-        # tile is in flight while the folded norm's rms pass below waits on its L2 round trips.
+        # (x, the residual) to be visible, and let the next kernel get scheduled.
         wa, wb = _load_w(wa_ptrs, wb_ptrs, 0, col_mask, kw, K, PAIRED, W_CONVERT)
-        if USE_PDL:
-            gdc_wait()
-            gdc_launch_dependents()
-    if SUMSQ_IN == 2:  # issued before the weight stream, summed after it: the load's latency hides behind it
-        rows_p = tl.arange(0, PARTIALS_P2)
-        early_parts = tl.load(sumsq_in_ptr + rows_p[:, None] * SUMSQ_ROWS + m[None, :],
-                              mask=(rows_p < num_partials)[:, None] & m_mask[None, :], other=0.0)
-    if NORM and not PRO_RESIDUAL and SUMSQ_IN == 0:
+        gdc_wait()
+        gdc_launch_dependents()
+    if NORM and not PRO_RESIDUAL:
         # The rms of each x row in a pass of its own (x is M*K elements, read from L2 by every program),
         # so that the weight loop below stays a plain pipelined GEMV: normalising x inside the loop took
         # the 8B qkv GEMV from 15 to 35-57 us at M = 8 on the tl.dot path (H200, ops/bench_gemv.py --ablate).
         sumsq = _row_sumsq(x_ptr, x_stride, M, K, BLOCK_M, NORM_CHUNK)
-    if USE_PDL or EARLY_W:
+    if USE_PDL:
         acc_a, acc_b, sumsq = _gemv_step(
             0, wa, wb, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
             res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
@@ -377,10 +347,6 @@ def _gemv_kernel(
         acc_a = acc_a * (tl.load(w_scale_ptr + rows_a, mask=col_mask, other=0.0) * unbias)[None, :]
         if PAIRED:
             acc_b = acc_b * (tl.load(w_scale_ptr + rows_b, mask=col_mask, other=0.0) * unbias)[None, :]
-    if SUMSQ_IN == 1:  # the producer's per-program sums of squares of x's rows, read after the stream
-        sumsq = _sum_partials(sumsq_in_ptr, num_partials, M, BLOCK_M)
-    if SUMSQ_IN == 2:
-        sumsq = tl.sum(early_parts, axis=0)
     if NORM:
         inv_rms = tl.rsqrt(sumsq / K + eps)[:, None]
         acc_a = acc_a * inv_rms
@@ -400,9 +366,6 @@ def _gemv_kernel(
     if ADD:
         r = tl.load(add_ptr + m[:, None] * add_stride + rows_a[None, :], mask=out_mask, other=0.0)
         a = a.to(dtype).to(tl.float32) + r.to(tl.float32)
-    if SUMSQ_OUT:  # this program's share of each out row's sum of squares, of the values as stored (rounded)
-        stored = tl.where(out_mask, a.to(dtype).to(tl.float32), 0.0)
-        tl.store(sumsq_out_ptr + pid * SUMSQ_ROWS + m, tl.sum(stored * stored, axis=1), mask=m_mask)
     if ROTARY:
         b = acc_b.to(dtype).to(tl.float32)
         is_q = head < NUM_Q_HEADS
@@ -551,15 +514,6 @@ def _check_weight_convert(weight_convert: str, weight: torch.Tensor, weight_scal
     return CONVERT_CODE[weight_convert] - 2
 
 
-def _sumsq_in_mode(partials: torch.Tensor | None, block_m: int) -> int:
-    """The kernel's SUMSQ_IN: 0 no carried partials; 2 loaded before the weight stream (CARRIED_SUMSQ_EARLY, when
-    the [P, BLOCK_M] tile stays within 32 float32 registers a thread at one warp), else 1: read after it."""
-    if partials is None:
-        return 0
-    early = CARRIED_SUMSQ_EARLY and triton.next_power_of_2(partials.shape[0]) * block_m <= 1024
-    return 2 if early else 1
-
-
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -581,11 +535,8 @@ def _launch(
     norm_folded: bool = False,
     weight_scale: torch.Tensor | None = None,
     weight_convert: str = "cast",
-    sumsq: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> None:
-    """sumsq: (partials to write [grid, SUMSQ_ROWS], partials to read [P, SUMSQ_ROWS] instead of the rms pass)."""
     num_rows, hidden = x.shape
-    sumsq_out, sumsq_in = sumsq
     if cfg.use_dot and cfg.block_m < 16:
         raise ValueError("gemv: a tl.dot tile needs block_m >= 16")
     if cfg.block_m < num_rows:
@@ -614,10 +565,6 @@ def _launch(
         ROTARY=rotary is not None, QK_NORM=qk_norm is not None, HALF=half, SPLITS_PER_HEAD=splits,
         PAIRED=silu_mul or rotary is not None, USE_PDL=use_pdl, NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda),
         W_SCALED=weight_scale is not None, W_CONVERT=w_convert,
-        EARLY_W=EARLY_WEIGHT_TILE and (norm_weight is not None or norm_folded) and norm_residual is None,
-        sumsq_out_ptr=sumsq_out, sumsq_in_ptr=sumsq_in, num_partials=sumsq_in.shape[0] if sumsq_in is not None else 0,
-        SUMSQ_OUT=sumsq_out is not None, SUMSQ_IN=_sumsq_in_mode(sumsq_in, cfg.block_m),
-        PARTIALS_P2=triton.next_power_of_2(sumsq_in.shape[0]) if sumsq_in is not None else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
     )
@@ -638,62 +585,12 @@ def gemv_triton(
     norm_folded: bool = False,
     weight_scale: torch.Tensor | None = None,
     weight_convert: str = "cast",
-    sumsq_partials: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv_ref's semantics for M <= GEMV_MAX_M in one kernel. pdl: launch with programmatic dependent
     launch (the previous kernel in the stream may still be running when this one starts loading weights).
     config: override the block sizes (tests force both the CUDA-core and the tensor-core paths).
     weight_scale: FP8 weights (W8A16; converted in registers, the row scale on the float32 sums), converted by
-    `weight_convert` ("cast", "bits-join", "asm-join": fp8_convert.py). sumsq_partials: with the prologue norm,
-    x's rows' sums of squares as gemv_add_sumsq_triton left them when it wrote x (no rms pass over x then)."""
-    return _gemv(x, weight, bias, norm_weight, eps, norm_residual, silu_mul, add, pdl, config, norm_folded,
-                 weight_scale, weight_convert, (False, sumsq_partials))[:2]
-
-
-def gemv_add_sumsq_triton(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    add: torch.Tensor,
-    *,
-    pdl: bool = False,
-    config: GemvConfig | None = None,
-    weight_scale: torch.Tensor | None = None,
-    weight_convert: str = "cast",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """gemv_triton(x, weight, add=add) that also leaves what the next folded-norm GEMV needs of its output:
-    -> (out, partials [programs, SUMSQ_ROWS] float32), partials.sum(0)[:M] = the sums of squares of out's rows
-    as stored. Why: a norm in the next GEMV's prologue otherwise re-reads out for its rms before its weight
-    stream starts (a dependent L2 round trip: +1.4 / +1.6 us on the 8B qkv / gate_up at batch 1, H200 14:43
-    UTC); here each program adds the squares of the outputs it already holds, and the consumer sums the
-    partials after its weight stream."""
-    out, _, partials = _gemv(x, weight, None, None, 1e-6, None, False, add, pdl, config, False, weight_scale,
-                             weight_convert, (True, None))
-    assert partials is not None  # made whenever asked for
-    return out, partials
-
-
-def _check_sumsq_partials(partials: torch.Tensor | None, norm: bool, norm_residual: torch.Tensor | None,
-                          device: torch.device) -> None:
-    if partials is None:
-        return
-    if not norm or norm_residual is not None:
-        raise ValueError("gemv: sumsq_partials replace the prologue norm's rms pass: pass them with a norm "
-                         "(norm_folded or norm_weight) and without norm_residual")
-    if (partials.dtype != torch.float32 or partials.dim() != 2 or partials.shape[1] != GEMV_MAX_M
-            or not partials.is_contiguous() or partials.device != device):
-        raise ValueError(f"gemv: sumsq_partials must be contiguous float32 [P, {GEMV_MAX_M}] on {device} "
-                         f"(gemv_add_sumsq_triton's), got {partials.dtype} {tuple(partials.shape)}")
-
-
-def _gemv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
-    norm_residual: torch.Tensor | None, silu_mul: bool, add: torch.Tensor | None, pdl: bool,
-    config: GemvConfig | None, norm_folded: bool, weight_scale: torch.Tensor | None, weight_convert: str,
-    sumsq: tuple[bool, torch.Tensor | None],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """gemv_triton's launch; sumsq = (write partials of out, partials of x to read) -> (out, s, partials)."""
-    produce, partials_in = sumsq
-    _check_sumsq_partials(partials_in, norm_weight is not None or norm_folded, norm_residual, x.device)
+    `weight_convert` ("cast", "bits-join", "asm-join": fp8_convert.py)."""
     n_out = check_gemv_args(x, weight, bias, norm_weight, norm_residual, silu_mul, add, norm_folded, weight_scale)
     tensors = [t for t in (x, weight, bias, norm_weight, norm_residual, add, weight_scale) if t is not None]
     check_launchable(*tensors)
@@ -705,19 +602,15 @@ def _gemv(
         raise ValueError(f"gemv: M = {num_rows} > {GEMV_MAX_M}; use F.linear (cuBLAS) for larger batches")
     out = torch.empty(num_rows, n_out, dtype=x.dtype, device=x.device)
     s = x if norm_residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
-    # Carried partials leave the weight loop as the plain kind's: its launch shape, not the rms pass's tuning.
-    kind = ("silu" if silu_mul else "plain") + ("-norm" if norm_folded and partials_in is None else "")
+    if num_rows == 0 or n_out == 0:
+        return out, s
+    kind = ("silu" if silu_mul else "plain") + ("-norm" if norm_folded else "")
     cfg = config or gemv_config(kind, num_rows, n_out, hidden, x.is_cuda,
                                 x.element_size())
-    grid = triton.cdiv(n_out, cfg.block_n)
-    # Every program writes its row (for the live M columns, all the consumer reads): no zero-fill launch.
-    partials_out = torch.empty(grid, GEMV_MAX_M, dtype=torch.float32, device=x.device) if produce else None
-    if num_rows == 0 or n_out == 0:
-        return out, s, partials_out
-    _launch(x, weight, out, n_out, grid, cfg, bias, norm_weight, eps,
+    _launch(x, weight, out, n_out, triton.cdiv(n_out, cfg.block_n), cfg, bias, norm_weight, eps,
             norm_residual, s, silu_mul, add, pdl, norm_folded=norm_folded, weight_scale=weight_scale,
-            weight_convert=weight_convert, sumsq=(partials_out, partials_in))
-    return out, s, partials_out
+            weight_convert=weight_convert)
+    return out, s
 
 
 def gemv_rotary_cache_triton(
@@ -742,14 +635,11 @@ def gemv_rotary_cache_triton(
     norm_folded: bool = False,
     weight_scale: torch.Tensor | None = None,
     weight_convert: str = "cast",
-    sumsq_partials: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv_rotary_cache_ref in one kernel. With q_norm/k_norm (Qwen3) a program must hold a whole head,
     so the grid is one program per head (fewer, longer programs: slower at batch 1 than without).
-    weight_scale: FP8 weights, as in gemv_triton (the scale before the q/k norm and the rotation).
-    sumsq_partials: as in gemv_triton (the prologue norm's rms from gemv_add_sumsq_triton's partials)."""
+    weight_scale: FP8 weights, as in gemv_triton (the scale before the q/k norm and the rotation)."""
     check_gemv_args(x, weight, bias, norm_weight, norm_residual, False, None, norm_folded, weight_scale)
-    _check_sumsq_partials(sumsq_partials, norm_weight is not None or norm_folded, norm_residual, x.device)
     head_dim = k_cache.shape[-1]
     num_rows, hidden = x.shape
     n_total = weight.shape[0]
@@ -797,7 +687,7 @@ def gemv_rotary_cache_triton(
     if num_rows == 0:
         return out, s
     half = head_dim // 2
-    kind = "rope-norm" if norm_folded and sumsq_partials is None else "rope"  # as in _gemv
+    kind = "rope-norm" if norm_folded else "rope"
     cfg = config or gemv_config(kind, num_rows, n_total // 2, hidden, x.is_cuda, x.element_size())
     block_n = min(cfg.block_n, triton.next_power_of_2(half))
     if q_norm is not None:
@@ -814,5 +704,5 @@ def gemv_rotary_cache_triton(
     _launch(x, weight, out, n_total, num_total_heads * splits, cfg, bias, norm_weight, eps, norm_residual, s,
             False, None, pdl, rotary=(positions, cos_sin, k_cache, v_cache, slot_mapping),
             heads=(num_heads, num_kv_heads, half, splits), qk_norm=qk, norm_folded=norm_folded,
-            weight_scale=weight_scale, weight_convert=weight_convert, sumsq=(None, sumsq_partials))
+            weight_scale=weight_scale, weight_convert=weight_convert)
     return out, s

@@ -27,10 +27,10 @@ class CausalLM(nn.Module):
         """[N, H] (only the rows we sample) -> [N, vocab] float32 (into `out` when given: CUDA graphs)."""
         raise NotImplementedError
 
-    def plan_decode(self, mode: str, pdl: bool, kv_dtype: torch.dtype, carry_sumsq: bool = True) -> dict[str, Any]:
+    def plan_decode(self, mode: str, pdl: bool, kv_dtype: torch.dtype) -> dict[str, Any]:
         """Called once after loading: pick each layer's decode path for `mode` (a resolved
         EngineConfig.decode_kernels: "fused", "fused-folded" or "cublas"; engine/models/fused_decode.py) and
-        re-lay weights it needs re-laid; carry_sumsq: EngineConfig.decode_carry_sumsq. Returns the startup report's entry. This default has no fused path."""
+        re-lay weights it needs re-laid. Returns the startup report's entry. This default has no fused path."""
         return {"mode": "cublas", "fused_layers": 0, "fallback": f"{type(self).__name__} has no fused decode path"}
 
     def plan_nano_batches(self, plan: Any) -> dict[str, Any]:

@@ -44,7 +44,6 @@ from stoker.engine.kernels.gemv import (
     GEMV_MAX_M,
     GemvConfig,
     fold_norm_weight,
-    gemv_add_sumsq_triton,
     gemv_rotary_cache_triton,
     gemv_triton,
 )
@@ -71,27 +70,6 @@ _FOLD_ROWS = 1024  # rows folded per chunk: a 16 MB float32 temporary at hidden 
 FP8_WEIGHT_CONVERT: dict[str, str] = {"rope": "cast", "silu": "asm-join", "add": "cast"}
 
 
-class SumsqCarry:
-    """The last fused down GEMV's output and its partial sums of squares (gemv.gemv_add_sumsq_triton), one holder
-    per model: the next layer's folded qkv GEMV takes its rms from them when its input IS that output (identity,
-    so any other producer of the stream, e.g. the embedding in layer 0, falls back to the kernel's rms pass)."""
-
-    __slots__ = ("stream", "partials")
-
-    def __init__(self) -> None:
-        self.stream: torch.Tensor | None = None
-        self.partials: torch.Tensor | None = None
-
-    def put(self, stream: torch.Tensor, partials: torch.Tensor) -> None:
-        self.stream, self.partials = stream, partials
-
-    def take(self, stream: torch.Tensor) -> torch.Tensor | None:
-        """The partials of `stream` if the last put was of this very tensor; forgets them either way."""
-        partials = self.partials if self.stream is stream else None
-        self.stream = self.partials = None
-        return partials
-
-
 @dataclass(frozen=True, slots=True)
 class FusedDecode:
     """A decoder layer's fused decode: how, and the layer's own modules it reads (no weight is copied)."""
@@ -108,9 +86,6 @@ class FusedDecode:
     post_norm: RMSNorm
     gate_up: GateUpLinear | Fp8GateUpLinear
     down: Linear | Fp8Linear
-    # Folded norms only: the o_proj / down GEMVs leave the sums of squares the next folded norm needs (the model's
-    # one SumsqCarry links a layer's down to the next layer's qkv); None: each folded GEMV runs its rms pass.
-    carry: SumsqCarry | None = None
 
 
 _PLAIN_KINDS = (QKVLinear, Linear, GateUpLinear, Linear)
@@ -134,11 +109,9 @@ def bind_fused_decode(
     mode: str, pdl: bool, kv_dtype: torch.dtype, *, input_norm: RMSNorm, qkv: nn.Module, q_norm: RMSNorm | None,
     k_norm: RMSNorm | None, rotary: RotaryEmbedding, attention: PagedAttention, o_proj: nn.Module,
     post_norm: RMSNorm, gate_up: nn.Module, down: nn.Module,
-    carry: SumsqCarry | None = None,
 ) -> FusedDecode | str:
     """A layer's FusedDecode for `mode` ("fused" or "fused-folded"; called once the weights are in, and
-    folding them for fused-folded), or why the layer must keep the unfused decode path.
-    carry: the model's SumsqCarry (used when the layer is folded), None to run every folded norm's rms pass."""
+    folding them for fused-folded), or why the layer must keep the unfused decode path."""
     # Exact types: the tensor-parallel twins are subclasses of the plain linears.
     kinds = (type(qkv), type(o_proj), type(gate_up), type(down))
     fp8 = kinds == _FP8_KINDS
@@ -161,7 +134,7 @@ def bind_fused_decode(
         _fold_norm_into(linears[0], input_norm)
         _fold_norm_into(linears[2], post_norm)
     return FusedDecode(folded, pdl, input_norm, linears[0], q_norm, k_norm, rotary, attention, linears[1],
-                       post_norm, linears[2], linears[3], carry if folded else None)
+                       post_norm, linears[2], linears[3])
 
 
 def _fp8_problem(linears: tuple[Fp8Linear, ...]) -> str | None:
@@ -228,34 +201,23 @@ def fused_decode_layer(
     v_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, None]:
     """LlamaDecoderLayer.forward's semantics for a decode step -> (the new residual stream [M, H], None)."""
-    carried = None
     if fd.folded:  # the qkv GEMV normalises the stream itself
         stream = hidden if residual is None else hidden + residual
         x = stream
-        carried = fd.carry.take(x) if fd.carry is not None else None  # the previous layer's down wrote x
     else:
         x, stream = fd.input_norm(hidden, residual)
-    qkv = _qkv_rotary_cache(fd, x, positions, meta, k_cache, v_cache, carried)
+    qkv = _qkv_rotary_cache(fd, x, positions, meta, k_cache, v_cache)
     num_tokens, num_heads, head_dim = x.shape[0], fd.attention.num_heads, fd.attention.head_dim
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     out = fd.attention(q, k_cache, v_cache, meta).reshape(num_tokens, num_heads * head_dim)
-    stream, carried = _add_gemv(fd, fd.o_proj, out, stream)
+    stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=fd.pdl, **_scale(fd.o_proj, "add"),
+                            config=_plain_config(fd.o_proj, num_tokens))
     x = stream if fd.folded else fd.post_norm(stream)[0]
     act, _ = gemv_triton(x, fd.gate_up.weight, silu_mul=True, norm_folded=fd.folded, eps=fd.post_norm.eps,
-                         pdl=fd.pdl, sumsq_partials=carried, **_scale(fd.gate_up, "silu"))
-    stream, carried = _add_gemv(fd, fd.down, act, stream)
-    if fd.carry is not None and carried is not None:
-        fd.carry.put(stream, carried)
+                         pdl=fd.pdl, **_scale(fd.gate_up, "silu"))
+    stream, _ = gemv_triton(act, fd.down.weight, add=stream, pdl=fd.pdl, **_scale(fd.down, "add"),
+                            config=_plain_config(fd.down, num_tokens))
     return stream, None
-
-
-def _add_gemv(fd: FusedDecode, linear: Linear | Fp8Linear, x: torch.Tensor,
-              stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """o_proj / down with the residual add -> (the new stream, its sums-of-squares partials when carried)."""
-    kwargs: dict[str, Any] = dict(pdl=fd.pdl, config=_plain_config(linear, x.shape[0]), **_scale(linear, "add"))
-    if fd.carry is not None:
-        return gemv_add_sumsq_triton(x, linear.weight, stream, **kwargs)
-    return gemv_triton(x, linear.weight, add=stream, **kwargs)[0], None
 
 
 def _qkv_rotary_cache(
@@ -265,7 +227,6 @@ def _qkv_rotary_cache(
     meta: AttentionMetadata,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    sumsq_partials: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """qkv [M, (Hq + 2 Hkv) D] with q and k rotated; k and v written to the caches (slot -1: padding)."""
     q_norm = fd.q_norm.weight if fd.q_norm is not None else None
@@ -276,6 +237,6 @@ def _qkv_rotary_cache(
         x, fd.qkv.weight, fd.qkv.bias, num_heads=fd.attention.num_heads, num_kv_heads=fd.attention.num_kv_heads,
         positions=positions, cos_sin=fd.rotary.cos_sin, k_cache=k_cache, v_cache=v_cache,
         slot_mapping=meta.slot_mapping, eps=eps, q_norm=q_norm, k_norm=k_norm, pdl=fd.pdl, norm_folded=fd.folded,
-        sumsq_partials=sumsq_partials, **_scale(fd.qkv, "rope"),
+        **_scale(fd.qkv, "rope"),
     )
     return qkv

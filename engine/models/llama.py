@@ -29,7 +29,6 @@ from stoker.engine.model_config import ModelConfig
 from stoker.engine.models.base import CausalLM
 from stoker.engine.models.fused_decode import (
     FusedDecode,
-    SumsqCarry,
     bind_fused_decode,
     decode_report,
     fused_decode_layer,
@@ -194,16 +193,14 @@ class LlamaForCausalLM(CausalLM):
         """[N, H] (only the rows we sample) -> [N, vocab] float32 (into `out` when given)."""
         return self.lm_head(hidden, out)
 
-    def plan_decode(self, mode: str, pdl: bool, kv_dtype: torch.dtype, carry_sumsq: bool = True) -> dict[str, Any]:
+    def plan_decode(self, mode: str, pdl: bool, kv_dtype: torch.dtype) -> dict[str, Any]:
         reasons: list[str | None] = []
-        carry = SumsqCarry() if carry_sumsq else None  # links each layer's down GEMV to the next layer's qkv
         for layer in cast(list[LlamaDecoderLayer], list(self.model.layers)):
             attn = layer.self_attn
             planned = None if mode == "cublas" else bind_fused_decode(
                 mode, pdl, kv_dtype, input_norm=layer.input_layernorm, qkv=attn.qkv_proj, q_norm=attn.q_norm,
                 k_norm=attn.k_norm, rotary=attn.rotary, attention=attn.attn, o_proj=attn.o_proj,
-                post_norm=layer.post_attention_layernorm, gate_up=layer.mlp.gate_up_proj, down=layer.mlp.down_proj,
-                carry=carry)
+                post_norm=layer.post_attention_layernorm, gate_up=layer.mlp.gate_up_proj, down=layer.mlp.down_proj)
             layer.fused_decode = planned if isinstance(planned, FusedDecode) else None
             reasons.append(planned if isinstance(planned, str) else None)
         return decode_report(mode, pdl, reasons)
