@@ -7,6 +7,10 @@ the first bytes of every o_proj row into L2 in that window; o_proj then finds th
 with no result: the kernel issues them and exits, nothing waits for the lines to arrive, and no value of any
 tensor changes (a line that has not arrived yet is simply read from HBM by o_proj's own load).
 
+Measured on the H200 (2026-12-01 17:57 UTC, ops/bench_l2_prefetch.py, BENCHMARKS.md): it does NOT pay. Every mode
+and fraction made attention + o_proj slower (17.28 us -> 19.09-25.70) and the fused layer too (124.10 -> 124.89-
+131.15); so the engine does not use it. Kept with its bench as the record, for a later attempt without the fork.
+
 Which bytes: the leading `lines_per_row` 128-byte lines of each of `num_rows` rows (row stride in bytes), so
 every program of the row-parallel GEMV finds the same share of its rows in L2 and none finishes far earlier
 than the others. Modes (constexpr MODE):
