@@ -20,7 +20,7 @@ from stoker.engine.kernels.attention import (  # noqa: E402
     paged_decode_attention_ref,
     paged_decode_attention_triton,
 )
-from stoker.engine.layers.attention import FUSED_COMBINE_MAX_BATCH, PagedAttention  # noqa: E402
+from stoker.engine.layers.attention import FUSED_COMBINE_BATCHES, PagedAttention  # noqa: E402
 from test_kernels import paged_batch  # noqa: E402
 
 CASES = cases()
@@ -101,15 +101,16 @@ def test_fused_combine_rejects_counters_it_cannot_use(device: str, dtype: torch.
         paged_decode_attention_triton(*args, counters=torch.zeros(8, dtype=torch.int64, device=device))
 
 
-def test_the_layer_hands_counters_to_small_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_layer_hands_counters_to_the_listed_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
     from stoker.engine.layers import attention as layer_module
 
     layer = PagedAttention(num_heads=8, num_kv_heads=2, head_dim=16, scale=0.25)
-    assert layer._counters_for(torch.zeros(FUSED_COMBINE_MAX_BATCH + 1, 8, 16)) is None
-    monkeypatch.setattr(layer_module, "FUSED_COMBINE_MAX_BATCH", 5)
+    assert layer._counters_for(torch.zeros(max(FUSED_COMBINE_BATCHES) + 1, 8, 16)) is None
+    monkeypatch.setattr(layer_module, "FUSED_COMBINE_BATCHES", frozenset({1, 5}))
     small = layer._counters_for(torch.zeros(5, 8, 16))
     assert small is not None and small.numel() == 5 * 2 and small.dtype == torch.int32
     assert layer._counters_for(torch.zeros(1, 8, 16)) is small  # one buffer per layer, made once
+    assert layer._counters_for(torch.zeros(2, 8, 16)) is None  # between the listed batches: two kernels
     assert layer._counters_for(torch.zeros(6, 8, 16)) is None
 
 

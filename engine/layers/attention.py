@@ -18,13 +18,14 @@ from stoker.engine.kernels.attention import decode_combine_counters
 from stoker.engine.layers.weights import WeightModule
 from torch import nn
 
-# The decode kernel combines its splits itself (counters, one launch) up to this batch; above it the reduce
-# kernel does. 0: nowhere, measured slower at every batch (H200, bf16, 2026-12-01 14:43 UTC,
-# ops/bench_decode_attention.py, us per layer in CUDA-graph chains, two kernels vs fused): 8B batch 1 ctx 768
-# 6.3 vs 9.1, batch 4 10.1 vs 15.4, batch 16 20.1 vs 22.0, batch 1 ctx 4096 11.6 vs 17.6; 1B batch 1 5.5 vs
-# 7.5. That version combined the GROUP heads one after another (a dependent L2 round trip each); the kernel now
-# combines them at once (attention._combine_group), not measured yet: ops/bench_decode_attention.py decides.
-FUSED_COMBINE_MAX_BATCH = 0
+# The decode batches (CUDA-graph buckets) at which the decode kernel combines its splits itself (counters, one
+# launch); at the others the reduce kernel does. The first version (head by head, 14:43 UTC) lost everywhere;
+# the group-at-once one (attention._combine_group) on the H200 (bf16, 2026-12-01 17:57 UTC,
+# ops/bench_decode_attention.py, us per layer in CUDA-graph chains, two kernels vs fused, 8B shape, context 768
+# in a 1024-token table): batch 1 6.26 vs 5.82, 2 7.48 vs 7.55, 4 10.93 vs 10.56, 8 14.22 vs 13.76, 16 20.03 vs
+# 18.28, 32 30.80 vs 29.62 (15:47: batch 4 9.94 vs 10.16, so 4 and 8 are within a run's noise); 1B batch 1 5.48
+# vs 5.37. From 64 rows the kernel runs one split: nothing to combine.
+FUSED_COMBINE_BATCHES: frozenset[int] = frozenset({1, 4, 8, 16, 32})
 
 
 class PagedAttention(WeightModule):
@@ -69,11 +70,12 @@ class PagedAttention(WeightModule):
 
     def _counters_for(self, q: torch.Tensor) -> torch.Tensor | None:
         """The fused combine's counters for a decode batch of q.shape[0] sequences, or None for the two-kernel
-        combine (batches above FUSED_COMBINE_MAX_BATCH)."""
-        limit = FUSED_COMBINE_MAX_BATCH  # read at call time: tests and benches change it
-        if q.shape[0] > limit:
+        combine (batches not in FUSED_COMBINE_BATCHES)."""
+        batches = FUSED_COMBINE_BATCHES  # read at call time: tests and benches change it
+        if q.shape[0] not in batches:
             return None
-        if self._combine_counters is None or self._combine_counters.shape[0] < limit * self.num_kv_heads \
+        largest = max(batches)
+        if self._combine_counters is None or self._combine_counters.shape[0] < largest * self.num_kv_heads \
                 or self._combine_counters.device != q.device:
-            self._combine_counters = decode_combine_counters(limit, self.num_kv_heads, q.device)
+            self._combine_counters = decode_combine_counters(largest, self.num_kv_heads, q.device)
         return self._combine_counters
