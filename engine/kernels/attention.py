@@ -409,6 +409,17 @@ def _check_counters(counters: torch.Tensor, needed: int, device: torch.device) -
                          f"B * Hkv = {needed}; make them with decode_combine_counters(max_batch, ...)")
 
 
+def _check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """The launchers' output: `out` when it fits q (the kernels write through its row and head strides), else a
+    new uninitialized tensor (every row is written)."""
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(2) != 1:
+        raise ValueError(f"attention: out must be {tuple(q.shape)} {q.dtype} on {q.device} with a contiguous "
+                         f"head_dim, got {tuple(out.shape)} {out.dtype} on {out.device}")
+    return out
+
+
 def paged_decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -421,13 +432,14 @@ def paged_decode_attention_triton(
     v_scale: torch.Tensor | None = None,
     fp8_config: Fp8AttentionConfig | None = None,
     counters: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """num_splits: None picks from the shapes (decode_num_splits); tests force 1 or several. k_scale/v_scale:
     an FP8 cache's scales (kv_quant.py), ignored for a cache in q's dtype. fp8_config: the FP8 cache's
     conversion and tile (kv_fp8_tiles.py; None: its DEFAULT_DECODE); benches and tests pick others. counters: a
     zeroed int32 buffer of >= B * Hkv entries (decode_combine_counters) that the kernel leaves zeroed: with it
     the last split of each (sequence, kv head) combines the partials (one launch); without it a second kernel
-    does."""
+    does. out: where to write [B, Hq, D] (a view of a mixed step's output); None allocates."""
     _check_cache(q, k_cache, v_cache, k_scale, v_scale)
     if q.shape[0] != context_lens.shape[0] or block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
         raise ValueError(f"decode attention: q [B, Hq, D], block_tables [B, max_blocks], context_lens [B] "
@@ -435,7 +447,7 @@ def paged_decode_attention_triton(
     _check_kernel_inputs(q, k_cache, v_cache, block_tables, context_lens)
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    out = torch.empty(batch, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+    out = _check_out(out, q)
     if batch == 0:
         return out
     group = num_q_heads // num_kv_heads
@@ -597,11 +609,7 @@ def paged_attention_triton(
     num_seqs = context_lens.shape[0]
     # Empty, not zeros: the kernel writes every row, the batch padding's (past query_start_loc[-1]) with
     # zeros like the reference. A memset of T*Hq*D was ~67 MB per layer per 8k-token step at the 8B shape.
-    if out is None:
-        out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(2) != 1:
-        raise ValueError(f"attention: out must be {tuple(q.shape)} {q.dtype} on {q.device} with a contiguous "
-                         f"head_dim, got {tuple(out.shape)} {out.dtype} on {out.device}")
+    out = _check_out(out, q)
     if num_tokens == 0:
         return out
     if num_seqs == 0:
