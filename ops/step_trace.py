@@ -437,6 +437,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mixed-bench-rows", type=int, default=0,
                     help="the first mixed step with at least this many decode rows: its kernel table and its "
                          "attention timed whole / decode rows / prompt chunks / decode kernel (step_profile.py)")
+    ap.add_argument("--ab-mixed-split", action="store_true",
+                    help="run the requests twice on one engine: EngineConfig.mixed_decode_attention off, then on")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON and tables (default $OUT)")
     args = ap.parse_args(argv)
     import bench
@@ -450,17 +452,42 @@ def main(argv: list[str] | None = None) -> None:
     vocab = eng.model_config.vocab_size
     trace(eng, bench.random_prompts(2, args.prompt, vocab, 7), 4)  # first compiles and graph buckets: untimed
     prompts = bench.random_prompts(args.requests, args.prompt, vocab, 1)
+    # --ab-mixed-split: the same requests twice on one engine, the mixed steps' attention whole then split.
+    settings = [("split off", False), ("split on", True)] if args.ab_mixed_split else [("", None)]
+    runs: dict[str, Any] = {}
+    for label, split in settings:
+        if split is not None:
+            eng.config.mixed_decode_attention = split  # read by runner.prepare at every step
+            print(f"\n===== {label}: EngineConfig.mixed_decode_attention = {split}")
+        runs[label] = traced_run(eng, args, prompts, label.replace(" ", "_"))
+    if args.json_out:
+        body = runs.get("", {"runs": runs})
+        Path(args.json_out).write_text(json.dumps({"args": vars(args), **body}, indent=1))
+
+
+def traced_run(eng: Any, args: argparse.Namespace, prompts: list[list[int]], tag: str) -> dict[str, Any]:
+    """One traced run of the requests with the instruments args asks for, reported; the engine's methods are
+    restored after (the instruments wrap them as instance attributes). -> its JSON body."""
+    saved = {(obj, name): obj.__dict__.get(name) for obj in (eng, eng.runner, eng.scheduler)
+             for name in ("prepare", "forward", "_sample", "_finish_step", "schedule")}
     syncs = SyncLog() if args.sync_debug else contextlib.nullcontext()
     out_dir = Path(args.out or ".")
     account = GpuAccount(eng) if args.gpu_account else None
     window = None
     if args.kernel_window:
         first, last = (int(x) for x in args.kernel_window.split(":"))
-        window = KernelWindow(first, last, str(out_dir / "kernel_window_trace.json"))
+        window = KernelWindow(first, last, str(out_dir / f"kernel_window_trace{tag and '_' + tag}.json"))
     mixed = MixedBench(eng, account, args.mixed_bench_rows) if args.mixed_bench_rows else None
     t0 = time.perf_counter()
-    with syncs:
-        steps, token_steps = trace(eng, prompts, args.new, phased=args.phases, window=window)
+    try:
+        with syncs:
+            steps, token_steps = trace(eng, prompts, args.new, phased=args.phases, window=window)
+    finally:
+        for (obj, name), value in saved.items():
+            if value is None:
+                obj.__dict__.pop(name, None)
+            else:
+                obj.__dict__[name] = value
     wall_ms = (time.perf_counter() - t0) * 1000
     res = summarize(steps, gaps_of(steps, token_steps))
     report(res, steps, args.top)
@@ -483,9 +510,7 @@ def main(argv: list[str] | None = None) -> None:
         print("\nsynchronizing ops (torch sync debug mode) by call site:")
         for site, n in sorted(syncs.sites.items(), key=lambda kv: -kv[1]):
             print(f"{n:>8}  {site}")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"args": vars(args), "summary": res, "steps": steps, **extra},
-                                                  indent=1))
+    return {"summary": res, "steps": steps, **extra}
 
 
 if __name__ == "__main__":

@@ -165,7 +165,11 @@ def test_mixed_steps_decode_rows_split(arch, overlap, split):
         return to_device(packed, prev_tokens)
 
     engine.runner.to_device = spy  # type: ignore[method-assign]
-    plan = {0: [("a", ps[1], MAX_NEW), ("b", ps[0], MAX_NEW)], 3: [("c", ps[3], MAX_NEW)], 5: [("d", ps[2], 4)]}
+    # Five short prompts decode while two long ones are prefilled in chunks of what the budget leaves (the split
+    # takes a multiple of 4 decode rows, the rest stay with the prompt chunks).
+    short = [("a", ps[0], MAX_NEW), ("b", ps[4], MAX_NEW), ("c", ps[2][:4], MAX_NEW), ("d", ps[4], 6),
+             ("e", ps[0][:2], MAX_NEW)]
+    plan = {0: short, 2: [("f", ps[3], MAX_NEW)], 4: [("g", ps[1], 5)]}
     out = run(engine, plan)
     assert any(splits) is split, splits
     for reqs in plan.values():
