@@ -510,7 +510,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensor-parallel", type=int, default=1,
                     help="GPUs the engine splits the model over (issue 17; NOT yet run: no multi-GPU machine lent). "
                          "The weight-byte floors below count rank 0's shard")
+    ap.add_argument("--mixed-split", default="on",
+                    help="EngineConfig.mixed_decode_attention for W2: on | off | a comma list (W2 once per setting on "
+                         "the same engine, in order; the last one is the table's W2 and --profile's)")
     args = ap.parse_args(argv)
+    if any(s not in ("on", "off") for s in args.mixed_split.split(",")):
+        ap.error(f"--mixed-split: on, off or a comma list of them, got {args.mixed_split!r}")
     decodes = args.decode_kernels.split(",")
     for d in decodes:
         decode_setting(d)  # a typo fails here, before the floors and the weights
@@ -583,11 +588,23 @@ def main(argv: list[str] | None = None) -> int:
             profile_w1(eng, vocab, args.prompt)
         return finish(eng, r, args, path, decodes, quantization)
 
-    # W2
+    # W2 (--mixed-split a,b: first once per other setting, on the same engine; the last one is the table's W2)
+    *others, last = args.mixed_split.split(",")
+    r["w2_by_mixed_split"] = {}
+    for setting in others:
+        eng.config.mixed_decode_attention = setting == "on"  # read by the runner at every step
+        ab_probe = StepProbe(eng)
+        again = run_requests(eng, random_prompts(args.w2_requests, args.prompt, vocab, 3), args.new, f"w2{setting}",
+                             ab_probe)
+        ab_probe.close()  # (restores the runner's methods before the next probe wraps them)
+        r["w2_by_mixed_split"][setting] = mixed_split_summary(again)
+        log(f"W2 with mixed split {setting}: {r['w2_by_mixed_split'][setting]}")
+    eng.config.mixed_decode_attention = last == "on"
     probe = StepProbe(eng)
     threads0 = thread_cpu()
     variants0 = triton_variants()
     w2 = run_requests(eng, random_prompts(args.w2_requests, args.prompt, vocab, 3), args.new, "w2", probe)
+    r["w2_by_mixed_split"][last] = mixed_split_summary(w2)
     r["triton_variants"] = {"before_w2": variants0, "after_w2": triton_variants()}
     r["w2_threads"] = busiest_threads(threads0, thread_cpu())
     r["w2_gpu"] = probe.close()
@@ -625,6 +642,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads)
         log(f"W2 threads {r['w2_threads']}; with 1 intra-op thread: {r['w2_one_thread']}")
     return finish(eng, r, args, path, decodes, quantization)
+
+
+def mixed_split_summary(w2: dict[str, Any]) -> dict[str, Any]:
+    return {k: w2.get(k) for k in ("wall_s", "prefill_phase_s", "decode_phase_s", "cpu_cores")}
 
 
 def measure_w1(eng, args: argparse.Namespace, vocab: int, floor_ms: float) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -742,6 +763,17 @@ def w2_rows(r: dict[str, Any], args: argparse.Namespace) -> list[tuple[str, ...]
     ]
 
 
+def mixed_split_rows(r: dict[str, Any]) -> list[tuple[str, ...]]:
+    """One row per --mixed-split setting, when more than one ran."""
+    by = r.get("w2_by_mixed_split", {})
+    if len(by) < 2:
+        return []
+    floor = r["w2"]["floor_s"]
+    return [(f"W2, mixed split {name}", f"{v['wall_s']:.2f} s", f"{floor:.2f} s", "",
+             f"{v['wall_s'] / floor:.3f}x floor; prefill / decode phase {v.get('prefill_phase_s') or float('nan'):.2f} / "
+             f"{v.get('decode_phase_s') or float('nan'):.2f} s; CPU {v['cpu_cores']:.2f}") for name, v in by.items()]
+
+
 def print_table(r: dict[str, Any], args: argparse.Namespace) -> None:
     hf, w1 = r.get("hf", {}), r["w1"]
     ws = r["warm_startup"]
@@ -774,6 +806,7 @@ def print_table(r: dict[str, Any], args: argparse.Namespace) -> None:
         ),
         *w1_decode_rows(r),
         *(w2_rows(r, args) if "w2" in r else []),
+        *mixed_split_rows(r),
         (
             "W3 weights on GPU (warm)",
             f"{ws.get('load_s', 0):.2f} s",
