@@ -23,6 +23,7 @@ upload, the pending-token gather, static-buffer copies, sampling).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -251,19 +252,25 @@ def profile_mixed_step(runner: Any, inp: Any, num_decodes: int, composition: dic
     """A mixed step's kernels (its forward again, eagerly, under the profiler: the same K/V rewritten to the
     same slots) and its attention split (mixed_attention_split) -> (figures, text)."""
     device = runner.device
-    _sync(device)
-    with torch.inference_mode(), profile(activities=_activities(device)) as prof:
-        _eager_forward(runner, inp)
+    whole = dataclasses.replace(inp, meta=dataclasses.replace(inp.meta, num_decodes=0, prompt_query_start_loc=None))
+    variants = {"as run": inp} | ({"whole batch in the prefill kernel": whole} if inp.meta.num_decodes else {})
+    tables, kernel_ms = [], {}
+    for name, variant in variants.items():
         _sync(device)
+        with torch.inference_mode(), profile(activities=_activities(device)) as prof:
+            _eager_forward(runner, variant)
+            _sync(device)
+        kernel_ms[name] = _device_total_ms(prof, device)
+        tables.append(f"-- the step {name} (decode rows to the decode kernel: {variant.meta.num_decodes}), device "
+                      f"kernel time summed {kernel_ms[name]:.2f} ms\n" + kernel_table(prof, device))
     layers = runner.model_config.num_layers
     split = mixed_attention_split(runner, inp, num_decodes)
-    res = {"composition": composition, "kernel_ms": _device_total_ms(prof, device),
-           "attention_ms_per_layer": split,
+    res = {"composition": composition, "kernel_ms": kernel_ms, "attention_ms_per_layer": split,
            "attention_ms_per_step": {k: v * layers for k, v in split.items()}}
-    lines = [f"ONE mixed step ({composition}), eager under the profiler: device kernel time summed "
-             f"{res['kernel_ms']:.2f} ms", f"its attention, ms per layer / per step of {layers} layers:"]
+    lines = [f"ONE mixed step ({composition}), eager under the profiler: device kernel time summed {kernel_ms}",
+             f"its attention, ms per layer / per step of {layers} layers:"]
     lines += [f"  {k:<32}{v:>9.3f}{v * layers:>10.2f}" for k, v in split.items()]
-    return res, "\n".join(lines) + "\n" + kernel_table(prof, device)
+    return res, "\n".join(lines + tables)
 
 
 def main(argv: list[str] | None = None) -> int:

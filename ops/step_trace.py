@@ -185,10 +185,11 @@ class GcClock:
 
 
 def trace(eng: Any, prompts: list[list[int]], new: int, phased: bool = False,
-          window: KernelWindow | None = None) -> tuple[list[dict[str, Any]], dict[str, list[int]]]:
-    """Runs the requests to the end. -> (one row per step, request id -> indexes of the steps that returned
-    its tokens). phased: each step also gets the host ms inside its parts (PhaseClock); window: the steps it
-    names run under torch.profiler (KernelWindow)."""
+          window: KernelWindow | None = None,
+          max_steps: int | None = None) -> tuple[list[dict[str, Any]], dict[str, list[int]]]:
+    """Runs the requests to the end (or max_steps steps: the engine is then left mid-run, for a last probe).
+    -> (one row per step, request id -> indexes of the steps that returned its tokens). phased: each step also
+    gets the host ms inside its parts (PhaseClock); window: the steps it names run under torch.profiler."""
     from stoker.engine import EngineRequest, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
@@ -200,7 +201,7 @@ def trace(eng: Any, prompts: list[list[int]], new: int, phased: bool = False,
     steps: list[dict[str, Any]] = []
     token_steps: dict[str, list[int]] = {}
     try:
-        while eng.has_unfinished():
+        while eng.has_unfinished() and (max_steps is None or len(steps) < max_steps):
             seen = len(clock.events)
             if window is not None:
                 window.before(len(steps))
@@ -250,6 +251,11 @@ class KernelWindow:
         self.first, self.last, self.trace_path = first, last, trace_path
         self._prof: Any = None
         self.steps: list[dict[str, Any]] = []
+        self.error: str | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._prof is not None
 
     def before(self, index: int) -> None:
         import torch
@@ -276,11 +282,14 @@ class KernelWindow:
             return
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self._prof.__exit__(None, None, None)
-        self._prof.export_chrome_trace(self.trace_path)
-        self._prof = None
-        with open(self.trace_path) as f:
-            self.steps = kernel_steps(json.load(f)["traceEvents"])
+        prof, self._prof = self._prof, None
+        try:  # the window's figures are a bonus: a profiler failure must not lose the run's account
+            prof.__exit__(None, None, None)
+            prof.export_chrome_trace(self.trace_path)
+            with open(self.trace_path) as f:
+                self.steps = kernel_steps(json.load(f)["traceEvents"])
+        except Exception as e:
+            self.error = f"{type(e).__name__}: {e}"[:300]
 
 
 def kernel_steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -376,7 +385,8 @@ class MixedBench:
     """After the first launched mixed step with at least `rows` decode rows: step_profile.profile_mixed_step on
     its input (a sync and a few hundred ms of extra GPU work: that step is marked perturbed in the account)."""
 
-    def __init__(self, eng: Any, account: GpuAccount | None, rows: int) -> None:
+    def __init__(self, eng: Any, account: GpuAccount | None, rows: int, window: KernelWindow | None = None) -> None:
+        """window: the bench waits until it is closed (a profiler inside another one ends both)."""
         self.launch: int | None = None
         self.result: dict[str, Any] | None = None
         self.text: str | None = None
@@ -385,7 +395,9 @@ class MixedBench:
         def hooked(inp: Any) -> Any:
             logits = forward(inp)
             comp = account.rows[-1] if account is not None else None
-            if self.result is None and comp is not None and comp["prompt_tokens"] and comp["decode_rows"] >= rows:
+            quiet = window is None or not window.active
+            if self.result is None and quiet and comp is not None and comp["prompt_tokens"] \
+                    and comp["decode_rows"] >= rows:
                 from step_profile import profile_mixed_step
 
                 self.launch = len(account.rows) - 1
@@ -439,6 +451,8 @@ def main(argv: list[str] | None = None) -> None:
                          "attention timed whole / decode rows / prompt chunks / decode kernel (step_profile.py)")
     ap.add_argument("--ab-mixed-split", action="store_true",
                     help="run the requests twice on one engine: EngineConfig.mixed_decode_attention off, then on")
+    ap.add_argument("--probe-steps", type=int, default=40,
+                    help="with --ab-mixed-split: the probe run (window, mixed bench) stops after this many steps")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON and tables (default $OUT)")
     args = ap.parse_args(argv)
     import bench
@@ -452,36 +466,47 @@ def main(argv: list[str] | None = None) -> None:
     vocab = eng.model_config.vocab_size
     trace(eng, bench.random_prompts(2, args.prompt, vocab, 7), 4)  # first compiles and graph buckets: untimed
     prompts = bench.random_prompts(args.requests, args.prompt, vocab, 1)
-    # --ab-mixed-split: the same requests twice on one engine, the mixed steps' attention whole then split.
-    settings = [("split off", False), ("split on", True)] if args.ab_mixed_split else [("", None)]
+    # --ab-mixed-split: the same requests on one engine, the mixed steps' attention whole then split, each run
+    # with the per-step account only; then the probes (--kernel-window, --mixed-bench-rows) in a run of their
+    # own, cut after --probe-steps steps. Without it: one run with every instrument asked for.
+    if args.ab_mixed_split:
+        settings = [("split off", False, False), ("split on", True, False)]
+        if args.kernel_window or args.mixed_bench_rows:
+            settings.append(("probe, split on", True, True))
+    else:
+        settings = [("", None, True)]
     runs: dict[str, Any] = {}
-    for label, split in settings:
+    for label, split, probes in settings:
         if split is not None:
             eng.config.mixed_decode_attention = split  # read by runner.prepare at every step
-            print(f"\n===== {label}: EngineConfig.mixed_decode_attention = {split}")
-        runs[label] = traced_run(eng, args, prompts, label.replace(" ", "_"))
-    if args.json_out:
-        body = runs.get("", {"runs": runs})
-        Path(args.json_out).write_text(json.dumps({"args": vars(args), **body}, indent=1))
+            print(f"\n===== {label}: EngineConfig.mixed_decode_attention = {split}", flush=True)
+        runs[label] = traced_run(eng, args, prompts, label.replace(" ", "_").replace(",", ""), probes,
+                                 args.probe_steps if args.ab_mixed_split and probes else None)
+        if args.json_out:  # after each run: a run cut short by a timeout keeps the ones before
+            body = runs.get("", {"runs": runs})
+            Path(args.json_out).write_text(json.dumps({"args": vars(args), **body}, indent=1))
 
 
-def traced_run(eng: Any, args: argparse.Namespace, prompts: list[list[int]], tag: str) -> dict[str, Any]:
-    """One traced run of the requests with the instruments args asks for, reported; the engine's methods are
-    restored after (the instruments wrap them as instance attributes). -> its JSON body."""
+def traced_run(eng: Any, args: argparse.Namespace, prompts: list[list[int]], tag: str, probes: bool,
+               max_steps: int | None) -> dict[str, Any]:
+    """One traced run of the requests with the instruments args asks for (the kernel window and the mixed-step
+    bench only with probes), reported; the engine's methods are restored after (the instruments wrap them as
+    instance attributes). -> its JSON body."""
     saved = {(obj, name): obj.__dict__.get(name) for obj in (eng, eng.runner, eng.scheduler)
              for name in ("prepare", "forward", "_sample", "_finish_step", "schedule")}
     syncs = SyncLog() if args.sync_debug else contextlib.nullcontext()
     out_dir = Path(args.out or ".")
     account = GpuAccount(eng) if args.gpu_account else None
     window = None
-    if args.kernel_window:
+    if args.kernel_window and probes:
         first, last = (int(x) for x in args.kernel_window.split(":"))
         window = KernelWindow(first, last, str(out_dir / f"kernel_window_trace{tag and '_' + tag}.json"))
-    mixed = MixedBench(eng, account, args.mixed_bench_rows) if args.mixed_bench_rows else None
+    mixed = MixedBench(eng, account, args.mixed_bench_rows, window) if args.mixed_bench_rows and probes else None
     t0 = time.perf_counter()
     try:
         with syncs:
-            steps, token_steps = trace(eng, prompts, args.new, phased=args.phases, window=window)
+            steps, token_steps = trace(eng, prompts, args.new, phased=args.phases, window=window,
+                                       max_steps=max_steps)
     finally:
         for (obj, name), value in saved.items():
             if value is None:
@@ -501,7 +526,10 @@ def traced_run(eng: Any, args: argparse.Namespace, prompts: list[list[int]], tag
         report_account(extra["account"], rows)
     if window is not None:
         extra["kernel_window"] = window.steps
+        extra["kernel_window_error"] = window.error
         report_window(window.steps)
+        if window.error:
+            print(f"kernel window failed: {window.error}")
     if mixed is not None:
         extra["mixed_step"] = mixed.result
         print("\n" + (mixed.text or f"no mixed step had {args.mixed_bench_rows} decode rows"))

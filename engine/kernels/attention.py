@@ -6,6 +6,8 @@ h // (Hq // Hkv) (GQA).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from stoker.engine.kernels._triton import check_launchable, tl, triton
 from stoker.engine.kernels.kv_fp8_tiles import (
@@ -586,6 +588,27 @@ def _prefill_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask)
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillTiles:
+    """The prefill kernel's CUDA launch: query rows per program (block_m = its block_m // GROUP tokens x the GROUP
+    query heads of one kv head), keys per loop step, warps, software-pipeline stages."""
+
+    block_m: int = 64
+    tile_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @property
+    def label(self) -> str:
+        return f"m{self.block_m} n{self.tile_n} w{self.num_warps} s{self.num_stages}"
+
+
+# 64 rows x 64 keys x 128 dims in 16 bits keeps q, k, v tiles at 16 KiB each (fits with 4 warps): ~180 TFLOP/s
+# at W2's 8,192-token step (188.6 us a layer, H200, BENCHMARKS.md 15:28 UTC); ops/bench_prefill_attention.py
+# sweeps the others.
+PREFILL_TILES = PrefillTiles()
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -598,9 +621,12 @@ def paged_attention_triton(
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     fp8_config: Fp8AttentionConfig | None = None,
+    tiles: PrefillTiles | None = None,
 ) -> torch.Tensor:
     """out: where to write [T, Hq, D] (every row is written, padding rows with zeros); None allocates.
-    fp8_config: as for paged_decode_attention_triton (None: kv_fp8_tiles.DEFAULT_PREFILL)."""
+    fp8_config: as for paged_decode_attention_triton (None: kv_fp8_tiles.DEFAULT_PREFILL). tiles: the CUDA
+    launch's tiles for a cache in q's dtype (None: PREFILL_TILES; benches sweep others); an FP8 cache takes its
+    key tile, warps and stages from fp8_config, its query rows from tiles."""
     _check_cache(q, k_cache, v_cache, k_scale, v_scale)
     _check_batch(q.shape[0], block_tables, query_start_loc, context_lens)
     _check_kernel_inputs(q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
@@ -615,8 +641,8 @@ def paged_attention_triton(
     if num_seqs == 0:
         return out.zero_()
     group = num_q_heads // num_kv_heads
-    # 64 rows x 64 keys x 128 dims in fp16 keeps q, k, v tiles at 16 KiB each (fits with 4 warps).
-    block_m = 64 if q.is_cuda else 16
+    tiles = tiles or PREFILL_TILES
+    block_m = tiles.block_m if q.is_cuda else 16  # the interpreter pays per element: small tiles keep tests fast
     block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     num_tiles = num_tokens // block_q + num_seqs
@@ -625,7 +651,9 @@ def paged_attention_triton(
     pad_rows = 64 if q.is_cuda else 16
     fp8 = is_fp8_cache(k_cache)
     fp8_args, launch = _fp8_launch(fp8, fp8_config or DEFAULT_PREFILL, q, decode=False)
-    tile_n = 64 if q.is_cuda else 16
+    tile_n = tiles.tile_n if q.is_cuda else 16
+    if not fp8 and q.is_cuda:
+        launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
     if fp8 and q.is_cuda:
         tile_n = (fp8_config or DEFAULT_PREFILL).tile_n
     k_scale_arg, v_scale_arg = (k_scale, v_scale) if fp8 else (out, out)  # placeholders when not FP8
