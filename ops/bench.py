@@ -510,6 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensor-parallel", type=int, default=1,
                     help="GPUs the engine splits the model over (issue 17; NOT yet run: no multi-GPU machine lent). "
                          "The weight-byte floors below count rank 0's shard")
+    ap.add_argument("--heap", choices=["worker", "default"], default="worker",
+                    help="worker: freeze the heap after the warm start and raise the young GC threshold, as the worker "
+                         "does once loaded (settle_heap); default: Python's GC as it comes")
     ap.add_argument("--mixed-split", default="on",
                     help="EngineConfig.mixed_decode_attention for W2: on | off | a comma list (W2 once per setting on "
                          "the same engine, in order; the last one is the table's W2 and --profile's)")
@@ -563,6 +566,9 @@ def main(argv: list[str] | None = None) -> int:
                                           decode=decodes[0])
     r["warm_startup"] = dict(eng.runner.startup)
     log(f"startup: {r['warm_startup']}")
+    r["heap"] = args.heap
+    if args.heap == "worker":
+        settle_heap()
     mc = eng.model_config
     # Bytes each decode step streams, as stored: FP8 weights (1 byte) and their float32 scales, the bf16
     # lm_head and norms; the embedding is gathered, not streamed.
@@ -669,7 +675,22 @@ def w1_summary(w1: dict[str, Any], startup: dict[str, Any]) -> dict[str, Any]:
             "decode": startup.get("decode_kernels"), "graph_capture_s": startup.get("graph_capture_s")}
 
 
+_GC_YOUNG_THRESHOLD = 20_000  # worker/main.py's (net new tracked objects before a young collection)
+
+
+def settle_heap() -> None:
+    """The worker's heap policy once its engine is loaded (worker/main.settle_heap, not imported: the worker's
+    imports need packages the GPU machine lacks): everything alive is frozen, so a full collection no longer
+    walks torch's and the model's objects, and the young generation outgrows a step's burst. Without it W2 on
+    the H200 (18:20 UTC, ops/step_trace.py --gpu-account) had a full collection of 100-145 ms every ~22 decode
+    steps, each leaving the GPU idle 64-109 ms (0.75-0.80 s a run): a cost the worker does not have."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(_GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+
+
 def close_engine(eng) -> None:
+    gc.unfreeze()  # a frozen engine's reference cycles (its graphs, modules) are never collected: GPU memory kept
     eng.close()  # tensor parallel: its rank processes hold the other GPUs
     gc.collect()
     torch.cuda.empty_cache()

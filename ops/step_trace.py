@@ -451,6 +451,8 @@ def main(argv: list[str] | None = None) -> None:
                          "attention timed whole / decode rows / prompt chunks / decode kernel (step_profile.py)")
     ap.add_argument("--ab-mixed-split", action="store_true",
                     help="run the requests twice on one engine: EngineConfig.mixed_decode_attention off, then on")
+    ap.add_argument("--settle-heap", action="store_true",
+                    help="freeze the heap after the warm-up, as the worker does once loaded (bench.settle_heap)")
     ap.add_argument("--probe-steps", type=int, default=40,
                     help="with --ab-mixed-split: the probe run (window, mixed bench) stops after this many steps")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON and tables (default $OUT)")
@@ -465,6 +467,8 @@ def main(argv: list[str] | None = None) -> None:
                                         max_num_batched_tokens=args.max_num_batched_tokens))
     vocab = eng.model_config.vocab_size
     trace(eng, bench.random_prompts(2, args.prompt, vocab, 7), 4)  # first compiles and graph buckets: untimed
+    if args.settle_heap:
+        bench.settle_heap()
     prompts = bench.random_prompts(args.requests, args.prompt, vocab, 1)
     # --ab-mixed-split: the same requests on one engine, the mixed steps' attention whole then split, each run
     # with the per-step account only; then the probes (--kernel-window, --mixed-bench-rows) in a run of their
