@@ -184,9 +184,10 @@ class ModelRunner:
         if gather:
             assert prev_tokens is not None
             num_prev = prev_tokens.shape[0]
-        # Mixed steps: the decode rows through the decode kernel. A multiple of 4 rows keeps every int32 view
-        # after them 16-byte aligned (else Triton compiles new variants mid-run); the 0-3 left over run in
-        # the prefill kernel with the prompt chunks.
+        # Mixed steps: the decode rows through the decode kernel (H200: 16.9 us a row instead of 23.0 in W2,
+        # BENCHMARKS.md 18:20 UTC). A multiple of 4 rows keeps every int32 view after them 16-byte aligned
+        # (Triton specializes pointers on it: other counts would compile variants mid-run); the 0-3 left over
+        # run in the prefill kernel with the prompt chunks.
         split = num_decodes - num_decodes % 4 if self.config.mixed_decode_attention and num_decodes < num_seqs else 0
         packed = PackedStep(host64, host32, (*offsets64, *offsets32), num_tokens, len(sample_indices), num_seqs,
                             width, num_decodes == num_seqs, num_prev, split)

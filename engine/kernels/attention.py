@@ -590,8 +590,8 @@ def _prefill_kernel(
 
 @dataclass(frozen=True, slots=True)
 class PrefillTiles:
-    """The prefill kernel's CUDA launch: query rows per program (block_m = its block_m // GROUP tokens x the GROUP
-    query heads of one kv head), keys per loop step, warps, software-pipeline stages."""
+    """The prefill kernel's CUDA launch: query rows per program (block_m // GROUP tokens x the GROUP query heads of
+    one kv head), keys per loop step, warps, software-pipeline stages."""
 
     block_m: int = 64
     tile_n: int = 64
@@ -603,9 +603,9 @@ class PrefillTiles:
         return f"m{self.block_m} n{self.tile_n} w{self.num_warps} s{self.num_stages}"
 
 
-# 64 rows x 64 keys x 128 dims in 16 bits keeps q, k, v tiles at 16 KiB each (fits with 4 warps): ~180 TFLOP/s
-# at W2's 8,192-token step (188.6 us a layer, H200, BENCHMARKS.md 15:28 UTC); ops/bench_prefill_attention.py
-# sweeps the others.
+# 64 rows x 64 keys x 128 dims in 16 bits keeps q, k, v tiles at 16 KiB each (fits with 4 warps): 188.9 us a
+# layer at W2's 8,192-token step (182 TFLOP/s, H200, 18:20 UTC, ops/bench_prefill_attention.py); the sweep's best,
+# m128 n32 w4 s3, 173.6 us: ~0.03 s of W2, not worth a change (BENCHMARKS.md).
 PREFILL_TILES = PrefillTiles()
 
 
