@@ -19,6 +19,12 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B+1] int32: sequence b owns tokens [qsl[b], qsl[b+1])
     context_lens: torch.Tensor  # [B] int32: tokens in the cache for b after this step
     decode_only: bool  # every sequence has exactly one query token (the decode kernel's case)
+    # A mixed step (decodes and prompt chunks): its first num_decodes sequences have one query token each and
+    # go through the decode kernel, the rest through the prefill kernel with prompt_query_start_loc ([B -
+    # num_decodes + 1] int32: query starts relative to the first prompt token). 0: every row through the
+    # prefill kernel (decode-only steps, and mixed steps with EngineConfig.mixed_decode_attention off).
+    num_decodes: int = 0
+    prompt_query_start_loc: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -55,3 +61,4 @@ class PackedStep:
     width: int  # block-table columns
     decode_only: bool
     num_prev: int  # > 0: some ids are pending, read on the device from the previous step's [num_prev] sample
+    num_decodes: int = 0  # AttentionMetadata.num_decodes

@@ -64,6 +64,11 @@ class EngineConfig:
     # With decode_overlap on CUDA: > 0 splits the SMs instead of sharing them: attention on this many
     # persistent programs (one per SM), the GEMMs at cuBLAS's SM target of the rest.
     decode_overlap_sms: int = 0
+    # Mixed steps (decodes beside prompt chunks, run eagerly): the decode rows' attention through the decode
+    # kernel and only the prompt chunks through the prefill kernel, whose 64-row query tiles would otherwise
+    # hold one decode query (x its GROUP heads) each (H200, W2 engine alone: 24.58 -> 24.25 s, and no more
+    # alternating 20 / 380 ms step returns; BENCHMARKS.md 18:20 UTC). False: the whole batch through the prefill kernel.
+    mixed_decode_attention: bool = True
 
     def __post_init__(self) -> None:
         problems = []

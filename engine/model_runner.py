@@ -184,8 +184,13 @@ class ModelRunner:
         if gather:
             assert prev_tokens is not None
             num_prev = prev_tokens.shape[0]
+        # Mixed steps: the decode rows through the decode kernel (H200: 16.9 us a row instead of 23.0 in W2,
+        # BENCHMARKS.md 18:20 UTC). A multiple of 4 rows keeps every int32 view after them 16-byte aligned
+        # (Triton specializes pointers on it: other counts would compile variants mid-run); the 0-3 left over
+        # run in the prefill kernel with the prompt chunks.
+        split = num_decodes - num_decodes % 4 if self.config.mixed_decode_attention and num_decodes < num_seqs else 0
         packed = PackedStep(host64, host32, (*offsets64, *offsets32), num_tokens, len(sample_indices), num_seqs,
-                            width, num_decodes == num_seqs, num_prev)
+                            width, num_decodes == num_seqs, num_prev, split)
         if self.ranks is not None:  # tensor parallel: every rank runs this step's forward on the same input
             self.ranks.ship(packed, prev_tokens)
         return self.to_device(packed, prev_tokens)
@@ -200,12 +205,17 @@ class ModelRunner:
             assert prev_tokens is not None
         else:
             prev_tokens = None
+        query_start_loc = i32[o_qsl : o_qsl + B + 1]
+        nd = packed.num_decodes
         meta = AttentionMetadata(
             slot_mapping=i64[o_slots : o_slots + T],
             block_tables=i32[o_tables : o_tables + B * width].view(B, width),
-            query_start_loc=i32[o_qsl : o_qsl + B + 1],
+            query_start_loc=query_start_loc,
             context_lens=i32[o_ctx : o_ctx + B],
             decode_only=packed.decode_only,
+            num_decodes=nd,
+            # (one small kernel a step; rows 0..nd-1 hold one token each, so the prompt chunks start at nd)
+            prompt_query_start_loc=query_start_loc[nd:] - nd if nd else None,
         )
         return ModelInput(input_ids, i64[o_pos : o_pos + T], meta, i64[o_samples : o_samples + N], prev_tokens)
 

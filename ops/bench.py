@@ -528,9 +528,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp8-m1-table", default=None,
                     help="JSON of FP8_FUSED_M1 entries (ops/bench_fp8_fused.py --pick) that replace the table of "
                          "engine/models/fused_decode.py for this run (a missing file leaves the table as it is)")
+    ap.add_argument("--heap", choices=["worker", "default"], default="worker",
+                    help="worker: freeze the heap after the warm start and raise the young GC threshold, as the worker "
+                         "does once loaded (settle_heap); default: Python's GC as it comes")
+    ap.add_argument("--mixed-split", default="on",
+                    help="EngineConfig.mixed_decode_attention for W2: on | off | a comma list (W2 once per setting on "
+                         "the same engine, in order; the last one is the table's W2 and --profile's)")
     args = ap.parse_args(argv)
     if args.fp8_m1_table:
         apply_fp8_m1_table(args.fp8_m1_table)
+    if any(s not in ("on", "off") for s in args.mixed_split.split(",")):
+        ap.error(f"--mixed-split: on, off or a comma list of them, got {args.mixed_split!r}")
     decodes = args.decode_kernels.split(",")
     for d in decodes:
         decode_setting(d)  # a typo fails here, before the floors and the weights
@@ -578,6 +586,9 @@ def main(argv: list[str] | None = None) -> int:
                                           decode=decodes[0])
     r["warm_startup"] = dict(eng.runner.startup)
     log(f"startup: {r['warm_startup']}")
+    r["heap"] = args.heap
+    if args.heap == "worker":
+        settle_heap()
     mc = eng.model_config
     # Bytes each decode step streams, as stored: FP8 weights (1 byte) and their float32 scales, the bf16
     # lm_head and norms; the embedding is gathered, not streamed.
@@ -603,11 +614,23 @@ def main(argv: list[str] | None = None) -> int:
             profile_w1(eng, vocab, args.prompt)
         return finish(eng, r, args, path, decodes, quantization)
 
-    # W2
+    # W2 (--mixed-split a,b: first once per other setting, on the same engine; the last one is the table's W2)
+    *others, last = args.mixed_split.split(",")
+    r["w2_by_mixed_split"] = {}
+    for setting in others:
+        eng.config.mixed_decode_attention = setting == "on"  # read by the runner at every step
+        ab_probe = StepProbe(eng)
+        again = run_requests(eng, random_prompts(args.w2_requests, args.prompt, vocab, 3), args.new, f"w2{setting}",
+                             ab_probe)
+        ab_probe.close()  # (restores the runner's methods before the next probe wraps them)
+        r["w2_by_mixed_split"][setting] = mixed_split_summary(again)
+        log(f"W2 with mixed split {setting}: {r['w2_by_mixed_split'][setting]}")
+    eng.config.mixed_decode_attention = last == "on"
     probe = StepProbe(eng)
     threads0 = thread_cpu()
     variants0 = triton_variants()
     w2 = run_requests(eng, random_prompts(args.w2_requests, args.prompt, vocab, 3), args.new, "w2", probe)
+    r["w2_by_mixed_split"][last] = mixed_split_summary(w2)
     r["triton_variants"] = {"before_w2": variants0, "after_w2": triton_variants()}
     r["w2_threads"] = busiest_threads(threads0, thread_cpu())
     r["w2_gpu"] = probe.close()
@@ -647,6 +670,10 @@ def main(argv: list[str] | None = None) -> int:
     return finish(eng, r, args, path, decodes, quantization)
 
 
+def mixed_split_summary(w2: dict[str, Any]) -> dict[str, Any]:
+    return {k: w2.get(k) for k in ("wall_s", "prefill_phase_s", "decode_phase_s", "cpu_cores")}
+
+
 def measure_w1(eng, args: argparse.Namespace, vocab: int, floor_ms: float) -> tuple[dict[str, Any], dict[str, Any]]:
     """W1 on `eng` -> (TPOT, TTFT, tok/s, wall and floor; the GPU idle probe's figures)."""
     run_requests(eng, random_prompts(1, args.prompt, vocab, 1), 16, "warm")  # compile prefill shapes
@@ -668,7 +695,22 @@ def w1_summary(w1: dict[str, Any], startup: dict[str, Any]) -> dict[str, Any]:
             "decode": startup.get("decode_kernels"), "graph_capture_s": startup.get("graph_capture_s")}
 
 
+_GC_YOUNG_THRESHOLD = 20_000  # worker/main.py's (net new tracked objects before a young collection)
+
+
+def settle_heap() -> None:
+    """The worker's heap policy once its engine is loaded (worker/main.settle_heap, not imported: the worker's
+    imports need packages the GPU machine lacks): everything alive is frozen, so a full collection no longer
+    walks torch's and the model's objects, and the young generation outgrows a step's burst. Without it W2 on
+    the H200 (18:20 UTC, ops/step_trace.py --gpu-account) had a full collection of 100-145 ms every ~22 decode
+    steps, each leaving the GPU idle 64-109 ms (0.75-0.80 s a run): a cost the worker does not have."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(_GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+
+
 def close_engine(eng) -> None:
+    gc.unfreeze()  # a frozen engine's reference cycles (its graphs, modules) are never collected: GPU memory kept
     eng.close()  # tensor parallel: its rank processes hold the other GPUs
     gc.collect()
     torch.cuda.empty_cache()
@@ -762,6 +804,17 @@ def w2_rows(r: dict[str, Any], args: argparse.Namespace) -> list[tuple[str, ...]
     ]
 
 
+def mixed_split_rows(r: dict[str, Any]) -> list[tuple[str, ...]]:
+    """One row per --mixed-split setting, when more than one ran."""
+    by = r.get("w2_by_mixed_split", {})
+    if len(by) < 2:
+        return []
+    floor = r["w2"]["floor_s"]
+    return [(f"W2, mixed split {name}", f"{v['wall_s']:.2f} s", f"{floor:.2f} s", "",
+             f"{v['wall_s'] / floor:.3f}x floor; prefill / decode phase {v.get('prefill_phase_s') or float('nan'):.2f} / "
+             f"{v.get('decode_phase_s') or float('nan'):.2f} s; CPU {v['cpu_cores']:.2f}") for name, v in by.items()]
+
+
 def print_table(r: dict[str, Any], args: argparse.Namespace) -> None:
     hf, w1 = r.get("hf", {}), r["w1"]
     ws = r["warm_startup"]
@@ -794,6 +847,7 @@ def print_table(r: dict[str, Any], args: argparse.Namespace) -> None:
         ),
         *w1_decode_rows(r),
         *(w2_rows(r, args) if "w2" in r else []),
+        *mixed_split_rows(r),
         (
             "W3 weights on GPU (warm)",
             f"{ws.get('load_s', 0):.2f} s",

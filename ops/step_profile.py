@@ -23,6 +23,7 @@ upload, the pending-token gather, static-buffer copies, sampling).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -199,6 +200,77 @@ def _profile_engine_steps(eng: Any, acts: list[ProfilerActivity], device: torch.
     wall = (time.perf_counter() - t0) / steps * 1e3
     return (f"{steps} whole engine decode steps as they run (graphs on where they fit; {wall:.2f} ms wall per "
             f"step): the replay is opaque, every other row ran eagerly around it\n" + kernel_table(prof, device))
+
+
+def _event_ms(device: torch.device, fn: Callable[[], Any], warm: int = 2, reps: int = 10) -> float:
+    """Mean device ms of fn() (CUDA events around reps calls); host ms on the CPU."""
+    for _ in range(warm):
+        fn()
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def mixed_attention_split(runner: Any, inp: Any, num_decodes: int) -> dict[str, float]:
+    """One layer's attention of a mixed step, timed four ways on layer 0's cache (random q: the time does not
+    depend on its values), ms per layer: the whole batch through the prefill kernel (what the step runs),
+    its decode rows alone and its prompt chunks alone through the same kernel, and the decode rows through
+    the decode kernel. Decode rows come first in the flat batch (model_runner.prepare)."""
+    from stoker.engine.kernels import paged_attention, paged_decode_attention
+
+    meta, device = inp.meta, runner.device
+    mc = runner.model_config
+    k_cache, v_cache = runner.kv_caches[0]
+    num_tokens = int(inp.input_ids.shape[0])
+    q = torch.randn(num_tokens, mc.num_heads, mc.head_dim, dtype=k_cache.dtype, device=device)
+    scale, nd = mc.head_dim**-0.5, num_decodes
+    bt, qsl, ctx = meta.block_tables, meta.query_start_loc, meta.context_lens
+    prompt_qsl = qsl[nd:] - nd  # the prompt chunks' query starts, relative to their first token
+    cases = {
+        "whole_batch_prefill_kernel": lambda: paged_attention(q, k_cache, v_cache, bt, qsl, ctx, scale),
+        "decode_rows_prefill_kernel": lambda: paged_attention(q[:nd], k_cache, v_cache, bt[:nd], qsl[: nd + 1],
+                                                              ctx[:nd], scale),
+        "prompt_chunks_prefill_kernel": lambda: paged_attention(q[nd:], k_cache, v_cache, bt[nd:], prompt_qsl,
+                                                                ctx[nd:], scale),
+        "decode_rows_decode_kernel": lambda: paged_decode_attention(q[:nd], k_cache, v_cache, bt[:nd], ctx[:nd],
+                                                                    scale),
+    }
+    with torch.inference_mode():
+        return {name: _event_ms(device, fn) for name, fn in cases.items()}
+
+
+def profile_mixed_step(runner: Any, inp: Any, num_decodes: int, composition: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """A mixed step's kernels (its forward again, eagerly, under the profiler: the same K/V rewritten to the
+    same slots) and its attention split (mixed_attention_split) -> (figures, text)."""
+    device = runner.device
+    whole = dataclasses.replace(inp, meta=dataclasses.replace(inp.meta, num_decodes=0, prompt_query_start_loc=None))
+    variants = {"as run": inp} | ({"whole batch in the prefill kernel": whole} if inp.meta.num_decodes else {})
+    tables, kernel_ms = [], {}
+    for name, variant in variants.items():
+        _sync(device)
+        with torch.inference_mode(), profile(activities=_activities(device)) as prof:
+            _eager_forward(runner, variant)
+            _sync(device)
+        kernel_ms[name] = _device_total_ms(prof, device)
+        tables.append(f"-- the step {name} (decode rows to the decode kernel: {variant.meta.num_decodes}), device "
+                      f"kernel time summed {kernel_ms[name]:.2f} ms\n" + kernel_table(prof, device))
+    layers = runner.model_config.num_layers
+    split = mixed_attention_split(runner, inp, num_decodes)
+    res = {"composition": composition, "kernel_ms": kernel_ms, "attention_ms_per_layer": split,
+           "attention_ms_per_step": {k: v * layers for k, v in split.items()}}
+    lines = [f"ONE mixed step ({composition}), eager under the profiler: device kernel time summed {kernel_ms}",
+             f"its attention, ms per layer / per step of {layers} layers:"]
+    lines += [f"  {k:<32}{v:>9.3f}{v * layers:>10.2f}" for k, v in split.items()]
+    return res, "\n".join(lines + tables)
 
 
 def main(argv: list[str] | None = None) -> int:

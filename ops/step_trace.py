@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -93,6 +94,82 @@ class SyncLog:
         warnings.showwarning = self._old
 
 
+class GpuAccount:
+    """Each launched step's GPU time and what it carried: a CUDA event before its input upload (prepare) and
+    one after its sampling is launched (_sample), so start..end is the stream time the step's work took, and
+    the previous step's end..this start is time the stream had nothing of ours queued (the GPU idle between
+    steps). Composition from the SchedulerOutput that prepare() gets: decode rows (one token past the prompt)
+    and their contexts, prompt chunks and their tokens and context ends. No events on a CPU dry run."""
+
+    def __init__(self, eng: Any) -> None:
+        import torch
+
+        self._torch = torch
+        self._cuda = eng.runner.device.type == "cuda"
+        self.rows: list[dict[str, Any]] = []
+        self._events: list[list[Any]] = []  # [start, end] per launched step
+        runner_prepare, engine_sample = eng.runner.prepare, eng._sample
+
+        def prepare(out: Any, *args: Any) -> Any:
+            self._events.append([self._event(), None])
+            self.rows.append(composition(out.chunks))
+            return runner_prepare(out, *args)
+
+        def sample(*args: Any) -> Any:
+            result = engine_sample(*args)
+            self._events[-1][1] = self._event()
+            return result
+
+        eng.runner.prepare, eng._sample = prepare, sample
+
+    def _event(self) -> Any:
+        if not self._cuda:
+            return None
+        ev = self._torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def close(self) -> list[dict[str, Any]]:
+        """-> one row per launched step: its composition, gpu_ms (start..end) and idle_before_ms."""
+        if self._cuda:
+            self._torch.cuda.synchronize()
+        prev_end = None
+        for row, (start, end) in zip(self.rows, self._events, strict=True):
+            if start is not None and end is not None:
+                row["gpu_ms"] = round(start.elapsed_time(end), 3)
+                row["idle_before_ms"] = None if prev_end is None else round(prev_end.elapsed_time(start), 3)
+            prev_end = end
+        return self.rows
+
+
+def composition(chunks: list[Any]) -> dict[str, Any]:
+    """What one step carries: decode rows (one token past the prompt) with their contexts after the step, and
+    prompt chunks with their tokens and context ends."""
+    decode_ctx = [c.start + 1 for c in chunks if c.num_tokens == 1 and c.start >= c.seq.num_prompt_tokens]
+    prompt = [(c.num_tokens, c.start + c.num_tokens) for c in chunks
+              if not (c.num_tokens == 1 and c.start >= c.seq.num_prompt_tokens)]
+    return {
+        "decode_rows": len(decode_ctx), "decode_ctx_mean": statistics.fmean(decode_ctx) if decode_ctx else 0.0,
+        "decode_ctx_max": max(decode_ctx, default=0), "prompt_chunks": len(prompt),
+        "prompt_tokens": sum(n for n, _ in prompt), "prompt_ctx_end_max": max((e for _, e in prompt), default=0),
+    }
+
+
+def account_summary(rows: list[dict[str, Any]], wall_ms: float) -> dict[str, Any]:
+    """The launched steps in two groups, those with prompt chunks (the prefill phase) and decode-only ones:
+    GPU ms of their work, idle ms before them, their count; and the whole run's wall vs GPU-busy ms."""
+    res: dict[str, Any] = {"wall_ms": wall_ms}
+    for name, group in (("prefill", [r for r in rows if r["prompt_tokens"]]),
+                        ("decode", [r for r in rows if not r["prompt_tokens"]])):
+        timed = [r for r in group if "gpu_ms" in r]
+        res[f"{name}_steps"] = len(group)
+        res[f"{name}_gpu_ms"] = sum(r["gpu_ms"] for r in timed)
+        res[f"{name}_idle_before_ms"] = sum(r["idle_before_ms"] or 0.0 for r in timed)
+        res[f"{name}_decode_rows"] = sum(r["decode_rows"] for r in group)
+    res["gpu_busy_share"] = (res["prefill_gpu_ms"] + res["decode_gpu_ms"]) / max(1e-9, wall_ms)
+    return res
+
+
 class GcClock:
     """Collections as (generation, ms), appended by gc.callbacks while installed."""
 
@@ -107,10 +184,12 @@ class GcClock:
             self.events.append((info["generation"], (time.perf_counter() - self._started) * 1000))
 
 
-def trace(eng: Any, prompts: list[list[int]], new: int,
-          phased: bool = False) -> tuple[list[dict[str, Any]], dict[str, list[int]]]:
-    """Runs the requests to the end. -> (one row per step, request id -> indexes of the steps that returned
-    its tokens). phased: each step also gets the host ms inside its parts (PhaseClock)."""
+def trace(eng: Any, prompts: list[list[int]], new: int, phased: bool = False,
+          window: KernelWindow | None = None,
+          max_steps: int | None = None) -> tuple[list[dict[str, Any]], dict[str, list[int]]]:
+    """Runs the requests to the end (or max_steps steps: the engine is then left mid-run, for a last probe).
+    -> (one row per step, request id -> indexes of the steps that returned its tokens). phased: each step also
+    gets the host ms inside its parts (PhaseClock); window: the steps it names run under torch.profiler."""
     from stoker.engine import EngineRequest, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
@@ -122,10 +201,13 @@ def trace(eng: Any, prompts: list[list[int]], new: int,
     steps: list[dict[str, Any]] = []
     token_steps: dict[str, list[int]] = {}
     try:
-        while eng.has_unfinished():
+        while eng.has_unfinished() and (max_steps is None or len(steps) < max_steps):
             seen = len(clock.events)
+            if window is not None:
+                window.before(len(steps))
             t0 = time.perf_counter()
-            outputs = eng.step()
+            with window.annotate(len(steps)) if window is not None else contextlib.nullcontext():
+                outputs = eng.step()
             t1 = time.perf_counter()
             stats = eng.stats()
             with_tokens = 0
@@ -139,7 +221,114 @@ def trace(eng: Any, prompts: list[list[int]], new: int,
                           **({"phases_ms": phases.take()} if phases else {})})
     finally:
         gc.callbacks.remove(clock)
+        if window is not None:
+            window.stop()
     return steps, token_steps
+
+
+def kernel_category(name: str) -> str:
+    """A kernel's share of a step, by its name (cuBLAS/CUTLASS GEMMs, our Triton kernels, copies)."""
+    rules = (("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "splitkreduce")),
+             ("prefill attention", ("_prefill_kernel",)), ("decode attention", ("_decode_split", "_decode_reduce")),
+             ("rmsnorm", ("rms",)), ("silu-mul", ("silu",)), ("rotary + cache", ("rotary", "cache")),
+             ("gemv", ("gemv",)), ("sampling", ("argmax", "max_", "reduce", "softmax", "sampl")),
+             ("copy / set", ("memcpy", "memset", "copy", "fill", "elementwise", "index", "gather", "where")))
+    low = name.lower()
+    for category, keys in rules:
+        if any(k in low for k in keys):
+            return category
+    return "other"
+
+
+class KernelWindow:
+    """torch.profiler over steps [first, last) of a trace; each step() call inside a record_function range,
+    so each kernel is charged to the step whose host call launched it (the launch's correlation id, matched
+    to the range that holds the launch's host timestamp). -> per step: kernel ms by category, the GPU span
+    from its first kernel's start to its last one's end, and the idle time inside and before it (the union
+    of kernel intervals against the span)."""
+
+    def __init__(self, first: int, last: int, trace_path: str) -> None:
+        self.first, self.last, self.trace_path = first, last, trace_path
+        self._prof: Any = None
+        self.steps: list[dict[str, Any]] = []
+        self.error: str | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._prof is not None
+
+    def before(self, index: int) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        if index == self.first and self._prof is None:
+            cuda = torch.cuda.is_available()  # a CPU dry run profiles host ops only (no kernel rows)
+            if cuda:
+                torch.cuda.synchronize()
+            self._prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+            self._prof.__enter__()
+        elif index == self.last:
+            self.stop()
+
+    def annotate(self, index: int) -> Any:
+        from torch.profiler import record_function
+
+        return record_function(f"stoker_step_{index}") if self._prof is not None else contextlib.nullcontext()
+
+    def stop(self) -> None:
+        import torch
+
+        if self._prof is None:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        prof, self._prof = self._prof, None
+        try:  # the window's figures are a bonus: a profiler failure must not lose the run's account
+            prof.__exit__(None, None, None)
+            prof.export_chrome_trace(self.trace_path)
+            with open(self.trace_path) as f:
+                self.steps = kernel_steps(json.load(f)["traceEvents"])
+        except Exception as e:
+            self.error = f"{type(e).__name__}: {e}"[:300]
+
+
+def kernel_steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chrome-trace events -> one row per annotated step (see KernelWindow)."""
+    ranges = sorted((e["ts"], e["ts"] + e["dur"], int(e["name"].rsplit("_", 1)[1])) for e in events
+                    if e.get("ph") == "X" and str(e.get("name", "")).startswith("stoker_step_")
+                    and e.get("cat") == "user_annotation")
+    launch_step: dict[int, int] = {}
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
+            for lo, hi, index in ranges:
+                if lo <= e["ts"] <= hi:
+                    launch_step[e["args"]["correlation"]] = index
+                    break
+    by_step: dict[int, list[tuple[float, float, str]]] = {}
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("ph") == "X":
+            index = launch_step.get(e.get("args", {}).get("correlation", -1))
+            if index is not None:
+                by_step.setdefault(index, []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    rows, prev_end = [], None
+    for index in sorted(by_step):
+        kernels = sorted(by_step[index])
+        busy, cursor = 0.0, kernels[0][0]
+        for lo, hi, _ in kernels:  # the union of the kernel intervals (streams may overlap)
+            if hi > cursor:
+                busy += hi - max(lo, cursor)
+                cursor = hi
+        categories: dict[str, float] = {}
+        for lo, hi, name in kernels:
+            cat = kernel_category(name)
+            categories[cat] = categories.get(cat, 0.0) + (hi - lo) / 1000
+        span = (max(hi for _, hi, _ in kernels) - kernels[0][0]) / 1000
+        rows.append({"step": index, "kernels": len(kernels), "kernel_ms": sum(categories.values()),
+                     "span_ms": span, "idle_inside_ms": span - busy / 1000,
+                     "idle_before_ms": None if prev_end is None else (kernels[0][0] - prev_end) / 1000,
+                     "by_category_ms": {k: round(v, 3) for k, v in sorted(categories.items(), key=lambda kv: -kv[1])}})
+        prev_end = max(hi for _, hi, _ in kernels)
+    return rows
 
 
 def gaps_of(steps: list[dict[str, Any]], token_steps: dict[str, list[int]]) -> list[tuple[float, int, int]]:
@@ -192,6 +381,51 @@ def report(res: dict[str, Any], steps: list[dict[str, Any]], top: int) -> None:
             print(f"{i:>6}{st['ms']:>10.1f}{st['tokens']:>8}{st['mixed']!s:>7}{st['running']:>9}  {st['phases_ms']}")
 
 
+class MixedBench:
+    """After the first launched mixed step with at least `rows` decode rows: step_profile.profile_mixed_step on
+    its input (a sync and a few hundred ms of extra GPU work: that step is marked perturbed in the account)."""
+
+    def __init__(self, eng: Any, account: GpuAccount | None, rows: int, window: KernelWindow | None = None) -> None:
+        """window: the bench waits until it is closed (a profiler inside another one ends both)."""
+        self.launch: int | None = None
+        self.result: dict[str, Any] | None = None
+        self.text: str | None = None
+        runner, forward = eng.runner, eng.runner.forward
+
+        def hooked(inp: Any) -> Any:
+            logits = forward(inp)
+            comp = account.rows[-1] if account is not None else None
+            quiet = window is None or not window.active
+            if self.result is None and quiet and comp is not None and comp["prompt_tokens"] \
+                    and comp["decode_rows"] >= rows:
+                from step_profile import profile_mixed_step
+
+                self.launch = len(account.rows) - 1
+                self.result, self.text = profile_mixed_step(runner, inp, comp["decode_rows"], dict(comp))
+            return logits
+
+        runner.forward = hooked
+
+
+def report_account(acc: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    print("\nGPU account (CUDA events per launched step):",
+          ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in acc.items()))
+    print(f"{'launch':>6}{'gpu ms':>9}{'idle ms':>9}{'decodes':>8}{'dec ctx':>8}{'chunks':>7}{'prompt tok':>11}")
+    for i, r in enumerate(rows):
+        if r["prompt_tokens"] or i % 32 == 0:  # every prefill-phase step, every 32nd decode step
+            idle = r.get("idle_before_ms")
+            print(f"{i:>6}{r.get('gpu_ms', float('nan')):>9.2f}{idle if idle is not None else float('nan'):>9.2f}"
+                  f"{r['decode_rows']:>8}{r['decode_ctx_mean']:>8.0f}{r['prompt_chunks']:>7}{r['prompt_tokens']:>11}"
+                  f"{'  ' + r['perturbed'] if 'perturbed' in r else ''}")
+
+
+def report_window(rows: list[dict[str, Any]]) -> None:
+    print("\nkernel window (torch.profiler): per step kernel ms by category")
+    for r in rows:
+        print(f"step {r['step']}: {r['kernels']} kernels, {r['kernel_ms']:.2f} ms, span {r['span_ms']:.2f}, idle "
+              f"inside {r['idle_inside_ms']:.2f}, before {r['idle_before_ms']}; {r['by_category_ms']}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="8b", help="ops/bench.py shape: 8b | 1b | tiny")
@@ -207,6 +441,21 @@ def main(argv: list[str] | None = None) -> None:
                     "sample / finish (which part waits on the GPU)")
     ap.add_argument("--sync-debug", action="store_true",
                     help="torch.cuda.set_sync_debug_mode('warn') during the timed run: synchronizing ops by call site")
+    ap.add_argument("--gpu-account", action="store_true",
+                    help="CUDA events around each launched step: GPU ms, idle before it, and its composition "
+                         "(decode rows, contexts, prompt tokens): the prefill phase's wall vs GPU time")
+    ap.add_argument("--kernel-window", default=None, metavar="FIRST:LAST",
+                    help="steps [FIRST, LAST) under torch.profiler: per step kernel ms by category, GPU span, idle")
+    ap.add_argument("--mixed-bench-rows", type=int, default=0,
+                    help="the first mixed step with at least this many decode rows: its kernel table and its "
+                         "attention timed whole / decode rows / prompt chunks / decode kernel (step_profile.py)")
+    ap.add_argument("--ab-mixed-split", action="store_true",
+                    help="run the requests twice on one engine: EngineConfig.mixed_decode_attention off, then on")
+    ap.add_argument("--settle-heap", action="store_true",
+                    help="freeze the heap after the warm-up, as the worker does once loaded (bench.settle_heap)")
+    ap.add_argument("--probe-steps", type=int, default=40,
+                    help="with --ab-mixed-split: the probe run (window, mixed bench) stops after this many steps")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON and tables (default $OUT)")
     args = ap.parse_args(argv)
     import bench
     from stoker.engine import LLMEngine
@@ -218,19 +467,82 @@ def main(argv: list[str] | None = None) -> None:
                                         max_num_batched_tokens=args.max_num_batched_tokens))
     vocab = eng.model_config.vocab_size
     trace(eng, bench.random_prompts(2, args.prompt, vocab, 7), 4)  # first compiles and graph buckets: untimed
+    if args.settle_heap:
+        bench.settle_heap()
     prompts = bench.random_prompts(args.requests, args.prompt, vocab, 1)
+    # --ab-mixed-split: the same requests on one engine, the mixed steps' attention whole then split, each run
+    # with the per-step account only; then the probes (--kernel-window, --mixed-bench-rows) in a run of their
+    # own, cut after --probe-steps steps. Without it: one run with every instrument asked for.
+    if args.ab_mixed_split:
+        settings = [("split off", False, False), ("split on", True, False)]
+        if args.kernel_window or args.mixed_bench_rows:
+            settings.append(("probe, split on", True, True))
+    else:
+        settings = [("", None, True)]
+    runs: dict[str, Any] = {}
+    for label, split, probes in settings:
+        if split is not None:
+            eng.config.mixed_decode_attention = split  # read by runner.prepare at every step
+            print(f"\n===== {label}: EngineConfig.mixed_decode_attention = {split}", flush=True)
+        runs[label] = traced_run(eng, args, prompts, label.replace(" ", "_").replace(",", ""), probes,
+                                 args.probe_steps if args.ab_mixed_split and probes else None)
+        if args.json_out:  # after each run: a run cut short by a timeout keeps the ones before
+            body = runs.get("", {"runs": runs})
+            Path(args.json_out).write_text(json.dumps({"args": vars(args), **body}, indent=1))
+
+
+def traced_run(eng: Any, args: argparse.Namespace, prompts: list[list[int]], tag: str, probes: bool,
+               max_steps: int | None) -> dict[str, Any]:
+    """One traced run of the requests with the instruments args asks for (the kernel window and the mixed-step
+    bench only with probes), reported; the engine's methods are restored after (the instruments wrap them as
+    instance attributes). -> its JSON body."""
+    saved = {(obj, name): obj.__dict__.get(name) for obj in (eng, eng.runner, eng.scheduler)
+             for name in ("prepare", "forward", "_sample", "_finish_step", "schedule")}
     syncs = SyncLog() if args.sync_debug else contextlib.nullcontext()
-    with syncs:
-        steps, token_steps = trace(eng, prompts, args.new, phased=args.phases)
+    out_dir = Path(args.out or ".")
+    account = GpuAccount(eng) if args.gpu_account else None
+    window = None
+    if args.kernel_window and probes:
+        first, last = (int(x) for x in args.kernel_window.split(":"))
+        window = KernelWindow(first, last, str(out_dir / f"kernel_window_trace{tag and '_' + tag}.json"))
+    mixed = MixedBench(eng, account, args.mixed_bench_rows, window) if args.mixed_bench_rows and probes else None
+    t0 = time.perf_counter()
+    try:
+        with syncs:
+            steps, token_steps = trace(eng, prompts, args.new, phased=args.phases, window=window,
+                                       max_steps=max_steps)
+    finally:
+        for (obj, name), value in saved.items():
+            if value is None:
+                obj.__dict__.pop(name, None)
+            else:
+                obj.__dict__[name] = value
+    wall_ms = (time.perf_counter() - t0) * 1000
     res = summarize(steps, gaps_of(steps, token_steps))
     report(res, steps, args.top)
+    extra: dict[str, Any] = {}
+    if account is not None:
+        rows = account.close()
+        if mixed is not None and mixed.launch is not None:
+            rows[mixed.launch]["perturbed"] = "mixed bench ran after its forward"
+        extra["account"] = account_summary([r for r in rows if "perturbed" not in r], wall_ms)
+        extra["launched"] = rows
+        report_account(extra["account"], rows)
+    if window is not None:
+        extra["kernel_window"] = window.steps
+        extra["kernel_window_error"] = window.error
+        report_window(window.steps)
+        if window.error:
+            print(f"kernel window failed: {window.error}")
+    if mixed is not None:
+        extra["mixed_step"] = mixed.result
+        print("\n" + (mixed.text or f"no mixed step had {args.mixed_bench_rows} decode rows"))
     if isinstance(syncs, SyncLog):
         res["sync_sites"] = syncs.sites
         print("\nsynchronizing ops (torch sync debug mode) by call site:")
         for site, n in sorted(syncs.sites.items(), key=lambda kv: -kv[1]):
             print(f"{n:>8}  {site}")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"args": vars(args), "summary": res, "steps": steps}, indent=1))
+    return {"summary": res, "steps": steps, **extra}
 
 
 if __name__ == "__main__":

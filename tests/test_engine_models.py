@@ -149,3 +149,29 @@ def test_requests_join_and_leave_mid_batch(arch, overlap):
         for rid, p, n in reqs:
             assert tokens(out[rid]) == reference(arch, p, n), rid
             assert out[rid][-1].completion_tokens == n
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "whole"])
+def test_mixed_steps_decode_rows_split(arch, overlap, split):
+    """Decode rows sharing steps with prompt chunks (requests join a running batch with chunked prompts): with
+    mixed_decode_attention they go through the decode attention path, the chunks through the prefill path."""
+    ps = PROMPTS
+    engine = engine_for(arch[1], overlap, max_num_batched_tokens=12, mixed_decode_attention=split)
+    splits: list[int] = []
+    to_device = engine.runner.to_device
+
+    def spy(packed, prev_tokens):
+        splits.append(packed.num_decodes)
+        return to_device(packed, prev_tokens)
+
+    engine.runner.to_device = spy  # type: ignore[method-assign]
+    # Five short prompts decode while two long ones are prefilled in chunks of what the budget leaves (the split
+    # takes a multiple of 4 decode rows, the rest stay with the prompt chunks).
+    short = [("a", ps[0], MAX_NEW), ("b", ps[4], MAX_NEW), ("c", ps[2][:4], MAX_NEW), ("d", ps[4], 6),
+             ("e", ps[0][:2], MAX_NEW)]
+    plan = {0: short, 2: [("f", ps[3], MAX_NEW)], 4: [("g", ps[1], 5)]}
+    out = run(engine, plan)
+    assert any(splits) is split, splits
+    for reqs in plan.values():
+        for rid, p, n in reqs:
+            assert tokens(out[rid]) == reference(arch, p, n), rid

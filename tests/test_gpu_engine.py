@@ -327,3 +327,41 @@ def test_mixed_steps_compile_no_new_triton_variants_and_waits_sleep(llama) -> No
     before = variants()
     run([torch.randint(2, VOCAB, (n,), generator=gen).tolist() for n in (7, 12, 33, 3, 18, 1, 64)])
     assert variants() == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("split", [True, False], ids=["split", "whole"])
+def test_fp32_greedy_tokens_match_transformers_in_mixed_steps(llama, split: bool) -> None:
+    """Requests join a decoding batch with prompts chunked over several steps (a small token budget), so mixed
+    steps carry >= 4 decode rows: with mixed_decode_attention they run the decode kernel, the chunks the prefill
+    kernel; greedy tokens equal transformers either way (the split is checked to have happened)."""
+    from stoker.engine import EngineRequest, SamplingParams
+
+    path, hf = llama
+    hf = hf.to("cuda")
+    engine = _engine(path, "float32", max_num_batched_tokens=24, mixed_decode_attention=split)
+    splits: list[int] = []
+    to_device = engine.runner.to_device
+    engine.runner.to_device = lambda packed, prev: (splits.append(packed.num_decodes), to_device(packed, prev))[1]
+    gen = torch.Generator().manual_seed(4)
+    plan = {0: (3, 6, 2, 9, 4), 3: (45,), 6: (70, 1)}  # step -> prompt lengths added before it
+    prompts: dict[str, list[int]] = {}
+    got: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished() or step <= max(plan):
+        for n in plan.get(step, ()):
+            rid = f"m{len(prompts)}"
+            prompts[rid] = torch.randint(2, VOCAB, (n,), generator=gen).tolist()
+            got[rid] = []
+            engine.add_request(EngineRequest(rid, prompt_token_ids=prompts[rid],
+                                             params=SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)))
+        for out in engine.step():
+            assert out.error_code is None, out.error_message
+            got[out.request_id] += out.new_token_ids
+        step += 1
+    assert any(splits) is split, splits
+    for rid, ids in prompts.items():
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=16, do_sample=False)
+        assert got[rid] == want[0, len(ids) :].tolist(), rid

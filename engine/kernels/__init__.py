@@ -91,9 +91,14 @@ def paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    op = paged_attention_triton if use_triton(q) else paged_attention_ref
-    return op(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, k_scale, v_scale)
+    """out: where to write [T, Hq, D] (a view of a larger output); None allocates."""
+    if use_triton(q):
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+                                      k_scale, v_scale, out=out)
+    return _into(out, paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+                                          k_scale, v_scale))
 
 
 def paged_decode_attention(
@@ -106,12 +111,25 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """counters: the fused combine's (attention.decode_combine_counters); the reference needs none."""
+    """counters: the fused combine's (attention.decode_combine_counters); the reference needs none. out: as for
+    paged_attention."""
     if use_triton(q):
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                             k_scale=k_scale, v_scale=v_scale, counters=counters)
-    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
+                                             k_scale=k_scale, v_scale=v_scale, counters=counters, out=out)
+    return _into(out, paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale,
+                                                 v_scale))
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """A reference's result written into the caller's `out` (when given), as the Triton launchers do."""
+    if out is None:
+        return result
+    if out.shape != result.shape or out.dtype != result.dtype:
+        raise ValueError(f"attention: out must be {tuple(result.shape)} {result.dtype}, "
+                         f"got {tuple(out.shape)} {out.dtype}")
+    return out.copy_(result)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,8 @@ h // (Hq // Hkv) (GQA).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from stoker.engine.kernels._triton import check_launchable, tl, triton
 from stoker.engine.kernels.kv_fp8_tiles import (
@@ -409,6 +411,17 @@ def _check_counters(counters: torch.Tensor, needed: int, device: torch.device) -
                          f"B * Hkv = {needed}; make them with decode_combine_counters(max_batch, ...)")
 
 
+def _check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """The launchers' output: `out` when it fits q (the kernels write through its row and head strides), else a
+    new uninitialized tensor (every row is written)."""
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(2) != 1:
+        raise ValueError(f"attention: out must be {tuple(q.shape)} {q.dtype} on {q.device} with a contiguous "
+                         f"head_dim, got {tuple(out.shape)} {out.dtype} on {out.device}")
+    return out
+
+
 def paged_decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -421,13 +434,14 @@ def paged_decode_attention_triton(
     v_scale: torch.Tensor | None = None,
     fp8_config: Fp8AttentionConfig | None = None,
     counters: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """num_splits: None picks from the shapes (decode_num_splits); tests force 1 or several. k_scale/v_scale:
     an FP8 cache's scales (kv_quant.py), ignored for a cache in q's dtype. fp8_config: the FP8 cache's
     conversion and tile (kv_fp8_tiles.py; None: its DEFAULT_DECODE); benches and tests pick others. counters: a
     zeroed int32 buffer of >= B * Hkv entries (decode_combine_counters) that the kernel leaves zeroed: with it
     the last split of each (sequence, kv head) combines the partials (one launch); without it a second kernel
-    does."""
+    does. out: where to write [B, Hq, D] (a view of a mixed step's output); None allocates."""
     _check_cache(q, k_cache, v_cache, k_scale, v_scale)
     if q.shape[0] != context_lens.shape[0] or block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
         raise ValueError(f"decode attention: q [B, Hq, D], block_tables [B, max_blocks], context_lens [B] "
@@ -435,7 +449,7 @@ def paged_decode_attention_triton(
     _check_kernel_inputs(q, k_cache, v_cache, block_tables, context_lens)
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    out = torch.empty(batch, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+    out = _check_out(out, q)
     if batch == 0:
         return out
     group = num_q_heads // num_kv_heads
@@ -574,6 +588,27 @@ def _prefill_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask)
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillTiles:
+    """The prefill kernel's CUDA launch: query rows per program (block_m // GROUP tokens x the GROUP query heads of
+    one kv head), keys per loop step, warps, software-pipeline stages."""
+
+    block_m: int = 64
+    tile_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @property
+    def label(self) -> str:
+        return f"m{self.block_m} n{self.tile_n} w{self.num_warps} s{self.num_stages}"
+
+
+# 64 rows x 64 keys x 128 dims in 16 bits keeps q, k, v tiles at 16 KiB each (fits with 4 warps): 188.9 us a
+# layer at W2's 8,192-token step (182 TFLOP/s, H200, 18:20 UTC, ops/bench_prefill_attention.py); the sweep's best,
+# m128 n32 w4 s3, 173.6 us: ~0.03 s of W2, not worth a change (BENCHMARKS.md).
+PREFILL_TILES = PrefillTiles()
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -586,9 +621,12 @@ def paged_attention_triton(
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     fp8_config: Fp8AttentionConfig | None = None,
+    tiles: PrefillTiles | None = None,
 ) -> torch.Tensor:
     """out: where to write [T, Hq, D] (every row is written, padding rows with zeros); None allocates.
-    fp8_config: as for paged_decode_attention_triton (None: kv_fp8_tiles.DEFAULT_PREFILL)."""
+    fp8_config: as for paged_decode_attention_triton (None: kv_fp8_tiles.DEFAULT_PREFILL). tiles: the CUDA
+    launch's tiles for a cache in q's dtype (None: PREFILL_TILES; benches sweep others); an FP8 cache takes its
+    key tile, warps and stages from fp8_config, its query rows from tiles."""
     _check_cache(q, k_cache, v_cache, k_scale, v_scale)
     _check_batch(q.shape[0], block_tables, query_start_loc, context_lens)
     _check_kernel_inputs(q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
@@ -597,18 +635,14 @@ def paged_attention_triton(
     num_seqs = context_lens.shape[0]
     # Empty, not zeros: the kernel writes every row, the batch padding's (past query_start_loc[-1]) with
     # zeros like the reference. A memset of T*Hq*D was ~67 MB per layer per 8k-token step at the 8B shape.
-    if out is None:
-        out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(2) != 1:
-        raise ValueError(f"attention: out must be {tuple(q.shape)} {q.dtype} on {q.device} with a contiguous "
-                         f"head_dim, got {tuple(out.shape)} {out.dtype} on {out.device}")
+    out = _check_out(out, q)
     if num_tokens == 0:
         return out
     if num_seqs == 0:
         return out.zero_()
     group = num_q_heads // num_kv_heads
-    # 64 rows x 64 keys x 128 dims in fp16 keeps q, k, v tiles at 16 KiB each (fits with 4 warps).
-    block_m = 64 if q.is_cuda else 16
+    tiles = tiles or PREFILL_TILES
+    block_m = tiles.block_m if q.is_cuda else 16  # the interpreter pays per element: small tiles keep tests fast
     block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     num_tiles = num_tokens // block_q + num_seqs
@@ -617,7 +651,9 @@ def paged_attention_triton(
     pad_rows = 64 if q.is_cuda else 16
     fp8 = is_fp8_cache(k_cache)
     fp8_args, launch = _fp8_launch(fp8, fp8_config or DEFAULT_PREFILL, q, decode=False)
-    tile_n = 64 if q.is_cuda else 16
+    tile_n = tiles.tile_n if q.is_cuda else 16
+    if not fp8 and q.is_cuda:
+        launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
     if fp8 and q.is_cuda:
         tile_n = (fp8_config or DEFAULT_PREFILL).tile_n
     k_scale_arg, v_scale_arg = (k_scale, v_scale) if fp8 else (out, out)  # placeholders when not FP8

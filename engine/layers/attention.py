@@ -63,10 +63,30 @@ class PagedAttention(WeightModule):
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale, self.k_scale, self.v_scale,
                 self._counters_for(q),
             )
+        if meta.num_decodes:
+            return self._mixed(q, k_cache, v_cache, meta)
         return kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, self.scale,
             self.k_scale, self.v_scale,
         )
+
+    def _mixed(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """A mixed step: its first num_decodes rows (one query token each) through the decode kernel, the prompt
+        chunks after them through the prefill kernel, each into its rows of one output."""
+        nd = meta.num_decodes
+        assert meta.prompt_query_start_loc is not None  # set by the runner whenever num_decodes is
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        kernels.paged_decode_attention(
+            q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], self.scale, self.k_scale,
+            self.v_scale, self._counters_for(q[:nd]), out=out[:nd],
+        )
+        kernels.paged_attention(
+            q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prompt_query_start_loc, meta.context_lens[nd:],
+            self.scale, self.k_scale, self.v_scale, out=out[nd:],
+        )
+        return out
 
     def _counters_for(self, q: torch.Tensor) -> torch.Tensor | None:
         """The fused combine's counters for a decode batch of q.shape[0] sequences, or None for the two-kernel

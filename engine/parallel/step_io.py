@@ -13,12 +13,13 @@ from stoker.engine.batch import PackedStep
 from stoker.engine.parallel.comm import IDLE_WAIT, RankComm
 
 OP_STEP, OP_STOP = 1, 2
-_HEADER_LEN = 16  # op, len64, len32, 7 offsets, tokens, samples, seqs, width, decode_only, num_prev
+_HEADER_LEN = 17  # op, len64, len32, 7 offsets, tokens, samples, seqs, width, decode_only, num_prev, num_decodes
 
 
 def ship(comm: RankComm, packed: PackedStep, prev_tokens: torch.Tensor | None) -> None:
     header = [OP_STEP, len(packed.host64), len(packed.host32), *packed.offsets, packed.num_tokens,
-              packed.num_samples, packed.num_seqs, packed.width, int(packed.decode_only), packed.num_prev]
+              packed.num_samples, packed.num_seqs, packed.width, int(packed.decode_only), packed.num_prev,
+              packed.num_decodes]
     comm.broadcast_control(torch.tensor(header, dtype=torch.int64))
     comm.broadcast_control(torch.from_numpy(packed.host64))
     comm.broadcast_control(torch.from_numpy(packed.host32))
@@ -42,9 +43,9 @@ def receive(comm: RankComm) -> tuple[PackedStep, torch.Tensor | None] | None:
         raise RuntimeError(f"tensor-parallel step header with unknown op {header[0]} (ranks out of step?)")
     host64 = comm.broadcast_control(torch.zeros(header[1], dtype=torch.int64)).numpy()
     host32 = comm.broadcast_control(torch.zeros(header[2], dtype=torch.int32)).numpy()
-    tokens, samples, seqs, width, decode_only, num_prev = header[10:16]
+    tokens, samples, seqs, width, decode_only, num_prev, num_decodes = header[10:17]
     packed = PackedStep(np.asarray(host64), np.asarray(host32), tuple(header[3:10]),
-                        tokens, samples, seqs, width, bool(decode_only), num_prev)
+                        tokens, samples, seqs, width, bool(decode_only), num_prev, num_decodes)
     prev = None
     if num_prev:
         prev = comm.broadcast_compute(torch.zeros(num_prev, dtype=torch.int64, device=comm.device))
