@@ -41,14 +41,15 @@ def _cold_first_mask_s(compiler: GrammarCompiler, guided: GuidedDecoding) -> flo
     return time.process_time() - started
 
 
-def test_a_requests_first_mask_comes_from_the_compile_side(model_path):
-    engine = engine_for(model_path)
-    guided = GuidedDecoding("json_schema", ANY_OF)
+def _first_fill_s(path: str, guided: GuidedDecoding) -> tuple[float, float]:
+    """On a fresh engine (its own grammar cache): the process CPU of the prefill step's mask fill for one request
+    whose grammar the compile side prepared, and of a cold first mask of the same schema (its cost if the compile
+    side had not computed it)."""
+    engine = engine_for(path)
     request = EngineRequest("r", prompt="x", params=SamplingParams(max_tokens=1, temperature=0, guided=guided))
     engine.prepare_grammar(request)  # what worker.grammar_gate runs on a compile thread, under its time bound
     compiler = engine.grammar_compiler()
     cold = min(_cold_first_mask_s(compiler, guided) for _ in range(2))
-    assert cold > 0.01, f"the schema's first mask should be expensive for this test to mean anything ({cold:.4f} s)"
     fills: list[float] = []
     fill = compiler.fill_bitmasks
 
@@ -61,7 +62,18 @@ def test_a_requests_first_mask_comes_from_the_compile_side(model_path):
     engine.add_request(request)
     engine.step()  # the prefill step samples the first token: the first mask
     assert fills, "the step computed no mask"
-    assert fills[0] < cold / 10, f"first mask's CPU on the engine's step {fills[0] * 1e3:.2f} ms, cold {cold * 1e3:.2f} ms"
+    return fills[0], cold
+
+
+def test_a_requests_first_mask_comes_from_the_compile_side(model_path):
+    # Process CPU counts every thread of the test process (threads left by earlier tests in a full run too), so
+    # one sample can be inflated: the least of three fresh engines is compared (each engine's grammar cache
+    # starts cold, so a first mask left to the step would be cold in all three).
+    guided = GuidedDecoding("json_schema", ANY_OF)
+    samples = [_first_fill_s(model_path, guided) for _ in range(3)]
+    fill, cold = min(f for f, _ in samples), min(c for _, c in samples)
+    assert cold > 0.01, f"the schema's first mask should be expensive for this test to mean anything ({cold:.4f} s)"
+    assert fill < cold / 10, f"first mask's CPU on the engine's step {fill * 1e3:.2f} ms, cold {cold * 1e3:.2f} ms"
 
 
 # Cannot close within the tokens asked for: the requests run to max_tokens with a live matcher all the way.
