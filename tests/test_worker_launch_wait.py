@@ -18,6 +18,7 @@ from stoker.schemas import Done
 from stoker.worker.driver import EngineDriver
 from stoker.worker.fake_engine import FakeEngine
 from stoker.worker.redis_io import Admission
+from stoker.worker.service import Worker
 from worker_harness import ROOT, check_sequence, job, produce, running_worker, stack_fixtures, wait_results
 
 space, r = stack_fixtures()
@@ -168,21 +169,27 @@ async def test_after_a_first_token_the_next_step_waits_for_its_publish_at_most_f
 
 
 # -- the worker -----------------------------------------------------------------------------------------------
+def time_claims(worker: Worker) -> dict[str, float]:
+    """Wrap the running worker's claim round: job id -> when its claim went out (filled as the worker runs)."""
+    assert worker.rio is not None
+    claimed: dict[str, float] = {}
+    admit = worker.rio.admit
+
+    async def timed_admit(ids: list[str]) -> list[tuple[Admission, int]]:
+        claimed.update(dict.fromkeys(ids, time.time()))
+        return await admit(ids)
+
+    worker.rio.admit = timed_admit  # type: ignore[method-assign]
+    return claimed
+
+
 @pytest.mark.stack
 @pytest.mark.timeout(120)
 async def test_a_job_that_wakes_an_idle_engine_is_claimed_after_its_launch_and_runs_as_before(space, r):
     names = space.names
     engine = LaunchingEngine(launch_s=0.15)
-    claimed: dict[str, float] = {}
     async with running_worker(space, engine, claim_after_launch_s=1.0) as worker:
-        assert worker.rio is not None
-        admit = worker.rio.admit
-
-        async def timed_admit(ids: list[str]) -> list[tuple[Admission, int]]:
-            claimed.update(dict.fromkeys(ids, time.time()))
-            return await admit(ids)
-
-        worker.rio.admit = timed_admit  # type: ignore[method-assign]
+        claimed = time_claims(worker)
         await produce(space.bootstrap, names.jobs_topic, [job("a", max_tokens=5)])
         results = await wait_results(r, names, ["a"], timeout=30)
     launched = next(at for at, ids in engine.returns if "a" in ids)
@@ -198,16 +205,8 @@ async def test_a_job_that_wakes_an_idle_engine_is_claimed_after_its_launch_and_r
 async def test_the_claim_waits_for_the_launch_no_longer_than_claim_after_launch_s(space, r):
     names = space.names
     engine = LaunchingEngine(launch_s=1.0)
-    claimed: dict[str, float] = {}
     async with running_worker(space, engine, claim_after_launch_s=0.05) as worker:
-        assert worker.rio is not None
-        admit = worker.rio.admit
-
-        async def timed_admit(ids: list[str]) -> list[tuple[Admission, int]]:
-            claimed.update(dict.fromkeys(ids, time.time()))
-            return await admit(ids)
-
-        worker.rio.admit = timed_admit  # type: ignore[method-assign]
+        claimed = time_claims(worker)
         await produce(space.bootstrap, names.jobs_topic, [job("a", max_tokens=3)])
         results = await wait_results(r, names, ["a"], timeout=30)
     launched = next(at for at, ids in engine.returns if "a" in ids)
@@ -222,16 +221,9 @@ async def test_by_default_the_claim_goes_out_at_once_even_to_an_overlapped_engin
     that woke an idle engine leaves before the step that took it in returns."""
     names = space.names
     engine = LaunchingEngine(launch_s=1.0)
-    claimed: dict[str, float] = {}
     async with running_worker(space, engine) as worker:
-        assert worker.rio is not None and worker.cfg.claim_after_launch_s == 0
-        admit = worker.rio.admit
-
-        async def timed_admit(ids: list[str]) -> list[tuple[Admission, int]]:
-            claimed.update(dict.fromkeys(ids, time.time()))
-            return await admit(ids)
-
-        worker.rio.admit = timed_admit  # type: ignore[method-assign]
+        assert worker.cfg.claim_after_launch_s == 0
+        claimed = time_claims(worker)
         await produce(space.bootstrap, names.jobs_topic, [job("a", max_tokens=3)])
         results = await wait_results(r, names, ["a"], timeout=30)
     launched = next(at for at, ids in engine.returns if "a" in ids)
