@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import os
 import re
+import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -25,6 +26,19 @@ import pytest
 from stoker.devstack import stack
 
 JOB_TOPIC, DLQ_TOPIC = stack.DEFAULT_JOB_TOPIC, stack.DEFAULT_DLQ_TOPIC
+
+
+# ------------------------------------------------------------------------------------------------
+# The demo's tiny model (stoker.engine.make_model's preset, our own code, no transformers), written once per
+# test module that asks for it: the worker tests that run a real engine on the CPU.
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    out = tmp_path_factory.mktemp("model") / "tiny"
+    subprocess.run([sys.executable, "-m", "stoker.engine.make_model", str(out), "--preset", "tiny"],
+                   cwd=Path(__file__).resolve().parent.parent, check=True, capture_output=True)
+    return str(out)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -21,7 +19,6 @@ import pytest
 import redis.asyncio as aioredis
 from stoker.schemas import Cancel, Done, Error, decode_event, encode_cancel
 from worker_harness import (
-    ROOT,
     Space,
     check_sequence,
     committed_offsets,
@@ -38,14 +35,6 @@ SLOW = "slow-compile"  # a schema whose title holds this compiles slowly under C
 CRASH = "crash-compile"  # ... and this one makes the compile raise what no schema should (a bug of ours)
 MAX_GAP_S = 0.75  # the longest a running request may go without a chunk while a grammar compiles
 HELD_S = 2.0  # how long CompileHook holds a slow compile unless released
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    out = tmp_path_factory.mktemp("model") / "tiny"
-    subprocess.run([sys.executable, "-m", "stoker.engine.make_model", str(out), "--preset", "tiny"], cwd=ROOT,
-                   check=True, capture_output=True)
-    return str(out)
 
 
 space, r = stack_fixtures(2)

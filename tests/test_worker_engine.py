@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 
 import jsonschema
 import pytest
@@ -14,7 +12,6 @@ import redis.asyncio as aioredis
 from stoker.engine import EngineRequest, SamplingParams
 from stoker.schemas import Done, Error
 from worker_harness import (
-    ROOT,
     check_sequence,
     dead_letters,
     job,
@@ -26,14 +23,6 @@ from worker_harness import (
 )
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow, pytest.mark.timeout(240)]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    out = tmp_path_factory.mktemp("model") / "tiny"
-    subprocess.run([sys.executable, "-m", "stoker.engine.make_model", str(out), "--preset", "tiny"], cwd=ROOT, check=True,
-                   capture_output=True)
-    return str(out)
 
 
 def _engine(model: str):  # noqa: ANN202 -- LLMEngine is imported lazily

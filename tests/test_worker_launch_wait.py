@@ -7,8 +7,6 @@ Redis with a stand-in engine that steps as the overlapped CUDA engine does (step
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import threading
 import time
 
@@ -19,7 +17,7 @@ from stoker.worker.driver import EngineDriver
 from stoker.worker.fake_engine import FakeEngine
 from stoker.worker.redis_io import Admission
 from stoker.worker.service import Worker
-from worker_harness import ROOT, check_sequence, job, produce, running_worker, stack_fixtures, wait_results
+from worker_harness import check_sequence, job, produce, running_worker, stack_fixtures, wait_results
 
 space, r = stack_fixtures()
 
@@ -257,14 +255,6 @@ async def test_the_stage_scheduled_is_the_engines_first_step_of_the_job(space, r
     assert stage["scheduled"][0] == stage["engine_added"][0] == 1
     assert 0.29 <= stage["scheduled"][1] - stage["engine_added"][1] < 0.45
     assert stage["scheduled"][1] > stage["first_output"][1] + 0.2  # the engine's clock, not the step's end
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    out = tmp_path_factory.mktemp("model") / "tiny"
-    subprocess.run([sys.executable, "-m", "stoker.engine.make_model", str(out), "--preset", "tiny"], cwd=ROOT,
-                   check=True, capture_output=True)
-    return str(out)
 
 
 @pytest.mark.stack
