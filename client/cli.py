@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 from stoker.client.client import DEFAULT_BOOTSTRAP, Client, ClientError, RequestFailed, RequestTimeout
 from stoker.client.load import LoadConfig, plot_latency, run_load
 from stoker.client.options import kafka_options, option, redis_options, resolve_aliases, version_option
-from stoker.schemas import Chunk, Done
+from stoker.schemas import Chunk, Done, Event
 from stoker.schemas import Error as ErrorEvent
 
 from stoker import schemas
@@ -163,18 +163,27 @@ async def _submit(params: dict[str, Any]) -> int:
     async with client:
         print(f"request_id {job.request_id}", file=sys.stderr, flush=True)
         async for event in client.run(job, timeout=params["timeout"]):
-            if params["as_json"]:
-                print(_json_line(event), flush=True)
-            elif isinstance(event, Chunk):
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
-            elif isinstance(event, Done):
+            if _echo_stream(event, params["as_json"]):
+                continue
+            if isinstance(event, Done):
                 u = event.usage
                 print(f"\n[{event.finish_reason}] prompt {u.prompt_tokens} + completion {u.completion_tokens} "
                       f"tokens, ttft {event.timings.ttft_ms:.1f} ms, total {event.timings.total_ms:.1f} ms",
                       file=sys.stderr)
     return 0
 
+
+def _echo_stream(event: Event, as_json: bool) -> bool:
+    """Writes what `run` and `tail` print alike (an event as a JSON line, or a chunk's text as it comes);
+    False for the events each prints its own way (its end: done, error)."""
+    if as_json:
+        print(_json_line(event), flush=True)
+        return True
+    if isinstance(event, Chunk):
+        sys.stdout.write(event.text)
+        sys.stdout.flush()
+        return True
+    return False
 
 @cli.command()
 @click.argument("request_id")
@@ -194,12 +203,9 @@ async def _tail(params: dict[str, Any]) -> int:
             raise _Failed(f"request {request_id!r}: nothing of it in Redis (no stream, no result, no claim): not "
                           "started yet, or unknown; --wait waits for it", EXIT_FAILED)
         async for event in client.tail(request_id, timeout=params["timeout"]):
-            if params["as_json"]:
-                print(_json_line(event), flush=True)
-            elif isinstance(event, Chunk):
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
-            elif isinstance(event, Done):
+            if _echo_stream(event, params["as_json"]):
+                continue
+            if isinstance(event, Done):
                 print(f"\n[{event.finish_reason}] attempt {event.attempt}", file=sys.stderr)
             elif isinstance(event, ErrorEvent):
                 print(f"\nerror {event.code}: {event.message}", file=sys.stderr)
