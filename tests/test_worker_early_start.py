@@ -8,11 +8,19 @@ import asyncio
 import time
 
 import pytest
-from stoker.engine import EngineRequest, SamplingParams
+from stoker.engine import EngineRequest
 from stoker.schemas import Done
 from stoker.worker.fake_engine import FakeEngine
 from stoker.worker.redis_io import Admission, RedisAccessError
-from worker_harness import check_sequence, job, produce, running_worker, stack_fixtures, wait_results
+from worker_harness import (
+    check_sequence,
+    expected_text,
+    job,
+    produce,
+    running_worker,
+    stack_fixtures,
+    wait_results,
+)
 
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(120)]
 
@@ -34,16 +42,6 @@ class RecordingEngine(FakeEngine):
     def abort(self, request_id: str) -> None:
         self.aborted.setdefault(request_id, time.time())
         super().abort(request_id)
-
-
-def expected_text(request_id: str, max_tokens: int) -> str:
-    """What the stand-in engine alone makes of the request."""
-    engine = FakeEngine()
-    engine.add_request(EngineRequest(request_id, prompt="x", params=SamplingParams(max_tokens=max_tokens)))
-    text = []
-    while engine.has_unfinished():
-        text += [o.text_delta for o in engine.step()]
-    return "".join(text)
 
 
 async def test_the_engine_runs_a_job_while_its_claim_is_on_the_way_and_nothing_is_published_before_it(space, r):

@@ -24,7 +24,6 @@ import pytest
 import redis.asyncio as aioredis
 import worker_harness
 from stoker.devstack import stack
-from stoker.engine import EngineRequest, SamplingParams
 from stoker.schemas import DLQ_HEADERS, Cancel, Chunk, Done, Error, encode_cancel
 from stoker.worker.config import WorkerConfig
 from stoker.worker.fake_engine import FAIL_MARKER, FakeEngine
@@ -36,6 +35,7 @@ from worker_harness import (
     committed_offsets,
     create_topics,
     dead_letters,
+    expected_text,
     job,
     make_space,
     produce,
@@ -51,16 +51,6 @@ pytestmark = [pytest.mark.stack, pytest.mark.timeout(120)]
 
 
 space, r = stack_fixtures()
-
-
-def expected_text(request_id: str, max_tokens: int) -> str:
-    """What the stand-in engine alone produces for this request."""
-    engine = FakeEngine()
-    engine.add_request(EngineRequest(request_id, prompt="x", params=SamplingParams(max_tokens=max_tokens)))
-    text = []
-    while engine.has_unfinished():
-        text += [o.text_delta for o in engine.step()]
-    return "".join(text)
 
 
 async def test_200_concurrent_jobs_all_finish_in_order_and_get_committed(space, r):

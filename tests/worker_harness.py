@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import ConsumerRecord
+from stoker.engine import EngineRequest, SamplingParams
 from stoker.schemas import Chunk, Done, Error, Names, decode_event
 from stoker.worker.config import WorkerConfig
 from stoker.worker.driver import EngineLike
@@ -297,3 +298,13 @@ def check_attempt_order(outcome: Outcome) -> None:
     assert outcome.terminal.attempt == top, f"the result is attempt {outcome.terminal.attempt}, the stream has {top}"
     final_terminals = [e for e in outcome.events if e.attempt == top and isinstance(e, Done | Error)]
     assert final_terminals == [outcome.terminal], final_terminals
+
+
+def expected_text(request_id: str, max_tokens: int) -> str:
+    """What the stand-in engine alone makes of a request (prompt "x"): the text a worker must deliver for it."""
+    engine = FakeEngine()
+    engine.add_request(EngineRequest(request_id, prompt="x", params=SamplingParams(max_tokens=max_tokens)))
+    text = []
+    while engine.has_unfinished():
+        text += [o.text_delta for o in engine.step()]
+    return "".join(text)
