@@ -189,21 +189,31 @@ def main(argv: list[str] | None = None) -> int:
         one_run(eng, marks, phases, prompt, args.new, f"warm{i}")
     bench.settle_heap()  # as the worker does once loaded
     prompts = bench.random_prompts(args.runs * len(conditions) * len(gaps), args.prompt, vocab, 1)
+    print("per run: condition, gap ms, then ms: " + ", ".join(FIELDS), flush=True)
     rows: list[dict[str, Any]] = []
     for i, prompt in enumerate(prompts):
         cond, gap = conditions[i % len(conditions)], gaps[(i // len(conditions)) % len(gaps)]
         set_condition(eng, cond)
         time.sleep(gap / 1000)
         rows.append({"condition": cond, "gap_ms": gap, **one_run(eng, marks, phases, prompt, args.new, f"r{i}")})
+        print(run_line(rows[-1]), flush=True)  # a run cut by its time limit keeps the runs before
     summary = summarize(rows, conditions, gaps)
-    print_summary(summary, rows, conditions, gaps)
+    print_summary(summary)
     out_dir = Path(args.out) if args.out else None
-    if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
     extra: dict[str, Any] = {}
+
+    def save() -> None:
+        if out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            body = {"args": vars(args), "startup": startup, "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+                    "summary": summary, "runs": rows, **extra}
+            (out_dir / "ttft_probe.json").write_text(json.dumps(body, indent=1, default=str))
+
+    save()
     if args.profile:
         for cond in conditions:
             set_condition(eng, cond)
+            (out_dir or Path("/tmp")).mkdir(parents=True, exist_ok=True)
             trace = (out_dir or Path("/tmp")) / f"ttft_probe_trace_{cond}.json"
             try:
                 extra[f"profile_{cond}"] = profiled_run(eng, marks, phases, prompts[0], 4, f"p{cond}", trace)
@@ -217,10 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                 one_run(eng, marks, phases, prompts[1], 4, f"s{cond}")
             extra[f"sync_sites_{cond}"] = syncs.sites
             print(f"\nsynchronizing ops, {cond}: {syncs.sites or 'none'}", flush=True)
-    if out_dir is not None:
-        body = {"args": vars(args), "startup": startup, "gpu": torch.cuda.get_device_name() if cuda else "cpu",
-                "summary": summary, "runs": rows, **extra}
-        (out_dir / "ttft_probe.json").write_text(json.dumps(body, indent=1, default=str))
+    save()
     return 0
 
 
@@ -240,7 +247,13 @@ def summarize(rows: list[dict[str, Any]], conditions: list[str], gaps: list[floa
     return out
 
 
-def print_summary(summary: dict[str, Any], rows: list[dict[str, Any]], conditions: list[str], gaps: list[float]) -> None:
+def run_line(r: dict[str, Any]) -> str:
+    """condition, gap, then ttft, launch, wait, prefill gpu, after gpu (ms) and the collections' ms."""
+    return f"  {r['condition']:>6} {r['gap_ms']:>5g} " + " ".join(
+        f"{r[f]:7.2f}" if f in r else "      -" for f in FIELDS)
+
+
+def print_summary(summary: dict[str, Any]) -> None:
     print("\nW1's TTFT on the engine alone, by part (ms: p50 [95% bootstrap interval] / mean / min-max)")
     head = ["condition", *FIELDS]
     print("| " + " | ".join(head) + " |")
@@ -256,10 +269,6 @@ def print_summary(summary: dict[str, Any], rows: list[dict[str, Any]], condition
     for key, s in summary.items():
         print(f"{key}: launch parts p50 ms {s['launch_parts_p50_ms']}; runs with a collection in the TTFT: "
               f"{s['runs_with_gc']}")
-    print("\nper run: condition, gap, ttft, launch, wait, prefill gpu, after gpu (ms)")
-    for r in rows:
-        print(f"  {r['condition']:>6} {r['gap_ms']:>5g} " + " ".join(
-            f"{r[f]:7.2f}" if f in r else "      -" for f in FIELDS[:5]))
 
 
 if __name__ == "__main__":
