@@ -112,6 +112,8 @@ class PrefillGraphs:
         sampled = inp.sample_indices.shape[0]
         if sampled:
             self.sample_index.copy_(inp.sample_indices, non_blocking=True)
+        else:  # nothing sampled: row 0, since a stale index from a longer run would read past this bucket's rows
+            self.sample_index.zero_()
         self.graphs[bucket].replay()
         self.replays += 1
         assert self.logits is not None  # set by capture()
