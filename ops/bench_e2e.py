@@ -74,6 +74,7 @@ WORKER_ENV: dict[str, tuple[str, Callable[[Any], str]]] = {
     "decode_pdl": ("STOKER_DECODE_PDL", lambda v: "1" if v else "0"),
     "quantization": ("STOKER_QUANTIZATION", str),
     "kv_cache_dtype": ("STOKER_KV_CACHE_DTYPE", str),
+    "prefill_graph_tokens": ("STOKER_PREFILL_GRAPH_TOKENS", str),
 }
 STAGES = ("polled", "claimed", "engine_added", "scheduled", "first_output", "published")
 

@@ -40,7 +40,7 @@ def test_only_one_sequences_prompt_chunk_alone_within_the_buckets_fits() -> None
     assert g.fits(_input([100]))
     assert g.fits(_input([256])) and not g.fits(_input([257]))  # past the largest bucket: eager
     assert g.fits(_input([40], sampled=0))  # a chunk that does not end its prompt samples nothing
-    assert not g.fits(_input([50, 50], seqs=2, sampled=2))  # two prompts in one step
+    assert not g.fits(_input([50, 50], seqs=2))  # two prompts in one step (one of them ends: one row sampled)
     assert not g.fits(_input([1], decode_only=True))  # the decode graphs' case
     assert not g.fits(_input([1, 30], seqs=2, num_decodes=1, sampled=2))  # a mixed step
     assert not g.fits(_input([30], prev=True))  # a pending token to read from the step before
@@ -54,6 +54,22 @@ def test_config_rejects_a_negative_token_cap(tmp_path) -> None:
 
     with pytest.raises(ValueError, match="prefill_graph_tokens"):
         EngineConfig(model_path=str(tmp_path), device="cpu", prefill_graph_tokens=-1)
+
+
+def test_worker_flag_reaches_the_engine_config(tmp_path, monkeypatch) -> None:
+    import stoker.engine
+    from stoker.engine.config import EngineConfig
+    from stoker.worker import main as worker_main
+
+    path = str(tmp_path)
+    built: list[EngineConfig] = []
+    monkeypatch.setattr(stoker.engine, "LLMEngine", built.append)  # the config build_engine makes, no engine
+    worker_main.build_engine(worker_main.parse_config(["--model", path, "--prefill-graph-tokens", "768",
+                                                       "--no-warmup", "--device", "cpu"], {}))
+    worker_main.build_engine(worker_main.parse_config(["--model", path, "--no-warmup", "--device", "cpu"],
+                                                      {"STOKER_PREFILL_GRAPH_TOKENS": "256"}))
+    worker_main.build_engine(worker_main.parse_config(["--model", path, "--no-warmup", "--device", "cpu"], {}))
+    assert [c.prefill_graph_tokens for c in built] == [768, 256, EngineConfig(path).prefill_graph_tokens]
 
 
 @pytest.mark.gpu
