@@ -111,7 +111,12 @@ class ModelRunner:
         from stoker.engine.prefill_graphs import PrefillGraphs
 
         graphs = PrefillGraphs(self.model, self.kv_caches, self.device, tokens, -(-max_model_len // self.block_size))
-        self.startup["prefill_graph_capture_s"] = graphs.capture()
+        try:
+            self.startup["prefill_graph_capture_s"] = graphs.capture()
+        except Exception as e:  # a path the captures were not tried on (FP8 variants): eager, as before, not dead
+            log.warning("prefill CUDA graphs not captured (%s: %s): prefill steps run eagerly", type(e).__name__, e)
+            torch.cuda.synchronize(self.device)
+            return None
         self.startup["prefill_graph_buckets"] = graphs.sizes
         return graphs
 
