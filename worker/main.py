@@ -48,7 +48,7 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
      "SiLU and residual epilogues), fused-folded (also the RMSNorm in the GEMV prologue) or cublas (A/B)"),
     ("--decode-pdl", "STOKER_DECODE_PDL", bool, False,
      "launch the fused decode GEMVs with programmatic dependent launch (A/B)"),
-    ("--prefill-graph-tokens", "STOKER_PREFILL_GRAPH_TOKENS", int, 0,
+    ("--prefill-graph-tokens", "STOKER_PREFILL_GRAPH_TOKENS", int, 1024,
      "a step that is one prompt chunk alone (a request at an idle engine) of <= this many tokens replays a CUDA "
      "graph captured at startup instead of launching ~300 kernels (0: eager)"),
     ("--tensor-parallel", "STOKER_TENSOR_PARALLEL", int, 1,
