@@ -1,9 +1,10 @@
 """CUDA graphs for one sequence's prefill step: a lone request's prompt without the ~300 eager launches.
 
 Why: a request that arrives at an idle engine (W1) runs one prefill step of its whole prompt, eagerly: at the
-8B shape ~9 launches a layer (norms, GEMMs, rotary + cache write, attention, SiLU-mul) through Python, each a
-few tens of microseconds of host, so the step's launch is as long as its GPU work and moves with the host's
-load (the engine alone's W1 TTFT spread 12-29 ms on the H200 for ~10 ms of kernels; BENCHMARKS.md).
+8B shape ~330 launches (norms, GEMMs, rotary + cache write, attention, SiLU-mul, ~10 a layer) through Python.
+On the H200 (ops/ttft_probe.py, 21:09 UTC) that step's launch took 18.3 ms p50 of host (14.8-29.9) for 11.0 ms
+of kernels, the GPU idle 8.5 ms inside it: TTFT 19.4 ms p50 (15.8-31.4). Replayed: TTFT 12.4 ms (12.2-12.7),
+the launch 1.4 ms (BENCHMARKS.md, "the prefill step was launch-bound").
 
 What: at startup, per token bucket (bucket_sizes: every 64 tokens to 512, then every 128, up to
 EngineConfig.prefill_graph_tokens), one graph of the forward of ONE sequence's chunk of that many tokens

@@ -1,7 +1,7 @@
 """W1's TTFT on the engine alone, taken apart run by run: where a lone 512-token prompt's first token waits.
 
     PYTHONPATH=. python ops/ttft_probe.py --shape tiny --device cpu --runs 3 --prompt 32 --new 4   # CPU dry run
-    PYTHONPATH=. python ops/ttft_probe.py --shape 8b --runs 16 --out $OUT                           # the H200 (~60 s)
+    PYTHONPATH=. python ops/ttft_probe.py --shape 8b --runs 8 --out $OUT       # the H200 (~45 s, warm machine)
 
 ops/bench.py's engine (as ops/bench_e2e.py's engine side builds it, plus EngineConfig.prefill_graph_tokens), one
 request at a time as W1 runs it (--prompt + --new, greedy), under each condition in turn, interleaved run by
