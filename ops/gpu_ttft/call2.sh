@@ -9,7 +9,7 @@ R=${R:-/tmp/ttft-call2}
 mkdir -p "$R"
 E2E_ARGS=${E2E_ARGS:-}
 GRAPH_TOKENS=${GRAPH_TOKENS:-1024}
-TIMEOUT=${TIMEOUT:-82}
+TIMEOUT=${TIMEOUT:-86}
 BUDGET=${BUDGET:-98}
 DEVICE=${DEVICE:-cuda}
 (date -u; nvidia-smi --query-gpu=name,clocks.sm,power.draw --format=csv) > "$R/machine.txt" 2>&1
