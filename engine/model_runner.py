@@ -118,6 +118,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             return None
         self.startup["prefill_graph_buckets"] = graphs.sizes
+        self.startup["prefill_graph_pool_mb"] = round(graphs.pool_bytes / 2**20, 1)
         return graphs
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:

@@ -60,6 +60,7 @@ class PrefillGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None  # [1, V] float32, written by every bucket's graph
         self.replays = 0  # prefill steps served from a graph (tests and benches read it)
+        self.pool_bytes = 0  # device memory the captured graphs hold (set by capture)
         self.enabled = True  # benches flip it to compare with the eager step on one engine
 
     def _forward(self, tokens: int) -> torch.Tensor:
@@ -82,12 +83,14 @@ class PrefillGraphs:
         torch.cuda.synchronize(self.device)
         self.logits = torch.empty(1, out.shape[1], dtype=out.dtype, device=self.device)
         pool = torch.cuda.graph_pool_handle()
+        reserved = torch.cuda.memory_reserved(self.device)
         for tokens in reversed(self.sizes):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self._forward(tokens)
             self.graphs[tokens] = graph
         torch.cuda.synchronize(self.device)
+        self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved  # what the graphs keep (startup report)
         return time.perf_counter() - t0
 
     def fits(self, inp: ModelInput) -> bool:
