@@ -69,6 +69,12 @@ class EngineConfig:
     # hold one decode query (x its GROUP heads) each (H200, W2 engine alone: 24.58 -> 24.25 s, and no more
     # alternating 20 / 380 ms step returns; BENCHMARKS.md 18:20 UTC). False: the whole batch through the prefill kernel.
     mixed_decode_attention: bool = True
+    # With cuda_graphs: a step that is one sequence's prompt chunk alone (a request arriving at an idle engine)
+    # of <= this many tokens replays a graph captured at startup instead of ~330 eager launches
+    # (engine/prefill_graphs.py; capped at max_num_batched_tokens and max_model_len). 0: eager. H200, 8B, a lone
+    # 512-token prompt (ops/ttft_probe.py, 21:09 UTC): TTFT p50 19.4 ms (15.8-31.4) eager, 12.4 ms (12.2-12.7)
+    # replayed; the eager step's launch took 18.3 ms of host for 11.0 ms of kernels. Capture: 12 buckets, 0.38 s.
+    prefill_graph_tokens: int = 1024
 
     def __post_init__(self) -> None:
         problems = []
@@ -122,6 +128,9 @@ class EngineConfig:
         if self.decode_overlap and self.tensor_parallel_size > 1:
             # Each half's o_proj / down all-reduce would run beside the other half's on a second stream.
             problems.append("decode_overlap is untested with tensor_parallel_size > 1: turn one of them off")
+        if self.prefill_graph_tokens < 0:
+            problems.append(f"prefill_graph_tokens must be >= 0 (0 = prefill steps run eagerly), "
+                            f"got {self.prefill_graph_tokens}")
         if self.tensor_parallel_size < 1:
             problems.append(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         elif self.tensor_parallel_size > 1 and self.device.startswith("cuda"):

@@ -31,6 +31,7 @@ from stoker.engine.sequence import Sequence
 if TYPE_CHECKING:
     from stoker.engine.parallel.comm import RankComm
     from stoker.engine.parallel.launcher import RankGroup
+    from stoker.engine.prefill_graphs import PrefillGraphs
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class ModelRunner:
             )
             self.startup["graph_capture_s"] = self.graphs.capture()
             self.startup["graph_buckets"] = self.graphs.sizes
+        self.prefill_graphs = self._capture_prefill_graphs(max_model_len)
         self.startup["ready_s"] = time.perf_counter() - t0
         if self.device.type == "cuda":
             log.info(
@@ -99,6 +101,25 @@ class ModelRunner:
                 self.startup.get("gb_per_s", 0.0),
                 self.startup.get("graph_capture_s", 0.0),
             )
+
+    def _capture_prefill_graphs(self, max_model_len: int) -> PrefillGraphs | None:
+        """A lone prompt chunk's step as one graph replay (engine/prefill_graphs.py): with the decode graphs, on
+        one GPU (ranks > 0 run forward_shard, which has no LM head to capture), when prefill_graph_tokens > 0."""
+        tokens = min(self.config.prefill_graph_tokens, self.config.max_num_batched_tokens, max_model_len)
+        if self.graphs is None or self.comm is not None or tokens < 1:
+            return None
+        from stoker.engine.prefill_graphs import PrefillGraphs
+
+        graphs = PrefillGraphs(self.model, self.kv_caches, self.device, tokens, -(-max_model_len // self.block_size))
+        try:
+            self.startup["prefill_graph_capture_s"] = graphs.capture()
+        except Exception as e:  # a path the captures were not tried on (FP8 variants): eager, as before, not dead
+            log.warning("prefill CUDA graphs not captured (%s: %s): prefill steps run eagerly", type(e).__name__, e)
+            torch.cuda.synchronize(self.device)
+            return None
+        self.startup["prefill_graph_buckets"] = graphs.sizes
+        self.startup["prefill_graph_pool_mb"] = round(graphs.pool_bytes / 2**20, 1)
+        return graphs
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         host = torch.tensor(values, dtype=dtype)
@@ -224,7 +245,7 @@ class ModelRunner:
         memory back to the GPU so that another model may use it; stop the other tensor-parallel ranks."""
         if self.ranks is not None:
             self.ranks.close()
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         self.kv_caches = []
         self.__dict__.pop("model", None)  # (a second close is a no-op)
         if self.device.type == "cuda":
@@ -246,6 +267,8 @@ class ModelRunner:
     def _forward(self, inp: ModelInput) -> torch.Tensor:
         if self.graphs is not None and self.graphs.fits(inp):
             return self.graphs.run(inp)  # decode-only: replay the captured graph of the batch's bucket
+        if self.prefill_graphs is not None and self.prefill_graphs.fits(inp):
+            return self.prefill_graphs.run(inp)  # one sequence's prompt chunk alone
         input_ids = resolve_pending(inp.input_ids, inp.prev_tokens)
         hidden = self.model(input_ids, inp.positions, inp.meta, self.kv_caches)
         return self.model.compute_logits(hidden[inp.sample_indices])

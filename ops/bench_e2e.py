@@ -74,6 +74,7 @@ WORKER_ENV: dict[str, tuple[str, Callable[[Any], str]]] = {
     "decode_pdl": ("STOKER_DECODE_PDL", lambda v: "1" if v else "0"),
     "quantization": ("STOKER_QUANTIZATION", str),
     "kv_cache_dtype": ("STOKER_KV_CACHE_DTYPE", str),
+    "prefill_graph_tokens": ("STOKER_PREFILL_GRAPH_TOKENS", str),
 }
 STAGES = ("polled", "claimed", "engine_added", "scheduled", "first_output", "published")
 
@@ -370,7 +371,8 @@ def queue_side(args: argparse.Namespace, path: str, vocab: int, settings: Any, e
         log(f"worker ready in {r['ready_s']:.2f} s")
 
         def phase(name: str, n: int, prompt: int, new: int, rate: float = 0.0, runs: int = 1,
-                  procs: int = 1) -> dict[str, Any]:
+                  procs: int = 1, per_job: bool = False) -> dict[str, Any]:
+            seen = {row["request_id"] for row in job_stages(worker.port)} if per_job else set()
             m0, cpu0, loop0, t0 = scrape(worker.port), proc_cpu_s(pid), proc_cpu_s(pid, pid), time.monotonic()
             records: list[list[Any]] = []
             client_cpu = 0.0
@@ -386,6 +388,9 @@ def queue_side(args: argparse.Namespace, path: str, vocab: int, settings: Any, e
                      client_cpu_cores=client_cpu / wall, load_procs=procs, stages_ms=stage_means(m0, m1))
             if runs > 1:  # per-run TTFTs: the spread of a single request's
                 s["ttft_runs_ms"] = [round((x[1] - x[0]) * 1e3, 2) for x in records if x[1] is not None]
+            if per_job:  # one request at a time: the worker's jobs in the order of the records
+                s["per_job"] = queue_shares(records, [row for row in job_stages(worker.port)
+                                                      if row["request_id"] not in seen])
             r["phases"][name] = s
             log(f"{name}: {brief(s)}")
             return s
@@ -393,10 +398,12 @@ def queue_side(args: argparse.Namespace, path: str, vocab: int, settings: Any, e
         phase("first", args.first_n, args.prompt, args.first_new)
         observer = plain_consumer(bootstrap, names["topic"]) if args.observe_w1 else None
         w1_from = time.time()
-        w1 = phase("W1", 1, args.prompt, args.new, runs=args.w1_runs)
+        w1 = phase("W1", 1, args.prompt, args.new, runs=args.w1_runs, per_job=True)
         if observer is not None:
             w1["plain_consumer"] = fetch_delays(observer.stop(), w1_from)
             log(f"W1 records at a plain consumer in another process, ms from CreateTime: {w1['plain_consumer']}")
+        if args.w1_ttft_runs:
+            phase("W1-ttft", 1, args.prompt, args.w1_ttft_new, runs=args.w1_ttft_runs, per_job=True)
         phase("steady", args.first_n, args.prompt, args.first_new)
         for c in curve_points(args):
             phase(f"c={c}", c, args.prompt, args.new, procs=procs_for(args, c))
@@ -419,6 +426,28 @@ def queue_side(args: argparse.Namespace, path: str, vocab: int, settings: Any, e
         r["worker_exit"] = worker.stop()
         r["worker_log_tail"] = worker.tail(15)
     return r
+
+
+def job_stages(port: int) -> list[dict[str, Any]]:
+    """The worker's latest jobs' start stages (GET /stages, worker/stage_log.py), oldest first."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/stages", timeout=5) as resp:
+        return list(json.loads(resp.read()))
+
+
+def queue_shares(records: list[list[Any]], jobs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per request (records and jobs in the same order: one request at a time): its TTFT at the subscriber, the
+    engine's own time inside the worker (engine_added -> first_output) and the rest, the queue's own share."""
+    out: dict[str, Any] = {"records": len(records), "jobs": len(jobs), "ttft_ms": [], "engine_ms": [], "share_ms": []}
+    if len(jobs) != len(records):  # a job missing from the log: the order join would pair the wrong ones
+        return out
+    for rec, job in zip(records, jobs, strict=True):
+        if rec[1] is None or "engine_added" not in job or "first_output" not in job:
+            continue
+        ttft, engine = (rec[1] - rec[0]) * 1e3, job["first_output"] - job["engine_added"]
+        out["ttft_ms"].append(round(ttft, 3))
+        out["engine_ms"].append(round(engine, 3))
+        out["share_ms"].append(round(ttft - engine, 3))
+    return out
 
 
 def plain_consumer(bootstrap: str, topic: str) -> Any:
@@ -488,6 +517,7 @@ def engine_side(args: argparse.Namespace, path: str, rate: float, settings: Any)
 
     r: dict[str, Any] = {"phases": {}}
     eng, r["ready_s"] = bench.start_engine(path, args.max_num_seqs, args.device, config=settings)
+    bench.settle_heap()  # the worker's heap policy once loaded: no full collection walks the model's objects
     vocab = eng.model_config.vocab_size
     r["kv_blocks"] = getattr(eng.runner, "num_blocks", None)
     r["startup"] = dict(getattr(eng.runner, "startup", {}))
@@ -561,6 +591,8 @@ def engine_side(args: argparse.Namespace, path: str, rate: float, settings: Any)
     phase("first", args.first_n, args.prompt, args.first_new)
     phase("warm", 1, args.prompt, 16, warm=True)  # as ops/bench.py does before W1
     phase("W1", 1, args.prompt, args.new, runs=args.w1_runs)
+    if args.w1_ttft_runs:
+        phase("W1-ttft", 1, args.prompt, args.w1_ttft_new, runs=args.w1_ttft_runs)
     phase("steady", args.first_n, args.prompt, args.first_new)
     for c in curve_points(args):
         phase(f"c={c}", c, args.prompt, args.new)
@@ -650,6 +682,43 @@ def table(q: dict[str, Any], e: dict[str, Any], args: argparse.Namespace) -> lis
     return rows
 
 
+def w1_verdict(q: dict[str, Any], e: dict[str, Any]) -> dict[str, Any]:
+    """Issue 12's W1 comparison on every lone request of the call (W1's runs and W1-ttft's, pooled: the same
+    prompt at an idle worker / engine), each side's p50 and mean with 95 % bootstrap intervals, their
+    differences with intervals, and per request through the queue the engine's own time inside the worker and
+    the queue's share (TTFT minus it): a verdict that one noisy p50 does not decide."""
+    from intervals import describe, difference
+
+    def pooled(side: dict[str, Any], key: str) -> list[float]:
+        phases = side.get("phases", {})
+        if key == "ttft_ms":
+            return [x for name in ("W1", "W1-ttft") for x in phases.get(name, {}).get("ttft_runs_ms", [])]
+        return [x for name in ("W1", "W1-ttft") for x in phases.get(name, {}).get("per_job", {}).get(key, [])]
+
+    queue, engine = pooled(q, "ttft_ms"), pooled(e, "ttft_ms")
+    return {"queue_ttft": describe(queue), "engine_ttft": describe(engine),
+            "diff_p50": difference(queue, engine), "diff_mean": difference(queue, engine, _mean),
+            "engine_in_worker": describe(pooled(q, "engine_ms")), "queue_share": describe(pooled(q, "share_ms"))}
+
+
+def _mean(values: Any) -> float:
+    return sum(values) / len(values)
+
+
+def print_verdict(v: dict[str, Any]) -> None:
+    from intervals import cell
+
+    rows = [("TTFT through the queue", v["queue_ttft"]), ("TTFT on the engine alone", v["engine_ttft"]),
+            ("the engine inside the worker (engine_added -> first_output)", v["engine_in_worker"]),
+            ("the queue's own share per request (TTFT - the engine inside the worker)", v["queue_share"])]
+    print("\nW1's TTFT, every lone request (W1 + W1-ttft runs): ms, p50 [95% bootstrap] / mean [95%] (n)")
+    for label, d in rows:
+        print(f"  {label}: {cell(d)} / {cell(d, 'mean')} ({d.get('n', 0)})")
+    for key, what in (("diff_p50", "p50"), ("diff_mean", "mean")):
+        d = v[key]
+        print(f"  queue - engine alone, {what}: {d['diff']:+.2f} ms [{d['lo']:+.2f}, {d['hi']:+.2f}] (target <= +5)")
+
+
 def print_table(rows: list[tuple[str, str, str, str]]) -> None:
     head = ("figure", "through the queue", "engine alone", "queue / engine")
     w = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]
@@ -674,6 +743,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--w1-runs", type=int, default=5)
+    ap.add_argument("--w1-ttft-runs", type=int, default=0,
+                    help="after W1, this many more lone requests of --prompt + --w1-ttft-new tokens (the W1-ttft "
+                         "phase): TTFT samples at a tenth of W1's time, pooled with W1's for the verdict")
+    ap.add_argument("--w1-ttft-new", type=int, default=16)
+    ap.add_argument("--prefill-graph-tokens", type=int, default=None,
+                    help="EngineConfig.prefill_graph_tokens on both sides (default: the engine's)")
     ap.add_argument("--first-n", type=int, default=8)
     ap.add_argument("--first-new", type=int, default=32)
     ap.add_argument("--w2-requests", type=int, default=1024, help="0: no W2 phase")
@@ -787,6 +862,8 @@ def main(argv: list[str] | None = None) -> int:
                                        None if args.dtype == "bf16" else args.dtype,
                                        max_num_batched_tokens=args.max_num_batched_tokens,
                                        kv_cache_dtype=args.kv_cache_dtype)
+        if args.prefill_graph_tokens is not None:
+            settings.prefill_graph_tokens = args.prefill_graph_tokens
         res["engine_settings"] = {f: getattr(settings, f) for f in WORKER_ENV}
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
@@ -807,6 +884,8 @@ def main(argv: list[str] | None = None) -> int:
     res["table"] = rows
     print()
     print_table(rows)
+    res["w1_verdict"] = w1_verdict(res["queue"], res.get("engine", {}))
+    print_verdict(res["w1_verdict"])
     for d in res["queue"].get("settings_differ", []):
         print(f"NOTE: engine settings differ between the sides: {d}")
     print(f"prefix-cache queries in the worker: {res['queue'].get('prefix_cache_queries')} (0 when caching is off)")

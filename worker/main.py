@@ -48,6 +48,9 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
      "SiLU and residual epilogues), fused-folded (also the RMSNorm in the GEMV prologue) or cublas (A/B)"),
     ("--decode-pdl", "STOKER_DECODE_PDL", bool, False,
      "launch the fused decode GEMVs with programmatic dependent launch (A/B)"),
+    ("--prefill-graph-tokens", "STOKER_PREFILL_GRAPH_TOKENS", int, 1024,
+     "a step that is one prompt chunk alone (a request at an idle engine) of <= this many tokens replays a CUDA "
+     "graph captured at startup instead of launching ~300 kernels (0: eager)"),
     ("--tensor-parallel", "STOKER_TENSOR_PARALLEL", int, 1,
      "GPUs (one process each) the model is split over: the first N that CUDA_VISIBLE_DEVICES shows"),
     ("--block-size", "STOKER_BLOCK_SIZE", int, 16, "tokens per KV block (a power of two)"),
@@ -272,6 +275,7 @@ def _build_one(cfg: WorkerConfig, spec: ModelSpec | None) -> Any:
         "blocking_sync": not cfg.no_blocking_sync, "quantization": cfg.quantization,
         "tensor_parallel_size": cfg.tensor_parallel, "kv_cache_dtype": cfg.kv_cache_dtype,
         "decode_kernels": cfg.decode_kernels, "decode_pdl": cfg.decode_pdl,
+        "prefill_graph_tokens": cfg.prefill_graph_tokens,
     }
     if cfg.served_model_name:
         kwargs["model_name"] = cfg.served_model_name

@@ -16,6 +16,7 @@ keep our buckets, which histogram_quantile reads as well as vLLM's. The view cos
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable, Iterator
 from typing import Protocol
@@ -26,6 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 from stoker.engine import EngineStats
 from stoker.worker.histogram import LoopHistogram
+from stoker.worker.stage_log import StageLog
 
 log = logging.getLogger("stoker.worker.metrics")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -165,6 +167,7 @@ class WorkerMetrics:
         # pipeline carrying that first event returned). Differences of adjacent stages locate a delay.
         self.stage = LoopHistogram("stoker_job_stage_seconds", "Kafka record time to each stage of a job's start",
                                    _STAGE_BUCKETS, ["stage"], registry=r)
+        self.job_stages = StageLog()  # the same stages per job for the latest jobs (GET /stages)
         self.finished = Counter("stoker_requests_finished", "requests ended, by finish reason or error code",
                                 ["reason", "tenant"], registry=r)
         self.dlq = Counter("stoker_dead_letters", "records sent to the dead-letter topic", ["code"], registry=r)
@@ -305,6 +308,8 @@ class HealthServer:
             path = parts[1].split("?", 1)[0] if len(parts) >= 2 else ""
             if path == "/metrics":
                 status, body, ctype = 200, self.metrics.render(), CONTENT_TYPE_LATEST
+            elif path == "/stages":
+                status, body, ctype = 200, json.dumps(self.metrics.job_stages.snapshot()).encode(), "application/json"
             elif path == "/healthz":
                 ok = self.healthy()
                 status, body, ctype = (200 if ok else 503), (b"ok\n" if ok else b"unhealthy\n"), "text/plain"
@@ -314,7 +319,7 @@ class HealthServer:
             elif path.startswith("/readyz/") and self.model_state is not None:
                 status, body, ctype = self._model_ready(path.removeprefix("/readyz/"))
             else:
-                status, body, ctype = 404, b"not found: try /metrics, /healthz, /readyz\n", "text/plain"
+                status, body, ctype = 404, b"not found: try /metrics, /healthz, /readyz, /stages\n", "text/plain"
             reason = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}[status]
             writer.write(f"HTTP/1.0 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
                          f"Connection: close\r\n\r\n".encode() + body)

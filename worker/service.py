@@ -396,8 +396,10 @@ class Worker:
                 await self._intake(records, now_ms())
             self._apply_backpressure()
 
-    def _observe(self, stage: str, record_ms: float, at_ms: float) -> None:
+    def _observe(self, stage: str, record_ms: float, at_ms: float, request_id: str | None = None) -> None:
         self._stage[stage].observe(max(0.0, at_ms - record_ms) / 1000)
+        if request_id is not None:  # the job's own line at /stages (worker/stage_log.py)
+            self.metrics.job_stages.note(request_id, stage, at_ms - record_ms)
 
     async def _intake(self, records: list[ConsumerRecord[Any, Any]], polled_ms: float) -> None:
         claims: list[tuple[Request, int]] = []  # this round's new ids (to the backlog), with their bytes
@@ -492,7 +494,7 @@ class Worker:
         for entry, (status, attempt) in zip(claims, outcomes, strict=True):
             if status in (Admission.DONE, Admission.BUSY):
                 self.admitter.settle(entry.request_id)
-            self._observe("claimed", entry.record_ms, claimed_ms)
+            self._observe("claimed", entry.record_ms, claimed_ms, entry.request_id)
             try:
                 self._admitted(entry, status, attempt)
             except Exception as exc:  # noqa: BLE001 -- one job's failure must not stop the intake
@@ -630,7 +632,7 @@ class Worker:
         except Exception:  # noqa: BLE001 -- refused (too long, a bad field): the claim's path answers it
             return None
         entry.early = []
-        self._observe("engine_added", entry.record_ms, now_ms())
+        self._observe("engine_added", entry.record_ms, now_ms(), entry.request_id)
         return launch
 
     def _hold_early(self, out: RequestOutput, step_ms: float) -> None:
@@ -662,7 +664,7 @@ class Worker:
                     return
             self.driver.add_request(request)
             req.in_engine = True
-            self._observe("engine_added", req.record_ms, now_ms())
+            self._observe("engine_added", req.record_ms, now_ms(), req.request_id)
         except EngineRequestError as exc:
             # A valid message the model can't serve (e.g. too long): an error event, no DLQ, committed.
             self._fail(req, exc.code, exc.message)
@@ -886,14 +888,14 @@ class Worker:
 
     def _first_scheduled(self, req: Request, out: RequestOutput, prompt_tokens: dict[str | None, int]) -> None:
         req.first_scheduled_ms = out.first_scheduled_ms
-        self._observe("scheduled", req.record_ms, out.first_scheduled_ms or req.record_ms)
+        self._observe("scheduled", req.record_ms, out.first_scheduled_ms or req.record_ms, req.request_id)
         self.metrics.queue.observe(max(0.0, (out.first_scheduled_ms or 0.0) - req.record_ms) / 1000)
         prompt_tokens[req.job.tenant] = prompt_tokens.get(req.job.tenant, 0) + out.prompt_tokens
 
     def _first_token(self, req: Request, step_ms: float, batch: Batch) -> None:
         req.first_token_ms = step_ms
         self.metrics.ttft.observe(max(0.0, step_ms - req.record_ms) / 1000)
-        self._observe("first_output", req.record_ms, step_ms)
+        self._observe("first_output", req.record_ms, step_ms, req.request_id)
         batch.first_event_record_ms.append(req.record_ms)
 
     def _finished(self, req: Request, out: RequestOutput, step_ms: float, batch: Batch, chunk: bytes | None) -> None:
