@@ -7,7 +7,6 @@ import gc
 import sys
 
 import pytest
-
 from stoker.ops.step_tail import GcRecorder, distribution, heap_policy, quantile
 
 
