@@ -259,6 +259,8 @@ def run_case(eng: Any, meter: MaskMeter, batch: int, guided: Any, args: argparse
         **({"slow_steps": slow_step_phases(phases, [w * 1e3 for w in walls])} if phases is not None else {}),
         "process_cpu_cores": cpu / wall,
         "engine_thread_cpu_ms_per_step": thread / args.steps * 1e3,
+        # the rest of the process: llguidance's mask threads and the grammar thread (unconstrained: ~nothing)
+        "other_threads_cpu_ms_per_step": (cpu - thread) / args.steps * 1e3,
         "mask_work_per_step": per_step,
         # GPU time of a decode step, forward launch .. sampler's last kernel (CUDA events; 0 on the CPU)
         "gpu_busy_ms_per_step": gpu.get("decode_busy_ms", 0.0) / max(1, gpu.get("decode_steps", 0)),
@@ -510,14 +512,15 @@ def print_tail(r: dict[str, Any]) -> None:
     """The per-step distribution of each case (ms), its slowest steps (index: ms), the collections inside its
     timed steps, then the median of the rounds' ratios."""
     head = ("batch", "grammar", "round", "p50", "p90", "p99", "max", "mean", "slowest steps (index: ms)",
-            "gc count gen0/1/2", "gc ms gen0/1/2")
+            "gc count gen0/1/2", "gc ms gen0/1/2", "other threads' CPU ms/step")
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")
     for c in r["cases"]:
         d, g = c["step_ms"], c["gc"]
         slow = ", ".join(f"{i}: {ms:.1f}" for i, ms in d["slowest"])
         cells = (c["batch"], grammar_label(c), c.get("repeat", 0), *(f"{d[k]:.2f}" for k in ("p50", "p90", "p99", "max",
-                 "mean")), slow, "/".join(str(n) for n in g["count"]), "/".join(f"{ms:.1f}" for ms in g["ms"]))
+                 "mean")), slow, "/".join(str(n) for n in g["count"]), "/".join(f"{ms:.1f}" for ms in g["ms"]),
+                 f"{c.get('other_threads_cpu_ms_per_step', 0.0):.1f}")
         print("| " + " | ".join(str(x) for x in cells) + " |")
     r["round_ratios"] = round_ratios(r)
     for tag, entry in r["round_ratios"].items():
