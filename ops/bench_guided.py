@@ -299,24 +299,29 @@ def run_round(eng: Any, meter: MaskMeter, compiler: Any, guided: Any, batch: int
     # it; grammar work "inline" is the matchers advanced and the masks filled on the engine thread
     # (LLMEngine.grammar_overlap off), "overlap" the engine's default (--grammar-modes)
     work = args.grammar_modes.split(",")
-    modes = ([("none", False, "overlap")] * args.unconstrained_case + [("schema", False, w) for w in work]
-             + ([("schema", True, work[-1])] if first and args.sync_case else []))
-    for mode, sync, grammar_work in modes:
+    threads = [int(t) for t in args.mask_threads.split(",")] if args.mask_threads else [compiler.mask_threads]
+    modes = ([("none", False, "overlap", threads[0])] * args.unconstrained_case
+             + [("schema", False, w, t) for w in work for t in threads]
+             + ([("schema", True, work[-1], threads[0])] if first and args.sync_case else []))
+    for mode, sync, grammar_work, mask_threads in modes:
         if time.perf_counter() - began > args.budget_s:
             log(f"past --budget-s {args.budget_s:g}: batch {batch} round {rep} {mode} sync={sync} {grammar_work} skipped")
             r.setdefault("skipped", []).append([batch, rep, mode, sync, grammar_work])
             continue
         log(f"batch {batch}, round {rep}, {mode}{', synchronous steps' if sync else ''}, grammar work {grammar_work}")
+        if mask_threads != compiler.mask_threads:
+            compiler.set_mask_threads(mask_threads)
         overlap, eng.async_scheduling = eng.async_scheduling, eng.async_scheduling and not sync
         eng.grammar_overlap = grammar_work == "overlap"
         try:
             case = run_case(eng, meter, batch, guided if mode == "schema" else None, args,
-                            f"{mode[0]}{'s' if sync else ''}{grammar_work[0]}{batch}r{rep}")
+                            f"{mode[0]}{'s' if sync else ''}{grammar_work[0]}{batch}r{rep}t{mask_threads}")
         finally:
             eng.async_scheduling, eng.grammar_overlap = overlap, True
         case["grammar_work"] = grammar_work
         case["sync_steps"] = sync or not overlap
         case["repeat"] = rep
+        case["mask_threads"], case["threads_compared"] = mask_threads, len(threads) > 1
         outputs = case.pop("outputs")
         if mode == "schema" and rep == 0:
             recorded[f"{batch}{' sync' if sync else ''}{' inline' if grammar_work == 'inline' else ''}"] = list(
@@ -366,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="per batch, this many rounds of its cases interleaved on the one engine (none, schema, none, "
                          "schema ...); the ratio reported is the median of the rounds' own ratios")
+    ap.add_argument("--mask-threads", default="",
+                    help="constrained cases per round, one per llguidance executor size listed (e.g. 12,15; default: "
+                         "the compiler's own, 80%% of the CPUs); the families compiled stay those of the default")
     ap.add_argument("--heap", choices=["worker", "default"], default="worker",
                     help="worker: the heap frozen and the young GC threshold raised once the engine is up, as the "
                          "worker does (worker/main.settle_heap); default: Python's GC as it comes (runs before "
@@ -481,8 +489,10 @@ def print_table(r: dict[str, Any]) -> None:
 
 
 def grammar_label(c: dict[str, Any]) -> str:
+    """none / schema, (sync), inline, and the executor's size when the run compared sizes (--mask-threads)."""
     return ("schema" if c["constrained"] else "none") + (" (sync)" if c["sync_steps"] else "") + (
-        " inline" if c["constrained"] and c.get("grammar_work") == "inline" else "")
+        " inline" if c["constrained"] and c.get("grammar_work") == "inline" else "") + (
+        f" t{c['mask_threads']}" if c["constrained"] and c.get("threads_compared") else "")
 
 
 def case_ratio(cases: list[dict[str, Any]], c: dict[str, Any], key: str = "step_p50_ms") -> float:
