@@ -4,7 +4,8 @@
 # ratio is the median of the rounds' own ratios), the step timeline, the per-step distribution (p90/p99/max, the
 # slowest steps and the collections inside them) and the prefix cache on (rounds after the first skip the prefill).
 # Run from the branch's root with R=<results folder>.
-#   GUIDED_RUNS     runs in order, each name:temperature:heap:switch-interval (default: greedy then sampled T=1, both
+#   GUIDED_RUNS     runs in order, each name:temperature:heap:switch-interval[:extra] (extra: more bench_guided arguments,
+#                   commas inside, no spaces, e.g. --mask-threads=12,15; default: greedy then sampled T=1, both
 #                   under the worker's process settings: frozen heap, young GC threshold 20,000, 0.5 ms switch
 #                   interval; "default:0.005" is the process the runs before 21:00 UTC 2026-12-01 measured)
 #   GUIDED_ROUNDS   rounds per run (default 3); GUIDED_BATCHES (default 1024)
@@ -21,12 +22,12 @@ TOTAL=${GUIDED_TOTAL_S:-94}
 read -r -a RUNS <<< "${GUIDED_RUNS:-greedy:0.0:worker:0.0005 sampled:1.0:worker:0.0005}"
 left=${#RUNS[@]}
 for run in "${RUNS[@]}"; do
-  IFS=: read -r name temp heap interval <<< "$run"
+  IFS=: read -r name temp heap interval extra <<< "$run"
   limit=$(( (TOTAL - SECONDS) / left )); left=$((left - 1))
   mkdir -p "$R/$name"
   OUT="$R/$name" timeout "$limit" python3 ops/bench_guided.py --batches "${GUIDED_BATCHES:-1024}" --no-sync-case \
     --temperature "$temp" --grammar-modes overlap --timeline --repeats "${GUIDED_ROUNDS:-3}" --prefix-caching \
-    --heap "$heap" --switch-interval "$interval" --budget-s $((limit - 9)) ${GUIDED_DRY:-} > "$R/$name.log" 2>&1
+    --heap "$heap" --switch-interval "$interval" --budget-s $((limit - 9)) ${extra:-} ${GUIDED_DRY:-} > "$R/$name.log" 2>&1
   echo "$name ($run) exit $? after ${SECONDS} s" >> "$R/_driver.log"
   grep -v '^\[bench_guided\|^loading' "$R/$name.log" >> "$R/_driver.log"
 done
