@@ -223,6 +223,8 @@ def run_case(eng: Any, meter: MaskMeter, batch: int, guided: Any, args: argparse
     probe = StepProbe(eng) if meter.cuda else None
     timeline = StepTimeline(eng, meter.cuda) if args.timeline else None  # after the probe: unwrapped first
     walls: list[float] = []
+    first = outputs[f"{tag}-0"]  # the first request's output so far after each step: where the slow steps were
+    first_lengths: list[int] = []
     tokens_before = sum(len(v) for v in outputs.values())
     with GcRecorder() as collections:
         cpu0, thread0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
@@ -231,6 +233,7 @@ def run_case(eng: Any, meter: MaskMeter, batch: int, guided: Any, args: argparse
             began = time.perf_counter()
             step() if timeline is None else timeline.step(step)
             walls.append(time.perf_counter() - began)
+            first_lengths.append(len(first))
         wall = time.perf_counter() - t0
         cpu, thread = time.process_time() - cpu0, time.thread_time() - thread0
         collections.step = -1
@@ -257,6 +260,8 @@ def run_case(eng: Any, meter: MaskMeter, batch: int, guided: Any, args: argparse
         "step_ms": distribution([w * 1e3 for w in walls]),  # p90 / p99 / max and the slowest steps' indices
         "gc": collections.summary(),
         **({"slow_steps": slow_step_phases(phases, [w * 1e3 for w in walls])} if phases is not None else {}),
+        "first_output_after_slowest": [eng.tokenizer.decode(first[: first_lengths[i]])[-48:]
+                                       for i, _ in distribution(walls)["slowest"][:3]],
         "process_cpu_cores": cpu / wall,
         "engine_thread_cpu_ms_per_step": thread / args.steps * 1e3,
         # the rest of the process: llguidance's mask threads and the grammar thread (unconstrained: ~nothing)
@@ -538,6 +543,9 @@ def print_tail(r: dict[str, Any]) -> None:
               f"({', '.join(f'{x:.3f}' for x in entry['p50'])}); mean ratio median {entry['median_mean_ratio']:.3f}x "
               f"({', '.join(f'{x:.3f}' for x in entry['mean'])})")
     for c in r["cases"]:
+        if c["constrained"] and c.get("first_output_after_slowest"):
+            print(f"# {c['batch']} {grammar_label(c)} round {c.get('repeat', 0)}: request 0's output after the three "
+                  f"slowest steps ends {c['first_output_after_slowest']!r}")
         for s in c.get("slow_steps", [])[:2]:
             phases = " ".join(f"{k}={v:.2f}" for k, v in s.items() if k not in ("index", "wall_ms") and v)
             print(f"# slow step {c['batch']} {grammar_label(c)} round {c.get('repeat', 0)} step {s['index']} "
