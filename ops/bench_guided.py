@@ -1,6 +1,7 @@
 """Decode step cost of structured output: every request constrained by one mid-size JSON Schema vs none.
 
     PYTHONPATH=. python ops/bench_guided.py                          # H200: 8B shape, batches 1024 and 256
+    PYTHONPATH=. python ops/bench_guided.py --batches 1024 --repeats 3 --prefix-caching --timeline  # call.sh's
     PYTHONPATH=. python ops/bench_guided.py --shape tiny --device cpu --batches 8 --steps 4   # dry run
 
 The model is ops/bench.py's random one (written there if absent, same folder), seen through a sibling folder
@@ -21,7 +22,14 @@ the engine before its grammar_overlap) beside the default; --timeline adds each 
 (SamplingBatch.build, which holds the fill and the upload), `advance` (matchers consuming the sampled tokens,
 engine thread CPU) and `apply` (the bitmask op: GPU ms from CUDA events; host ms on the CPU). Sanity: how
 many outputs a fresh matcher accepts as a prefix of the schema (constrained: all; unconstrained: ~none).
-Prints a table; writes $OUT/bench_guided.json when OUT is set.
+
+--repeats R runs each batch's cases R times interleaved on the one engine (none, schema, none, schema ...) and
+reports the median of the rounds' own ratios, so that one noisy case does not decide (--prefix-caching makes the
+rounds after the first skip the prefill). A second table gives each case's step distribution (p90 / p99 / max, the
+slowest steps by index, the collections inside the timed steps: ops/step_tail.py) and, with --timeline, the
+slowest steps' own phases. The process runs as the worker's does once loaded (--heap worker, --switch-interval
+0.0005: worker/main.py), not with Python's defaults, which the runs before 21:00 UTC 2026-12-01 measured.
+Prints the tables; writes $OUT/bench_guided.json when OUT is set.
 """
 
 from __future__ import annotations
