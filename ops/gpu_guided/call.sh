@@ -11,8 +11,9 @@
 #   GUIDED_ROUNDS   rounds per run (default 3); GUIDED_BATCHES (default 1024)
 #   GUIDED_TOTAL_S  bounds all runs (default 94; each run gets an equal share of what is left when it starts)
 #   GUIDED_DRY      appended arguments (a CPU dry run: the tiny shape)
-# ~45 s a run on the H200 with 3 rounds (engine start ~10 s, the first prefill ~4 s, ~5 s a case); the model
-# folder is written first if absent (~20 s more, inside the first run's share).
+# On the H200 (2026-12-01): a run of 3 rounds 30-34 s (none + schema), 39 s greedy with two executor sizes a round,
+# 32 s sampled: loading + engine start ~12 s, the first prefill ~4 s, ~3.5 s a case after; the model folder is
+# written first if absent (~20 s more, inside the first run's share).
 set -u
 R=${R:-/tmp/guided-results}
 mkdir -p "$R"
