@@ -113,7 +113,9 @@ class LLMEngine:
         # call) and the next step's masks fill, both queued on the grammar thread, while this one detokenizes
         # and builds its outputs (H200, 15:31 UTC: advance 4.5 ms + fill 15.5 ms a step at batch 1,024 inline,
         # beside ~14 ms of other engine work, outran the 30.7 ms forward); False: both inline, as before
-        # (ops/bench_guided.py --grammar-modes compares them)
+        # (ops/bench_guided.py --grammar-modes compares them). The grammar thread's Python between llguidance's
+        # calls waits for this thread up to sys.getswitchinterval() each time: at Python's 5 ms the grammar work
+        # took 12.1 ms of wall a step against 6.2 at the worker's 0.5 ms (H200, 21:08 UTC, BENCHMARKS.md).
         self.grammar_overlap = True
         self._inflight: _Launched | None = None
         self._num_history = 0  # live requests whose penalties or grammar read the output token values

@@ -124,6 +124,13 @@ class GrammarCompiler:
         self._worker: ThreadPoolExecutor | None = None  # submit(): one thread, so its jobs run in order
         self._consume_par = getattr(self._executor, "consume_token_par", None)
 
+    def set_mask_threads(self, threads: int) -> None:
+        """Fills and advances from now on run on a new executor of this many threads (benchmarks compare counts
+        on one engine; call between steps, with no fill or advance queued); the families compiled stay."""
+        self._executor = self._llg.LLExecutor(num_threads=threads)
+        self._consume_par = getattr(self._executor, "consume_token_par", None)
+        self.mask_threads = threads
+
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run fn(*args) on this compiler's grammar thread, after the jobs submitted before it (the engine
         queues a step's advance, then the next step's fill, and works meanwhile). That thread mostly waits on

@@ -1,6 +1,7 @@
 """Decode step cost of structured output: every request constrained by one mid-size JSON Schema vs none.
 
     PYTHONPATH=. python ops/bench_guided.py                          # H200: 8B shape, batches 1024 and 256
+    PYTHONPATH=. python ops/bench_guided.py --batches 1024 --repeats 3 --prefix-caching --timeline  # call.sh's
     PYTHONPATH=. python ops/bench_guided.py --shape tiny --device cpu --batches 8 --steps 4   # dry run
 
 The model is ops/bench.py's random one (written there if absent, same folder), seen through a sibling folder
@@ -21,12 +22,20 @@ the engine before its grammar_overlap) beside the default; --timeline adds each 
 (SamplingBatch.build, which holds the fill and the upload), `advance` (matchers consuming the sampled tokens,
 engine thread CPU) and `apply` (the bitmask op: GPU ms from CUDA events; host ms on the CPU). Sanity: how
 many outputs a fresh matcher accepts as a prefix of the schema (constrained: all; unconstrained: ~none).
-Prints a table; writes $OUT/bench_guided.json when OUT is set.
+
+--repeats R runs each batch's cases R times interleaved on the one engine (none, schema, none, schema ...) and
+reports the median of the rounds' own ratios, so that one noisy case does not decide (--prefix-caching makes the
+rounds after the first skip the prefill). A second table gives each case's step distribution (p90 / p99 / max, the
+slowest steps by index, the collections inside the timed steps: ops/step_tail.py) and, with --timeline, the
+slowest steps' own phases. The process runs as the worker's does once loaded (--heap worker, --switch-interval
+0.0005: worker/main.py), not with Python's defaults, which the runs before 21:00 UTC 2026-12-01 measured.
+Prints the tables; writes $OUT/bench_guided.json when OUT is set.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -188,6 +197,7 @@ def run_case(eng: Any, meter: MaskMeter, batch: int, guided: Any, args: argparse
     from stoker.engine import EngineRequest, SamplingParams
     from stoker.ops.bench import StepProbe, random_prompts
     from stoker.ops.guided_timeline import StepTimeline
+    from stoker.ops.step_tail import GcRecorder, distribution
 
     # Seeded per request when sampling, so runs repeat; greedy (the default) drives a random model's rows
     # through the same states (every row the same string), sampling makes them diverge as real ones do.
@@ -221,14 +231,20 @@ def run_case(eng: Any, meter: MaskMeter, batch: int, guided: Any, args: argparse
     probe = StepProbe(eng) if meter.cuda else None
     timeline = StepTimeline(eng, meter.cuda) if args.timeline else None  # after the probe: unwrapped first
     walls: list[float] = []
+    first = outputs[f"{tag}-0"]  # the first request's output so far after each step: where the slow steps were
+    first_lengths: list[int] = []
     tokens_before = sum(len(v) for v in outputs.values())
-    cpu0, thread0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
-    for _ in range(args.steps):
-        began = time.perf_counter()
-        step() if timeline is None else timeline.step(step)
-        walls.append(time.perf_counter() - began)
-    wall = time.perf_counter() - t0
-    cpu, thread = time.process_time() - cpu0, time.thread_time() - thread0
+    with GcRecorder() as collections:
+        cpu0, thread0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
+        for index in range(args.steps):
+            collections.step = index
+            began = time.perf_counter()
+            step() if timeline is None else timeline.step(step)
+            walls.append(time.perf_counter() - began)
+            first_lengths.append(len(first))
+        wall = time.perf_counter() - t0
+        cpu, thread = time.process_time() - cpu0, time.thread_time() - thread0
+        collections.step = -1
     phases = timeline.close() if timeline is not None else None
     work = meter.snapshot()
     gpu = probe.close() if probe is not None else {}
@@ -249,8 +265,15 @@ def run_case(eng: Any, meter: MaskMeter, batch: int, guided: Any, args: argparse
         "step_p50_ms": statistics.median(walls) * 1e3,
         "step_mean_ms": wall / args.steps * 1e3,
         "step_max_ms": max(walls) * 1e3,
+        "step_ms": distribution([w * 1e3 for w in walls]),  # p90 / p99 / max and the slowest steps' indices
+        "gc": collections.summary(),
+        **({"slow_steps": slow_step_phases(phases, [w * 1e3 for w in walls])} if phases is not None else {}),
+        "first_output_after_slowest": [eng.tokenizer.decode(first[: first_lengths[i]])[-48:]
+                                       for i, _ in distribution(walls)["slowest"][:3]],
         "process_cpu_cores": cpu / wall,
         "engine_thread_cpu_ms_per_step": thread / args.steps * 1e3,
+        # the rest of the process: llguidance's mask threads and the grammar thread (unconstrained: ~nothing)
+        "other_threads_cpu_ms_per_step": (cpu - thread) / args.steps * 1e3,
         "mask_work_per_step": per_step,
         # GPU time of a decode step, forward launch .. sampler's last kernel (CUDA events; 0 on the CPU)
         "gpu_busy_ms_per_step": gpu.get("decode_busy_ms", 0.0) / max(1, gpu.get("decode_steps", 0)),
@@ -261,6 +284,16 @@ def run_case(eng: Any, meter: MaskMeter, batch: int, guided: Any, args: argparse
     }
 
 
+def slow_step_phases(phases: dict[str, Any], walls_ms: list[float]) -> list[dict[str, Any]]:
+    """The timeline's own phases of the slowest steps (index and wall first), then drops the per-step rows from
+    phases (the JSON keeps these few)."""
+    from stoker.ops.step_tail import SLOWEST
+
+    per_step = phases.pop("per_step", [])
+    slowest = sorted(range(len(walls_ms)), key=walls_ms.__getitem__, reverse=True)[:SLOWEST]
+    return [{"index": i, "wall_ms": walls_ms[i], **(per_step[i] if i < len(per_step) else {})} for i in slowest]
+
+
 def valid_prefixes(compiler: Any, guided: Any, outputs: dict[str, list[int]]) -> int:
     """How many outputs a fresh matcher takes whole (a valid prefix of the grammar)."""
     count = 0
@@ -268,6 +301,50 @@ def valid_prefixes(compiler: Any, guided: Any, outputs: dict[str, list[int]]) ->
         matcher = compiler.matcher(guided)
         count += matcher.validate_tokens(tokens) == len(tokens) and bool(tokens)
     return count
+
+
+def run_round(eng: Any, meter: MaskMeter, compiler: Any, guided: Any, batch: int, args: argparse.Namespace,
+              first: bool, rep: int, began: float, r: dict[str, Any], cases: list[dict[str, Any]],
+              recorded: dict[str, list[list[int]]]) -> None:
+    """One round of a batch's cases, in order (none, then the constrained ones) -> appended to cases."""
+    # (grammar, synchronous steps, grammar work): "sync" (the first round only, unless --no-sync-case) is the
+    # constrained step with the engine's overlap off, what a constrained batch cost before the engine overlapped
+    # it; grammar work "inline" is the matchers advanced and the masks filled on the engine thread
+    # (LLMEngine.grammar_overlap off), "overlap" the engine's default (--grammar-modes)
+    work = args.grammar_modes.split(",")
+    threads = [int(t) for t in args.mask_threads.split(",")] if args.mask_threads else [compiler.mask_threads]
+    modes = ([("none", False, "overlap", threads[0])] * args.unconstrained_case
+             + [("schema", False, w, t) for w in work for t in threads]
+             + ([("schema", True, work[-1], threads[0])] if first and args.sync_case else []))
+    for mode, sync, grammar_work, mask_threads in modes:
+        if time.perf_counter() - began > args.budget_s:
+            log(f"past --budget-s {args.budget_s:g}: batch {batch} round {rep} {mode} sync={sync} {grammar_work} skipped")
+            r.setdefault("skipped", []).append([batch, rep, mode, sync, grammar_work])
+            continue
+        log(f"batch {batch}, round {rep}, {mode}{', synchronous steps' if sync else ''}, grammar work {grammar_work}")
+        if mask_threads != compiler.mask_threads:
+            compiler.set_mask_threads(mask_threads)
+        overlap, eng.async_scheduling = eng.async_scheduling, eng.async_scheduling and not sync
+        eng.grammar_overlap = grammar_work == "overlap"
+        try:
+            case = run_case(eng, meter, batch, guided if mode == "schema" else None, args,
+                            f"{mode[0]}{'s' if sync else ''}{grammar_work[0]}{batch}r{rep}t{mask_threads}")
+        finally:
+            eng.async_scheduling, eng.grammar_overlap = overlap, True
+        case["grammar_work"] = grammar_work
+        case["sync_steps"] = sync or not overlap
+        case["repeat"] = rep
+        case["mask_threads"], case["threads_compared"] = mask_threads, len(threads) > 1
+        outputs = case.pop("outputs")
+        if mode == "schema" and rep == 0:
+            recorded[f"{batch}{' sync' if sync else ''}{' inline' if grammar_work == 'inline' else ''}"] = list(
+                outputs.values())
+        case["valid_prefixes"] = valid_prefixes(compiler, guided, outputs)
+        case["distinct_outputs"] = len({tuple(tokens) for tokens in outputs.values()})
+        sample = next(iter(outputs.values()))
+        case["sample_text"] = eng.tokenizer.decode(sample)[:160]
+        cases.append(case)
+        log(json.dumps({k: v for k, v in case.items() if k not in ("sample_text", "timeline", "slow_steps")}))
 
 
 # ---- main ------------------------------------------------------------------------------------------------
@@ -304,13 +381,31 @@ def main(argv: list[str] | None = None) -> int:
                     help="overlapped steps on the CPU too (the GPU's default), for a dry run of that path")
     ap.add_argument("--timeline", action="store_true",
                     help="per case, the median step's host phases and GPU waits (ops/guided_timeline.py)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="per batch, this many rounds of its cases interleaved on the one engine (none, schema, none, "
+                         "schema ...); the ratio reported is the median of the rounds' own ratios")
+    ap.add_argument("--mask-threads", default="",
+                    help="constrained cases per round, one per llguidance executor size listed (e.g. 12,15; default: "
+                         "the compiler's own, 80%% of the CPUs); the families compiled stay those of the default")
+    ap.add_argument("--heap", choices=["worker", "default"], default="worker",
+                    help="worker: the heap frozen and the young GC threshold raised once the engine is up, as the "
+                         "worker does (worker/main.settle_heap); default: Python's GC as it comes (runs before "
+                         "21:00 UTC 2026-12-01)")
+    ap.add_argument("--switch-interval", type=float, default=0.0005,
+                    help="sys.setswitchinterval for the run (the worker's default, worker/config.py; Python's own "
+                         "is 0.005, the runs before 21:00 UTC 2026-12-01)")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="the engine's prefix cache on (its default; ops/bench.py's settings turn it off): every "
+                         "round's prompts are the same, so rounds after the first skip most of the ~3.5 s prefill "
+                         "of 1,024 x 128 tokens; the decode steps timed are the same")
     ap.add_argument("--budget-s", type=float, default=200.0,
                     help="start no further case once this many seconds have passed since the start")
     args = ap.parse_args(argv)
     import logging
 
     from stoker.engine import GuidedDecoding, LLMEngine
-    from stoker.ops.bench import SHAPES, engine_config, write_model
+    from stoker.ops.bench import _GC_YOUNG_THRESHOLD, SHAPES, engine_config, write_model
+    from stoker.ops.step_tail import heap_policy
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cuda = args.device.startswith("cuda")
@@ -329,7 +424,10 @@ def main(argv: list[str] | None = None) -> int:
     path, r["tokenizer_build_s"] = guided_model_dir(base, shape["vocab_size"], args.tokenizer_json)
     log(f"tokenizer ready ({r['tokenizer_build_s']:.1f} s); starting the engine")
     started = time.perf_counter()
-    eng = LLMEngine(engine_config(path, args.max_num_seqs, device=args.device))
+    config = engine_config(path, args.max_num_seqs, device=args.device)
+    if args.prefix_caching:
+        config = dataclasses.replace(config, enable_prefix_caching=True)
+    eng = LLMEngine(config)
     r["engine_start_s"] = time.perf_counter() - started
     if args.async_steps:
         eng.async_scheduling = True  # the GPU's step order on the CPU (a dry run of the overlapped path)
@@ -346,45 +444,16 @@ def main(argv: list[str] | None = None) -> int:
     compiler.prepare(guided)
     r["schema_bytes"], r["compile_ms"] = len(spec), (time.perf_counter() - started) * 1e3
     r["templates"] = compiler.num_families(guided)
+    sys.setswitchinterval(args.switch_interval)
+    r["process"] = heap_policy(args.heap, _GC_YOUNG_THRESHOLD)  # after the engine's start, as the worker
     meter = MaskMeter(cuda)
     cases: list[dict[str, Any]] = []
     recorded: dict[str, list[list[int]]] = {}  # case -> the constrained rows' output token ids (--record)
     try:
         for index, batch in enumerate(int(b) for b in args.batches.split(",")):
-            # (grammar, synchronous steps): "sync" (the first batch only, unless --no-sync-case) is the constrained
-            # step with the engine's overlap off, what a constrained batch cost before the engine overlapped it
-            # (grammar, synchronous steps, grammar work): "sync" (the first batch only, unless --no-sync-case) is
-            # the constrained step with the engine's overlap off, what a constrained batch cost before the engine
-            # overlapped it; grammar work "inline" is the matchers advanced and the masks filled on the engine
-            # thread (LLMEngine.grammar_overlap off), "overlap" the engine's default (--grammar-modes)
-            work = args.grammar_modes.split(",")
-            modes = ([("none", False, "overlap")] * args.unconstrained_case + [("schema", False, w) for w in work]
-                     + ([("schema", True, work[-1])] if index == 0 and args.sync_case else []))
-            for mode, sync, grammar_work in modes:
-                if time.perf_counter() - began > args.budget_s:
-                    log(f"past --budget-s {args.budget_s:g}: batch {batch} {mode} sync={sync} {grammar_work} skipped")
-                    r.setdefault("skipped", []).append([batch, mode, sync, grammar_work])
-                    continue
-                log(f"batch {batch}, {mode}{', synchronous steps' if sync else ''}, grammar work {grammar_work}")
-                overlap, eng.async_scheduling = eng.async_scheduling, eng.async_scheduling and not sync
-                eng.grammar_overlap = grammar_work == "overlap"
-                try:
-                    case = run_case(eng, meter, batch, guided if mode == "schema" else None, args,
-                                    f"{mode[0]}{'s' if sync else ''}{grammar_work[0]}{batch}")
-                finally:
-                    eng.async_scheduling, eng.grammar_overlap = overlap, True
-                case["grammar_work"] = grammar_work
-                case["sync_steps"] = sync or not overlap
-                outputs = case.pop("outputs")
-                if mode == "schema":
-                    recorded[f"{batch}{' sync' if sync else ''}{' inline' if grammar_work == 'inline' else ''}"] = list(
-                        outputs.values())
-                case["valid_prefixes"] = valid_prefixes(compiler, guided, outputs)
-                case["distinct_outputs"] = len({tuple(tokens) for tokens in outputs.values()})
-                sample = next(iter(outputs.values()))
-                case["sample_text"] = eng.tokenizer.decode(sample)[:160]
-                cases.append(case)
-                log(json.dumps({k: v for k, v in case.items() if k != "sample_text"}))
+            for rep in range(args.repeats):
+                run_round(eng, meter, compiler, guided, batch, args, index == 0 and rep == 0, rep, began, r, cases,
+                          recorded)
     finally:
         meter.close()
     r["cases"] = cases
@@ -408,15 +477,11 @@ def print_table(r: dict[str, Any]) -> None:
             "fill cpu ms", "build ms", "advance ms", "apply ms", "valid", "distinct", "closed")
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")
-    unconstrained = {c["batch"]: c for c in r["cases"] if not c["constrained"]}  # the ratio's denominator
     for c in r["cases"]:
         w = c["mask_work_per_step"]
-        base = unconstrained.get(c["batch"])
-        ratio = c["step_p50_ms"] / base["step_p50_ms"] if base and c["constrained"] else 1.0
+        ratio = case_ratio(r["cases"], c)
         apply_ms = w.get("apply_gpu_ms", w.get("apply_host_ms", 0.0))
-        grammar = ("schema" if c["constrained"] else "none") + (" (sync)" if c["sync_steps"] else "") + (
-            " inline" if c["constrained"] and c.get("grammar_work") == "inline" else "")
-        cells = (c["batch"], grammar, f"{c['step_p50_ms']:.2f}",
+        cells = (c["batch"], grammar_label(c), f"{c['step_p50_ms']:.2f}",
                  f"{c['step_mean_ms']:.2f}", f"{ratio:.2f}x", f"{c['gpu_busy_ms_per_step']:.2f}",
                  f"{c['process_cpu_cores']:.2f}",
                  f"{c['engine_thread_cpu_ms_per_step']:.2f}", f"{w.get('fill_wall_ms', 0):.2f}",
@@ -424,6 +489,7 @@ def print_table(r: dict[str, Any]) -> None:
                  f"{w.get('advance_thread_cpu_ms', 0):.2f}", f"{apply_ms:.2f}",
                  f"{c['valid_prefixes']}/{c['batch']}", c["distinct_outputs"], c["num_closed_early"])
         print("| " + " | ".join(str(x) for x in cells) + " |")
+    print_tail(r)
     if r.get("skipped"):
         print(f"# skipped (past --budget-s): {r['skipped']}")
     for c in r["cases"]:
@@ -433,6 +499,65 @@ def print_table(r: dict[str, Any]) -> None:
     for c in r["cases"]:
         if c["constrained"]:
             print(f"# batch {c['batch']} sample output: {c['sample_text']!r}")
+
+
+def grammar_label(c: dict[str, Any]) -> str:
+    """none / schema, (sync), inline, and the executor's size when the run compared sizes (--mask-threads)."""
+    return ("schema" if c["constrained"] else "none") + (" (sync)" if c["sync_steps"] else "") + (
+        " inline" if c["constrained"] and c.get("grammar_work") == "inline" else "") + (
+        f" t{c['mask_threads']}" if c["constrained"] and c.get("threads_compared") else "")
+
+
+def case_ratio(cases: list[dict[str, Any]], c: dict[str, Any], key: str = "step_p50_ms") -> float:
+    """c's step (key) over the unconstrained case of its own batch and round (1.0 for an unconstrained one, or
+    when its round has none)."""
+    base = next((b for b in cases if not b["constrained"] and b["batch"] == c["batch"]
+                 and b.get("repeat", 0) == c.get("repeat", 0)), None)
+    return c[key] / base[key] if base and c["constrained"] else 1.0
+
+
+def round_ratios(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per (batch, constrained case): each round's p50 ratio and mean ratio, and their medians over the rounds:
+    one noisy round does not decide."""
+    out: dict[str, dict[str, Any]] = {}
+    for c in r["cases"]:
+        if c["constrained"]:
+            entry = out.setdefault(f"{c['batch']} {grammar_label(c)}", {"p50": [], "mean": []})
+            entry["p50"].append(case_ratio(r["cases"], c))
+            entry["mean"].append(case_ratio(r["cases"], c, "step_mean_ms"))
+    for entry in out.values():
+        entry["median_p50_ratio"] = statistics.median(entry["p50"])
+        entry["median_mean_ratio"] = statistics.median(entry["mean"])
+    return out
+
+
+def print_tail(r: dict[str, Any]) -> None:
+    """The per-step distribution of each case (ms), its slowest steps (index: ms), the collections inside its
+    timed steps, then the median of the rounds' ratios."""
+    head = ("batch", "grammar", "round", "p50", "p90", "p99", "max", "mean", "slowest steps (index: ms)",
+            "gc count gen0/1/2", "gc ms gen0/1/2", "other threads' CPU ms/step")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "|".join("---" for _ in head) + "|")
+    for c in r["cases"]:
+        d, g = c["step_ms"], c["gc"]
+        slow = ", ".join(f"{i}: {ms:.1f}" for i, ms in d["slowest"])
+        cells = (c["batch"], grammar_label(c), c.get("repeat", 0), *(f"{d[k]:.2f}" for k in ("p50", "p90", "p99", "max",
+                 "mean")), slow, "/".join(str(n) for n in g["count"]), "/".join(f"{ms:.1f}" for ms in g["ms"]),
+                 f"{c.get('other_threads_cpu_ms_per_step', 0.0):.1f}")
+        print("| " + " | ".join(str(x) for x in cells) + " |")
+    r["round_ratios"] = round_ratios(r)
+    for tag, entry in r["round_ratios"].items():
+        print(f"# {tag}: p50 ratio median {entry['median_p50_ratio']:.3f}x over {len(entry['p50'])} rounds "
+              f"({', '.join(f'{x:.3f}' for x in entry['p50'])}); mean ratio median {entry['median_mean_ratio']:.3f}x "
+              f"({', '.join(f'{x:.3f}' for x in entry['mean'])})")
+    for c in r["cases"]:
+        if c["constrained"] and c.get("first_output_after_slowest"):
+            print(f"# {c['batch']} {grammar_label(c)} round {c.get('repeat', 0)}: request 0's output after the three "
+                  f"slowest steps ends {c['first_output_after_slowest']!r}")
+        for s in c.get("slow_steps", [])[:2]:
+            phases = " ".join(f"{k}={v:.2f}" for k, v in s.items() if k not in ("index", "wall_ms") and v)
+            print(f"# slow step {c['batch']} {grammar_label(c)} round {c.get('repeat', 0)} step {s['index']} "
+                  f"{s['wall_ms']:.1f} ms: {phases}")
 
 
 if __name__ == "__main__":

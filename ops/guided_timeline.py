@@ -108,7 +108,8 @@ class StepTimeline:
             self.steps.append(dict(self._now, step=wall, other=wall - top))
 
     def close(self) -> dict[str, Any]:
-        """Unwrap; -> {"host_ms": {phase: median}, "gpu_ms": {phase: median}} over the steps recorded."""
+        """Unwrap; -> {"host_ms": {phase: median}, "gpu_ms": {phase: median}} over the steps recorded, and
+        "per_step": each step's own host and GPU phases (ops/step_tail.py lists the slowest steps' ones)."""
         for owner, attr, original, own in reversed(self._restore):
             if own:  # the attribute was the owner's own (a class's function, an earlier instance wrapper)
                 setattr(owner, attr, original)
@@ -116,9 +117,16 @@ class StepTimeline:
                 delattr(owner, attr)
         labels = ["step"] + [label for label, _ in HOST_PHASES] + ["other"]
         host = {label: statistics.median(s.get(label, 0.0) for s in self.steps) for label in labels if self.steps}
-        return {"host_ms": host, "gpu_ms": self._gpu()}
+        gpu = self._gpu()
+        per_step = [dict(s) for s in self.steps]
+        for name, values in gpu.items():  # the GPU rows are the steps' own, in order (the last has no next)
+            for row, value in zip(per_step, values, strict=False):
+                row[name] = value
+        return {"host_ms": host, "gpu_ms": {name: statistics.median(v) for name, v in gpu.items() if v},
+                "per_step": per_step}
 
-    def _gpu(self) -> dict[str, float]:
+    def _gpu(self) -> dict[str, list[float]]:
+        """-> each GPU phase's ms per step, in step order."""
         if not self.cuda:
             return {}
         torch.cuda.synchronize()
@@ -130,7 +138,7 @@ class StepTimeline:
             rows["gpu sampling"].append(s0.elapsed_time(s1))
             if k + 1 < len(full):
                 rows["gpu wait for next forward"].append(s1.elapsed_time(full[k + 1][0]))
-        return {name: statistics.median(v) for name, v in rows.items() if v}
+        return rows
 
 
 def format_timeline(tag: str, timeline: dict[str, Any]) -> str:

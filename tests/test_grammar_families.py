@@ -90,6 +90,25 @@ def test_families_are_dealt_in_turn_and_fill_their_own_rows(tokenizer_json):
     assert torch.equal(bitmask, expected)
 
 
+def test_a_new_executor_size_fills_and_advances_the_same_rows(tokenizer_json):
+    """set_mask_threads (ops/bench_guided.py --mask-threads compares sizes on one engine): the fills and the
+    batched advance that follow run on the new executor and still give each row its own matcher's result."""
+    compiler = GrammarCompiler(tokenizer_json, VOCAB, [EOS], mask_threads=1, families=2)
+    old_executor = compiler._executor
+    compiler.set_mask_threads(3)
+    assert compiler.mask_threads == 3 and compiler._executor is not old_executor
+    states = [compiler.new_state(TWO_BRANCHES) for _ in range(4)]
+    tokens = [compiler.tokenizer.tokenize_str(WALKS[i % 2][:1])[0] for i in range(4)]
+    assert compiler.advance_all(states, tokens) == [False] * 4
+    words = (VOCAB + 31) // 32
+    expected = torch.stack([torch.frombuffer(bytearray(s.matcher.compute_bitmask()), dtype=torch.int32)[:words]
+                            for s in states])
+    assert not torch.equal(expected[0], expected[1])  # a letter then a digit: the rows differ
+    bitmask = torch.zeros((len(states), words), dtype=torch.int32)
+    compiler.fill_bitmasks([s.matcher for s in states], bitmask, [s.family for s in states])
+    assert torch.equal(bitmask, expected)
+
+
 def test_extra_templates_stop_at_the_compile_budget(tokenizer_json, monkeypatch):
     """A grammar whose compile costs more than FAMILY_COMPILE_BUDGET_S gets one template (a hostile schema
     must not be compiled 12 times); a cheap one gets all of them."""
