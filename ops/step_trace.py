@@ -319,14 +319,20 @@ def kernel_steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 busy += hi - max(lo, cursor)
                 cursor = hi
         categories: dict[str, float] = {}
+        by_name: dict[str, list[float]] = {}  # name -> [launches, ms]
         for lo, hi, name in kernels:
             cat = kernel_category(name)
             categories[cat] = categories.get(cat, 0.0) + (hi - lo) / 1000
+            entry = by_name.setdefault(name[:90], [0, 0.0])
+            entry[0] += 1
+            entry[1] += (hi - lo) / 1000
         span = (max(hi for _, hi, _ in kernels) - kernels[0][0]) / 1000
         rows.append({"step": index, "kernels": len(kernels), "kernel_ms": sum(categories.values()),
                      "span_ms": span, "idle_inside_ms": span - busy / 1000,
                      "idle_before_ms": None if prev_end is None else (kernels[0][0] - prev_end) / 1000,
-                     "by_category_ms": {k: round(v, 3) for k, v in sorted(categories.items(), key=lambda kv: -kv[1])}})
+                     "by_category_ms": {k: round(v, 3) for k, v in sorted(categories.items(), key=lambda kv: -kv[1])},
+                     "top_kernels": [(name, int(n), round(ms, 3)) for name, (n, ms)
+                                     in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:14]]})
         prev_end = max(hi for _, hi, _ in kernels)
     return rows
 
@@ -424,6 +430,8 @@ def report_window(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         print(f"step {r['step']}: {r['kernels']} kernels, {r['kernel_ms']:.2f} ms, span {r['span_ms']:.2f}, idle "
               f"inside {r['idle_inside_ms']:.2f}, before {r['idle_before_ms']}; {r['by_category_ms']}")
+        for name, n, ms in r.get("top_kernels", []):
+            print(f"    {ms:9.3f} ms {n:>5} x  {name}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -454,7 +462,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--settle-heap", action="store_true",
                     help="freeze the heap after the warm-up, as the worker does once loaded (bench.settle_heap)")
     ap.add_argument("--probe-steps", type=int, default=40,
-                    help="with --ab-mixed-split: the probe run (window, mixed bench) stops after this many steps")
+                    help="with --ab-mixed-split or --probe-after: the probe run (window, mixed bench) stops after this "
+                         "many steps")
+    ap.add_argument("--probe-after", action="store_true",
+                    help="without --ab-mixed-split: the run with the per-step account only, then the probes "
+                         "(--kernel-window, --mixed-bench-rows) in a run of their own cut after --probe-steps steps")
+    ap.add_argument("--prefill-control", type=int, default=0, metavar="N",
+                    help="first, N requests of one new token each: pure prefill steps back to back (no decode rows), "
+                         "whose GPU ms a mixed step's are compared with (the account's control)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON and tables (default $OUT)")
     args = ap.parse_args(argv)
     import bench
@@ -470,29 +485,41 @@ def main(argv: list[str] | None = None) -> None:
     if args.settle_heap:
         bench.settle_heap()
     prompts = bench.random_prompts(args.requests, args.prompt, vocab, 1)
-    # --ab-mixed-split: the same requests on one engine, the mixed steps' attention whole then split, each run
-    # with the per-step account only; then the probes (--kernel-window, --mixed-bench-rows) in a run of their
-    # own, cut after --probe-steps steps. Without it: one run with every instrument asked for.
-    if args.ab_mixed_split:
-        settings = [("split off", False, False), ("split on", True, False)]
-        if args.kernel_window or args.mixed_bench_rows:
-            settings.append(("probe, split on", True, True))
-    else:
-        settings = [("", None, True)]
     runs: dict[str, Any] = {}
-    for label, split, probes in settings:
+    for label, split, probes in run_settings(args):
         if split is not None:
             eng.config.mixed_decode_attention = split  # read by runner.prepare at every step
-            print(f"\n===== {label}: EngineConfig.mixed_decode_attention = {split}", flush=True)
-        runs[label] = traced_run(eng, args, prompts, label.replace(" ", "_").replace(",", ""), probes,
-                                 args.probe_steps if args.ab_mixed_split and probes else None)
+        print(f"\n===== {label or 'run'}: EngineConfig.mixed_decode_attention = {eng.config.mixed_decode_attention}",
+              flush=True)
+        control = label == "prefill control"
+        runs[label] = traced_run(eng, args, prompts[: args.prefill_control] if control else prompts,
+                                 label.replace(" ", "_").replace(",", ""), probes,
+                                 args.probe_steps if probes and label.startswith("probe") else None,
+                                 1 if control else args.new)
         if args.json_out:  # after each run: a run cut short by a timeout keeps the ones before
             body = runs.get("", {"runs": runs})
             Path(args.json_out).write_text(json.dumps({"args": vars(args), **body}, indent=1))
 
 
+def run_settings(args: argparse.Namespace) -> list[tuple[str, bool | None, bool]]:
+    """(label, mixed_decode_attention or None to leave it, probes) per run. --prefill-control first; then with
+    --ab-mixed-split the requests with the mixed steps' attention whole then split, each with the per-step account
+    only, and the probes (--kernel-window, --mixed-bench-rows) in a run of their own cut after --probe-steps steps
+    (so also with --probe-after); otherwise one run with every instrument asked for."""
+    settings: list[tuple[str, bool | None, bool]] = []
+    if args.prefill_control:
+        settings.append(("prefill control", None, False))
+    probes = bool(args.kernel_window or args.mixed_bench_rows)
+    if args.ab_mixed_split:
+        settings += [("split off", False, False), ("split on", True, False)]
+        return settings + ([("probe, split on", True, True)] if probes else [])
+    if args.probe_after:
+        return settings + [("", None, False)] + ([("probe", None, True)] if probes else [])
+    return settings + [("", None, True)]
+
+
 def traced_run(eng: Any, args: argparse.Namespace, prompts: list[list[int]], tag: str, probes: bool,
-               max_steps: int | None) -> dict[str, Any]:
+               max_steps: int | None, new: int) -> dict[str, Any]:
     """One traced run of the requests with the instruments args asks for (the kernel window and the mixed-step
     bench only with probes), reported; the engine's methods are restored after (the instruments wrap them as
     instance attributes). -> its JSON body."""
@@ -506,11 +533,13 @@ def traced_run(eng: Any, args: argparse.Namespace, prompts: list[list[int]], tag
         first, last = (int(x) for x in args.kernel_window.split(":"))
         window = KernelWindow(first, last, str(out_dir / f"kernel_window_trace{tag and '_' + tag}.json"))
     mixed = MixedBench(eng, account, args.mixed_bench_rows, window) if args.mixed_bench_rows and probes else None
+    import bench
+
+    variants0 = bench.triton_variants()
     t0 = time.perf_counter()
     try:
         with syncs:
-            steps, token_steps = trace(eng, prompts, args.new, phased=args.phases, window=window,
-                                       max_steps=max_steps)
+            steps, token_steps = trace(eng, prompts, new, phased=args.phases, window=window, max_steps=max_steps)
     finally:
         for (obj, name), value in saved.items():
             if value is None:
@@ -519,6 +548,9 @@ def traced_run(eng: Any, args: argparse.Namespace, prompts: list[list[int]], tag
                 obj.__dict__[name] = value
     wall_ms = (time.perf_counter() - t0) * 1000
     res = summarize(steps, gaps_of(steps, token_steps))
+    res["wall_s"] = wall_ms / 1000
+    res["triton_compiles"] = bench.midrun_compiles({"triton_variants": {"before_w2": variants0,
+                                                                        "after_w2": bench.triton_variants()}})
     report(res, steps, args.top)
     extra: dict[str, Any] = {}
     if account is not None:
