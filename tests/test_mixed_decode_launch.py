@@ -175,3 +175,33 @@ def test_runner_marks_mixed_steps_with_the_graph_launch(tiny_model: str) -> None
         # 5 decoders -> 4 rows split off -> bucket 4; the table: 256 tokens / 16 per block = 16 blocks
         assert meta.decode_launch == (4, 256), meta.decode_launch
     assert all(m.decode_launch is None for m in seen if not m.num_decodes)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mixed_steps_compile_no_decode_variant_after_capture(tiny_model: str) -> None:
+    """On the GPU: after the engine's start (graph capture), mixed steps carrying 4..44 decode rows of short
+    contexts launch no new variant of the decode kernels (before the fix, such rows took 1 split at their eager
+    table width, a count no bucket of a 256-token table compiled)."""
+    from stoker.engine import EngineRequest, SamplingParams
+
+    engine = LLMEngine(EngineConfig(model_path=tiny_model, device="cuda", dtype="bfloat16", max_num_seqs=48,
+                                    max_model_len=256, num_kv_blocks=256, max_num_batched_tokens=64))
+    assert engine.runner.graphs is not None
+
+    def variants() -> int:
+        return sum(len(c[0]) for fn in (attention_kernels._decode_split_kernel, attention_kernels._decode_reduce_kernel)
+                   for c in fn.device_caches.values())
+
+    splits: list[int] = []
+    to_device = engine.runner.to_device
+    engine.runner.to_device = lambda packed, prev: (splits.append(packed.num_decodes), to_device(packed, prev))[1]
+    before = variants()
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    for i in range(47):  # one new request a step: each step mixes its prompt with the others' decode rows
+        engine.add_request(EngineRequest(f"r{i}", prompt_token_ids=[3 + i % 50, 5, 7], params=params))
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    assert {12, 20, 28, 44} <= set(splits), sorted(set(splits))
+    assert variants() == before
