@@ -215,7 +215,8 @@ def trace(eng: Any, prompts: list[list[int]], new: int, phased: bool = False,
                 if out.new_token_ids:
                     with_tokens += 1
                     token_steps.setdefault(out.request_id, []).append(len(steps))
-            steps.append({"start": t0, "end": t1, "ms": (t1 - t0) * 1000, "tokens": eng.last_step_tokens,
+            steps.append({"start": t0, "end": t1, "wall_end": time.time(), "ms": (t1 - t0) * 1000,
+                          "tokens": eng.last_step_tokens,
                           "mixed": eng.last_step_mixed, "running": stats.num_running, "waiting": stats.num_waiting,
                           "outputs_with_tokens": with_tokens, "gc": clock.events[seen:],
                           **({"phases_ms": phases.take()} if phases else {})})
@@ -497,7 +498,7 @@ def main(argv: list[str] | None = None) -> None:
                                  args.probe_steps if probes and label.startswith("probe") else None,
                                  1 if control else args.new)
         if args.json_out:  # after each run: a run cut short by a timeout keeps the ones before
-            body = runs.get("", {"runs": runs})
+            body = runs[""] if list(runs) == [""] else {"runs": runs}
             Path(args.json_out).write_text(json.dumps({"args": vars(args), **body}, indent=1))
 
 
