@@ -170,6 +170,20 @@ def account_summary(rows: list[dict[str, Any]], wall_ms: float) -> dict[str, Any
     return res
 
 
+def allocator_counts() -> dict[str, float]:
+    """The CUDA caching allocators' growth counters (device: cudaMalloc / cuMemMap calls, flush-and-retry, syncs of
+    all streams; pinned host: blocks created and the microseconds spent creating them); {} without CUDA. A step
+    whose counters moved grew a pool inside it: a candidate for a host stall (such calls may wait on the GPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    dev, host = torch.cuda.memory_stats(), torch.cuda.host_memory_stats()
+    return {"device_allocs": dev.get("num_device_alloc", 0), "device_frees": dev.get("num_device_free", 0),
+            "alloc_retries": dev.get("num_alloc_retries", 0), "sync_all_streams": dev.get("num_sync_all_streams", 0),
+            "host_allocs": host.get("num_host_alloc", 0), "host_alloc_us": host.get("host_alloc_time.total", 0)}
+
+
 class GcClock:
     """Collections as (generation, ms), appended by gc.callbacks while installed."""
 
@@ -203,12 +217,14 @@ def trace(eng: Any, prompts: list[list[int]], new: int, phased: bool = False,
     try:
         while eng.has_unfinished() and (max_steps is None or len(steps) < max_steps):
             seen = len(clock.events)
+            counts0 = allocator_counts()
             if window is not None:
                 window.before(len(steps))
             t0 = time.perf_counter()
             with window.annotate(len(steps)) if window is not None else contextlib.nullcontext():
                 outputs = eng.step()
             t1 = time.perf_counter()
+            counts1 = allocator_counts()
             stats = eng.stats()
             with_tokens = 0
             for out in outputs:
@@ -219,6 +235,7 @@ def trace(eng: Any, prompts: list[list[int]], new: int, phased: bool = False,
                           "tokens": eng.last_step_tokens,
                           "mixed": eng.last_step_mixed, "running": stats.num_running, "waiting": stats.num_waiting,
                           "outputs_with_tokens": with_tokens, "gc": clock.events[seen:],
+                          "allocator": {k: v - counts0[k] for k, v in counts1.items() if v != counts0[k]},
                           **({"phases_ms": phases.take()} if phases else {})})
     finally:
         gc.callbacks.remove(clock)
@@ -370,6 +387,9 @@ def summarize(steps: list[dict[str, Any]], gaps: list[tuple[float, int, int]]) -
         "decode_step_ms_mean": statistics.fmean([st["ms"] for st in steps if not st["mixed"] and st["waiting"] == 0]
                                                 or [float("nan")]),
         "gc_collections": len(gc_ms), "gc_ms_total": sum(gc_ms), "gc_ms_max": max(gc_ms, default=0.0),
+        "steps_over_300ms": sum(st["ms"] > 300 for st in steps),
+        "allocator_growth": {k: sum(st.get("allocator", {}).get(k, 0) for st in steps)
+                             for k in sorted({k for st in steps for k in st.get("allocator", {})})},
     }
 
 
@@ -385,7 +405,8 @@ def report(res: dict[str, Any], steps: list[dict[str, Any]], top: int) -> None:
     if steps and "phases_ms" in steps[0]:
         print(f"\nthe first {top} steps in order, host ms by part")
         for i, st in enumerate(steps[:top]):
-            print(f"{i:>6}{st['ms']:>10.1f}{st['tokens']:>8}{st['mixed']!s:>7}{st['running']:>9}  {st['phases_ms']}")
+            print(f"{i:>6}{st['ms']:>10.1f}{st['tokens']:>8}{st['mixed']!s:>7}{st['running']:>9}  {st['phases_ms']}"
+                  f"  {st.get('allocator') or ''}")
 
 
 class MixedBench:
@@ -468,6 +489,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--probe-after", action="store_true",
                     help="without --ab-mixed-split: the run with the per-step account only, then the probes "
                          "(--kernel-window, --mixed-bench-rows) in a run of their own cut after --probe-steps steps")
+    ap.add_argument("--max-steps", type=int, default=None,
+                    help="the main run (not the probe) stops after this many steps (the engine is left mid-run)")
+    ap.add_argument("--no-shared-logits", action="store_true",
+                    help="eager steps' logits in a fresh tensor each, not the decode graphs' static buffer "
+                         "(ModelRunner.share_graph_logits off: the code before it, for an A/B in another process)")
     ap.add_argument("--prefill-control", type=int, default=0, metavar="N",
                     help="first, N requests of one new token each: pure prefill steps back to back (no decode rows), "
                          "whose GPU ms a mixed step's are compared with (the account's control)")
@@ -481,6 +507,7 @@ def main(argv: list[str] | None = None) -> None:
         bench.write_model(path, bench.SHAPES[args.shape], "cuda" if args.device.startswith("cuda") else "cpu")
     eng = LLMEngine(bench.engine_config(path, args.requests, args.device,
                                         max_num_batched_tokens=args.max_num_batched_tokens))
+    eng.runner.share_graph_logits = not args.no_shared_logits
     vocab = eng.model_config.vocab_size
     trace(eng, bench.random_prompts(2, args.prompt, vocab, 7), 4)  # first compiles and graph buckets: untimed
     if args.settle_heap:
@@ -495,7 +522,8 @@ def main(argv: list[str] | None = None) -> None:
         control = label == "prefill control"
         runs[label] = traced_run(eng, args, prompts[: args.prefill_control] if control else prompts,
                                  label.replace(" ", "_").replace(",", ""), probes,
-                                 args.probe_steps if probes and label.startswith("probe") else None,
+                                 args.probe_steps if probes and label.startswith("probe") else
+                                 None if control else args.max_steps,
                                  1 if control else args.new)
         if args.json_out:  # after each run: a run cut short by a timeout keeps the ones before
             body = runs[""] if list(runs) == [""] else {"runs": runs}
