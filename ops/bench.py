@@ -636,7 +636,11 @@ def main(argv: list[str] | None = None) -> int:
     probe = StepProbe(eng)
     threads0 = thread_cpu()
     variants0 = triton_variants()
-    w2 = run_requests(eng, random_prompts(args.w2_requests, args.prompt, vocab, 3), args.new, "w2", probe)
+    from stoker.ops.gpu_clock import ClockLog
+
+    with ClockLog() as clocks:  # nvidia-smi's own process: the SM clock and power through W2
+        w2 = run_requests(eng, random_prompts(args.w2_requests, args.prompt, vocab, 3), args.new, "w2", probe)
+    r["w2_clock"] = clocks.summary()
     r["w2_by_mixed_split"][last] = mixed_split_summary(w2)
     r["triton_variants"] = {"before_w2": variants0, "after_w2": triton_variants()}
     r["w2_threads"] = busiest_threads(threads0, thread_cpu())
@@ -819,6 +823,7 @@ def w2_rows(r: dict[str, Any], args: argparse.Namespace) -> list[tuple[str, ...]
             "",
             "must be 0" + "".join(f"; !!! {k} +{n} (had {b})" for k, (b, n) in midrun_compiles(r).items()),
         ),
+        w2_clock_row(r.get("w2_clock", {})),
         (
             "W2 GPU idle between decode steps",
             f"{100 * g['idle_share']:.1f} %",
@@ -827,6 +832,18 @@ def w2_rows(r: dict[str, Any], args: argparse.Namespace) -> list[tuple[str, ...]
             f"< 5% ({g['decode_steps']} decode steps, mean gap {g['mean_gap_ms']:.2f} ms)",
         ),
     ]
+
+
+def w2_clock_row(clock: dict[str, Any]) -> tuple[str, ...]:
+    """The SM clock and power through W2 (ops/gpu_clock.py): the H200 runs it at its power cap, below the clock of
+    the floors' burst."""
+    if "sm_mhz_median" not in clock:
+        return ("W2 SM clock / power (nvidia-smi)", "-", "", "", str(clock.get("error", "not sampled")))
+    reasons = ", ".join(f"{k}: {n}" for k, n in clock["throttle_reasons"].items())
+    return ("W2 SM clock / power (nvidia-smi)", f"{clock['sm_mhz_median']:.0f} MHz / {clock['power_w_median']:.0f} W",
+            "", "", f"median of {clock['samples']}; clock p10-p90 {clock['sm_mhz_p10']:.0f}-{clock['sm_mhz_p90']:.0f}, "
+            f"max {clock['sm_mhz_max']:.0f}; power max {clock['power_w_max']:.0f} W; throttle reasons {reasons} "
+            "(0x4: SW power cap)")
 
 
 def mixed_split_rows(r: dict[str, Any]) -> list[tuple[str, ...]]:
