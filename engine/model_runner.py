@@ -77,7 +77,6 @@ class ModelRunner:
         self._tables = _BlockTables(-(-max_model_len // self.block_size))
         self._graph_buckets = bucket_sizes(config.max_num_seqs)  # DecodeGraphs' (for _decode_launch)
         self.graphs = None
-        self.share_graph_logits = True  # _eager_logits (ops/step_trace.py --no-shared-logits turns it off for A/B runs)
         if self.device.type == "cuda" and config.cuda_graphs and not config.use_triton:
             # The torch references (use_triton=False) skip padding slots with boolean masks, which synchronize
             # and cannot be captured: they run eagerly (they exist for A/B runs and tests, not for speed).
@@ -254,16 +253,7 @@ class ModelRunner:
             return self.graphs.run(inp)  # decode-only: replay the captured graph of the batch's bucket
         input_ids = resolve_pending(inp.input_ids, inp.prev_tokens)
         hidden = self.model(input_ids, inp.positions, inp.meta, self.kv_caches)
-        return self.model.compute_logits(hidden[inp.sample_indices], out=self._eager_logits(inp))
-
-    def _eager_logits(self, inp: ModelInput) -> torch.Tensor | None:
-        """Where an eager (prefill, mixed) step writes its float32 logits: the decode graphs' static buffer when
-        there is one (every step samples <= max_num_seqs rows), else None (a fresh tensor). In W2's first run a
-        fresh [N, V] tensor grew with N every mixed step (8 MB to 0.5 GB). Safe to share: the step's sampling is
-        queued before the next forward on the same stream (the graphs' replays already share it so)."""
-        logits = self.graphs.logits if self.graphs is not None and self.share_graph_logits else None
-        n = inp.sample_indices.shape[0]
-        return None if logits is None or n > logits.shape[0] else logits[:n]
+        return self.model.compute_logits(hidden[inp.sample_indices])
 
     @torch.inference_mode()
     def forward_shard(self, inp: ModelInput) -> None:

@@ -491,9 +491,6 @@ def main(argv: list[str] | None = None) -> None:
                          "(--kernel-window, --mixed-bench-rows) in a run of their own cut after --probe-steps steps")
     ap.add_argument("--max-steps", type=int, default=None,
                     help="the main run (not the probe) stops after this many steps (the engine is left mid-run)")
-    ap.add_argument("--no-shared-logits", action="store_true",
-                    help="eager steps' logits in a fresh tensor each, not the decode graphs' static buffer "
-                         "(ModelRunner.share_graph_logits off: the code before it, for an A/B in another process)")
     ap.add_argument("--prefill-control", type=int, default=0, metavar="N",
                     help="first, N requests of one new token each: pure prefill steps back to back (no decode rows), "
                          "whose GPU ms a mixed step's are compared with (the account's control)")
@@ -507,7 +504,6 @@ def main(argv: list[str] | None = None) -> None:
         bench.write_model(path, bench.SHAPES[args.shape], "cuda" if args.device.startswith("cuda") else "cpu")
     eng = LLMEngine(bench.engine_config(path, args.requests, args.device,
                                         max_num_batched_tokens=args.max_num_batched_tokens))
-    eng.runner.share_graph_logits = not args.no_shared_logits
     vocab = eng.model_config.vocab_size
     trace(eng, bench.random_prompts(2, args.prompt, vocab, 7), 4)  # first compiles and graph buckets: untimed
     if args.settle_heap:

@@ -196,17 +196,6 @@ def test_mixed_steps_compile_no_decode_variant_after_capture(tiny_model: str) ->
     splits: list[int] = []
     to_device = engine.runner.to_device
     engine.runner.to_device = lambda packed, prev: (splits.append(packed.num_decodes), to_device(packed, prev))[1]
-    shared: list[bool] = []  # per eager forward: its logits a view of the graphs' static buffer (_eager_logits)
-    forward, buffer = engine.runner.forward, engine.runner.graphs.logits
-    assert buffer is not None
-
-    def spy(inp: Any) -> torch.Tensor:
-        logits = forward(inp)
-        if not inp.meta.decode_only:
-            shared.append(logits.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr())
-        return logits
-
-    engine.runner.forward = spy  # type: ignore[method-assign]
     before = variants()
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     for i in range(47):  # one new request a step: each step mixes its prompt with the others' decode rows
@@ -216,4 +205,3 @@ def test_mixed_steps_compile_no_decode_variant_after_capture(tiny_model: str) ->
         engine.step()
     assert {12, 20, 28, 44} <= set(splits), sorted(set(splits))
     assert variants() == before
-    assert shared and all(shared), shared
