@@ -1,6 +1,6 @@
 # budget: 100 s
-# w2 (issue 13), session 6 call 2 (final): W2 through ops/bench.py alone (--skip-w1: W1's warm run only, then W2;
-# the floor in the same run; the row "W2 Triton compiles mid-run" must read 0), then the GPU tests of this
+# w2 (issue 13), for the next GPU call (written for session 6 call 2, not run: that call ran the A/B): W2 through ops/bench.py alone (--skip-w1: W1's warm run only, then W2;
+# the floor in the same run; the row "W2 Triton compiles mid-run" must read 0; the SM clock and power through W2), then the GPU tests of this
 # branch's change: mixed steps compile no decode-kernel variant after the capture, and fp32 greedy tokens equal
 # transformers in mixed steps (the decode rows now launch with their graph bucket's split count and combine).
 # nvidia-smi samples SM clock, power and temperature every 100 ms ($R/smi.csv).
