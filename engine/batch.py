@@ -25,6 +25,10 @@ class AttentionMetadata:
     # prefill kernel (decode-only steps, and mixed steps with EngineConfig.mixed_decode_attention off).
     num_decodes: int = 0
     prompt_query_start_loc: torch.Tensor | None = None
+    # (rows, table tokens): the decode rows of a mixed step launch their kernel as a decode-only batch of that many
+    # rows over a block table that many tokens wide would (its split count and combine): the CUDA-graph bucket
+    # holding them, whose variant the capture compiled. None: as their own shapes ask.
+    decode_launch: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)

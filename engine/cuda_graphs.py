@@ -11,7 +11,8 @@ padding that write their K/V nowhere (slot -1), attend over one key and whose lo
 attention's split-K grid is fixed per bucket because the decode launcher picks num_splits from the batch
 and the static block table's width (max_model_len), never from context_lens values (splits past a short
 context exit at once). Sampling stays outside the graph (its stages depend on per-batch settings); mixed
-and prefill steps run eagerly.
+and prefill steps run eagerly, a mixed step's decode rows with the split count and combine of the bucket that
+would hold them (ModelRunner._decode_launch): only variants the capture compiled.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import torch
 from stoker.engine import kernels
 from stoker.engine.batch import AttentionMetadata, ModelInput, PackedStep, resolve_pending
 from stoker.engine.config import EngineConfig
+from stoker.engine.cuda_graphs import bucket_sizes, pick_bucket
 from stoker.engine.kv_cache import allocate_kv_cache, kv_cache_dtype, num_kv_blocks, weights_bytes
 from stoker.engine.loader import load_weights
 from stoker.engine.model_config import ModelConfig
@@ -75,6 +76,7 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self._tables = _BlockTables(-(-max_model_len // self.block_size))
+        self._graph_buckets = bucket_sizes(config.max_num_seqs)  # DecodeGraphs' (for _decode_launch)
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs and not config.use_triton:
             # The torch references (use_triton=False) skip padding slots with boolean masks, which synchronize
@@ -205,11 +207,7 @@ class ModelRunner:
         if gather:
             assert prev_tokens is not None
             num_prev = prev_tokens.shape[0]
-        # Mixed steps: the decode rows through the decode kernel (H200: 16.9 us a row instead of 23.0 in W2,
-        # BENCHMARKS.md 18:20 UTC). A multiple of 4 rows keeps every int32 view after them 16-byte aligned
-        # (Triton specializes pointers on it: other counts would compile variants mid-run); the 0-3 left over
-        # run in the prefill kernel with the prompt chunks.
-        split = num_decodes - num_decodes % 4 if self.config.mixed_decode_attention and num_decodes < num_seqs else 0
+        split = mixed_decode_rows(num_decodes, num_seqs, self.config.mixed_decode_attention)
         packed = PackedStep(host64, host32, (*offsets64, *offsets32), num_tokens, len(sample_indices), num_seqs,
                             width, num_decodes == num_seqs, num_prev, split)
         if self.ranks is not None:  # tensor parallel: every rank runs this step's forward on the same input
@@ -237,8 +235,15 @@ class ModelRunner:
             num_decodes=nd,
             # (one small kernel a step; rows 0..nd-1 hold one token each, so the prompt chunks start at nd)
             prompt_query_start_loc=query_start_loc[nd:] - nd if nd else None,
+            decode_launch=self._decode_launch(nd) if nd else None,
         )
         return ModelInput(input_ids, i64[o_pos : o_pos + T], meta, i64[o_samples : o_samples + N], prev_tokens)
+
+    def _decode_launch(self, num_decodes: int) -> tuple[int, int]:
+        """A mixed step's decode rows launch as the decode graph bucket that would hold them, over the graphs'
+        static table (AttentionMetadata.decode_launch): the same buckets with graphs off, so every engine takes
+        one set of launches."""
+        return pick_bucket(self._graph_buckets, num_decodes), self._tables.array.shape[1] * self.block_size
 
     def close(self) -> None:
         """Drop the weights, the KV cache and the graphs (the runner is unusable after), and hand the freed
@@ -348,6 +353,14 @@ def _blocking_sync(device: torch.device) -> bool:
     except Exception as e:  # no driver library, an old driver: keep CUDA's default scheduling
         log.warning("could not set blocking-sync scheduling on %s (%s): host waits may spin", device, e)
         return False
+
+
+def mixed_decode_rows(num_decodes: int, num_seqs: int, enabled: bool) -> int:
+    """How many of a mixed step's decode rows go through the decode kernel (the rest, 0-3, run in the prefill
+    kernel with the prompt chunks); 0 for a decode-only step or with EngineConfig.mixed_decode_attention off.
+    H200: 16.9 us a row instead of 23.0 in W2 (BENCHMARKS.md 18:20 UTC). A multiple of 4 keeps every int32 view
+    after them 16-byte aligned (Triton specializes pointers on it: other counts would compile variants mid-run)."""
+    return num_decodes - num_decodes % 4 if enabled and num_decodes < num_seqs else 0
 
 
 def _pack(parts: list[np.ndarray], dtype: type[np.integer]) -> tuple[np.ndarray, list[int]]:

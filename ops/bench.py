@@ -510,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-cold", action="store_true", help="no cold start (page cache drop + first engine)")
     ap.add_argument("--skip-w2", action="store_true", help="no W2 (--profile then gives the W1 kernel table alone)")
+    ap.add_argument("--skip-w1", action="store_true",
+                    help="no W1 (its one-request warm run still compiles the prefill path before W2)")
     ap.add_argument("--decode-kernels", default="auto",
                     help="comma-separated EngineConfig.decode_kernels settings (auto|fused|fused-folded|cublas, each "
                          "optionally +pdl, +overlap[N] (decode_overlap, N its min rows), +smsK (decode_overlap_sms)): the first runs "
@@ -540,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(s not in ("on", "off") for s in args.mixed_split.split(",")):
         ap.error(f"--mixed-split: on, off or a comma list of them, got {args.mixed_split!r}")
     decodes = args.decode_kernels.split(",")
+    if args.skip_w1 and (args.skip_w2 or len(decodes) > 1):
+        ap.error("--skip-w1 runs W2 alone: not with --skip-w2 or several --decode-kernels")
     for d in decodes:
         decode_setting(d)  # a typo fails here, before the floors and the weights
     if not torch.cuda.is_available():
@@ -606,9 +610,12 @@ def main(argv: list[str] | None = None) -> int:
 
     # W1
     avg_ctx = args.prompt + args.new / 2
-    r["w1"], r["w1_gpu"] = measure_w1(eng, args, vocab, (weight_bytes + avg_ctx * kv_per_token) / bw * 1e3)
-    r["w1_by_decode"] = {decodes[0]: w1_summary(r["w1"], r["warm_startup"])}
-    log(f"W1 {r['w1']}")
+    if args.skip_w1:
+        run_requests(eng, random_prompts(1, args.prompt, vocab, 1), 16, "warm")  # W1's warm run: the prefill path
+    else:
+        r["w1"], r["w1_gpu"] = measure_w1(eng, args, vocab, (weight_bytes + avg_ctx * kv_per_token) / bw * 1e3)
+        r["w1_by_decode"] = {decodes[0]: w1_summary(r["w1"], r["warm_startup"])}
+        log(f"W1 {r['w1']}")
     if args.skip_w2:
         if args.profile:  # the W1 kernel table alone (W2's tables need W2)
             profile_w1(eng, vocab, args.prompt)
@@ -629,7 +636,11 @@ def main(argv: list[str] | None = None) -> int:
     probe = StepProbe(eng)
     threads0 = thread_cpu()
     variants0 = triton_variants()
-    w2 = run_requests(eng, random_prompts(args.w2_requests, args.prompt, vocab, 3), args.new, "w2", probe)
+    from stoker.ops.gpu_clock import ClockLog
+
+    with ClockLog() as clocks:  # nvidia-smi's own process: the SM clock and power through W2
+        w2 = run_requests(eng, random_prompts(args.w2_requests, args.prompt, vocab, 3), args.new, "w2", probe)
+    r["w2_clock"] = clocks.summary()
     r["w2_by_mixed_split"][last] = mixed_split_summary(w2)
     r["triton_variants"] = {"before_w2": variants0, "after_w2": triton_variants()}
     r["w2_threads"] = busiest_threads(threads0, thread_cpu())
@@ -647,9 +658,14 @@ def main(argv: list[str] | None = None) -> int:
     r["w2"]["floor_note"] = f"all {n} sequences in every decode step (ideal batching)"
     log(f"W2 {r['w2']} gpu {r['w2_gpu']}")
     log(f"Triton variants {r['triton_variants']}")
+    compiled = midrun_compiles(r)
+    if compiled:
+        log(f"!!! W2 COMPILED {sum(n for _, n in compiled.values())} TRITON VARIANT(S) MID-RUN (~1 s of host each, "
+            f"inside steps: the W2 figure holds them): {compiled}")
     r["graph_replays"] = eng.runner.graphs.replays if eng.runner.graphs else 0
     if args.profile:
-        profile_w1(eng, vocab, args.prompt)
+        if not args.skip_w1:
+            profile_w1(eng, vocab, args.prompt)
         from stoker.ops.step_profile import profile_w2_steps
 
         prefill_tokens = min(args.w2_requests, eng.config.max_num_batched_tokens // args.prompt) * args.prompt
@@ -668,6 +684,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads)
         log(f"W2 threads {r['w2_threads']}; with 1 intra-op thread: {r['w2_one_thread']}")
     return finish(eng, r, args, path, decodes, quantization)
+
+
+def midrun_compiles(r: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """Kernels that compiled variants during W2 -> (variants before, new ones); empty when none did."""
+    before, after = r["triton_variants"]["before_w2"], r["triton_variants"]["after_w2"]
+    return {k: (before.get(k, 0), n - before.get(k, 0)) for k, n in after.items() if n > before.get(k, 0)}
 
 
 def mixed_split_summary(w2: dict[str, Any]) -> dict[str, Any]:
@@ -795,6 +817,14 @@ def w2_rows(r: dict[str, Any], args: argparse.Namespace) -> list[tuple[str, ...]
             f"{sum(r['triton_variants']['after_w2'].values()) - sum(r['triton_variants']['before_w2'].values())}",
         ),
         (
+            "W2 Triton compiles mid-run",
+            str(sum(n for _, n in midrun_compiles(r).values())),
+            "",
+            "",
+            "must be 0" + "".join(f"; !!! {k} +{n} (had {b})" for k, (b, n) in midrun_compiles(r).items()),
+        ),
+        w2_clock_row(r.get("w2_clock", {})),
+        (
             "W2 GPU idle between decode steps",
             f"{100 * g['idle_share']:.1f} %",
             "",
@@ -802,6 +832,18 @@ def w2_rows(r: dict[str, Any], args: argparse.Namespace) -> list[tuple[str, ...]
             f"< 5% ({g['decode_steps']} decode steps, mean gap {g['mean_gap_ms']:.2f} ms)",
         ),
     ]
+
+
+def w2_clock_row(clock: dict[str, Any]) -> tuple[str, ...]:
+    """The SM clock and power through W2 (ops/gpu_clock.py): the H200 runs it at its power cap, below the clock of
+    the floors' burst."""
+    if "sm_mhz_median" not in clock:
+        return ("W2 SM clock / power (nvidia-smi)", "-", "", "", str(clock.get("error", "not sampled")))
+    reasons = ", ".join(f"{k}: {n}" for k, n in clock["throttle_reasons"].items())
+    return ("W2 SM clock / power (nvidia-smi)", f"{clock['sm_mhz_median']:.0f} MHz / {clock['power_w_median']:.0f} W",
+            "", "", f"median of {clock['samples']}; clock p10-p90 {clock['sm_mhz_p10']:.0f}-{clock['sm_mhz_p90']:.0f}, "
+            f"max {clock['sm_mhz_max']:.0f}; power max {clock['power_w_max']:.0f} W; throttle reasons {reasons} "
+            "(0x4: SW power cap)")
 
 
 def mixed_split_rows(r: dict[str, Any]) -> list[tuple[str, ...]]:
@@ -815,14 +857,12 @@ def mixed_split_rows(r: dict[str, Any]) -> list[tuple[str, ...]]:
              f"{v.get('decode_phase_s') or float('nan'):.2f} s; CPU {v['cpu_cores']:.2f}") for name, v in by.items()]
 
 
-def print_table(r: dict[str, Any], args: argparse.Namespace) -> None:
-    hf, w1 = r.get("hf", {}), r["w1"]
-    ws = r["warm_startup"]
-    rows = [
-        ("floor: read bandwidth", f"{r['floors']['bandwidth_Bps'] / 1e12:.2f} TB/s", "", "", ""),
-        ("floor: bf16 matmul 8192^3", f"{r['floors']['matmul_flops'] / 1e12:.0f} TFLOP/s", "", "", ""),
-        *([("floor: fp8 matmul 8192^3 (row-wise)", f"{r['floors']['fp8_matmul_flops'] / 1e12:.0f} TFLOP/s", "", "",
-            "")] if "fp8_matmul_flops" in r["floors"] else []),
+def w1_rows(r: dict[str, Any], hf: dict[str, Any]) -> list[tuple[str, ...]]:
+    """W1's rows (none under --skip-w1)."""
+    if "w1" not in r:
+        return []
+    w1 = r["w1"]
+    return [
         (
             "W1 TPOT (bs 1, 512+256)",
             f"{w1['tpot_ms']:.2f} ms",
@@ -845,6 +885,18 @@ def print_table(r: dict[str, Any], args: argparse.Namespace) -> None:
             f"GPU busy {r['w1_gpu']['decode_busy_ms'] / max(1, r['w1_gpu']['decode_steps']):.2f} ms/step, "
             f"mean gap {r['w1_gpu']['mean_gap_ms']:.2f} ms",
         ),
+    ]
+
+
+def print_table(r: dict[str, Any], args: argparse.Namespace) -> None:
+    hf = r.get("hf", {})
+    ws = r["warm_startup"]
+    rows = [
+        ("floor: read bandwidth", f"{r['floors']['bandwidth_Bps'] / 1e12:.2f} TB/s", "", "", ""),
+        ("floor: bf16 matmul 8192^3", f"{r['floors']['matmul_flops'] / 1e12:.0f} TFLOP/s", "", "", ""),
+        *([("floor: fp8 matmul 8192^3 (row-wise)", f"{r['floors']['fp8_matmul_flops'] / 1e12:.0f} TFLOP/s", "", "",
+            "")] if "fp8_matmul_flops" in r["floors"] else []),
+        *w1_rows(r, hf),
         *w1_decode_rows(r),
         *(w2_rows(r, args) if "w2" in r else []),
         *mixed_split_rows(r),

@@ -170,6 +170,20 @@ def account_summary(rows: list[dict[str, Any]], wall_ms: float) -> dict[str, Any
     return res
 
 
+def allocator_counts() -> dict[str, float]:
+    """The CUDA caching allocators' growth counters (device: cudaMalloc / cuMemMap calls, flush-and-retry, syncs of
+    all streams; pinned host: blocks created and the microseconds spent creating them); {} without CUDA. A step
+    whose counters moved grew a pool inside it: a candidate for a host stall (such calls may wait on the GPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    dev, host = torch.cuda.memory_stats(), torch.cuda.host_memory_stats()
+    return {"device_allocs": dev.get("num_device_alloc", 0), "device_frees": dev.get("num_device_free", 0),
+            "alloc_retries": dev.get("num_alloc_retries", 0), "sync_all_streams": dev.get("num_sync_all_streams", 0),
+            "host_allocs": host.get("num_host_alloc", 0), "host_alloc_us": host.get("host_alloc_time.total", 0)}
+
+
 class GcClock:
     """Collections as (generation, ms), appended by gc.callbacks while installed."""
 
@@ -203,21 +217,25 @@ def trace(eng: Any, prompts: list[list[int]], new: int, phased: bool = False,
     try:
         while eng.has_unfinished() and (max_steps is None or len(steps) < max_steps):
             seen = len(clock.events)
+            counts0 = allocator_counts()
             if window is not None:
                 window.before(len(steps))
             t0 = time.perf_counter()
             with window.annotate(len(steps)) if window is not None else contextlib.nullcontext():
                 outputs = eng.step()
             t1 = time.perf_counter()
+            counts1 = allocator_counts()
             stats = eng.stats()
             with_tokens = 0
             for out in outputs:
                 if out.new_token_ids:
                     with_tokens += 1
                     token_steps.setdefault(out.request_id, []).append(len(steps))
-            steps.append({"start": t0, "end": t1, "ms": (t1 - t0) * 1000, "tokens": eng.last_step_tokens,
+            steps.append({"start": t0, "end": t1, "wall_end": time.time(), "ms": (t1 - t0) * 1000,
+                          "tokens": eng.last_step_tokens,
                           "mixed": eng.last_step_mixed, "running": stats.num_running, "waiting": stats.num_waiting,
                           "outputs_with_tokens": with_tokens, "gc": clock.events[seen:],
+                          "allocator": {k: v - counts0[k] for k, v in counts1.items() if v != counts0[k]},
                           **({"phases_ms": phases.take()} if phases else {})})
     finally:
         gc.callbacks.remove(clock)
@@ -319,14 +337,20 @@ def kernel_steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 busy += hi - max(lo, cursor)
                 cursor = hi
         categories: dict[str, float] = {}
+        by_name: dict[str, list[float]] = {}  # name -> [launches, ms]
         for lo, hi, name in kernels:
             cat = kernel_category(name)
             categories[cat] = categories.get(cat, 0.0) + (hi - lo) / 1000
+            entry = by_name.setdefault(name[:90], [0, 0.0])
+            entry[0] += 1
+            entry[1] += (hi - lo) / 1000
         span = (max(hi for _, hi, _ in kernels) - kernels[0][0]) / 1000
         rows.append({"step": index, "kernels": len(kernels), "kernel_ms": sum(categories.values()),
                      "span_ms": span, "idle_inside_ms": span - busy / 1000,
                      "idle_before_ms": None if prev_end is None else (kernels[0][0] - prev_end) / 1000,
-                     "by_category_ms": {k: round(v, 3) for k, v in sorted(categories.items(), key=lambda kv: -kv[1])}})
+                     "by_category_ms": {k: round(v, 3) for k, v in sorted(categories.items(), key=lambda kv: -kv[1])},
+                     "top_kernels": [(name, int(n), round(ms, 3)) for name, (n, ms)
+                                     in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:14]]})
         prev_end = max(hi for _, hi, _ in kernels)
     return rows
 
@@ -363,6 +387,9 @@ def summarize(steps: list[dict[str, Any]], gaps: list[tuple[float, int, int]]) -
         "decode_step_ms_mean": statistics.fmean([st["ms"] for st in steps if not st["mixed"] and st["waiting"] == 0]
                                                 or [float("nan")]),
         "gc_collections": len(gc_ms), "gc_ms_total": sum(gc_ms), "gc_ms_max": max(gc_ms, default=0.0),
+        "steps_over_300ms": sum(st["ms"] > 300 for st in steps),
+        "allocator_growth": {k: sum(st.get("allocator", {}).get(k, 0) for st in steps)
+                             for k in sorted({k for st in steps for k in st.get("allocator", {})})},
     }
 
 
@@ -378,7 +405,8 @@ def report(res: dict[str, Any], steps: list[dict[str, Any]], top: int) -> None:
     if steps and "phases_ms" in steps[0]:
         print(f"\nthe first {top} steps in order, host ms by part")
         for i, st in enumerate(steps[:top]):
-            print(f"{i:>6}{st['ms']:>10.1f}{st['tokens']:>8}{st['mixed']!s:>7}{st['running']:>9}  {st['phases_ms']}")
+            print(f"{i:>6}{st['ms']:>10.1f}{st['tokens']:>8}{st['mixed']!s:>7}{st['running']:>9}  {st['phases_ms']}"
+                  f"  {st.get('allocator') or ''}")
 
 
 class MixedBench:
@@ -424,6 +452,8 @@ def report_window(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         print(f"step {r['step']}: {r['kernels']} kernels, {r['kernel_ms']:.2f} ms, span {r['span_ms']:.2f}, idle "
               f"inside {r['idle_inside_ms']:.2f}, before {r['idle_before_ms']}; {r['by_category_ms']}")
+        for name, n, ms in r.get("top_kernels", []):
+            print(f"    {ms:9.3f} ms {n:>5} x  {name}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -454,7 +484,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--settle-heap", action="store_true",
                     help="freeze the heap after the warm-up, as the worker does once loaded (bench.settle_heap)")
     ap.add_argument("--probe-steps", type=int, default=40,
-                    help="with --ab-mixed-split: the probe run (window, mixed bench) stops after this many steps")
+                    help="with --ab-mixed-split or --probe-after: the probe run (window, mixed bench) stops after this "
+                         "many steps")
+    ap.add_argument("--probe-after", action="store_true",
+                    help="without --ab-mixed-split: the run with the per-step account only, then the probes "
+                         "(--kernel-window, --mixed-bench-rows) in a run of their own cut after --probe-steps steps")
+    ap.add_argument("--max-steps", type=int, default=None,
+                    help="the main run (not the probe) stops after this many steps (the engine is left mid-run)")
+    ap.add_argument("--prefill-control", type=int, default=0, metavar="N",
+                    help="first, N requests of one new token each: pure prefill steps back to back (no decode rows), "
+                         "whose GPU ms a mixed step's are compared with (the account's control)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON and tables (default $OUT)")
     args = ap.parse_args(argv)
     import bench
@@ -470,29 +509,42 @@ def main(argv: list[str] | None = None) -> None:
     if args.settle_heap:
         bench.settle_heap()
     prompts = bench.random_prompts(args.requests, args.prompt, vocab, 1)
-    # --ab-mixed-split: the same requests on one engine, the mixed steps' attention whole then split, each run
-    # with the per-step account only; then the probes (--kernel-window, --mixed-bench-rows) in a run of their
-    # own, cut after --probe-steps steps. Without it: one run with every instrument asked for.
-    if args.ab_mixed_split:
-        settings = [("split off", False, False), ("split on", True, False)]
-        if args.kernel_window or args.mixed_bench_rows:
-            settings.append(("probe, split on", True, True))
-    else:
-        settings = [("", None, True)]
     runs: dict[str, Any] = {}
-    for label, split, probes in settings:
+    for label, split, probes in run_settings(args):
         if split is not None:
             eng.config.mixed_decode_attention = split  # read by runner.prepare at every step
-            print(f"\n===== {label}: EngineConfig.mixed_decode_attention = {split}", flush=True)
-        runs[label] = traced_run(eng, args, prompts, label.replace(" ", "_").replace(",", ""), probes,
-                                 args.probe_steps if args.ab_mixed_split and probes else None)
+        print(f"\n===== {label or 'run'}: EngineConfig.mixed_decode_attention = {eng.config.mixed_decode_attention}",
+              flush=True)
+        control = label == "prefill control"
+        runs[label] = traced_run(eng, args, prompts[: args.prefill_control] if control else prompts,
+                                 label.replace(" ", "_").replace(",", ""), probes,
+                                 args.probe_steps if probes and label.startswith("probe") else
+                                 None if control else args.max_steps,
+                                 1 if control else args.new)
         if args.json_out:  # after each run: a run cut short by a timeout keeps the ones before
-            body = runs.get("", {"runs": runs})
+            body = runs[""] if list(runs) == [""] else {"runs": runs}
             Path(args.json_out).write_text(json.dumps({"args": vars(args), **body}, indent=1))
 
 
+def run_settings(args: argparse.Namespace) -> list[tuple[str, bool | None, bool]]:
+    """(label, mixed_decode_attention or None to leave it, probes) per run. --prefill-control first; then with
+    --ab-mixed-split the requests with the mixed steps' attention whole then split, each with the per-step account
+    only, and the probes (--kernel-window, --mixed-bench-rows) in a run of their own cut after --probe-steps steps
+    (so also with --probe-after); otherwise one run with every instrument asked for."""
+    settings: list[tuple[str, bool | None, bool]] = []
+    if args.prefill_control:
+        settings.append(("prefill control", None, False))
+    probes = bool(args.kernel_window or args.mixed_bench_rows)
+    if args.ab_mixed_split:
+        settings += [("split off", False, False), ("split on", True, False)]
+        return settings + ([("probe, split on", True, True)] if probes else [])
+    if args.probe_after:
+        return settings + [("", None, False)] + ([("probe", None, True)] if probes else [])
+    return settings + [("", None, True)]
+
+
 def traced_run(eng: Any, args: argparse.Namespace, prompts: list[list[int]], tag: str, probes: bool,
-               max_steps: int | None) -> dict[str, Any]:
+               max_steps: int | None, new: int) -> dict[str, Any]:
     """One traced run of the requests with the instruments args asks for (the kernel window and the mixed-step
     bench only with probes), reported; the engine's methods are restored after (the instruments wrap them as
     instance attributes). -> its JSON body."""
@@ -506,11 +558,13 @@ def traced_run(eng: Any, args: argparse.Namespace, prompts: list[list[int]], tag
         first, last = (int(x) for x in args.kernel_window.split(":"))
         window = KernelWindow(first, last, str(out_dir / f"kernel_window_trace{tag and '_' + tag}.json"))
     mixed = MixedBench(eng, account, args.mixed_bench_rows, window) if args.mixed_bench_rows and probes else None
+    import bench
+
+    variants0 = bench.triton_variants()
     t0 = time.perf_counter()
     try:
         with syncs:
-            steps, token_steps = trace(eng, prompts, args.new, phased=args.phases, window=window,
-                                       max_steps=max_steps)
+            steps, token_steps = trace(eng, prompts, new, phased=args.phases, window=window, max_steps=max_steps)
     finally:
         for (obj, name), value in saved.items():
             if value is None:
@@ -519,6 +573,9 @@ def traced_run(eng: Any, args: argparse.Namespace, prompts: list[list[int]], tag
                 obj.__dict__[name] = value
     wall_ms = (time.perf_counter() - t0) * 1000
     res = summarize(steps, gaps_of(steps, token_steps))
+    res["wall_s"] = wall_ms / 1000
+    res["triton_compiles"] = bench.midrun_compiles({"triton_variants": {"before_w2": variants0,
+                                                                        "after_w2": bench.triton_variants()}})
     report(res, steps, args.top)
     extra: dict[str, Any] = {}
     if account is not None:

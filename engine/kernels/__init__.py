@@ -112,11 +112,12 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """counters: the fused combine's (attention.decode_combine_counters); the reference needs none. out: as for
-    paged_attention."""
+    paged_attention. num_splits: the split-K count (None: the launcher's pick for these shapes)."""
     if use_triton(q):
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits,
                                              k_scale=k_scale, v_scale=v_scale, counters=counters, out=out)
     return _into(out, paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale,
                                                  v_scale))

@@ -385,6 +385,23 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count:
     return max(1, min(wanted, triton.cdiv(max_context, tile_n), 64))
 
 
+def _decode_tile_n(q: torch.Tensor, k_cache: torch.Tensor, fp8_config: Fp8AttentionConfig | None) -> int:
+    """Keys per step of the decode kernel's loop."""
+    if not q.is_cuda:
+        return 16  # the interpreter pays per element: small tiles keep tests fast
+    return (fp8_config or DEFAULT_DECODE).tile_n if is_fp8_cache(k_cache) else 64
+
+
+def decode_splits(
+    batch: int, max_context: int, q: torch.Tensor, k_cache: torch.Tensor, fp8_config: Fp8AttentionConfig | None = None
+) -> int:
+    """The split count paged_decode_attention_triton picks for `batch` sequences over a block table max_context
+    tokens wide (q, k_cache: for the device, dtype and tile). A mixed step's decode rows ask for the count of the
+    CUDA-graph bucket that would hold them (layers/attention.py): a variant the capture compiled already."""
+    tile_n = _decode_tile_n(q, k_cache, fp8_config)
+    return decode_num_splits(batch, k_cache.shape[2], max_context, _sm_count(q.device), tile_n)
+
+
 def _combine_chunk(num_splits: int, block_gp: int, block_d: int, on_gpu: bool) -> int:
     """Splits per step of the fused combine (_combine_group): its [BLOCK_GP, CHUNK_S, BLOCK_D] float32 tile at
     <= 8192 elements (64 registers a thread at 4 warps): all 16 splits of W1's 8B step in one step. The
@@ -453,14 +470,12 @@ def paged_decode_attention_triton(
     if batch == 0:
         return out
     group = num_q_heads // num_kv_heads
-    tile_n = 64 if q.is_cuda else 16  # the interpreter pays per element: small tiles keep tests fast
+    tile_n = _decode_tile_n(q, k_cache, fp8_config)
     fp8 = is_fp8_cache(k_cache)
     fp8_args, launch = _fp8_launch(fp8, fp8_config or DEFAULT_DECODE, q, decode=True)
-    if fp8 and q.is_cuda:
-        tile_n = (fp8_config or DEFAULT_DECODE).tile_n
     max_context = block_tables.shape[1] * block_size  # a bound on every context length, known without sync
     if num_splits is None:
-        num_splits = decode_num_splits(batch, num_kv_heads, max_context, _sm_count(q.device), tile_n)
+        num_splits = decode_splits(batch, max_context, q, k_cache, fp8_config)
     part_out = part_max = part_sum = out  # placeholders, unused when there is one split
     if num_splits > 1:
         part_out, part_max, part_sum = _decode_partials(batch, num_q_heads, num_splits, head_dim, q.device)

@@ -14,7 +14,7 @@ import math
 import torch
 from stoker.engine import kernels
 from stoker.engine.batch import AttentionMetadata
-from stoker.engine.kernels.attention import decode_combine_counters
+from stoker.engine.kernels.attention import decode_combine_counters, decode_splits
 from stoker.engine.layers.weights import WeightModule
 from torch import nn
 
@@ -78,9 +78,17 @@ class PagedAttention(WeightModule):
         nd = meta.num_decodes
         assert meta.prompt_query_start_loc is not None  # set by the runner whenever num_decodes is
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        num_splits, counters = None, self._counters_for(q[:nd])
+        if meta.decode_launch is not None and kernels.use_triton(q):  # (the reference has no splits)
+            # Launched as the graph bucket that would hold these rows: a (split count, combine) variant the capture
+            # compiled. At their own count (e.g. 20-28 rows: 2 splits, two-kernel combine) they compiled 2 Triton
+            # variants mid-W2 on a fresh machine (~1 s of host each; BENCHMARKS.md, 18:57 UTC).
+            rows, table_tokens = meta.decode_launch
+            num_splits = decode_splits(rows, table_tokens, q, k_cache)
+            counters = self._counters_for_batch(rows, q.device)
         kernels.paged_decode_attention(
             q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], self.scale, self.k_scale,
-            self.v_scale, self._counters_for(q[:nd]), out=out[:nd],
+            self.v_scale, counters, out=out[:nd], num_splits=num_splits,
         )
         kernels.paged_attention(
             q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prompt_query_start_loc, meta.context_lens[nd:],
@@ -91,11 +99,14 @@ class PagedAttention(WeightModule):
     def _counters_for(self, q: torch.Tensor) -> torch.Tensor | None:
         """The fused combine's counters for a decode batch of q.shape[0] sequences, or None for the two-kernel
         combine (batches not in FUSED_COMBINE_BATCHES)."""
+        return self._counters_for_batch(q.shape[0], q.device)
+
+    def _counters_for_batch(self, batch: int, device: torch.device) -> torch.Tensor | None:
         batches = FUSED_COMBINE_BATCHES  # read at call time: tests and benches change it
-        if q.shape[0] not in batches:
+        if batch not in batches:
             return None
         largest = max(batches)
         if self._combine_counters is None or self._combine_counters.shape[0] < largest * self.num_kv_heads \
-                or self._combine_counters.device != q.device:
-            self._combine_counters = decode_combine_counters(largest, self.num_kv_heads, q.device)
+                or self._combine_counters.device != device:
+            self._combine_counters = decode_combine_counters(largest, self.num_kv_heads, device)
         return self._combine_counters
