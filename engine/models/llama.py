@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any, cast
 
 import torch
-from stoker.engine import kernels
 from stoker.engine.batch import AttentionMetadata
 from stoker.engine.layers import (
     GateUpLinear,
@@ -99,7 +98,8 @@ class LlamaMLP(nn.Module):
                                      names=[f"{prefix}.down_proj"], tp=cfg.shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        # Linear or a twin (FP8: the SiLU-mul fused into its activation quantization)
+        return cast(Linear, self.down_proj).forward_after_silu(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
