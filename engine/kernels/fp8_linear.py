@@ -35,6 +35,10 @@ from stoker.engine.kernels.fp8_quant import (
 from stoker.engine.kernels.gemv import GemvConfig
 
 FP8_GEMV_MAX_M = 16  # the dot tile is 16 tokens tall; above it the tensor-core GEMM wins (h200-gemm-facts)
+# cuBLASLt's FP8 "fast accumulation" (_scaled_mm use_fast_accum): the tensor cores' own accumulator over the
+# whole K loop instead of promoting partial sums to float32 every few steps. Not measured yet (the H200 call
+# of ops/bench_fp8_prefill.py times both and their difference).
+SCALED_MM_FAST_ACCUM = False
 
 
 # -------------------------------------------------------------------------------------------- reference
@@ -114,7 +118,8 @@ def scaled_mm_quantized(
 ) -> torch.Tensor:
     """_scaled_mm on activations already in FP8 (xq [M, K], x_scale [M, 1]): row scales on both sides."""
     # weight [N, K] row-major is the column-major [K, N] operand _scaled_mm wants; scales float32.
-    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=out_dtype)
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=out_dtype,
+                           use_fast_accum=SCALED_MM_FAST_ACCUM)
     return out if bias is None else out + bias
 
 
