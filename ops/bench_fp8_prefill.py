@@ -31,8 +31,8 @@ from stoker.engine.kernels.fp8_quant import rms_norm_quant_fp8_triton, silu_mul_
 PROJECTIONS_8B = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 
 
-def time_us(fn: Callable[[], object], cuda: bool, reps: int = 10) -> float:
-    for _ in range(2):
+def time_us(fn: Callable[[], object], cuda: bool, reps: int = 20) -> float:
+    for _ in range(3):
         fn()
     if not cuda:
         t0 = time.perf_counter()
