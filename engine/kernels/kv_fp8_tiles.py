@@ -51,7 +51,10 @@ class Fp8AttentionConfig:
     # same kv head of consecutive sequences side by side: D bytes of each row, the rest read waves later).
     # v_prefetch (f16-vwords): the next key tile's V words are loaded at the top of each iteration, a tile
     # ahead, since the word load (its consumer is inline PTX, not a dot) is not in Triton's cp.async pipeline
-    # and its latency is otherwise waited once per tile.
+    # and its latency is otherwise waited once per tile. Both lose or tie on the H200 (2026-12-01 21:09 UTC,
+    # B=1,024 ctx 640, us: default n128 465.9; head_major 465.9; v_prefetch 636.8, with head_major 642.9, n64
+    # 655.8, s2 615.8): ptxas gives the prefetch 206 registers a thread against 144 (2 programs an SM instead
+    # of 3) and the loop's cp.async copies drop from 45 to 27. Kept as measured choices, off by default.
     head_major: bool = False
     v_prefetch: bool = False
 
