@@ -6,8 +6,11 @@ fused norm / SiLU-mul + quantization kernels (fp8_quant.py) against the two kern
     PYTHONPATH=. python3 ops/bench_fp8_prefill.py                 # the H200: ~10 s
     TRITON_INTERPRET=1 PYTHONPATH=. python3 ops/bench_fp8_prefill.py --tiny   # CPU dry run (tiny, wall clock)
 
-Each row: us per call (CUDA events around `reps` calls after warm-up), TFLOP/s for GEMMs, GB/s of the bytes
-the op must move for the rest. A table on stdout, JSON under $OUT when set.
+Each row: us per call (CUDA events around `reps` eager calls after warm-up), TFLOP/s for GEMMs, GB/s of the
+bytes the op must move for the rest. Eager: an op shorter than its host launch (~60-70 us for these Triton
+launchers on the H200, 21:37 UTC) reads as the launch time, so the small quantizations (K = 4,096, and all at
+M = 1,024) are host-bound readings; ops/step_profile.py's device times are the kernels'. A table on stdout,
+JSON under $OUT when set.
 """
 from __future__ import annotations
 

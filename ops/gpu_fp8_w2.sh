@@ -1,6 +1,7 @@
 # budget: 100 s
 # fp8 (issue 14): W2 with FP8 weights + the FP8 KV cache, accounted kernel by kernel. First the FP8 decode
-# attention at W2's shape (B=1,024, ctx 640 / 768) against its grid-order / V-prefetch / tile variants; the
+# attention at W2's shape (B=1,024, ctx 640 / 768) against its tile variants (call 1 at 21:09 also ran the grid-
+# order / V-prefetch ones, since removed: kv_fp8_tiles.py); the
 # FP8 prefill GEMM's pieces at M = 8,192 / 1,024 (ops/bench_fp8_prefill.py: quantization, _scaled_mm, the fused
 # norm / SiLU-mul + quantization kernels); then ops/step_profile.py's kernel tables of one 8,192-token FP8 prefill step and one batch-1,024 FP8+FP8KV decode
 # step (with every op's input shapes, for ops/fp8_account.py's floors). R: the results folder.

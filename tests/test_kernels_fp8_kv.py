@@ -101,31 +101,6 @@ def test_fp8_decode_attention_modes(device: str, dtype: torch.dtype, config: Fp8
         close(out, paged_decode_attention_ref(q, k8, v8, block_tables, context_lens, 0.1, k_scale, v_scale), dtype)
 
 
-# The decode kernel's grid order and V prefetch (Fp8AttentionConfig.head_major / v_prefetch): decode only.
-DECODE_ORDER_CASES = [Fp8AttentionConfig("f16-vwords", 16, v_prefetch=True),  # 16-key tiles: several a split
-                      Fp8AttentionConfig("f16-vwords", 16, head_major=True),
-                      pytest.param(Fp8AttentionConfig("f16-vwords", 128, head_major=True, v_prefetch=True),
-                                   marks=[GPU, NO_CUDA]),
-                      pytest.param(Fp8AttentionConfig("f16-vwords", 64, v_prefetch=True), marks=[GPU, NO_CUDA])]
-
-
-@pytest.mark.parametrize("device,dtype", CASES)
-@pytest.mark.parametrize("config", DECODE_ORDER_CASES, ids=lambda c: c.label().replace(" ", "-"))
-def test_fp8_decode_attention_order_and_prefetch(device: str, dtype: torch.dtype, config: Fp8AttentionConfig) -> None:
-    """Odd contexts (a partial last tile, a one-key sequence, a prefetch past the end) and Hkv 3, so a swapped
-    sequence / kv head pair or a V tile a step off shows; one split and several, the fused combine too."""
-    lens = [1, 37, 70, 16, 5]
-    k8, v8, block_tables, k_scale, v_scale = fp8_batch(lens, 3, 40, 8, device)
-    context_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-    q = torch.randn(len(lens), 6, 40, device=device, dtype=dtype)
-    ref = paged_decode_attention_ref(q, k8, v8, block_tables, context_lens, 0.1, k_scale, v_scale)
-    assert ref.abs().max() > 0.1
-    for num_splits, counters in ((1, None), (2, None), (2, torch.zeros(len(lens) * 3, dtype=torch.int32, device=device))):
-        out = paged_decode_attention_triton(q, k8, v8, block_tables, context_lens, 0.1, num_splits,
-                                            k_scale=k_scale, v_scale=v_scale, fp8_config=config, counters=counters)
-        close(out, ref, dtype)
-
-
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("config", MODE_CASES, ids=MODE_IDS)
 def test_fp8_paged_attention_modes(device: str, dtype: torch.dtype, config: Fp8AttentionConfig) -> None:

@@ -22,8 +22,6 @@ from stoker.engine.kernels.kv_fp8_tiles import (
     kv_for_dots,
     q_for_dots,
     v_words_f16,
-    v_words_tile_at,
-    v_words_to_f16,
 )
 from stoker.engine.kernels.kv_quant import check_scale, dequantize_kv, is_fp8_cache
 
@@ -168,9 +166,6 @@ def _fp8_launch(fp8: bool, config: Fp8AttentionConfig, q: torch.Tensor, decode: 
     constexprs = {"FP8_MODE": mode, "DOT_FP16": fp8_dot_fp16(config.mode, q.dtype == torch.float32)}
     if mode == FP8_F16_VWORDS:
         constexprs["FP8_PTX"] = q.is_cuda  # the interpreter runs no PTX: a cast per byte there (kv_fp8_tiles.py)
-    if decode:  # the decode kernel's grid order and V prefetch (Fp8AttentionConfig)
-        constexprs["HEAD_MAJOR"] = config.head_major
-        constexprs["V_PREFETCH"] = config.v_prefetch and mode == FP8_F16_VWORDS
     return constexprs, {"num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
@@ -186,16 +181,11 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_CACHE: tl.constexpr,
     FUSED_COMBINE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_GP: tl.constexpr, CHUNK_S: tl.constexpr,
     FP8_MODE: tl.constexpr = 0, DOT_FP16: tl.constexpr = False, FP8_PTX: tl.constexpr = False,
-    HEAD_MAJOR: tl.constexpr = False, V_PREFETCH: tl.constexpr = False,
 ):
     # Program (sequence, kv head, split): all GROUP query heads sharing this kv head are rows of one tile,
     # so each K/V row is read once per group; the context is cut into NUM_SPLITS contiguous pieces.
-    if HEAD_MAJOR:  # FP8 cache, Fp8AttentionConfig.head_major: grid (Hkv, B, splits)
-        seq = tl.program_id(1).to(tl.int64)
-        kv_head = tl.program_id(0)
-    else:
-        seq = tl.program_id(0).to(tl.int64)
-        kv_head = tl.program_id(1)
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     split_len = _decode_split_len(context_len, NUM_SPLITS, TILE_N)
@@ -219,14 +209,7 @@ def _decode_split_kernel(
     running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    if V_PREFETCH:  # FP8 f16-vwords: V words a tile ahead (kv_fp8_tiles.py Fp8AttentionConfig.v_prefetch)
-        v_next = v_words_tile_at(v_cache_ptr, block_tables_ptr, seq, block_table_stride, start, end, kv_head,
-                                 NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N)
     for tile_start in range(start, end, TILE_N):
-        if V_PREFETCH:
-            v_packed = v_next
-            v_next = v_words_tile_at(v_cache_ptr, block_tables_ptr, seq, block_table_stride, tile_start + TILE_N,
-                                     end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE_N)
         pos = tile_start + tl.arange(0, TILE_N)
         key_mask = pos < end
         block = tl.load(block_tables_ptr + seq * block_table_stride + pos // BLOCK_SIZE, mask=key_mask, other=0)
@@ -240,9 +223,7 @@ def _decode_split_kernel(
         correction = tl.exp2(running_max - new_max)
         probs = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * correction + tl.sum(probs, axis=1)
-        if V_PREFETCH:
-            v = v_words_to_f16(v_packed, FP8_PTX).to(q.dtype)
-        elif FP8_MODE == 3:  # kv_fp8_tiles.py: F16_VWORDS
+        if FP8_MODE == 3:  # kv_fp8_tiles.py: F16_VWORDS
             v = v_words_f16(v_cache_ptr, slot, kv_head, key_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, FP8_PTX).to(q.dtype)
         else:
             v = kv_for_dots(tl.load(v_cache_ptr + kv_offset, mask=kv_mask, other=0.0), q.dtype, FP8_MODE)
@@ -489,9 +470,7 @@ def paged_decode_attention_triton(
     block_gp = triton.next_power_of_2(group)
     if counters is not None:
         _check_counters(counters, batch * num_kv_heads, q.device)
-    head_major = fp8_args.get("HEAD_MAJOR", False)
-    grid = (num_kv_heads, batch, num_splits) if head_major else (batch, num_kv_heads, num_splits)
-    _decode_split_kernel[grid](
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max, part_sum, k_scale_arg, v_scale_arg,
         counters if counters is not None else context_lens,  # a placeholder without the fused combine
         scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),

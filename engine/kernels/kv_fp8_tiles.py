@@ -46,17 +46,6 @@ class Fp8AttentionConfig:
     tile_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    # Decode kernel only. head_major: the grid's fastest axis is the kv head, so the Hkv programs of one
-    # sequence run side by side and read each cache row's Hkv * D bytes together (the default order puts the
-    # same kv head of consecutive sequences side by side: D bytes of each row, the rest read waves later).
-    # v_prefetch (f16-vwords): the next key tile's V words are loaded at the top of each iteration, a tile
-    # ahead, since the word load (its consumer is inline PTX, not a dot) is not in Triton's cp.async pipeline
-    # and its latency is otherwise waited once per tile. Both lose or tie on the H200 (2026-12-01 21:09 UTC,
-    # B=1,024 ctx 640, us: default n128 465.9; head_major 465.9; v_prefetch 636.8, with head_major 642.9, n64
-    # 655.8, s2 615.8): ptxas gives the prefetch 206 registers a thread against 144 (2 programs an SM instead
-    # of 3) and the loop's cp.async copies drop from 45 to 27. Kept as measured choices, off by default.
-    head_major: bool = False
-    v_prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in FP8_MODES:
@@ -65,8 +54,7 @@ class Fp8AttentionConfig:
             raise ValueError(f"FP8 attention tile_n must be a power of two >= 16, got {self.tile_n}")
 
     def label(self) -> str:
-        extras = ("" if not self.head_major else " hm") + ("" if not self.v_prefetch else " vpf")
-        return f"{self.mode} n{self.tile_n} w{self.num_warps} s{self.num_stages}{extras}"
+        return f"{self.mode} n{self.tile_n} w{self.num_warps} s{self.num_stages}"
 
 
 # Measured on the H200 (2026-12-01 15:28 UTC, ops/bench_decode_attention_fp8.py, CUDA-graph replay, 8B heads):
@@ -78,6 +66,11 @@ class Fp8AttentionConfig:
 # TILE_N 64, 4 warps): F16_VWORDS is the only FP8 decode variant without the 64 byte-wide shared-memory loads
 # and the 128 fp16 -> bf16 conversions a thread and tile (whole-kernel PTX: 957 lines vs 918 for the bf16
 # cache, 1,145 CAST, 1,194 F16). The prefill kernel reads no V byte-wise (its M is 64), so F16 there.
+# Tried and removed (H200, 21:09 UTC, B=1,024 ctx 640, us; default 465.9): the grid with the kv head fastest,
+# so one sequence's Hkv programs read each cache row together, 465.9; the V words loaded a tile ahead, 636.8
+# (206 registers a thread against 144 by ptxas: 2 programs an SM, not 3); two splits 727.9; s4 466.1. n64 has
+# the bf16 kernel's occupancy (112 registers, 39 KB) and half its bytes yet 555 us against 629: what is left
+# costs per key tile, not per byte (BENCHMARKS.md, 21:09 section).
 DEFAULT_DECODE = Fp8AttentionConfig("f16-vwords", tile_n=128)
 DEFAULT_PREFILL = Fp8AttentionConfig("f16")
 
@@ -113,21 +106,16 @@ def _byte_f16(packed, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def v_words_load(v_cache_ptr, slot, kv_head, key_mask, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
-    """The V tile [keys, BLOCK_D // 4] of an FP8 cache as int32 words, 4 e4m3 bytes each (head_dim % 4 == 0)."""
+def v_words_f16(v_cache_ptr, slot, kv_head, key_mask, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_D: tl.constexpr, USE_PTX: tl.constexpr):
+    """The V tile [keys, BLOCK_D] of an FP8 cache as float16 (F16_VWORDS): 4 bytes a word (head_dim % 4 == 0),
+    each word -> 4 halves by two paired conversions, joined back in head_dim order (byte i = dim 4w + i).
+    USE_PTX False (the interpreter) converts each byte with Triton's cast instead: the same words, masks and
+    join, so the CPU tests check all of it but the two conversion instructions."""
     words = tl.arange(0, BLOCK_D // 4)
     row = slot * (NUM_KV_HEADS * HEAD_DIM // 4) + kv_head * (HEAD_DIM // 4)
-    return tl.load(v_cache_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] + words[None, :],
-                   mask=key_mask[:, None] & (words[None, :] < HEAD_DIM // 4), other=0)
-
-
-@triton.jit
-def v_words_to_f16(packed, USE_PTX: tl.constexpr):
-    """v_words_load's [keys, W] words -> [keys, 4 W] float16: each word -> 4 halves by two paired conversions,
-    joined back in head_dim order (byte i = dim 4w + i). USE_PTX False (the interpreter) converts each byte
-    with Triton's cast instead: the same words and join, so the CPU tests check all of it but the two
-    conversion instructions."""
+    packed = tl.load(v_cache_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] + words[None, :],
+                     mask=key_mask[:, None] & (words[None, :] < HEAD_DIM // 4), other=0)
     if USE_PTX:
         h0, h1, h2, h3 = tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; .reg .b32 p01, p23; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 p01, lo; "
@@ -140,28 +128,7 @@ def v_words_to_f16(packed, USE_PTX: tl.constexpr):
         h3 = _byte_f16(packed, 24)
     # join's new axis is the last: [w, j, i] holds (h0, h2)[j] for i = 0 and (h1, h3)[j] for i = 1, so the
     # flattened order is h0 h1 h2 h3 (join(join(h0, h1), join(h2, h3)) would give h0 h2 h1 h3; the CPU test saw it)
-    return tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), (packed.shape[0], 4 * packed.shape[1]))
-
-
-@triton.jit
-def v_words_f16(v_cache_ptr, slot, kv_head, key_mask, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_D: tl.constexpr, USE_PTX: tl.constexpr):
-    """The V tile [keys, BLOCK_D] of an FP8 cache as float16 (F16_VWORDS): v_words_load, then v_words_to_f16."""
-    return v_words_to_f16(v_words_load(v_cache_ptr, slot, kv_head, key_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_D),
-                          USE_PTX)
-
-
-@triton.jit
-def v_words_tile_at(v_cache_ptr, block_tables_ptr, seq, block_table_stride, tile_start, end, kv_head,
-                    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
-    """v_words_load of the key tile [tile_start, tile_start + TILE_N) of one sequence, keys >= end masked (a
-    tile wholly past end reads no memory): the decode kernel's V prefetch, a tile ahead of the dots."""
-    pos = tile_start + tl.arange(0, TILE_N)
-    key_mask = pos < end
-    block = tl.load(block_tables_ptr + seq * block_table_stride + pos // BLOCK_SIZE, mask=key_mask, other=0)
-    slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-    return v_words_load(v_cache_ptr, slot, kv_head, key_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_D)
+    return tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), (slot.shape[0], BLOCK_D))
 
 
 @triton.jit
