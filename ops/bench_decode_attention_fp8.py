@@ -42,6 +42,13 @@ DECODE_VARIANTS = [Fp8AttentionConfig("cast", 64, 4, 3), Fp8AttentionConfig("f16
                    Fp8AttentionConfig("f16-vwords", 64, 4, 3), Fp8AttentionConfig("f16-vwords", 128, 4, 3),
                    Fp8AttentionConfig("f16-vwords", 128, 8, 3), Fp8AttentionConfig("bits", 64, 4, 3),
                    Fp8AttentionConfig("f16", 128, 8, 3)]
+# --w2: W2's decode shape only, the default against tile and stage choices and two splits per sequence (None:
+# the launcher's count). The grid-order and V-prefetch variants of 21:09 UTC are gone (kv_fp8_tiles.py).
+V = Fp8AttentionConfig
+W2_VARIANTS: list[tuple[Fp8AttentionConfig, int | None]] = [  # the likeliest first: a cut run keeps them
+    (V("f16-vwords", 128), None), (V("f16-vwords", 64, 4, 3), None), (V("f16-vwords", 128, 4, 2), None),
+    (V("f16-vwords", 128), 2), (V("f16-vwords", 128, 4, 4), None), (V("f16-vwords", 32, 2, 4), None),
+]
 PREFILL_VARIANTS = [Fp8AttentionConfig("cast", 64, 4, 3), Fp8AttentionConfig("f16", 64, 4, 3),
                     Fp8AttentionConfig("bits", 64, 4, 3), Fp8AttentionConfig("f16", 32, 4, 3)]
 
@@ -95,7 +102,8 @@ def record(rows: list[dict], kernel: str, shape: str, variant: str, us: float, n
     print(f"| {kernel} | {shape} | {variant} | {us:.1f} | {nbytes / us / 1e3:.0f} | {err:.1e} |", flush=True)
 
 
-def bench_decode(rows: list[dict], batch: int, ctx: int, device: str, dtype: torch.dtype) -> None:
+def bench_decode(rows: list[dict], batch: int, ctx: int, device: str, dtype: torch.dtype,
+                 variants: list[tuple[Fp8AttentionConfig, int | None]] | None = None) -> None:
     (k, v), (k8, v8), tables = paged_caches(batch, ctx, device, dtype)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
     q = torch.randn(batch, HQ, HEAD_DIM, device=device, dtype=dtype)
@@ -105,14 +113,18 @@ def bench_decode(rows: list[dict], batch: int, ctx: int, device: str, dtype: tor
         lambda: paged_decode_attention_triton(q, k, v, tables, lens, scale), elems * 2), elems * 2, 0.0)
     ks, vs = K_SCALE.to(device), V_SCALE.to(device)
     baseline = None
-    for config in DECODE_VARIANTS:
-        def call(config: Fp8AttentionConfig = config) -> torch.Tensor:
-            return paged_decode_attention_triton(q, k8, v8, tables, lens, scale, k_scale=ks, v_scale=vs,
+    for config, splits in variants or [(c, None) for c in DECODE_VARIANTS]:
+        def call(config: Fp8AttentionConfig = config, splits: int | None = splits) -> torch.Tensor:
+            return paged_decode_attention_triton(q, k8, v8, tables, lens, scale, splits, k_scale=ks, v_scale=vs,
                                                  fp8_config=config)
-        out = call().float()
+        label = "fp8 " + config.label() + ("" if splits is None else f" splits {splits}")
+        try:
+            out = call().float()
+        except Exception as exc:  # a variant that fails to compile must not cost the others their rows
+            print(f"| decode | {shape} | {label} | failed: {type(exc).__name__}: {str(exc)[:200]} | | |", flush=True)
+            continue
         baseline = out if baseline is None else baseline
-        record(rows, "decode", shape, "fp8 " + config.label(), time_us(call, elems), elems,
-               (out - baseline).abs().max().item())
+        record(rows, "decode", shape, label, time_us(call, elems), elems, (out - baseline).abs().max().item())
 
 
 def bench_prefill(rows: list[dict], num_seqs: int, prompt: int, device: str, dtype: torch.dtype) -> None:
@@ -181,6 +193,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU dry run under the interpreter)")
     parser.add_argument("--json", default=None, help="where to write the rows (default $OUT/... when OUT is set)")
     parser.add_argument("--ptx", action="store_true", help="no GPU: the variants' sm_90 PTX counts, then exit")
+    parser.add_argument("--w2", action="store_true", help="W2's decode shape only (B=1,024 ctx 640, then B=1,024 "
+                        "ctx 768), W2_VARIANTS")
     parser.add_argument("--budget-s", type=float, default=1e9, help="start no new shape after this many seconds")
     opts = parser.parse_args()
     if opts.ptx:
@@ -199,6 +213,10 @@ def main() -> None:
                                                 for b, c in decode_shapes]
     jobs.insert(1, partial(bench_prefill, num_seqs=prefill_shape[0], prompt=prefill_shape[1], device=device,
                            dtype=dtype))
+    if opts.w2:
+        w2_shapes = [(2, 20), (3, 7)] if opts.tiny else [(1024, 640), (1024, 768)]
+        jobs = [partial(bench_decode, batch=b, ctx=c, device=device, dtype=dtype, variants=W2_VARIANTS)
+                for b, c in w2_shapes]
     print(f"{torch.cuda.get_device_name() if cuda else 'cpu (interpreter)'}  torch {torch.__version__}  "
           f"Hq {HQ} Hkv {HKV} D {HEAD_DIM} block {BLOCK}")
     print("| kernel | shape | cache / variant | us | GB/s | err vs fp8 cast |\n|---|---|---|---|---|---|")

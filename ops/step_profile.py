@@ -64,6 +64,21 @@ def _device_total_ms(prof: Any, device: torch.device) -> float:
     return total_us / 1e3
 
 
+def op_rows(prof: Any, device: torch.device) -> list[dict[str, Any]]:
+    """Every op and kernel by name and input shapes (count, self device us, device us with children): the GEMMs'
+    shapes give their FLOPs, so each can be set beside its floor after the run (ops/fp8_account.py)."""
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        dev_self = float(getattr(e, "self_device_time_total", 0.0) or 0.0)
+        dev_all = float(getattr(e, "device_time_total", 0.0) or 0.0)
+        if device.type == "cuda" and dev_self == 0.0 and dev_all == 0.0:
+            continue
+        rows.append({"name": e.key, "shapes": str(e.input_shapes), "count": int(e.count),
+                     "kernel": e.device_type == torch.autograd.DeviceType.CUDA, "self_us": dev_self,
+                     "total_us": dev_all, "cpu_us": float(e.cpu_time_total)})
+    return rows
+
+
 def _replay_ms(runner: Any, inp: Any, reps: int = 5) -> float | None:
     """Mean wall time of the decode graph's replay of `inp` (CUDA events around graphs.run), or None when
     this step has no graph (CPU, graphs off, a batch over the largest bucket)."""
@@ -124,7 +139,7 @@ def profile_w2_steps(eng: Any, vocab: int, requests: int, prompt: int, prefill_t
     def profiled(inp: Any) -> Any:
         """The step's forward again, eagerly, under the profiler (the same K/V written to the same slots)."""
         _sync(device)
-        with torch.inference_mode(), profile(activities=acts) as prof:
+        with torch.inference_mode(), profile(activities=acts, record_shapes=True) as prof:
             _eager_forward(runner, inp)
             _sync(device)
         return prof
@@ -133,6 +148,7 @@ def profile_w2_steps(eng: Any, vocab: int, requests: int, prompt: int, prefill_t
         prof = profiled(inp)
         res["prefill_tokens"] = int(inp.input_ids.shape[0])
         res["prefill_kernel_ms"] = _device_total_ms(prof, device)
+        res["prefill_ops"] = op_rows(prof, device)
         texts["prefill"] = (
             f"ONE prefill step of {res['prefill_tokens']} tokens ({int(inp.meta.context_lens.shape[0])} prompt "
             f"chunks of prompts of {prompt}), eager (prefill never uses a graph); device kernel time summed: "
@@ -144,6 +160,8 @@ def profile_w2_steps(eng: Any, vocab: int, requests: int, prompt: int, prefill_t
         res["decode_batch"] = int(inp.input_ids.shape[0])
         res["decode_context_max"] = int(inp.meta.context_lens.max())
         res["decode_eager_kernel_ms"] = _device_total_ms(prof, device)
+        res["decode_ops"] = op_rows(prof, device)
+        res["decode_context_sum"] = int(inp.meta.context_lens.sum())
         with torch.inference_mode():
             res["decode_replay_ms"] = _replay_ms(runner, inp)
         replay = res["decode_replay_ms"]
@@ -282,11 +300,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16", help="fp8: weights quantized at load")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     args = ap.parse_args(argv)
     # The bench's folder on a GPU (its weights are reused when there); a folder of its own for CPU dry runs.
     path = f"/tmp/stoker-bench-{args.shape}" + ("" if args.device.startswith("cuda") else "-cpu")
     bench.write_model(path, bench.SHAPES[args.shape], device=args.device)
-    eng, _ = bench.start_engine(path, args.requests, device=args.device)
+    eng, _ = bench.start_engine(path, args.requests, device=args.device,
+                                quantization="fp8" if args.dtype == "fp8" else None, kv_cache_dtype=args.kv_cache_dtype)
     try:
         # The first step of a fresh batch: as many whole prompts as the token budget holds, nothing else.
         prefill_tokens = min(args.requests, eng.config.max_num_batched_tokens // args.prompt) * args.prompt

@@ -20,6 +20,8 @@ from stoker.engine.kernels.fp8_quant import (  # noqa: E402
     quantize_activations_triton,
     rms_norm_quant_fp8_ref,
     rms_norm_quant_fp8_triton,
+    silu_mul_quant_fp8_ref,
+    silu_mul_quant_fp8_triton,
 )
 from stoker.engine.layers import fp8 as fp8_layers  # noqa: E402
 from stoker.engine.quant_config import Fp8Scheme  # noqa: E402
@@ -87,6 +89,37 @@ def test_rms_norm_quant_matches_reference(device: str, dtype: torch.dtype, rows:
     near_fp8(xq, xq_ref)
 
 
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("rows,k", SHAPES)
+@pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
+def test_silu_mul_quant_matches_reference(device: str, dtype: torch.dtype, rows: int, k: int, static: bool) -> None:
+    """gate | up of different magnitudes per half, so a swapped or dropped half changes the result (gates within
+    +-80: the interpreter's float32 exp(-gate) would overflow past ~88, a warning that fails the test)."""
+    gate = activations(rows, k, dtype, device).clamp(-80, 80)
+    gate_up = torch.cat([gate, (torch.randn(rows, k, device=device) * 3).to(dtype)], 1)
+    input_scale = torch.tensor([0.02], device=device) if static else None
+    xq, scale = silu_mul_quant_fp8_triton(gate_up, input_scale)
+    xq_ref, scale_ref = silu_mul_quant_fp8_ref(gate_up, input_scale)
+    assert xq.shape == (rows, k) and scale.shape == (rows, 1)
+    # The kernel's sigmoid (Triton's) and torch's silu may differ in the last float32 bit, which can flip the
+    # dtype rounding of a product now and then, and so the row's amax (the scale) by one dtype step.
+    torch.testing.assert_close(scale, scale_ref, atol=0, rtol=2 * 2**-8)
+    near_fp8(xq, xq_ref)
+
+
+@GPU
+@NO_CUDA
+@pytest.mark.parametrize("rows,k", [(37, 4096), (300, 14336)])
+def test_silu_mul_quant_equals_the_two_kernels(rows: int, k: int) -> None:
+    """On the GPU the fused kernel does activation.py's arithmetic, then the quantization's: bit for bit what
+    the two kernels it replaces give (the engine's unfused path)."""
+    gate_up = torch.randn(rows, 2 * k, device="cuda").bfloat16()
+    xq, scale = silu_mul_quant_fp8_triton(gate_up, None)
+    xq_two, scale_two = quantize_activations_triton(kernels.silu_and_mul_triton(gate_up), None)
+    torch.testing.assert_close(scale, scale_two, atol=0, rtol=0)
+    same_fp8(xq, xq_two)
+
+
 @pytest.mark.parametrize("device,dtype", CASES[:1])
 def test_quant_launchers_reject_bad_inputs(device: str, dtype: torch.dtype) -> None:
     x = torch.randn(4, 64, device=device).to(dtype)
@@ -98,6 +131,8 @@ def test_quant_launchers_reject_bad_inputs(device: str, dtype: torch.dtype) -> N
         rms_norm_quant_fp8_triton(x, torch.ones(64, device=device, dtype=dtype), 1e-5, x[:2], None)
     with pytest.raises(ValueError, match="norm weight"):
         rms_norm_quant_fp8_triton(x, torch.ones(63, device=device, dtype=dtype), 1e-5, None, None)
+    with pytest.raises(ValueError, match="gate | up"):
+        silu_mul_quant_fp8_triton(x[:, :63], None)
 
 
 @GPU
@@ -131,6 +166,31 @@ def test_linear_after_norm_on_cpu_is_norm_then_linear() -> None:
     h, s = rms_norm_ref(x, g, 1e-5, res)
     torch.testing.assert_close(summed, s, atol=0, rtol=0)
     torch.testing.assert_close(out, fp8_linear_ref(h, layer.weight, layer.weight_scale), atol=0, rtol=0)
+
+
+@pytest.mark.skipif(INTERPRET, reason="no kernel on the CPU path")
+def test_linear_after_silu_on_cpu_is_silu_mul_then_linear() -> None:
+    layer = fp8_layer(96, 48, False, "cpu")
+    gate_up = torch.randn(5, 192).bfloat16()
+    expected = fp8_linear_ref(kernels.silu_and_mul_ref(gate_up), layer.weight, layer.weight_scale)
+    torch.testing.assert_close(layer.forward_after_silu(gate_up), expected, atol=0, rtol=0)
+
+
+@GPU
+@NO_CUDA
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_linear_after_silu_fuses_on_cuda(monkeypatch: pytest.MonkeyPatch, static: bool) -> None:
+    """Above 16 tokens SiLU-mul and the quantization run as one kernel and give exactly what the unfused pair
+    (the SiLU-mul kernel, then the layer's own _scaled_mm path) gives; at 16 tokens (the GEMV) the pair runs."""
+    layer = fp8_layer(512, 384, static, "cuda")
+    calls = []
+    monkeypatch.setattr(fp8_layers, "silu_mul_quant_fp8_triton",
+                        lambda *a: calls.append(a[0].shape[0]) or silu_mul_quant_fp8_triton(*a))
+    for rows in (64, 16):
+        gate_up = torch.randn(rows, 1024, device="cuda").bfloat16()
+        torch.testing.assert_close(layer.forward_after_silu(gate_up), layer(kernels.silu_and_mul(gate_up)),
+                                   atol=0, rtol=0)
+    assert calls == [64]
 
 
 @GPU

@@ -66,6 +66,11 @@ class Fp8AttentionConfig:
 # TILE_N 64, 4 warps): F16_VWORDS is the only FP8 decode variant without the 64 byte-wide shared-memory loads
 # and the 128 fp16 -> bf16 conversions a thread and tile (whole-kernel PTX: 957 lines vs 918 for the bf16
 # cache, 1,145 CAST, 1,194 F16). The prefill kernel reads no V byte-wise (its M is 64), so F16 there.
+# Tried and removed (H200, 21:09 UTC, B=1,024 ctx 640, us; default 465.9): the grid with the kv head fastest,
+# so one sequence's Hkv programs read each cache row together, 465.9; the V words loaded a tile ahead, 636.8
+# (206 registers a thread against 144 by ptxas: 2 programs an SM, not 3); two splits 727.9; s4 466.1. n64 has
+# the bf16 kernel's occupancy (112 registers, 39 KB) and half its bytes yet 555 us against 629: what is left
+# costs per key tile, not per byte (BENCHMARKS.md, 21:09 section).
 DEFAULT_DECODE = Fp8AttentionConfig("f16-vwords", tile_n=128)
 DEFAULT_PREFILL = Fp8AttentionConfig("f16")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from stoker.engine import kernels
 from stoker.engine.layers.weights import WeightModule, copy_into, empty_param
 
 
@@ -22,6 +23,19 @@ class Linear(WeightModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, in] -> [T, out]"""
         return F.linear(x, self.weight, self.bias)
+
+    def forward_after_norm(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, in] -> (this layer on rms_norm(hidden + residual) * norm_weight, the sum for the next block), as
+        RMSNorm then this layer. A twin that takes quantized activations fuses the norm in (Fp8Linear)."""
+        h, summed = kernels.rms_norm(hidden, norm_weight, eps, residual)
+        return self(h), summed
+
+    def forward_after_silu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2 in] (gate | up) -> this layer on silu(gate) * up: the gated MLP's down projection. A twin that
+        takes quantized activations fuses the two (Fp8Linear)."""
+        return self(kernels.silu_and_mul(gate_up))
 
 
 class MergedLinear(Linear):

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any, cast
 
 import torch
-from stoker.engine import kernels
 from stoker.engine.batch import AttentionMetadata
 from stoker.engine.layers import (
     GateUpLinear,
@@ -70,14 +69,30 @@ class LlamaAttention(nn.Module):
         q = self.project(x, positions, meta, k_cache, v_cache)
         return self.o_proj(self.attn(q, k_cache, v_cache, meta).reshape(x.shape[0], self.q_size))
 
+    def forward_after_norm(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, positions: torch.Tensor,
+        meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(norm(hidden, residual)) and the sum: the norm goes into qkv's call (Linear.forward_after_norm),
+        so an FP8 qkv quantizes its normed input in the norm's own kernel."""
+        qkv, residual = cast(Linear, self.qkv_proj).forward_after_norm(hidden, residual, norm.weight, norm.eps)
+        q = self.project_qkv(qkv, positions, meta, k_cache, v_cache)
+        return self.o_proj(self.attn(q, k_cache, v_cache, meta).reshape(hidden.shape[0], self.q_size)), residual
+
     def project(
         self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
         """The part before attention (a stage of its own for models/nano_batches.py): qkv, the q/k norms,
         rotary and the cache write -> q [T, Hq, D]."""
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        return self.project_qkv(self.qkv_proj(x), positions, meta, k_cache, v_cache)
+
+    def project_qkv(
+        self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """project() after the qkv GEMM: qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D]."""
+        num_tokens = qkv.shape[0]
         # Views into qkv (row stride != H*D): the rotary kernel rotates them in place.
         q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -99,7 +114,14 @@ class LlamaMLP(nn.Module):
                                      names=[f"{prefix}.down_proj"], tp=cfg.shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        # Linear or a twin (FP8: the SiLU-mul fused into its activation quantization)
+        return cast(Linear, self.down_proj).forward_after_silu(self.gate_up_proj(x))
+
+    def forward_after_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(norm(hidden, residual)) and the sum, the norm in gate_up's call (as the attention's)."""
+        gate_up, residual = cast(Linear, self.gate_up_proj).forward_after_norm(hidden, residual, norm.weight, norm.eps)
+        return cast(Linear, self.down_proj).forward_after_silu(gate_up), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -125,10 +147,11 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.fused_decode is not None and takes_fused_decode(hidden, meta):
             return fused_decode_layer(self.fused_decode, hidden, residual, positions, meta, k_cache, v_cache)
-        x, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(x, positions, meta, k_cache, v_cache)
-        x, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(x), residual
+        # Each norm runs inside the linear after it (Linear.forward_after_norm: the norm kernel, then the GEMM;
+        # an FP8 linear quantizes in the norm's kernel).
+        hidden, residual = self.self_attn.forward_after_norm(hidden, residual, self.input_layernorm, positions, meta,
+                                                             k_cache, v_cache)
+        return self.mlp.forward_after_norm(hidden, residual, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):
