@@ -277,6 +277,17 @@ def _row_sumsq(x_ptr, x_stride, M, K, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr
 
 
 @triton.jit
+def _l2_rows(w_ptr, rows, row_mask, w_stride, NBYTES: tl.constexpr):
+    """One bulk L2 prefetch (Hopper's cp.async.bulk.prefetch.L2) of the leading NBYTES of each weight row: a hint
+    with no result and no register cost, so it can run before griddepcontrol.wait. Rows past the matrix ask
+    for row 0's bytes instead (never an address outside the weight)."""
+    starts = w_ptr + tl.where(row_mask, rows, 0).to(tl.int64) * w_stride
+    nbytes = tl.full(rows.shape, NBYTES, tl.int32)
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                              [starts, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, bias_ptr, norm_ptr, hres_ptr, res_out_ptr, add_ptr,
     positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_norm_ptr, k_norm_ptr, w_scale_ptr,
@@ -290,6 +301,7 @@ def _gemv_kernel(
     ROTARY: tl.constexpr, QK_NORM: tl.constexpr, HALF: tl.constexpr, SPLITS_PER_HEAD: tl.constexpr,
     PAIRED: tl.constexpr, USE_PDL: tl.constexpr, NORM_CHUNK: tl.constexpr, W_SCALED: tl.constexpr,
     W_CONVERT: tl.constexpr, W_VEC: tl.constexpr, W_PREFETCH: tl.constexpr,
+    PDL_PEEL: tl.constexpr = False, PDL_LATE: tl.constexpr = False, PDL_L2_BYTES: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     j = tl.arange(0, BLOCK_N)
@@ -323,20 +335,26 @@ def _gemv_kernel(
     write_residual = pid == 0
     k_start = 0
     # FP8 with the prologue norm (unfolded g, the FP8 "fused-folded"): the first weight tile is in flight during
-    # the rms pass's L2 round trips, as under PDL.
-    if USE_PDL or W_PREFETCH or (NORM and W_SCALED and not PRO_RESIDUAL):
+    # the rms pass's L2 round trips, as under PDL with PDL_PEEL.
+    if (USE_PDL and PDL_PEEL) or (NORM and W_SCALED and not PRO_RESIDUAL) or W_PREFETCH:
         wa, wb = _load_w(wa_ptrs, wb_ptrs, 0, col_mask, kw, K, PAIRED, W_CONVERT)
     if USE_PDL:
-        # Weights never depend on the previous kernel: start their stream, then wait for its outputs
-        # (x, the residual) to be visible, and let the next kernel get scheduled.
+        # Weights never depend on the previous kernel: ask L2 for this program's leading weight bytes (and with
+        # PDL_PEEL load the first tile) while the previous kernel drains, then wait for its outputs (x, the
+        # residual) to be visible. PDL_LATE: let the next kernel launch only after this one's weight loop.
+        if PDL_L2_BYTES > 0:
+            _l2_rows(w_ptr, rows_a, col_mask, w_stride, PDL_L2_BYTES)
+            if PAIRED:
+                _l2_rows(w_ptr, rows_b, col_mask, w_stride, PDL_L2_BYTES)
         gdc_wait()
-        gdc_launch_dependents()
+        if not PDL_LATE:
+            gdc_launch_dependents()
     if NORM and not PRO_RESIDUAL:
         # The rms of each x row in a pass of its own (x is M*K elements, read from L2 by every program),
         # so that the weight loop below stays a plain pipelined GEMV: normalising x inside the loop took
         # the 8B qkv GEMV from 15 to 35-57 us at M = 8 on the tl.dot path (H200, ops/bench_gemv.py --ablate).
         sumsq = _row_sumsq(x_ptr, x_stride, M, K, BLOCK_M, NORM_CHUNK)
-    if (USE_PDL or (NORM and W_SCALED and not PRO_RESIDUAL)) and not W_PREFETCH:
+    if ((USE_PDL and PDL_PEEL) or (NORM and W_SCALED and not PRO_RESIDUAL)) and not W_PREFETCH:
         acc_a, acc_b, sumsq = _gemv_step(
             0, wa, wb, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
             res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
@@ -353,6 +371,8 @@ def _gemv_kernel(
             PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC)
         if W_PREFETCH:
             wa, wb = next_a, next_b
+    if USE_PDL and PDL_LATE:
+        gdc_launch_dependents()
     if W_VEC != 0:  # [BN, BK] -> [1, BN]
         acc_a = tl.sum(acc_a, axis=1)[None, :]
         if PAIRED:
@@ -538,6 +558,28 @@ ROW_ACC_BF16 = False
 ROW_PREFETCH = False
 
 
+# Programmatic dependent launch (pdl=True), what a program does before griddepcontrol.wait, read at launch time
+# (benches and tests change them; a CUDA graph keeps what its capture launched):
+# - PDL_PEEL: load the first weight tile into registers before the wait (the 12:06 UTC form; it takes that
+#   step out of the tl.dot path's cp.async pipeline);
+# - PDL_L2_BYTES: a bulk L2 prefetch of up to this many leading weight bytes per program (split evenly over
+#   its rows, whole 16-byte units), so the previous kernel's drain also streams this one's first bytes;
+# - PDL_LATE: griddepcontrol.launch_dependents after the weight loop instead of right after the wait.
+PDL_PEEL = True
+PDL_L2_BYTES = 0
+PDL_LATE = False
+
+
+def pdl_l2_row_bytes(weight: torch.Tensor, rows_per_program: int) -> int:
+    """PDL_L2_BYTES as bytes per weight row (a multiple of 16, at most the row), 0 when off or when the rows are
+    not 16-byte aligned (the bulk prefetch needs it)."""
+    row_bytes = weight.shape[1] * weight.element_size()
+    stride_bytes = weight.stride(0) * weight.element_size()
+    if PDL_L2_BYTES <= 0 or weight.data_ptr() % 16 or stride_bytes % 16:
+        return 0
+    return min(row_bytes // 16, PDL_L2_BYTES // max(1, rows_per_program) // 16) * 16
+
+
 def _row_vec(cfg: GemvConfig, elem_bytes: int, fp8: bool) -> int:
     """W_VEC: 0 for the [BM, BN, BK] accumulator, else the K elements per thread of x's [1, BK] load (16 bytes,
     fewer when BK does not cover the block's threads); the weight's loads are held to the same run so the
@@ -598,6 +640,7 @@ def _launch(
     use_pdl = pdl and not interpreting()
     w_convert = _check_weight_convert(weight_convert, weight, weight_scale)
     w_vec = _row_vec(cfg, x.element_size(), weight_scale is not None)
+    paired = silu_mul or rotary is not None
     if w_convert:
         weight = weight.view(torch.int32)  # [N, K / 4]: four E4M3 codes a word (w_stride in words)
     _gemv_kernel[(grid,)](
@@ -613,9 +656,11 @@ def _launch(
         APPLY_G=norm_weight is not None, HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul, ADD=add is not None,
         ROTARY=rotary is not None, QK_NORM=qk_norm is not None, HALF=half, SPLITS_PER_HEAD=splits,
-        PAIRED=silu_mul or rotary is not None, USE_PDL=use_pdl, NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda),
+        PAIRED=paired, USE_PDL=use_pdl, NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda),
         W_SCALED=weight_scale is not None, W_CONVERT=w_convert, W_VEC=w_vec,
         W_PREFETCH=w_vec != 0 and ROW_PREFETCH,
+        PDL_PEEL=use_pdl and PDL_PEEL, PDL_LATE=use_pdl and PDL_LATE,
+        PDL_L2_BYTES=pdl_l2_row_bytes(weight, cfg.block_n * (2 if paired else 1)) if use_pdl else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
     )

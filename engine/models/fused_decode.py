@@ -98,6 +98,12 @@ FP8_FUSED_DOT: dict[str, tuple[GemvConfig, str]] = {
 }
 
 
+# With decode_pdl, the decode attention between the qkv and o_proj GEMVs takes part in the PDL chain too
+# (engine/kernels/decode_pdl.py); False launches it plainly, which makes it wait for qkv's completion and lets
+# o_proj's programs in only at its own end (read at capture; the bench's "+attn0" turns it off).
+ATTENTION_PDL = True
+
+
 @dataclass(frozen=True, slots=True)
 class FusedDecode:
     """A decoder layer's fused decode: how, and the layer's own modules it reads (no weight is copied)."""
@@ -253,7 +259,7 @@ def fused_decode_layer(
     qkv = _qkv_rotary_cache(fd, x, positions, meta, k_cache, v_cache)
     num_tokens, num_heads, head_dim = x.shape[0], fd.attention.num_heads, fd.attention.head_dim
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    out = fd.attention(q, k_cache, v_cache, meta).reshape(num_tokens, num_heads * head_dim)
+    out = fd.attention(q, k_cache, v_cache, meta, pdl=fd.pdl and ATTENTION_PDL).reshape(num_tokens, num_heads * head_dim)
     stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=fd.pdl, **_fp8_args(fd.o_proj, "add", num_tokens))
     x = stream if fd.prologue_norm else fd.post_norm(stream)[0]
     act, _ = gemv_triton(x, fd.gate_up.weight, silu_mul=True, norm_folded=fd.folded, eps=fd.post_norm.eps,
