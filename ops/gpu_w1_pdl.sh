@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue 13's PDL round on the H200 (branch w1, session 6): W1 per PDL variant, then the PDL GPU tests.
+#   bash ops/gpu_w1_pdl.sh call1|call2|dry    (from the repo root; results under $R, else ./.dev/gpu-out)
+# "dry" runs the same steps on the CPU with a tiny shape: the bench refuses without CUDA after parsing its flags
+# (so a typo in a flag fails here), and pytest collects the GPU tests (which then skip).
+set -u
+R=${R:-$PWD/.dev/gpu-out}
+mkdir -p "$R"
+export OUT=$R PYTHONPATH=${PYTHONPATH:-.}
+PY=${PY:-python3}
+which=${1:-call1}
+git rev-parse HEAD > "$R/head.txt" 2>/dev/null || true
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv > "$R/gpu.txt" 2>&1 || true
+
+bench() {  # bench <seconds> <name> <args...>: one ops/bench.py run, W1 only, graph bucket 1 only
+    local limit=$1 name=$2
+    shift 2
+    timeout "$limit" "$PY" ops/bench.py --skip-hf --skip-cold --skip-w2 --max-num-seqs 1 "$@" > "$R/$name.txt" 2>&1
+    echo "$name rc=$?" >> "$R/rc.txt"
+    [ -f "$R/bench.json" ] && mv "$R/bench.json" "$R/$name.json"
+    grep -E "W1 (TPOT|auto)|W1 \{" "$R/$name.txt" | tail -12
+}
+
+tests() {  # tests <seconds> <-k expression>
+    timeout "$1" "$PY" -m pytest -q -p no:cacheprovider -p no:warnings -m gpu tests/test_kernels_decode_pdl.py \
+        -k "$2" > "$R/tests.txt" 2>&1
+    echo "tests rc=$?" >> "$R/rc.txt"
+    tail -5 "$R/tests.txt"
+}
+
+case $which in
+    call1)
+        bench 76 bf16 --decode-kernels auto,auto+pdl+peel0,auto+pdl+peel0+l2_32,auto+pdl+peel1+attn0,auto+pdl+peel0+attn0,auto+pdl+peel0+late
+        tests 20 "plain_launch or (chain and (plain-1 or l2-1))"
+        ;;
+    dry)
+        bench 60 bf16 --shape tiny --decode-kernels auto,auto+pdl+peel0,auto+pdl+peel0+l2_32,auto+pdl+peel1+attn0,auto+pdl+peel0+attn0,auto+pdl+peel0+late
+        "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_decode_pdl.py \
+            -k "plain_launch or (chain and (plain-1 or l2-1))" > "$R/tests.txt" 2>&1
+        tail -2 "$R/tests.txt"
+        ;;
+    *)
+        echo "usage: $0 call1|dry" >&2
+        exit 2
+        ;;
+esac
+cat "$R/rc.txt"
