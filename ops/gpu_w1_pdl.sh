@@ -30,11 +30,11 @@ tests() {  # tests <seconds> <-k expression>
 
 case $which in
     call1)
-        bench 76 bf16 --decode-kernels auto,auto+pdl+peel0,auto+pdl+peel0+l2_32,auto+pdl+peel1+attn0,auto+pdl+peel0+attn0,auto+pdl+peel0+late
+        bench 76 bf16 --decode-kernels auto,auto+pdl+peel0,auto+pdl+peel1+attn0,auto+pdl+peel0+attn0,auto+pdl+peel0+late,auto+pdl+peel0+l2_32
         tests 20 "plain_launch or (chain and (plain-1 or l2-1))"
         ;;
     dry)
-        bench 60 bf16 --shape tiny --decode-kernels auto,auto+pdl+peel0,auto+pdl+peel0+l2_32,auto+pdl+peel1+attn0,auto+pdl+peel0+attn0,auto+pdl+peel0+late
+        bench 60 bf16 --shape tiny --decode-kernels auto,auto+pdl+peel0,auto+pdl+peel1+attn0,auto+pdl+peel0+attn0,auto+pdl+peel0+late,auto+pdl+peel0+l2_32
         "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_decode_pdl.py \
             -k "plain_launch or (chain and (plain-1 or l2-1))" > "$R/tests.txt" 2>&1
         tail -2 "$R/tests.txt"
