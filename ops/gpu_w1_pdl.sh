@@ -21,6 +21,14 @@ bench() {  # bench <seconds> <name> <args...>: one ops/bench.py run, W1 only, gr
     grep -E "W1 (TPOT|auto)|W1 \{" "$R/$name.txt" | tail -12
 }
 
+chain() {  # chain <seconds> <args...>: ops/bench_pdl_chain.py, the 8B layer chain per PDL variant in a graph
+    local limit=$1
+    shift
+    timeout "$limit" "$PY" ops/bench_pdl_chain.py "$@" > "$R/chain.txt" 2>&1
+    echo "chain rc=$?" >> "$R/rc.txt"
+    grep "^|" "$R/chain.txt"
+}
+
 tests() {  # tests <seconds> <-k expression>
     timeout "$1" "$PY" -m pytest -q -p no:cacheprovider -p no:warnings -m gpu tests/test_kernels_decode_pdl.py \
         -k "$2" > "$R/tests.txt" 2>&1
@@ -30,11 +38,13 @@ tests() {  # tests <seconds> <-k expression>
 
 case $which in
     call1)
-        bench 76 bf16 --decode-kernels auto,auto+pdl+peel0,auto+pdl+peel1+attn0,auto+pdl+peel0+attn0,auto+pdl+peel0+late,auto+pdl+peel0+l2_32
-        tests 20 "plain_launch or (chain and (plain-1 or l2-1))"
+        chain 42 --budget-s 28 --variants plain,pdl+peel0,pdl+peel1+attn0,pdl+peel0+l2_32,pdl+peel0+late,pdl+peel0+attn0
+        bench 54 bf16 --decode-kernels auto,auto+pdl+peel0,auto+pdl+peel1+attn0
         ;;
     dry)
-        bench 60 bf16 --shape tiny --decode-kernels auto,auto+pdl+peel0,auto+pdl+peel1+attn0,auto+pdl+peel0+attn0,auto+pdl+peel0+late,auto+pdl+peel0+l2_32
+        TRITON_INTERPRET=1 "$PY" ops/bench_pdl_chain.py --dry-run > "$R/chain.txt" 2>&1
+        tail -6 "$R/chain.txt"
+        bench 60 bf16 --shape tiny --decode-kernels auto,auto+pdl+peel0,auto+pdl+peel1+attn0
         "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_decode_pdl.py \
             -k "plain_launch or (chain and (plain-1 or l2-1))" > "$R/tests.txt" 2>&1
         tail -2 "$R/tests.txt"
