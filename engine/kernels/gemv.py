@@ -29,8 +29,12 @@ constexpr flags of one kernel:
   registers (`weight_convert`: Triton's cast of the float8 tile, or int32-word loads through fp8_convert.py's
   bit trick / inline cvt.rn.f16x2.e4m3x2, joined back into the tile), the scale applied to the float32 sums
   before every epilogue above; what each costs is in engine/models/fused_decode.py (FP8_WEIGHT_CONVERT);
-- programmatic dependent launch (`pdl`): the first weight tile is loaded before `griddepcontrol.wait`, so the
-  weight stream starts while the previous kernel drains; off under the CPU interpreter.
+- programmatic dependent launch (`pdl`): the kernel may start while the previous one drains; before
+  `griddepcontrol.wait` it touches only weights (PDL_PEEL: the first tile into registers; PDL_L2_BYTES: bulk L2
+  prefetches of its rows' leading bytes), and it lets the next kernel launch right after the wait (or, PDL_LATE,
+  after its weight loop). Every kernel of the chain must wait before reading its predecessor's outputs and
+  trigger only after its own wait: then a kernel that starts early finds everything older than its predecessor
+  complete (engine/kernels/decode_pdl.py, the attention's part). Off under the CPU interpreter.
 
 Rounding follows the unfused path where it is cheap (the projection output is rounded to the model dtype
 before SiLU, before rotary and before a residual add); the prologue norm is applied in float32 to the
