@@ -209,17 +209,18 @@ def engine_config(path: str, max_num_seqs: int, device: str = "cuda", quantizati
 
 
 def decode_setting(text: str) -> dict[str, Any]:
-    """"fused+pdl" -> {"decode_kernels": "fused", "decode_pdl": True}: one --decode-kernels item. "+overlap"
+    """"fused+pdl" -> {"decode_kernels": "fused", "decode_pdl": True}: one --decode-kernels item ("+nopdl": False;
+    neither: EngineConfig's default). "+overlap"
     adds decode_overlap (two-nano-batch decode steps, engine/models/nano_batches.py), "+overlapN" with N rows
     as its threshold (decode_overlap_min_rows), "+smsK" K SMs for its attention lane (decode_overlap_sms)."""
     kernels, *flags = text.split("+")
-    setting: dict[str, Any] = {"decode_kernels": kernels, "decode_pdl": False}
+    setting: dict[str, Any] = {"decode_kernels": kernels}  # decode_pdl: EngineConfig's default unless +pdl / +nopdl
     for flag in flags:
         rows = flag.removeprefix("overlap")
         if kernel_knob(flag) is not None:
             continue  # a module switch of the kernels (apply_kernel_knobs), not an EngineConfig field
-        if flag == "pdl":
-            setting["decode_pdl"] = True
+        if flag in ("pdl", "nopdl"):
+            setting["decode_pdl"] = flag == "pdl"
         elif flag.startswith("overlap") and (rows == "" or rows.isdigit()):
             setting["decode_overlap"] = True
             setting |= {"decode_overlap_min_rows": int(rows)} if rows else {}
