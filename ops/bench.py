@@ -228,7 +228,7 @@ def decode_setting(text: str) -> dict[str, Any]:
             setting["decode_overlap_sms"] = int(flag[3:])
         else:
             raise ValueError(f"--decode-kernels item {text!r}: a decode_kernels value, optionally with '+pdl', "
-                             "'+overlap[N]', '+smsK' and the PDL switches '+peel0', '+peel1', '+l2_<KB>', '+late', "
+                             "'+overlap[N]', '+smsK' and the PDL switches '+peel0', '+peel1', '+l2_<KB>', '+late', '+trig<1-7>', "
                              "'+attn0'")
     return setting
 
@@ -240,13 +240,15 @@ _KNOB_DEFAULTS: dict[str, Any] = {}
 
 def kernel_knob(flag: str) -> tuple[str, Any] | None:
     """A PDL switch flag -> (name, value): peel0 / peel1 -> PDL_PEEL, l2_<KB> -> PDL_L2_BYTES, late -> PDL_LATE,
-    attn0 -> ATTENTION_PDL False; None for any other flag."""
+    trig<1-7> -> PDL_TRIGGER_EIGHTHS, attn0 -> ATTENTION_PDL False; None for any other flag."""
     if flag in ("peel0", "peel1"):
         return "PDL_PEEL", flag == "peel1"
     if flag.startswith("l2_") and flag[3:].isdigit():
         return "PDL_L2_BYTES", int(flag[3:]) * 1024
     if flag == "late":
         return "PDL_LATE", True
+    if flag.startswith("trig") and flag[4:].isdigit() and 0 < int(flag[4:]) < 8:
+        return "PDL_TRIGGER_EIGHTHS", int(flag[4:])
     if flag == "attn0":
         return "ATTENTION_PDL", False
     return None
@@ -257,7 +259,8 @@ def apply_kernel_knobs(text: str) -> dict[str, Any]:
     from stoker.engine.kernels import gemv
     from stoker.engine.models import fused_decode
 
-    owners = {"PDL_PEEL": gemv, "PDL_L2_BYTES": gemv, "PDL_LATE": gemv, "ATTENTION_PDL": fused_decode}
+    owners = {"PDL_PEEL": gemv, "PDL_L2_BYTES": gemv, "PDL_LATE": gemv, "PDL_TRIGGER_EIGHTHS": gemv,
+              "ATTENTION_PDL": fused_decode}
     if not _KNOB_DEFAULTS:
         _KNOB_DEFAULTS.update({name: getattr(mod, name) for name, mod in owners.items()})
     values = dict(_KNOB_DEFAULTS)

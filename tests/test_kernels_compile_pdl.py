@@ -51,7 +51,7 @@ def _last_loop_end(lines: list[str]) -> int:
     return max(i for i, line in enumerate(lines) if "bra" in line and line.rstrip().endswith(label + ";"))
 
 
-def _gemv_ptx(kind: str, peel: bool, late: bool, l2_bytes: int) -> list[str]:
+def _gemv_ptx(kind: str, peel: bool, late: bool, l2_bytes: int, eighths: int = 0) -> list[str]:
     from stoker.engine.kernels import gemv
 
     n_out = {"rope": 3072, "silu": 14336, "plain": 4096}[kind]
@@ -63,8 +63,8 @@ def _gemv_ptx(kind: str, peel: bool, late: bool, l2_bytes: int) -> list[str]:
                       QK_NORM=False, HALF=64, SPLITS_PER_HEAD=64 // cfg.block_n if kind == "rope" else 1,
                       PAIRED=kind != "plain", USE_PDL=True, NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True),
                       W_SCALED=False, W_CONVERT=0, W_VEC=0, W_PREFETCH=False, PDL_PEEL=peel, PDL_LATE=late,
-                      PDL_L2_BYTES=l2_bytes)
-    signature.update(dict.fromkeys(("PDL_PEEL", "PDL_LATE", "PDL_L2_BYTES"), "constexpr"))
+                      PDL_L2_BYTES=l2_bytes, PDL_TRIGGER_EIGHTHS=eighths)
+    signature.update(dict.fromkeys(("PDL_PEEL", "PDL_LATE", "PDL_L2_BYTES", "PDL_TRIGGER_EIGHTHS"), "constexpr"))
     names = list(inspect.signature(gemv._gemv_kernel.fn).parameters)
     signature = {name: signature[name] for name in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
@@ -117,3 +117,13 @@ def test_decode_attention_pdl_reads_older_keys_before_the_wait() -> None:
     plain = _ptx(attention._decode_split_kernel, signature, {**constexprs, "USE_PDL": False, "PDL_GDC": False}, 4,
                  3, aligned)
     assert not any("griddepcontrol" in line for line in plain)
+
+
+@pytest.mark.parametrize("kind", ["silu", "plain"])
+def test_gemv_pdl_trigger_eighths_splits_the_weight_loop(kind: str) -> None:
+    """PDL_TRIGGER_EIGHTHS: launch_dependents between two weight loops (the first e/8 of K, then the rest), after
+    the wait; no trigger right after the wait."""
+    lines = _gemv_ptx(kind, peel=False, late=False, l2_bytes=0, eighths=6)
+    wait, trigger = _index(lines, "griddepcontrol.wait"), _index(lines, "griddepcontrol.launch_dependents")
+    headers = [i for i in _loop_headers(lines) if i > wait]
+    assert len(headers) >= 2 and headers[-2] < trigger < headers[-1], (headers, trigger)

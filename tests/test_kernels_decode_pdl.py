@@ -133,15 +133,16 @@ class _Layer:
 @GPU
 @NO_CUDA
 @pytest.mark.parametrize("rows", [1, 4])
-@pytest.mark.parametrize("variant", ["peel", "plain", "l2", "late"])
+@pytest.mark.parametrize("variant", ["peel", "plain", "l2", "late", "trig"])
 def test_pdl_layer_chain_replays_in_a_cuda_graph_bitwise(rows: int, variant: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Two layers' chain with every kernel PDL-launched (the attention included), captured and replayed on new
     inputs, against the chain launched without PDL: outputs and the KV caches bitwise equal. The attention reads
     the key / value the qkv kernel just wrote, so a wait placed too late shows up here as a mismatch."""
     monkeypatch.setattr(gemv, "PDL_PEEL", variant == "peel")
-    monkeypatch.setattr(gemv, "PDL_L2_BYTES", 16384 if variant == "l2" else 0)
+    monkeypatch.setattr(gemv, "PDL_L2_BYTES", 16384 if variant in ("l2", "trig") else 0)
     monkeypatch.setattr(gemv, "PDL_LATE", variant == "late")
+    monkeypatch.setattr(gemv, "PDL_TRIGGER_EIGHTHS", 6 if variant == "trig" else 0)
     torch.manual_seed(2)
     layer = _Layer(rows)
     static_x = torch.randn(rows, 512, device="cuda").to(torch.bfloat16)

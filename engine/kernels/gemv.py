@@ -306,6 +306,7 @@ def _gemv_kernel(
     PAIRED: tl.constexpr, USE_PDL: tl.constexpr, NORM_CHUNK: tl.constexpr, W_SCALED: tl.constexpr,
     W_CONVERT: tl.constexpr, W_VEC: tl.constexpr, W_PREFETCH: tl.constexpr,
     PDL_PEEL: tl.constexpr = False, PDL_LATE: tl.constexpr = False, PDL_L2_BYTES: tl.constexpr = 0,
+    PDL_TRIGGER_EIGHTHS: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     j = tl.arange(0, BLOCK_N)
@@ -351,7 +352,7 @@ def _gemv_kernel(
             if PAIRED:
                 _l2_rows(w_ptr, rows_b, col_mask, w_stride, PDL_L2_BYTES)
         gdc_wait()
-        if not PDL_LATE:
+        if not PDL_LATE and PDL_TRIGGER_EIGHTHS == 0:
             gdc_launch_dependents()
     if NORM and not PRO_RESIDUAL:
         # The rms of each x row in a pass of its own (x is M*K elements, read from L2 by every program),
@@ -364,7 +365,10 @@ def _gemv_kernel(
             res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
             PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC)
         k_start = BLOCK_K
-    for k0 in range(k_start, K, BLOCK_K):
+    k_split = K  # PDL_TRIGGER_EIGHTHS: the weight loop in two parts, the next kernel let in between
+    if USE_PDL and PDL_TRIGGER_EIGHTHS > 0:
+        k_split = tl.maximum(k_start, K * PDL_TRIGGER_EIGHTHS // 8 // BLOCK_K * BLOCK_K)
+    for k0 in range(k_start, k_split, BLOCK_K):
         if W_PREFETCH:  # the next step's weights in flight during this step's math (past K: all masked off)
             next_a, next_b = _load_w(wa_ptrs, wb_ptrs, k0 + BLOCK_K, col_mask, kw, K, PAIRED, W_CONVERT)
         else:
@@ -375,6 +379,14 @@ def _gemv_kernel(
             PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC)
         if W_PREFETCH:
             wa, wb = next_a, next_b
+    if USE_PDL and PDL_TRIGGER_EIGHTHS > 0:
+        gdc_launch_dependents()
+        for k0 in range(k_split, K, BLOCK_K):
+            wa, wb = _load_w(wa_ptrs, wb_ptrs, k0, col_mask, kw, K, PAIRED, W_CONVERT)
+            acc_a, acc_b, sumsq = _gemv_step(
+                k0, wa, wb, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
+                res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
+                PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC)
     if USE_PDL and PDL_LATE:
         gdc_launch_dependents()
     if W_VEC != 0:  # [BN, BK] -> [1, BN]
@@ -568,10 +580,12 @@ ROW_PREFETCH = False
 #   step out of the tl.dot path's cp.async pipeline);
 # - PDL_L2_BYTES: a bulk L2 prefetch of up to this many leading weight bytes per program (split evenly over
 #   its rows, whole 16-byte units), so the previous kernel's drain also streams this one's first bytes;
-# - PDL_LATE: griddepcontrol.launch_dependents after the weight loop instead of right after the wait.
+# - PDL_LATE: griddepcontrol.launch_dependents after the weight loop instead of right after the wait;
+#   PDL_TRIGGER_EIGHTHS = e > 0: after e/8 of it (the next kernel's programs then arrive during this one's tail).
 PDL_PEEL = True
 PDL_L2_BYTES = 0
 PDL_LATE = False
+PDL_TRIGGER_EIGHTHS = 0
 
 
 def pdl_l2_row_bytes(weight: torch.Tensor, rows_per_program: int) -> int:
@@ -664,6 +678,7 @@ def _launch(
         W_SCALED=weight_scale is not None, W_CONVERT=w_convert, W_VEC=w_vec,
         W_PREFETCH=w_vec != 0 and ROW_PREFETCH,
         PDL_PEEL=use_pdl and PDL_PEEL, PDL_LATE=use_pdl and PDL_LATE,
+        PDL_TRIGGER_EIGHTHS=PDL_TRIGGER_EIGHTHS if use_pdl and not PDL_LATE and not (w_vec and ROW_PREFETCH) else 0,
         PDL_L2_BYTES=pdl_l2_row_bytes(weight, cfg.block_n * (2 if paired else 1)) if use_pdl else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
