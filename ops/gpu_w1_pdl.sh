@@ -43,7 +43,7 @@ case $which in
         ;;
     call2)
         bench 30 bf16 --decode-kernels auto,auto+pdl+peel0+trig6+l2_32,auto+pdl+peel0+late+l2_32,auto+pdl+peel0+trig6
-        chain 37 --budget-s 24 --variants plain,pdl+peel0+trig6+l2_32,pdl+peel0+trig6,pdl+peel0+late+l2_32,pdl+peel0+trig7+l2_16,pdl+peel0+trig4+l2_32,pdl+peel0+trig6+l2_64
+        chain 37 --budget-s 24 --variants plain,pdl+peel0+trig6+l2_32,pdl+peel0+trig6,pdl+peel0+trig7+l2_16,pdl+peel0+late+l2_32,pdl+peel0+trig4+l2_32,pdl+peel0+trig6+l2_64
         bench 20 fp8 --dtype fp8 --decode-kernels auto,auto+pdl+peel0+trig6+l2_32
         tests 10 "plain_launch or (chain and trig-1)"
         ;;
