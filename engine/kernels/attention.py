@@ -462,6 +462,8 @@ def paged_decode_attention_triton(
     if q.shape[0] != context_lens.shape[0] or block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
         raise ValueError(f"decode attention: q [B, Hq, D], block_tables [B, max_blocks], context_lens [B] "
                          f"expected, got {tuple(q.shape)}, {tuple(block_tables.shape)}, {tuple(context_lens.shape)}")
+    if pdl and is_fp8_cache(k_cache):
+        raise ValueError("decode attention: pdl is for a cache in q's dtype (the early tile skips kv_fp8_tiles)")
     _check_kernel_inputs(q, k_cache, v_cache, block_tables, context_lens)
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -471,8 +473,6 @@ def paged_decode_attention_triton(
     group = num_q_heads // num_kv_heads
     tile_n = 64 if q.is_cuda else 16  # the interpreter pays per element: small tiles keep tests fast
     fp8 = is_fp8_cache(k_cache)
-    if pdl and fp8:
-        raise ValueError("decode attention: pdl is for a cache in q's dtype (the early tile skips kv_fp8_tiles)")
     fp8_args, launch = _fp8_launch(fp8, fp8_config or DEFAULT_DECODE, q, decode=True)
     if pdl:
         fp8_args |= {"USE_PDL": True, "PDL_GDC": not interpreting()}
