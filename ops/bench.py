@@ -240,7 +240,8 @@ _KNOB_DEFAULTS: dict[str, Any] = {}
 
 def kernel_knob(flag: str) -> tuple[str, Any] | None:
     """A PDL switch flag -> (name, value): peel0 / peel1 -> PDL_PEEL, l2_<KB> -> PDL_L2_BYTES, late -> PDL_LATE,
-    trig<1-7> -> PDL_TRIGGER_EIGHTHS, attn0 -> ATTENTION_PDL False; None for any other flag."""
+    trig<1-7> -> PDL_TRIGGER_EIGHTHS, attn0 -> ATTENTION_PDL False, nx<KB> -> NEXT_L2_ROW_BYTES (no PDL needed);
+    None for any other flag."""
     if flag in ("peel0", "peel1"):
         return "PDL_PEEL", flag == "peel1"
     if flag.startswith("l2_") and flag[3:].isdigit():
@@ -251,6 +252,8 @@ def kernel_knob(flag: str) -> tuple[str, Any] | None:
         return "PDL_TRIGGER_EIGHTHS", int(flag[4:])
     if flag == "attn0":
         return "ATTENTION_PDL", False
+    if flag.startswith("nx") and flag[2:].isdigit():
+        return "NEXT_L2_ROW_BYTES", int(flag[2:]) * 1024
     return None
 
 
@@ -260,7 +263,7 @@ def apply_kernel_knobs(text: str) -> dict[str, Any]:
     from stoker.engine.models import fused_decode
 
     owners = {"PDL_PEEL": gemv, "PDL_L2_BYTES": gemv, "PDL_LATE": gemv, "PDL_TRIGGER_EIGHTHS": gemv,
-              "ATTENTION_PDL": fused_decode}
+              "NEXT_L2_ROW_BYTES": gemv, "ATTENTION_PDL": fused_decode}
     if not _KNOB_DEFAULTS:
         _KNOB_DEFAULTS.update({name: getattr(mod, name) for name, mod in owners.items()})
     values = dict(_KNOB_DEFAULTS)

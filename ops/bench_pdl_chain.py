@@ -68,12 +68,13 @@ class Layer:
         qkv, _ = gemv_rotary_cache_triton(
             stream, self.w_qkv, None, num_heads=self.heads, num_kv_heads=self.kv_heads, positions=self.positions,
             cos_sin=self.cos_sin, k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=self.slots,
-            norm_folded=True, eps=1e-5, pdl=pdl)
+            norm_folded=True, eps=1e-5, pdl=pdl, next_weight=self.w_o)
         q = qkv[:, : self.heads * self.head_dim].view(1, self.heads, self.head_dim)
         attn = paged_decode_attention_triton(q, self.k_cache, self.v_cache, self.block_tables, self.context_lens,
                                              self.head_dim**-0.5, counters=self.counters, pdl=pdl and attention_pdl)
-        stream, _ = gemv_triton(attn.reshape(1, -1), self.w_o, add=stream, pdl=pdl)
-        act, _ = gemv_triton(stream, self.w_gu, silu_mul=True, norm_folded=True, eps=1e-5, pdl=pdl)
+        stream, _ = gemv_triton(attn.reshape(1, -1), self.w_o, add=stream, pdl=pdl, next_weight=self.w_gu)
+        act, _ = gemv_triton(stream, self.w_gu, silu_mul=True, norm_folded=True, eps=1e-5, pdl=pdl,
+                             next_weight=self.w_d)
         return gemv_triton(act, self.w_d, add=stream, pdl=pdl)[0]
 
 
@@ -82,10 +83,10 @@ def set_variant(variant: str) -> tuple[bool, bool]:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bench
 
-    knobs = bench.apply_kernel_knobs("auto+" + variant)
+    knobs = bench.apply_kernel_knobs("auto+" + variant)  # nx<KB> alone: the plain chain with the next-weight prefetch
     flags = variant.split("+")
     for flag in flags:
-        if flag not in ("pdl", "plain") and bench.kernel_knob(flag) is None:
+        if flag not in ("pdl", "plain", "nopdl") and bench.kernel_knob(flag) is None:
             raise ValueError(f"variant {variant!r}: unknown flag {flag!r}")
     return "pdl" in flags, bool(knobs["ATTENTION_PDL"])
 

@@ -42,18 +42,18 @@ case $which in
         bench 54 bf16 --decode-kernels auto,auto+pdl+peel0,auto+pdl+peel1+attn0
         ;;
     call2)
-        bench 30 bf16 --decode-kernels auto,auto+pdl+peel0+trig6+l2_32,auto+pdl+peel0+late+l2_32,auto+pdl+peel0+trig6
-        chain 37 --budget-s 24 --variants plain,pdl+peel0+trig6+l2_32,pdl+peel0+trig6,pdl+peel0+trig7+l2_16,pdl+peel0+late+l2_32,pdl+peel0+trig4+l2_32,pdl+peel0+trig6+l2_64
-        bench 20 fp8 --dtype fp8 --decode-kernels auto,auto+pdl+peel0+trig6+l2_32
+        bench 30 bf16 --decode-kernels auto,auto+nx4,auto+pdl+peel0+trig6+l2_32,auto+nx2
+        chain 37 --budget-s 24 --variants plain,nx4,pdl+peel0+trig6+l2_32,nx2,nx8,pdl+peel0+trig6,pdl+peel0+trig7+l2_16,pdl+peel0+late+l2_32
+        bench 20 fp8 --dtype fp8 --decode-kernels auto,auto+nx2
         tests 10 "plain_launch or (chain and trig-1)"
         ;;
     dry)
         TRITON_INTERPRET=1 "$PY" ops/bench_pdl_chain.py --dry-run > "$R/chain.txt" 2>&1
         tail -6 "$R/chain.txt"
         bench 60 bf16 --shape tiny --decode-kernels auto,auto+pdl+peel0,auto+pdl+peel1+attn0
-        bench 60 bf16 --decode-kernels auto,auto+pdl+peel0+trig6+l2_32,auto+pdl+peel0+late+l2_32,auto+pdl+peel0+trig6
-        bench 60 fp8 --dtype fp8 --decode-kernels auto,auto+pdl+peel0+trig6+l2_32
-        "$PY" ops/bench_pdl_chain.py --variants plain,pdl+peel0+trig6+l2_32,pdl+peel0+trig6,pdl+peel0+late+l2_32,pdl+peel0+trig7+l2_16,pdl+peel0+trig4+l2_32,pdl+peel0+trig6+l2_64 2>&1 | tail -1
+        bench 60 bf16 --decode-kernels auto,auto+nx4,auto+pdl+peel0+trig6+l2_32,auto+nx2
+        bench 60 fp8 --dtype fp8 --decode-kernels auto,auto+nx2
+        "$PY" ops/bench_pdl_chain.py --variants plain,nx4,pdl+peel0+trig6+l2_32,nx2,nx8,pdl+peel0+trig6,pdl+peel0+trig7+l2_16,pdl+peel0+late+l2_32 2>&1 | tail -1
         "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_decode_pdl.py \
             -k "plain_launch or (chain and (plain-1 or l2-1))" > "$R/tests.txt" 2>&1
         tail -2 "$R/tests.txt"

@@ -51,7 +51,8 @@ def _last_loop_end(lines: list[str]) -> int:
     return max(i for i, line in enumerate(lines) if "bra" in line and line.rstrip().endswith(label + ";"))
 
 
-def _gemv_ptx(kind: str, peel: bool, late: bool, l2_bytes: int, eighths: int = 0) -> list[str]:
+def _gemv_ptx(kind: str, peel: bool, late: bool, l2_bytes: int, eighths: int = 0, next_block: int = 1,
+              next_bytes: int = 0, pdl: bool = True) -> list[str]:
     from stoker.engine.kernels import gemv
 
     n_out = {"rope": 3072, "silu": 14336, "plain": 4096}[kind]
@@ -61,10 +62,13 @@ def _gemv_ptx(kind: str, peel: bool, late: bool, l2_bytes: int, eighths: int = 0
                       DOT_PRECISION="tf32", NORM=kind != "plain", PRO_RESIDUAL=False, APPLY_G=False,
                       HAS_BIAS=False, SILU_MUL=kind == "silu", ADD=kind == "plain", ROTARY=kind == "rope",
                       QK_NORM=False, HALF=64, SPLITS_PER_HEAD=64 // cfg.block_n if kind == "rope" else 1,
-                      PAIRED=kind != "plain", USE_PDL=True, NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True),
+                      PAIRED=kind != "plain", USE_PDL=pdl, NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True),
                       W_SCALED=False, W_CONVERT=0, W_VEC=0, W_PREFETCH=False, PDL_PEEL=peel, PDL_LATE=late,
                       PDL_L2_BYTES=l2_bytes, PDL_TRIGGER_EIGHTHS=eighths)
-    signature.update(dict.fromkeys(("PDL_PEEL", "PDL_LATE", "PDL_L2_BYTES", "PDL_TRIGGER_EIGHTHS"), "constexpr"))
+    signature.update(dict.fromkeys(("PDL_PEEL", "PDL_LATE", "PDL_L2_BYTES", "PDL_TRIGGER_EIGHTHS", "NEXT_BLOCK",
+                                    "NEXT_L2_BYTES"), "constexpr"))
+    signature.update(next_w_ptr="*u8", next_rows="i32", next_stride="i32")
+    constexprs.update(NEXT_BLOCK=next_block, NEXT_L2_BYTES=next_bytes)
     names = list(inspect.signature(gemv._gemv_kernel.fn).parameters)
     signature = {name: signature[name] for name in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
@@ -127,3 +131,14 @@ def test_gemv_pdl_trigger_eighths_splits_the_weight_loop(kind: str) -> None:
     wait, trigger = _index(lines, "griddepcontrol.wait"), _index(lines, "griddepcontrol.launch_dependents")
     headers = [i for i in _loop_headers(lines) if i > wait]
     assert len(headers) >= 2 and headers[-2] < trigger < headers[-1], (headers, trigger)
+
+
+@pytest.mark.parametrize("kind", ["rope", "plain"])
+def test_gemv_next_weight_prefetch_follows_the_stores(kind: str) -> None:
+    """NEXT_L2_BYTES (no PDL): the bulk L2 prefetches of the next projection's rows come after the program's last
+    store, and there is no griddepcontrol."""
+    lines = _gemv_ptx(kind, peel=False, late=False, l2_bytes=0, next_block=16, next_bytes=4096, pdl=False)
+    prefetches = [i for i, line in enumerate(lines) if "cp.async.bulk.prefetch.L2" in line]
+    stores = [i for i, line in enumerate(lines) if "st.global" in line]
+    assert prefetches and stores and min(prefetches) > max(stores)
+    assert not any("griddepcontrol" in line for line in lines)

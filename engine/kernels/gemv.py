@@ -307,6 +307,7 @@ def _gemv_kernel(
     W_CONVERT: tl.constexpr, W_VEC: tl.constexpr, W_PREFETCH: tl.constexpr,
     PDL_PEEL: tl.constexpr = False, PDL_LATE: tl.constexpr = False, PDL_L2_BYTES: tl.constexpr = 0,
     PDL_TRIGGER_EIGHTHS: tl.constexpr = 0,
+    NEXT_BLOCK: tl.constexpr = 1, NEXT_L2_BYTES: tl.constexpr = 0, next_w_ptr=None, next_rows=0, next_stride=0,
 ):
     pid = tl.program_id(0)
     j = tl.arange(0, BLOCK_N)
@@ -457,6 +458,11 @@ def _gemv_kernel(
         tl.store(cache + cache_off + HALF, rb.to(dtype), mask=cache_mask)
     else:
         tl.store(out_ptr + m[:, None] * out_stride + rows_a[None, :], a.to(dtype), mask=out_mask)
+    if NEXT_L2_BYTES:  # NEXT_L2_ROW_BYTES: this program's share of the next projection's leading bytes
+        share = tl.cdiv(next_rows, tl.num_programs(0))
+        lane = tl.arange(0, NEXT_BLOCK)
+        _l2_rows(next_w_ptr, pid * share + lane, (lane < share) & (pid * share + lane < next_rows), next_stride,
+                 NEXT_L2_BYTES)
 
 
 # ---------------------------------------------------------------------------------------------- launcher
@@ -586,6 +592,25 @@ PDL_PEEL = True
 PDL_L2_BYTES = 0
 PDL_LATE = False
 PDL_TRIGGER_EIGHTHS = 0
+# Without PDL: each GEMV program, once its outputs are stored, asks L2 for its share of the NEXT projection's
+# rows (the leading NEXT_L2_ROW_BYTES of each, bulk prefetch), so the kernel's tail (and the attention after qkv)
+# streams the next kernel's first bytes (the launcher's next_weight; 0 = off).
+NEXT_L2_ROW_BYTES = 0
+
+
+def _next_l2_args(next_weight: torch.Tensor | None, grid: int, x: torch.Tensor) -> dict[str, object]:
+    """The kernel's next_* arguments: the next weight as bytes, rows, row stride, block and prefetch size."""
+    off: dict[str, object] = {"next_w_ptr": x, "next_rows": 0, "next_stride": 0, "NEXT_BLOCK": 1, "NEXT_L2_BYTES": 0}
+    if next_weight is None or NEXT_L2_ROW_BYTES <= 0 or interpreting() or not next_weight.is_cuda:
+        return off
+    stride = next_weight.stride(0) * next_weight.element_size()
+    row_bytes = next_weight.shape[1] * next_weight.element_size()
+    nbytes = min(row_bytes, NEXT_L2_ROW_BYTES) // 16 * 16
+    if nbytes == 0 or next_weight.data_ptr() % 16 or stride % 16 or next_weight.stride(1) != 1:
+        return off
+    share = triton.cdiv(next_weight.shape[0], grid)
+    return {"next_w_ptr": next_weight.view(torch.uint8), "next_rows": next_weight.shape[0], "next_stride": stride,
+            "NEXT_BLOCK": triton.next_power_of_2(share), "NEXT_L2_BYTES": nbytes}
 
 
 def pdl_l2_row_bytes(weight: torch.Tensor, rows_per_program: int) -> int:
@@ -644,6 +669,7 @@ def _launch(
     norm_folded: bool = False,
     weight_scale: torch.Tensor | None = None,
     weight_convert: str = "cast",
+    next_weight: torch.Tensor | None = None,
 ) -> None:
     num_rows, hidden = x.shape
     if cfg.use_dot and cfg.block_m < 16:
@@ -680,6 +706,7 @@ def _launch(
         PDL_PEEL=use_pdl and PDL_PEEL, PDL_LATE=use_pdl and PDL_LATE,
         PDL_TRIGGER_EIGHTHS=PDL_TRIGGER_EIGHTHS if use_pdl and not PDL_LATE and not (w_vec and ROW_PREFETCH) else 0,
         PDL_L2_BYTES=pdl_l2_row_bytes(weight, cfg.block_n * (2 if paired else 1)) if use_pdl else 0,
+        **_next_l2_args(next_weight, grid, x),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
     )
@@ -700,6 +727,7 @@ def gemv_triton(
     norm_folded: bool = False,
     weight_scale: torch.Tensor | None = None,
     weight_convert: str = "cast",
+    next_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv_ref's semantics for M <= GEMV_MAX_M in one kernel. pdl: launch with programmatic dependent
     launch (the previous kernel in the stream may still be running when this one starts loading weights).
@@ -724,7 +752,7 @@ def gemv_triton(
                                 x.element_size())
     _launch(x, weight, out, n_out, triton.cdiv(n_out, cfg.block_n), cfg, bias, norm_weight, eps,
             norm_residual, s, silu_mul, add, pdl, norm_folded=norm_folded, weight_scale=weight_scale,
-            weight_convert=weight_convert)
+            weight_convert=weight_convert, next_weight=next_weight)
     return out, s
 
 
@@ -750,6 +778,7 @@ def gemv_rotary_cache_triton(
     norm_folded: bool = False,
     weight_scale: torch.Tensor | None = None,
     weight_convert: str = "cast",
+    next_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv_rotary_cache_ref in one kernel. With q_norm/k_norm (Qwen3) a program must hold a whole head,
     so the grid is one program per head (fewer, longer programs: slower at batch 1 than without).
@@ -814,5 +843,5 @@ def gemv_rotary_cache_triton(
     _launch(x, weight, out, n_total, num_total_heads * splits, cfg, bias, norm_weight, eps, norm_residual, s,
             False, None, pdl, rotary=(positions, cos_sin, k_cache, v_cache, slot_mapping),
             heads=(num_heads, num_kv_heads, half, splits), qk_norm=qk, norm_folded=norm_folded,
-            weight_scale=weight_scale, weight_convert=weight_convert)
+            weight_scale=weight_scale, weight_convert=weight_convert, next_weight=next_weight)
     return out, s

@@ -260,10 +260,12 @@ def fused_decode_layer(
     num_tokens, num_heads, head_dim = x.shape[0], fd.attention.num_heads, fd.attention.head_dim
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     out = fd.attention(q, k_cache, v_cache, meta, pdl=fd.pdl and ATTENTION_PDL).reshape(num_tokens, num_heads * head_dim)
-    stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=fd.pdl, **_fp8_args(fd.o_proj, "add", num_tokens))
+    stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=fd.pdl, next_weight=fd.gate_up.weight,
+                            **_fp8_args(fd.o_proj, "add", num_tokens))
     x = stream if fd.prologue_norm else fd.post_norm(stream)[0]
     act, _ = gemv_triton(x, fd.gate_up.weight, silu_mul=True, norm_folded=fd.folded, eps=fd.post_norm.eps,
-                         pdl=fd.pdl, **_fp8_args(fd.gate_up, "silu", num_tokens), **_unfolded_norm(fd, fd.post_norm))
+                         pdl=fd.pdl, next_weight=fd.down.weight, **_fp8_args(fd.gate_up, "silu", num_tokens),
+                         **_unfolded_norm(fd, fd.post_norm))
     stream, _ = gemv_triton(act, fd.down.weight, add=stream, pdl=fd.pdl, **_fp8_args(fd.down, "add", num_tokens))
     return stream, None
 
@@ -288,6 +290,6 @@ def _qkv_rotary_cache(
         x, fd.qkv.weight, fd.qkv.bias, num_heads=fd.attention.num_heads, num_kv_heads=fd.attention.num_kv_heads,
         positions=positions, cos_sin=fd.rotary.cos_sin, k_cache=k_cache, v_cache=v_cache,
         slot_mapping=meta.slot_mapping, eps=eps, q_norm=q_norm, k_norm=k_norm, pdl=fd.pdl, norm_folded=fd.folded,
-        **fp8, **_unfolded_norm(fd, fd.input_norm),
+        next_weight=fd.o_proj.weight, **fp8, **_unfolded_norm(fd, fd.input_norm),
     )
     return qkv
