@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 13's PDL round on the H200 (branch w1, session 6): W1 per PDL variant, then the PDL GPU tests.
-#   bash ops/gpu_w1_pdl.sh call1|call2|dry    (from the repo root; results under $R, else ./.dev/gpu-out)
+#   bash ops/gpu_w1_pdl.sh call1|call2|call3|dry    (from the repo root; results under $R, else ./.dev/gpu-out)
 # "dry" runs the same steps on the CPU with a tiny shape: the bench refuses without CUDA after parsing its flags
 # (so a typo in a flag fails here), and pytest collects the GPU tests (which then skip).
 set -u
@@ -47,6 +47,10 @@ case $which in
         bench 20 fp8 --dtype fp8 --decode-kernels auto,auto+nx2
         tests 10 "plain_launch or (chain and trig-1)"
         ;;
+    call3)  # not run in session 6: the next-weight L2 prefetch (gemv.NEXT_L2_ROW_BYTES, no PDL), ~45 s
+        chain 40 --budget-s 26 --variants plain,nx4,nx2,nx8,nx1
+        bench 40 bf16 --decode-kernels auto,auto+nx4,auto+nx2
+        ;;
     dry)
         TRITON_INTERPRET=1 "$PY" ops/bench_pdl_chain.py --dry-run > "$R/chain.txt" 2>&1
         tail -6 "$R/chain.txt"
@@ -59,7 +63,7 @@ case $which in
         tail -2 "$R/tests.txt"
         ;;
     *)
-        echo "usage: $0 call1|call2|dry" >&2
+        echo "usage: $0 call1|call2|call3|dry" >&2
         exit 2
         ;;
 esac

@@ -581,7 +581,11 @@ ROW_PREFETCH = False
 
 
 # Programmatic dependent launch (pdl=True), what a program does before griddepcontrol.wait, read at launch time
-# (benches and tests change them; a CUDA graph keeps what its capture launched):
+# (benches and tests change them; a CUDA graph keeps what its capture launched). None of them pays (H200, 8B bf16,
+# batch 1, ops/bench_pdl_chain.py, us per layer of the fused chain in a CUDA graph; BENCHMARKS.md 21:07 / 21:33 UTC):
+# plain 121.9; trigger right after the wait 129.4 (peel 128.6, + 32 KB L2 prefetch 141.1); after the loop 123.3
+# (+ prefetch 128.1); after 7/8 of it + 16 KB 134.8, 6/8 137.4-142.9, 4/8 142.1. In the graph the plain kernels are
+# already back to back, and a successor resident before its predecessor ends slows it; so decode_pdl stays off:
 # - PDL_PEEL: load the first weight tile into registers before the wait (the 12:06 UTC form; it takes that
 #   step out of the tl.dot path's cp.async pipeline);
 # - PDL_L2_BYTES: a bulk L2 prefetch of up to this many leading weight bytes per program (split evenly over
@@ -594,7 +598,8 @@ PDL_LATE = False
 PDL_TRIGGER_EIGHTHS = 0
 # Without PDL: each GEMV program, once its outputs are stored, asks L2 for its share of the NEXT projection's
 # rows (the leading NEXT_L2_ROW_BYTES of each, bulk prefetch), so the kernel's tail (and the attention after qkv)
-# streams the next kernel's first bytes (the launcher's next_weight; 0 = off).
+# streams the next kernel's first bytes (the launcher's next_weight; 0 = off). NOT measured yet (no GPU call left
+# in session 6): ops/bench_pdl_chain.py --variants plain,nx2,nx4,nx8 is the measurement to make.
 NEXT_L2_ROW_BYTES = 0
 
 

@@ -100,7 +100,8 @@ FP8_FUSED_DOT: dict[str, tuple[GemvConfig, str]] = {
 
 # With decode_pdl, the decode attention between the qkv and o_proj GEMVs takes part in the PDL chain too
 # (engine/kernels/decode_pdl.py); False launches it plainly, which makes it wait for qkv's completion and lets
-# o_proj's programs in only at its own end (read at capture; the bench's "+attn0" turns it off).
+# o_proj's programs in only at its own end (read at capture; the bench's "+attn0" turns it off). H200 21:07 UTC,
+# 8B chain: 129.37 us a layer with it, 129.43 without (both slower than no PDL, 121.88; BENCHMARKS.md).
 ATTENTION_PDL = True
 
 
