@@ -73,7 +73,8 @@ def _gemv_signature(dtype: str) -> dict[str, str]:
     signature.update(next_w_ptr="*u8", next_rows="i32", next_stride="i32")  # gemv.NEXT_L2_ROW_BYTES's arguments
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_DOT", "DOT_PRECISION", "NORM", "PRO_RESIDUAL", "APPLY_G",
                  "HAS_BIAS", "SILU_MUL", "ADD", "ROTARY", "QK_NORM", "HALF", "SPLITS_PER_HEAD", "PAIRED", "USE_PDL",
-                 "NORM_CHUNK", "W_SCALED", "W_CONVERT", "W_VEC", "W_PREFETCH"):
+                 "NORM_CHUNK", "W_SCALED", "W_CONVERT", "W_VEC", "W_PREFETCH", "PDL_PEEL", "PDL_LATE", "PDL_L2_BYTES",
+                 "PDL_TRIGGER_EIGHTHS", "NEXT_BLOCK", "NEXT_L2_BYTES"):
         signature[name] = "constexpr"
     return signature
 
