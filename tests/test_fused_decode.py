@@ -98,7 +98,9 @@ def arch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 @interpreted
 @pytest.mark.parametrize("mode", ["fused", "fused-folded", "fused-folded+pdl"])
 def test_fused_decode_greedy_matches_transformers_and_unfused(arch, mode: str, monkeypatch) -> None:
-    """+pdl: decode_pdl on; in the interpreter that is the attention's peeled first tile (decode_pdl.py)."""
+    """+pdl: decode_pdl on. On the CPU that checks the setting's way through the engine only (the report, the
+    pdl arguments of every launch): the interpreter drops the launch attribute and the attention is the torch
+    reference there; the PDL kernels themselves are tests/test_kernels_decode_pdl.py's and the GPU cases below."""
     name, path, hf = arch
     if mode != "fused" and name != "llama":
         pytest.skip("the folded variants once (llama) keep the interpreter run short")
