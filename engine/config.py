@@ -53,8 +53,9 @@ class EngineConfig:
     # prologue (no RMSNorm launches; BENCHMARKS.md); "cublas" = the unfused kernels (F.linear); "auto" =
     # "fused-folded" on CUDA with Triton, "cublas" otherwise. FP8 and tensor-parallel linears keep their path.
     decode_kernels: str = "auto"
-    # The fused decode GEMVs launched with programmatic dependent launch (their weight stream starts while the
-    # previous kernel drains): measured to help 1B-sized GEMVs, neutral at 8B (BENCHMARKS.md).
+    # The fused decode chain (GEMVs and the decode attention) launched with programmatic dependent launch, each
+    # kernel's successor let in early (gemv.py PDL_*): off, as it measured slower at 8B bf16 batch 1 (H200 21:07 UTC:
+    # W1 4.46 vs 4.26 ms; the graph's plain chain has no launch gap left to hide; BENCHMARKS.md).
     decode_pdl: bool = False
     # Two-nano-batch decode (engine/models/nano_batches.py): decode-only steps of >= decode_overlap_min_rows
     # sequences run as two halves whose GEMMs and attention interleave on two CUDA streams (in the graphs).

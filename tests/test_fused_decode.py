@@ -96,15 +96,20 @@ def arch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 # ------------------------------------------------------------- CPU, interpreter: against HF and the unfused path
 @interpreted
-@pytest.mark.parametrize("mode", ["fused", "fused-folded"])
+@pytest.mark.parametrize("mode", ["fused", "fused-folded", "fused-folded+pdl"])
 def test_fused_decode_greedy_matches_transformers_and_unfused(arch, mode: str, monkeypatch) -> None:
+    """+pdl: decode_pdl on. On the CPU that checks the setting's way through the engine only (the report, the
+    pdl arguments of every launch): the interpreter drops the launch attribute and the attention is the torch
+    reference there; the PDL kernels themselves are tests/test_kernels_decode_pdl.py's and the GPU cases below."""
     name, path, hf = arch
-    if mode == "fused-folded" and name != "llama":
-        pytest.skip("the folded variant once (llama) keeps the interpreter run short")
+    if mode != "fused" and name != "llama":
+        pytest.skip("the folded variants once (llama) keep the interpreter run short")
+    mode, pdl = mode.removesuffix("+pdl"), mode.endswith("+pdl")
     spy = SpyCalls(monkeypatch)
-    fused = cpu_engine(path, mode)
+    fused = cpu_engine(path, mode, decode_pdl=pdl)
     report = fused.runner.startup["decode_kernels"]
     assert report["mode"] == mode and report["fused_layers"] == 2 and "fallback" not in report
+    assert report["pdl"] == pdl
     got = generate(fused, PROMPTS, MAX_TOKENS)
     decode_steps = max(MAX_TOKENS) - 1
     assert spy.calls == 2 * decode_steps, "the fused path did not make every decode step"
@@ -296,7 +301,8 @@ def test_bf16_fused_decode_matches_cublas_with_cuda_graphs(tmp_path) -> None:
     ids = prompts(7, [5, 37, 70, 12])
     max_tokens = [8, 8, 6, 4]
     runs = {}
-    for mode, pdl in (("cublas", False), ("fused", False), ("fused", True), ("fused-folded", False)):
+    for mode, pdl in (("cublas", False), ("fused", False), ("fused", True), ("fused-folded", False),
+                      ("fused-folded", True)):
         engine = _gpu_engine(str(tmp_path), "bfloat16", mode, pdl)
         assert engine.runner.graphs is not None
         report = engine.runner.startup["decode_kernels"]
@@ -310,6 +316,8 @@ def test_bf16_fused_decode_matches_cublas_with_cuda_graphs(tmp_path) -> None:
         cublas, pdl_run = runs["cublas", False][rid], runs["fused", True][rid]
         assert pdl_run[0] == runs["fused", False][rid][0]  # PDL changes when a kernel starts, not what it computes
         torch.testing.assert_close(pdl_run[1], runs["fused", False][rid][1], atol=1e-3, rtol=0)
+        # The whole chain under PDL (the attention included, gemv's PDL_* variants as they are): the same bits.
+        assert runs["fused-folded", True][rid][:2] == runs["fused-folded", False][rid][:2], rid
         for mode in ("fused", "fused-folded"):  # the folded weights (W diag(g) rounded) held to the same bounds
             _check_against_cublas_and_hf(hf, p, n, i, runs[mode, False][rid], cublas)
 
@@ -334,11 +342,11 @@ def _check_against_cublas_and_hf(hf: Any, p: list[int], n: int, i: int, fused: A
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("mode", ["fused", "fused-folded"])
+@pytest.mark.parametrize("mode", ["fused", "fused-folded", "fused-folded+pdl"])
 def test_fp32_fused_decode_greedy_matches_transformers_on_the_gpu(tmp_path, mode: str) -> None:
     hf = _hf_llama_gpu(str(tmp_path), 0.08).to("cuda")
     ids = prompts(8, [5, 17, 33, 1])
-    engine = _gpu_engine(str(tmp_path), "float32", mode)
+    engine = _gpu_engine(str(tmp_path), "float32", mode.removesuffix("+pdl"), mode.endswith("+pdl"))
     assert engine.runner.startup["decode_kernels"]["fused_layers"] == 4
     got = generate(engine, ids, [12] * len(ids))
     for i, p in enumerate(ids):

@@ -113,12 +113,14 @@ def paged_decode_attention(
     counters: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """counters: the fused combine's (attention.decode_combine_counters); the reference needs none. out: as for
-    paged_attention. num_splits: the split-K count (None: the launcher's pick for these shapes)."""
+    paged_attention. num_splits: the split-K count (None: the launcher's pick for these shapes). pdl: the Triton
+    kernel launched with programmatic dependent launch (decode_pdl.py)."""
     if use_triton(q):
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits,
-                                             k_scale=k_scale, v_scale=v_scale, counters=counters, out=out)
+                                             k_scale=k_scale, v_scale=v_scale, counters=counters, out=out, pdl=pdl)
     return _into(out, paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale,
                                                  v_scale))
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from stoker.engine.kernels._triton import check_launchable, tl, triton
+from stoker.engine.kernels._triton import check_launchable, interpreting, tl, triton
+from stoker.engine.kernels.decode_pdl import pdl_first_tile, pdl_first_tile_early
 from stoker.engine.kernels.kv_fp8_tiles import (
     DEFAULT_DECODE,
     DEFAULT_PREFILL,
@@ -181,6 +182,7 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_CACHE: tl.constexpr,
     FUSED_COMBINE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_GP: tl.constexpr, CHUNK_S: tl.constexpr,
     FP8_MODE: tl.constexpr = 0, DOT_FP16: tl.constexpr = False, FP8_PTX: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, PDL_GDC: tl.constexpr = False,
 ):
     # Program (sequence, kv head, split): all GROUP query heads sharing this kv head are rows of one tile,
     # so each K/V row is read once per group; the context is cut into NUM_SPLITS contiguous pieces.
@@ -201,6 +203,11 @@ def _decode_split_kernel(
     dims = tl.arange(0, BLOCK_D)
     row_mask = rows < GROUP
     dim_mask = dims < HEAD_DIM
+    loop_start = start
+    if USE_PDL:  # decode_pdl.py: the first key tile but this step's key before the qkv kernel is done, then wait
+        k_first, v_first = pdl_first_tile_early(
+            k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, block_table_stride, start, end, context_len,
+            dims, dim_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, TILE_N, PDL_GDC)
     q = tl.load(q_ptr + seq * q_seq_stride + heads[:, None] * q_head_stride + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     if FP8_CACHE:  # kv_fp8_tiles.py: the dots' dtype and the scales' unit follow FP8_MODE
@@ -209,7 +216,13 @@ def _decode_split_kernel(
     running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for tile_start in range(start, end, TILE_N):
+    if USE_PDL:
+        running_max, running_sum, acc = pdl_first_tile(
+            q, k_first, v_first, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, block_table_stride,
+            start, end, context_len, dims, dim_mask, qk_scale, running_max, running_sum, acc,
+            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION)
+        loop_start = start + TILE_N
+    for tile_start in range(loop_start, end, TILE_N):
         pos = tile_start + tl.arange(0, TILE_N)
         key_mask = pos < end
         block = tl.load(block_tables_ptr + seq * block_table_stride + pos // BLOCK_SIZE, mask=key_mask, other=0)
@@ -452,17 +465,22 @@ def paged_decode_attention_triton(
     fp8_config: Fp8AttentionConfig | None = None,
     counters: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """num_splits: None picks from the shapes (decode_num_splits); tests force 1 or several. k_scale/v_scale:
     an FP8 cache's scales (kv_quant.py), ignored for a cache in q's dtype. fp8_config: the FP8 cache's
     conversion and tile (kv_fp8_tiles.py; None: its DEFAULT_DECODE); benches and tests pick others. counters: a
     zeroed int32 buffer of >= B * Hkv entries (decode_combine_counters) that the kernel leaves zeroed: with it
     the last split of each (sequence, kv head) combines the partials (one launch); without it a second kernel
-    does. out: where to write [B, Hq, D] (a view of a mixed step's output); None allocates."""
+    does. out: where to write [B, Hq, D] (a view of a mixed step's output); None allocates. pdl: launch with
+    programmatic dependent launch after the qkv kernel (decode_pdl.py; a cache in q's dtype only); under the
+    interpreter the same peeled first tile runs without the launch attribute and the griddepcontrol PTX."""
     _check_cache(q, k_cache, v_cache, k_scale, v_scale)
     if q.shape[0] != context_lens.shape[0] or block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
         raise ValueError(f"decode attention: q [B, Hq, D], block_tables [B, max_blocks], context_lens [B] "
                          f"expected, got {tuple(q.shape)}, {tuple(block_tables.shape)}, {tuple(context_lens.shape)}")
+    if pdl and is_fp8_cache(k_cache):
+        raise ValueError("decode attention: pdl is for a cache in q's dtype (the early tile skips kv_fp8_tiles)")
     _check_kernel_inputs(q, k_cache, v_cache, block_tables, context_lens)
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -473,6 +491,9 @@ def paged_decode_attention_triton(
     tile_n = _decode_tile_n(q, k_cache, fp8_config)
     fp8 = is_fp8_cache(k_cache)
     fp8_args, launch = _fp8_launch(fp8, fp8_config or DEFAULT_DECODE, q, decode=True)
+    if pdl:
+        fp8_args |= {"USE_PDL": True, "PDL_GDC": not interpreting()}
+        launch |= {"launch_pdl": True} if not interpreting() else {}
     max_context = block_tables.shape[1] * block_size  # a bound on every context length, known without sync
     if num_splits is None:
         num_splits = decode_splits(batch, max_context, q, k_cache, fp8_config)

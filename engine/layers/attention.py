@@ -55,13 +55,15 @@ class PagedAttention(WeightModule):
         return [("k_scale", ""), ("v_scale", "")] if self.kv_scales_required else []
 
     def forward(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+        pdl: bool = False,
     ) -> torch.Tensor:
-        """q [T, Hq, D] (this step's keys and values already in the cache) -> [T, Hq, D]."""
+        """q [T, Hq, D] (this step's keys and values already in the cache) -> [T, Hq, D]. pdl: a decode-only
+        step's kernel launched with programmatic dependent launch (the fused decode chain; ignored otherwise)."""
         if meta.decode_only:
             return kernels.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale, self.k_scale, self.v_scale,
-                self._counters_for(q),
+                self._counters_for(q), pdl=pdl,
             )
         if meta.num_decodes:
             return self._mixed(q, k_cache, v_cache, meta)
