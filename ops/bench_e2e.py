@@ -84,13 +84,9 @@ def log(msg: str) -> None:
 
 
 def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    v = sorted(values)
-    pos = (len(v) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+    from intervals import percentile  # ops/ is the script's folder (imported late, as the verdict's helpers)
+
+    return percentile(values, q)
 
 
 # ---- records -> figures (both sides) ---------------------------------------------------------------------
