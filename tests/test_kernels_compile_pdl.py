@@ -45,14 +45,7 @@ def _loop_headers(lines: list[str]) -> list[int]:
     return [i for i, line in enumerate(lines) if "Loop Header" in line]
 
 
-def _last_loop_end(lines: list[str]) -> int:
-    """The line of the last loop's back branch (a bra to the label of the last loop header)."""
-    label = lines[_loop_headers(lines)[-1]].split(":")[0].strip()
-    return max(i for i, line in enumerate(lines) if "bra" in line and line.rstrip().endswith(label + ";"))
-
-
-def _gemv_ptx(kind: str, peel: bool, late: bool, l2_bytes: int, eighths: int = 0, next_block: int = 1,
-              next_bytes: int = 0, pdl: bool = True) -> list[str]:
+def _gemv_ptx(kind: str, pdl: bool) -> list[str]:
     from stoker.engine.kernels import gemv
 
     n_out = {"rope": 3072, "silu": 14336, "plain": 4096}[kind]
@@ -63,12 +56,7 @@ def _gemv_ptx(kind: str, peel: bool, late: bool, l2_bytes: int, eighths: int = 0
                       HAS_BIAS=False, SILU_MUL=kind == "silu", ADD=kind == "plain", ROTARY=kind == "rope",
                       QK_NORM=False, HALF=64, SPLITS_PER_HEAD=64 // cfg.block_n if kind == "rope" else 1,
                       PAIRED=kind != "plain", USE_PDL=pdl, NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True),
-                      W_SCALED=False, W_CONVERT=0, W_VEC=0, W_PREFETCH=False, PDL_PEEL=peel, PDL_LATE=late,
-                      PDL_L2_BYTES=l2_bytes, PDL_TRIGGER_EIGHTHS=eighths)
-    signature.update(dict.fromkeys(("PDL_PEEL", "PDL_LATE", "PDL_L2_BYTES", "PDL_TRIGGER_EIGHTHS", "NEXT_BLOCK",
-                                    "NEXT_L2_BYTES"), "constexpr"))
-    signature.update(next_w_ptr="*u8", next_rows="i32", next_stride="i32")
-    constexprs.update(NEXT_BLOCK=next_block, NEXT_L2_BYTES=next_bytes)
+                      W_SCALED=False, W_CONVERT=0, W_VEC=0, W_PREFETCH=False)
     names = list(inspect.signature(gemv._gemv_kernel.fn).parameters)
     signature = {name: signature[name] for name in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
@@ -77,30 +65,16 @@ def _gemv_ptx(kind: str, peel: bool, late: bool, l2_bytes: int, eighths: int = 0
 
 
 @pytest.mark.parametrize("kind", ["rope", "silu", "plain"])
-def test_gemv_pdl_without_peel_loads_nothing_before_the_wait(kind: str) -> None:
-    """PDL_PEEL off: no load precedes griddepcontrol.wait (x and the residual are the previous kernel's), and the
-    next kernel may launch right after it; with PDL_PEEL the first weight tile is loaded before it."""
-    lines = _gemv_ptx(kind, peel=False, late=False, l2_bytes=0)
+def test_gemv_pdl_loads_the_first_weight_tile_before_the_wait(kind: str) -> None:
+    """pdl: the first weight tile is loaded before griddepcontrol.wait (weights never depend on the previous
+    kernel), launch_dependents follows the wait with no load between, before any loop (the rms pass's, the
+    weights'); without pdl the kernel has neither instruction."""
+    lines = _gemv_ptx(kind, pdl=True)
     wait = _index(lines, "griddepcontrol.wait")
     trigger = _index(lines, "griddepcontrol.launch_dependents")
-    assert _loads(lines[:wait]) == 0
+    assert _loads(lines[:wait]) > 0
     assert wait < trigger < _loop_headers(lines)[0] and _loads(lines[wait:trigger]) == 0
-    peeled = _gemv_ptx(kind, peel=True, late=False, l2_bytes=0)
-    assert _loads(peeled[: _index(peeled, "griddepcontrol.wait")]) > 0
-
-
-@pytest.mark.parametrize("kind", ["rope", "silu", "plain"])
-def test_gemv_pdl_l2_prefetch_precedes_the_wait_and_late_trigger_follows_the_loop(kind: str) -> None:
-    """PDL_L2_BYTES: the bulk L2 prefetches (one row per request) are issued before the wait, no load is. PDL_LATE:
-    launch_dependents comes after the weight loop's back branch, before the epilogue's stores."""
-    lines = _gemv_ptx(kind, peel=False, late=False, l2_bytes=4096)
-    wait = _index(lines, "griddepcontrol.wait")
-    prefetches = [i for i, line in enumerate(lines) if "cp.async.bulk.prefetch.L2" in line]
-    assert prefetches and max(prefetches) < wait and _loads(lines[:wait]) == 0
-    late = _gemv_ptx(kind, peel=False, late=True, l2_bytes=0)
-    trigger = _index(late, "griddepcontrol.launch_dependents")
-    stores = [i for i, line in enumerate(late) if "st.global" in line]
-    assert _index(late, "griddepcontrol.wait") < _last_loop_end(late) < trigger < min(stores)
+    assert not any("griddepcontrol" in line for line in _gemv_ptx(kind, pdl=False))
 
 
 def test_decode_attention_pdl_reads_older_keys_before_the_wait() -> None:
@@ -121,24 +95,3 @@ def test_decode_attention_pdl_reads_older_keys_before_the_wait() -> None:
     plain = _ptx(attention._decode_split_kernel, signature, {**constexprs, "USE_PDL": False, "PDL_GDC": False}, 4,
                  3, aligned)
     assert not any("griddepcontrol" in line for line in plain)
-
-
-@pytest.mark.parametrize("kind", ["silu", "plain"])
-def test_gemv_pdl_trigger_eighths_splits_the_weight_loop(kind: str) -> None:
-    """PDL_TRIGGER_EIGHTHS: launch_dependents between two weight loops (the first e/8 of K, then the rest), after
-    the wait; no trigger right after the wait."""
-    lines = _gemv_ptx(kind, peel=False, late=False, l2_bytes=0, eighths=6)
-    wait, trigger = _index(lines, "griddepcontrol.wait"), _index(lines, "griddepcontrol.launch_dependents")
-    headers = [i for i in _loop_headers(lines) if i > wait]
-    assert len(headers) >= 2 and headers[-2] < trigger < headers[-1], (headers, trigger)
-
-
-@pytest.mark.parametrize("kind", ["rope", "plain"])
-def test_gemv_next_weight_prefetch_follows_the_stores(kind: str) -> None:
-    """NEXT_L2_BYTES (no PDL): the bulk L2 prefetches of the next projection's rows come after the program's last
-    store, and there is no griddepcontrol."""
-    lines = _gemv_ptx(kind, peel=False, late=False, l2_bytes=0, next_block=16, next_bytes=4096, pdl=False)
-    prefetches = [i for i, line in enumerate(lines) if "cp.async.bulk.prefetch.L2" in line]
-    stores = [i for i, line in enumerate(lines) if "st.global" in line]
-    assert prefetches and stores and min(prefetches) > max(stores)
-    assert not any("griddepcontrol" in line for line in lines)

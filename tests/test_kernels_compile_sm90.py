@@ -70,11 +70,9 @@ def _gemv_signature(dtype: str) -> dict[str, str]:
     signature = {name: f"*{dtype}" for name in _GEMV_POINTERS}
     signature.update(positions_ptr="*i64", slot_ptr="*i64", cos_sin_ptr="*fp32", w_scale_ptr="*fp32", eps="fp32")
     signature.update({name: "i32" for name in _GEMV_INTS})
-    signature.update(next_w_ptr="*u8", next_rows="i32", next_stride="i32")  # gemv.NEXT_L2_ROW_BYTES's arguments
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_DOT", "DOT_PRECISION", "NORM", "PRO_RESIDUAL", "APPLY_G",
                  "HAS_BIAS", "SILU_MUL", "ADD", "ROTARY", "QK_NORM", "HALF", "SPLITS_PER_HEAD", "PAIRED", "USE_PDL",
-                 "NORM_CHUNK", "W_SCALED", "W_CONVERT", "W_VEC", "W_PREFETCH", "PDL_PEEL", "PDL_LATE", "PDL_L2_BYTES",
-                 "PDL_TRIGGER_EIGHTHS", "NEXT_BLOCK", "NEXT_L2_BYTES"):
+                 "NORM_CHUNK", "W_SCALED", "W_CONVERT", "W_VEC", "W_PREFETCH"):
         signature[name] = "constexpr"
     return signature
 

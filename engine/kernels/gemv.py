@@ -30,9 +30,8 @@ constexpr flags of one kernel:
   bit trick / inline cvt.rn.f16x2.e4m3x2, joined back into the tile), the scale applied to the float32 sums
   before every epilogue above; what each costs is in engine/models/fused_decode.py (FP8_WEIGHT_CONVERT);
 - programmatic dependent launch (`pdl`): the kernel may start while the previous one drains; before
-  `griddepcontrol.wait` it touches only weights (PDL_PEEL: the first tile into registers; PDL_L2_BYTES: bulk L2
-  prefetches of its rows' leading bytes), and it lets the next kernel launch right after the wait (or, PDL_LATE,
-  after its weight loop). Every kernel of the chain must wait before reading its predecessor's outputs and
+  `griddepcontrol.wait` it touches only weights (the first tile, into registers), and it lets the next kernel
+  launch right after the wait. Every kernel of the chain must wait before reading its predecessor's outputs and
   trigger only after its own wait: then a kernel that starts early finds everything older than its predecessor
   complete (engine/kernels/decode_pdl.py, the attention's part). Off under the CPU interpreter.
 
@@ -281,17 +280,6 @@ def _row_sumsq(x_ptr, x_stride, M, K, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr
 
 
 @triton.jit
-def _l2_rows(w_ptr, rows, row_mask, w_stride, NBYTES: tl.constexpr):
-    """One bulk L2 prefetch (Hopper's cp.async.bulk.prefetch.L2) of the leading NBYTES of each weight row: a hint
-    with no result and no register cost, so it can run before griddepcontrol.wait. Rows past the matrix ask
-    for row 0's bytes instead (never an address outside the weight)."""
-    starts = w_ptr + tl.where(row_mask, rows, 0).to(tl.int64) * w_stride
-    nbytes = tl.full(rows.shape, NBYTES, tl.int32)
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                              [starts, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, bias_ptr, norm_ptr, hres_ptr, res_out_ptr, add_ptr,
     positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_norm_ptr, k_norm_ptr, w_scale_ptr,
@@ -305,9 +293,6 @@ def _gemv_kernel(
     ROTARY: tl.constexpr, QK_NORM: tl.constexpr, HALF: tl.constexpr, SPLITS_PER_HEAD: tl.constexpr,
     PAIRED: tl.constexpr, USE_PDL: tl.constexpr, NORM_CHUNK: tl.constexpr, W_SCALED: tl.constexpr,
     W_CONVERT: tl.constexpr, W_VEC: tl.constexpr, W_PREFETCH: tl.constexpr,
-    PDL_PEEL: tl.constexpr = False, PDL_LATE: tl.constexpr = False, PDL_L2_BYTES: tl.constexpr = 0,
-    PDL_TRIGGER_EIGHTHS: tl.constexpr = 0,
-    NEXT_BLOCK: tl.constexpr = 1, NEXT_L2_BYTES: tl.constexpr = 0, next_w_ptr=None, next_rows=0, next_stride=0,
 ):
     pid = tl.program_id(0)
     j = tl.arange(0, BLOCK_N)
@@ -341,35 +326,26 @@ def _gemv_kernel(
     write_residual = pid == 0
     k_start = 0
     # FP8 with the prologue norm (unfolded g, the FP8 "fused-folded"): the first weight tile is in flight during
-    # the rms pass's L2 round trips, as under PDL with PDL_PEEL.
-    if (USE_PDL and PDL_PEEL) or (NORM and W_SCALED and not PRO_RESIDUAL) or W_PREFETCH:
+    # the rms pass's L2 round trips, as under PDL while the previous kernel drains.
+    if USE_PDL or (NORM and W_SCALED and not PRO_RESIDUAL) or W_PREFETCH:
         wa, wb = _load_w(wa_ptrs, wb_ptrs, 0, col_mask, kw, K, PAIRED, W_CONVERT)
     if USE_PDL:
-        # Weights never depend on the previous kernel: ask L2 for this program's leading weight bytes (and with
-        # PDL_PEEL load the first tile) while the previous kernel drains, then wait for its outputs (x, the
-        # residual) to be visible. PDL_LATE: let the next kernel launch only after this one's weight loop.
-        if PDL_L2_BYTES > 0:
-            _l2_rows(w_ptr, rows_a, col_mask, w_stride, PDL_L2_BYTES)
-            if PAIRED:
-                _l2_rows(w_ptr, rows_b, col_mask, w_stride, PDL_L2_BYTES)
+        # Weights never depend on the previous kernel: load the first tile while it drains, then wait for its
+        # outputs (x, the residual) to be visible and let the next kernel launch.
         gdc_wait()
-        if not PDL_LATE and PDL_TRIGGER_EIGHTHS == 0:
-            gdc_launch_dependents()
+        gdc_launch_dependents()
     if NORM and not PRO_RESIDUAL:
         # The rms of each x row in a pass of its own (x is M*K elements, read from L2 by every program),
         # so that the weight loop below stays a plain pipelined GEMV: normalising x inside the loop took
         # the 8B qkv GEMV from 15 to 35-57 us at M = 8 on the tl.dot path (H200, ops/bench_gemv.py --ablate).
         sumsq = _row_sumsq(x_ptr, x_stride, M, K, BLOCK_M, NORM_CHUNK)
-    if ((USE_PDL and PDL_PEEL) or (NORM and W_SCALED and not PRO_RESIDUAL)) and not W_PREFETCH:
+    if (USE_PDL or (NORM and W_SCALED and not PRO_RESIDUAL)) and not W_PREFETCH:
         acc_a, acc_b, sumsq = _gemv_step(
             0, wa, wb, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
             res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
             PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC)
         k_start = BLOCK_K
-    k_split = K  # PDL_TRIGGER_EIGHTHS: the weight loop in two parts, the next kernel let in between
-    if USE_PDL and PDL_TRIGGER_EIGHTHS > 0:
-        k_split = tl.maximum(k_start, K * PDL_TRIGGER_EIGHTHS // 8 // BLOCK_K * BLOCK_K)
-    for k0 in range(k_start, k_split, BLOCK_K):
+    for k0 in range(k_start, K, BLOCK_K):
         if W_PREFETCH:  # the next step's weights in flight during this step's math (past K: all masked off)
             next_a, next_b = _load_w(wa_ptrs, wb_ptrs, k0 + BLOCK_K, col_mask, kw, K, PAIRED, W_CONVERT)
         else:
@@ -380,16 +356,6 @@ def _gemv_kernel(
             PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC)
         if W_PREFETCH:
             wa, wb = next_a, next_b
-    if USE_PDL and PDL_TRIGGER_EIGHTHS > 0:
-        gdc_launch_dependents()
-        for k0 in range(k_split, K, BLOCK_K):
-            wa, wb = _load_w(wa_ptrs, wb_ptrs, k0, col_mask, kw, K, PAIRED, W_CONVERT)
-            acc_a, acc_b, sumsq = _gemv_step(
-                k0, wa, wb, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
-                res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
-                PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC)
-    if USE_PDL and PDL_LATE:
-        gdc_launch_dependents()
     if W_VEC != 0:  # [BN, BK] -> [1, BN]
         acc_a = tl.sum(acc_a, axis=1)[None, :]
         if PAIRED:
@@ -458,11 +424,6 @@ def _gemv_kernel(
         tl.store(cache + cache_off + HALF, rb.to(dtype), mask=cache_mask)
     else:
         tl.store(out_ptr + m[:, None] * out_stride + rows_a[None, :], a.to(dtype), mask=out_mask)
-    if NEXT_L2_BYTES:  # NEXT_L2_ROW_BYTES: this program's share of the next projection's leading bytes
-        share = tl.cdiv(next_rows, tl.num_programs(0))
-        lane = tl.arange(0, NEXT_BLOCK)
-        _l2_rows(next_w_ptr, pid * share + lane, (lane < share) & (pid * share + lane < next_rows), next_stride,
-                 NEXT_L2_BYTES)
 
 
 # ---------------------------------------------------------------------------------------------- launcher
@@ -580,52 +541,13 @@ ROW_ACC_BF16 = False
 ROW_PREFETCH = False
 
 
-# Programmatic dependent launch (pdl=True), what a program does before griddepcontrol.wait, read at launch time
-# (benches and tests change them; a CUDA graph keeps what its capture launched). None of them pays (H200, 8B bf16,
-# batch 1, ops/bench_pdl_chain.py, us per layer of the fused chain in a CUDA graph; BENCHMARKS.md 21:07 / 21:33 UTC):
-# plain 121.9; trigger right after the wait 129.4 (peel 128.6, + 32 KB L2 prefetch 141.1); after the loop 123.3
-# (+ prefetch 128.1); after 7/8 of it + 16 KB 134.8, 6/8 137.4-142.9, 4/8 142.1. In the graph the plain kernels are
-# already back to back, and a successor resident before its predecessor ends slows it; so decode_pdl stays off:
-# - PDL_PEEL: load the first weight tile into registers before the wait (the 12:06 UTC form; it takes that
-#   step out of the tl.dot path's cp.async pipeline);
-# - PDL_L2_BYTES: a bulk L2 prefetch of up to this many leading weight bytes per program (split evenly over
-#   its rows, whole 16-byte units), so the previous kernel's drain also streams this one's first bytes;
-# - PDL_LATE: griddepcontrol.launch_dependents after the weight loop instead of right after the wait;
-#   PDL_TRIGGER_EIGHTHS = e > 0: after e/8 of it (the next kernel's programs then arrive during this one's tail).
-PDL_PEEL = True
-PDL_L2_BYTES = 0
-PDL_LATE = False
-PDL_TRIGGER_EIGHTHS = 0
-# Without PDL: each GEMV program, once its outputs are stored, asks L2 for its share of the NEXT projection's
-# rows (the leading NEXT_L2_ROW_BYTES of each, bulk prefetch), so the kernel's tail (and the attention after qkv)
-# streams the next kernel's first bytes (the launcher's next_weight; 0 = off). NOT measured yet (no GPU call left
-# in session 6): ops/bench_pdl_chain.py --variants plain,nx2,nx4,nx8 is the measurement to make.
-NEXT_L2_ROW_BYTES = 0
-
-
-def _next_l2_args(next_weight: torch.Tensor | None, grid: int, x: torch.Tensor) -> dict[str, object]:
-    """The kernel's next_* arguments: the next weight as bytes, rows, row stride, block and prefetch size."""
-    off: dict[str, object] = {"next_w_ptr": x, "next_rows": 0, "next_stride": 0, "NEXT_BLOCK": 1, "NEXT_L2_BYTES": 0}
-    if next_weight is None or NEXT_L2_ROW_BYTES <= 0 or interpreting() or not next_weight.is_cuda:
-        return off
-    stride = next_weight.stride(0) * next_weight.element_size()
-    row_bytes = next_weight.shape[1] * next_weight.element_size()
-    nbytes = min(row_bytes, NEXT_L2_ROW_BYTES) // 16 * 16
-    if nbytes == 0 or next_weight.data_ptr() % 16 or stride % 16 or next_weight.stride(1) != 1:
-        return off
-    share = triton.cdiv(next_weight.shape[0], grid)
-    return {"next_w_ptr": next_weight.view(torch.uint8), "next_rows": next_weight.shape[0], "next_stride": stride,
-            "NEXT_BLOCK": triton.next_power_of_2(share), "NEXT_L2_BYTES": nbytes}
-
-
-def pdl_l2_row_bytes(weight: torch.Tensor, rows_per_program: int) -> int:
-    """PDL_L2_BYTES as bytes per weight row (a multiple of 16, at most the row), 0 when off or when the rows are
-    not 16-byte aligned (the bulk prefetch needs it)."""
-    row_bytes = weight.shape[1] * weight.element_size()
-    stride_bytes = weight.stride(0) * weight.element_size()
-    if PDL_L2_BYTES <= 0 or weight.data_ptr() % 16 or stride_bytes % 16:
-        return 0
-    return min(row_bytes // 16, PDL_L2_BYTES // max(1, rows_per_program) // 16) * 16
+# Programmatic dependent launch (pdl=True, EngineConfig.decode_pdl, off by default): the first weight tile is
+# loaded before griddepcontrol.wait, the next kernel let in right after it. It does not pay at batch 1 (H200, 8B
+# bf16, ops/bench_pdl_chain.py, us per layer of the fused chain in a CUDA graph: plain 121.9, this form 128.6;
+# BENCHMARKS.md 21:07 UTC): in the graph the plain kernels are already back to back, and a successor resident
+# before its predecessor ends slows it. The other forms measured there (bulk L2 prefetches before the wait, the
+# trigger after all or part of the weight loop, the next projection's rows prefetched into L2 after the stores)
+# all lost too and were removed; the record is BENCHMARKS.md and the git history.
 
 
 def _row_vec(cfg: GemvConfig, elem_bytes: int, fp8: bool) -> int:
@@ -674,7 +596,6 @@ def _launch(
     norm_folded: bool = False,
     weight_scale: torch.Tensor | None = None,
     weight_convert: str = "cast",
-    next_weight: torch.Tensor | None = None,
 ) -> None:
     num_rows, hidden = x.shape
     if cfg.use_dot and cfg.block_m < 16:
@@ -708,10 +629,6 @@ def _launch(
         PAIRED=paired, USE_PDL=use_pdl, NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda),
         W_SCALED=weight_scale is not None, W_CONVERT=w_convert, W_VEC=w_vec,
         W_PREFETCH=w_vec != 0 and ROW_PREFETCH,
-        PDL_PEEL=use_pdl and PDL_PEEL, PDL_LATE=use_pdl and PDL_LATE,
-        PDL_TRIGGER_EIGHTHS=PDL_TRIGGER_EIGHTHS if use_pdl and not PDL_LATE and not (w_vec and ROW_PREFETCH) else 0,
-        PDL_L2_BYTES=pdl_l2_row_bytes(weight, cfg.block_n * (2 if paired else 1)) if use_pdl else 0,
-        **_next_l2_args(next_weight, grid, x),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
     )
@@ -732,7 +649,6 @@ def gemv_triton(
     norm_folded: bool = False,
     weight_scale: torch.Tensor | None = None,
     weight_convert: str = "cast",
-    next_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv_ref's semantics for M <= GEMV_MAX_M in one kernel. pdl: launch with programmatic dependent
     launch (the previous kernel in the stream may still be running when this one starts loading weights).
@@ -757,7 +673,7 @@ def gemv_triton(
                                 x.element_size())
     _launch(x, weight, out, n_out, triton.cdiv(n_out, cfg.block_n), cfg, bias, norm_weight, eps,
             norm_residual, s, silu_mul, add, pdl, norm_folded=norm_folded, weight_scale=weight_scale,
-            weight_convert=weight_convert, next_weight=next_weight)
+            weight_convert=weight_convert)
     return out, s
 
 
@@ -783,7 +699,6 @@ def gemv_rotary_cache_triton(
     norm_folded: bool = False,
     weight_scale: torch.Tensor | None = None,
     weight_convert: str = "cast",
-    next_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv_rotary_cache_ref in one kernel. With q_norm/k_norm (Qwen3) a program must hold a whole head,
     so the grid is one program per head (fewer, longer programs: slower at batch 1 than without).
@@ -848,5 +763,5 @@ def gemv_rotary_cache_triton(
     _launch(x, weight, out, n_total, num_total_heads * splits, cfg, bias, norm_weight, eps, norm_residual, s,
             False, None, pdl, rotary=(positions, cos_sin, k_cache, v_cache, slot_mapping),
             heads=(num_heads, num_kv_heads, half, splits), qk_norm=qk, norm_folded=norm_folded,
-            weight_scale=weight_scale, weight_convert=weight_convert, next_weight=next_weight)
+            weight_scale=weight_scale, weight_convert=weight_convert)
     return out, s

@@ -98,13 +98,6 @@ FP8_FUSED_DOT: dict[str, tuple[GemvConfig, str]] = {
 }
 
 
-# With decode_pdl, the decode attention between the qkv and o_proj GEMVs takes part in the PDL chain too
-# (engine/kernels/decode_pdl.py); False launches it plainly, which makes it wait for qkv's completion and lets
-# o_proj's programs in only at its own end (read at capture; the bench's "+attn0" turns it off). H200 21:07 UTC,
-# 8B chain: 129.37 us a layer with it, 129.43 without (both slower than no PDL, 121.88; BENCHMARKS.md).
-ATTENTION_PDL = True
-
-
 @dataclass(frozen=True, slots=True)
 class FusedDecode:
     """A decoder layer's fused decode: how, and the layer's own modules it reads (no weight is copied)."""
@@ -260,12 +253,11 @@ def fused_decode_layer(
     qkv = _qkv_rotary_cache(fd, x, positions, meta, k_cache, v_cache)
     num_tokens, num_heads, head_dim = x.shape[0], fd.attention.num_heads, fd.attention.head_dim
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    out = fd.attention(q, k_cache, v_cache, meta, pdl=fd.pdl and ATTENTION_PDL).reshape(num_tokens, num_heads * head_dim)
-    stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=fd.pdl, next_weight=fd.gate_up.weight,
-                            **_fp8_args(fd.o_proj, "add", num_tokens))
+    out = fd.attention(q, k_cache, v_cache, meta, pdl=fd.pdl).reshape(num_tokens, num_heads * head_dim)
+    stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=fd.pdl, **_fp8_args(fd.o_proj, "add", num_tokens))
     x = stream if fd.prologue_norm else fd.post_norm(stream)[0]
     act, _ = gemv_triton(x, fd.gate_up.weight, silu_mul=True, norm_folded=fd.folded, eps=fd.post_norm.eps,
-                         pdl=fd.pdl, next_weight=fd.down.weight, **_fp8_args(fd.gate_up, "silu", num_tokens),
+                         pdl=fd.pdl, **_fp8_args(fd.gate_up, "silu", num_tokens),
                          **_unfolded_norm(fd, fd.post_norm))
     stream, _ = gemv_triton(act, fd.down.weight, add=stream, pdl=fd.pdl, **_fp8_args(fd.down, "add", num_tokens))
     return stream, None
@@ -291,6 +283,6 @@ def _qkv_rotary_cache(
         x, fd.qkv.weight, fd.qkv.bias, num_heads=fd.attention.num_heads, num_kv_heads=fd.attention.num_kv_heads,
         positions=positions, cos_sin=fd.rotary.cos_sin, k_cache=k_cache, v_cache=v_cache,
         slot_mapping=meta.slot_mapping, eps=eps, q_norm=q_norm, k_norm=k_norm, pdl=fd.pdl, norm_folded=fd.folded,
-        next_weight=fd.o_proj.weight, **fp8, **_unfolded_norm(fd, fd.input_norm),
+        **fp8, **_unfolded_norm(fd, fd.input_norm),
     )
     return qkv
