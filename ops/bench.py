@@ -217,8 +217,6 @@ def decode_setting(text: str) -> dict[str, Any]:
     setting: dict[str, Any] = {"decode_kernels": kernels}  # decode_pdl: EngineConfig's default unless +pdl / +nopdl
     for flag in flags:
         rows = flag.removeprefix("overlap")
-        if kernel_knob(flag) is not None:
-            continue  # a module switch of the kernels (apply_kernel_knobs), not an EngineConfig field
         if flag in ("pdl", "nopdl"):
             setting["decode_pdl"] = flag == "pdl"
         elif flag.startswith("overlap") and (rows == "" or rows.isdigit()):
@@ -228,52 +226,8 @@ def decode_setting(text: str) -> dict[str, Any]:
             setting["decode_overlap_sms"] = int(flag[3:])
         else:
             raise ValueError(f"--decode-kernels item {text!r}: a decode_kernels value, optionally with '+pdl', "
-                             "'+overlap[N]', '+smsK' and the PDL switches '+peel0', '+peel1', '+l2_<KB>', '+late', '+trig<1-7>', "
-                             "'+attn0'")
+                             "'+nopdl', '+overlap[N]' and '+smsK'")
     return setting
-
-
-# The PDL variants' module switches (engine/kernels/gemv.py PDL_*, engine/models/fused_decode.py ATTENTION_PDL), as
-# --decode-kernels flags: each setting starts from the modules' defaults and applies its own.
-_KNOB_DEFAULTS: dict[str, Any] = {}
-
-
-def kernel_knob(flag: str) -> tuple[str, Any] | None:
-    """A PDL switch flag -> (name, value): peel0 / peel1 -> PDL_PEEL, l2_<KB> -> PDL_L2_BYTES, late -> PDL_LATE,
-    trig<1-7> -> PDL_TRIGGER_EIGHTHS, attn0 -> ATTENTION_PDL False, nx<KB> -> NEXT_L2_ROW_BYTES (no PDL needed);
-    None for any other flag."""
-    if flag in ("peel0", "peel1"):
-        return "PDL_PEEL", flag == "peel1"
-    if flag.startswith("l2_") and flag[3:].isdigit():
-        return "PDL_L2_BYTES", int(flag[3:]) * 1024
-    if flag == "late":
-        return "PDL_LATE", True
-    if flag.startswith("trig") and flag[4:].isdigit() and 0 < int(flag[4:]) < 8:
-        return "PDL_TRIGGER_EIGHTHS", int(flag[4:])
-    if flag == "attn0":
-        return "ATTENTION_PDL", False
-    if flag.startswith("nx") and flag[2:].isdigit():
-        return "NEXT_L2_ROW_BYTES", int(flag[2:]) * 1024
-    return None
-
-
-def apply_kernel_knobs(text: str) -> dict[str, Any]:
-    """Sets the switches of one --decode-kernels item (the others back to their defaults); returns them all."""
-    from stoker.engine.kernels import gemv
-    from stoker.engine.models import fused_decode
-
-    owners = {"PDL_PEEL": gemv, "PDL_L2_BYTES": gemv, "PDL_LATE": gemv, "PDL_TRIGGER_EIGHTHS": gemv,
-              "NEXT_L2_ROW_BYTES": gemv, "ATTENTION_PDL": fused_decode}
-    if not _KNOB_DEFAULTS:
-        _KNOB_DEFAULTS.update({name: getattr(mod, name) for name, mod in owners.items()})
-    values = dict(_KNOB_DEFAULTS)
-    for flag in text.split("+")[1:]:
-        knob = kernel_knob(flag)
-        if knob is not None:
-            values[knob[0]] = knob[1]
-    for name, value in values.items():
-        setattr(owners[name], name, value)
-    return values
 
 
 def start_engine(path: str, max_num_seqs: int, device: str = "cuda", quantization: str | None = None,
@@ -283,7 +237,6 @@ def start_engine(path: str, max_num_seqs: int, device: str = "cuda", quantizatio
 
     t0 = time.perf_counter()
     if config is None:
-        log(f"kernel switches for {decode}: {apply_kernel_knobs(decode)}")
         config = engine_config(path, max_num_seqs, device, quantization, tensor_parallel_size=tensor_parallel_size,
                                kv_cache_dtype=kv_cache_dtype, decode=decode)
     eng = LLMEngine(config)

@@ -1,12 +1,12 @@
-"""The fused decode layer's kernel chain at batch 1 under each PDL variant, in a CUDA graph (issue 13).
+"""The fused decode layer's kernel chain at batch 1, plain and with PDL, in a CUDA graph (issue 13).
 
     PYTHONPATH=. python3 ops/bench_pdl_chain.py [--shape 8b] [--layers 8] [--context 640] \
-        [--variants plain,pdl+peel1+attn0,pdl+peel0,pdl+peel0+l2_32,...] [--dry-run]
+        [--variants plain,pdl] [--dry-run]
 
 One layer = qkv GEMV (folded-norm prologue, rotary, KV write) -> decode attention (fused combine) -> o_proj GEMV +
 residual -> gate_up GEMV (folded-norm prologue, SiLU-mul) -> down GEMV + residual, as engine/models/fused_decode.py
 launches them for bf16 "fused-folded" (weights the 8B shape's, random; every layer its own copy, so each streams
-from HBM). Per variant (ops/bench.py's flags: pdl, peel0/peel1, l2_<KB>, late, attn0): us per layer over the
+from HBM). Per variant (plain; pdl: EngineConfig.decode_pdl's form, the attention in the chain): us per layer over the
 graph's replays (CUDA events), and from one profiled replay (torch.profiler, CUPTI) the median gap between each
 kernel's end and the next one's start (negative: the next kernel was already running, i.e. PDL overlapped them)
 and each kernel's median duration. Table to stdout, $OUT/pdl_chain.json when OUT is set. --dry-run: the tiny
@@ -61,50 +61,39 @@ class Layer:
         self.slots = (last * block_size + (context - 1) % block_size).view(1)
         self.counters = decode_combine_counters(1, kv_heads, device)
 
-    def forward(self, stream: torch.Tensor, pdl: bool, attention_pdl: bool) -> torch.Tensor:
+    def forward(self, stream: torch.Tensor, pdl: bool) -> torch.Tensor:
         from stoker.engine.kernels.attention import paged_decode_attention_triton
         from stoker.engine.kernels.gemv import gemv_rotary_cache_triton, gemv_triton
 
         qkv, _ = gemv_rotary_cache_triton(
             stream, self.w_qkv, None, num_heads=self.heads, num_kv_heads=self.kv_heads, positions=self.positions,
             cos_sin=self.cos_sin, k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=self.slots,
-            norm_folded=True, eps=1e-5, pdl=pdl, next_weight=self.w_o)
+            norm_folded=True, eps=1e-5, pdl=pdl)
         q = qkv[:, : self.heads * self.head_dim].view(1, self.heads, self.head_dim)
         attn = paged_decode_attention_triton(q, self.k_cache, self.v_cache, self.block_tables, self.context_lens,
-                                             self.head_dim**-0.5, counters=self.counters, pdl=pdl and attention_pdl)
-        stream, _ = gemv_triton(attn.reshape(1, -1), self.w_o, add=stream, pdl=pdl, next_weight=self.w_gu)
-        act, _ = gemv_triton(stream, self.w_gu, silu_mul=True, norm_folded=True, eps=1e-5, pdl=pdl,
-                             next_weight=self.w_d)
+                                             self.head_dim**-0.5, counters=self.counters, pdl=pdl)
+        stream, _ = gemv_triton(attn.reshape(1, -1), self.w_o, add=stream, pdl=pdl)
+        act, _ = gemv_triton(stream, self.w_gu, silu_mul=True, norm_folded=True, eps=1e-5, pdl=pdl)
         return gemv_triton(act, self.w_d, add=stream, pdl=pdl)[0]
 
 
-def set_variant(variant: str) -> tuple[bool, bool]:
-    """Applies a variant's module switches (ops/bench.py's flags); returns (pdl, attention_pdl)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import bench
-
-    knobs = bench.apply_kernel_knobs("auto+" + variant)  # nx<KB> alone: the plain chain with the next-weight prefetch
-    flags = variant.split("+")
-    for flag in flags:
-        if flag not in ("pdl", "plain", "nopdl") and bench.kernel_knob(flag) is None:
-            raise ValueError(f"variant {variant!r}: unknown flag {flag!r}")
-    return "pdl" in flags, bool(knobs["ATTENTION_PDL"])
+VARIANTS = {"plain": False, "pdl": True}  # variant -> pdl
 
 
-def run_chain(layers: list[Layer], x: torch.Tensor, pdl: bool, attention_pdl: bool) -> torch.Tensor:
+def run_chain(layers: list[Layer], x: torch.Tensor, pdl: bool) -> torch.Tensor:
     for layer in layers:
-        x = layer.forward(x, pdl, attention_pdl)
+        x = layer.forward(x, pdl)
     return x
 
 
 def time_variant(layers: list[Layer], x: torch.Tensor, variant: str, replays: int) -> dict[str, Any]:
-    pdl, attention_pdl = set_variant(variant)
+    pdl = VARIANTS[variant]
     for _ in range(2):  # compile outside the capture
-        run_chain(layers, x, pdl, attention_pdl)
+        run_chain(layers, x, pdl)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = run_chain(layers, x, pdl, attention_pdl)
+        out = run_chain(layers, x, pdl)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -117,7 +106,7 @@ def time_variant(layers: list[Layer], x: torch.Tensor, variant: str, replays: in
         result |= profile_gaps(graph, len(layers))
     except Exception as e:  # the timing above stands without the profile
         result["profile_error"] = f"{type(e).__name__}: {e}"[:300]
-    expected = run_chain(layers, x, False, False)
+    expected = run_chain(layers, x, False)
     result["bitwise_equal_to_plain"] = bool(torch.equal(out, expected))
     del graph
     return result
@@ -158,10 +147,9 @@ def dry_run(variants: list[str]) -> None:
     torch.manual_seed(0)
     layers = [Layer("tiny", 40, "cpu", torch.float32) for _ in range(2)]
     x = torch.randn(1, SHAPES["tiny"][0])
-    plain = run_chain(layers, x, False, False)
+    plain = run_chain(layers, x, False)
     for variant in variants:
-        pdl, attention_pdl = set_variant(variant)
-        out = run_chain(layers, x, pdl, attention_pdl)
+        out = run_chain(layers, x, VARIANTS[variant])
         print(f"dry-run {variant}: max |out - plain| = {(out - plain).abs().max().item():.3g}")
 
 
@@ -171,14 +159,14 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8, help="layers in the graph, each with its own weights")
     ap.add_argument("--context", type=int, default=640, help="W1's mean context (512 + 256 / 2)")
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--variants", default="plain,pdl+peel1+attn0,pdl+peel0+attn0,pdl+peel0,pdl+peel0+late,"
-                                          "pdl+peel0+l2_32")
+    ap.add_argument("--variants", default="plain,pdl", help="comma-separated: plain, pdl")
     ap.add_argument("--budget-s", type=float, default=60.0, help="stop starting new variants after this")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args()
     variants = args.variants.split(",")
-    for variant in variants:
-        set_variant(variant)  # a typo fails before any work
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:  # a typo fails before any work
+        ap.error(f"unknown variants {unknown}: choose from {sorted(VARIANTS)}")
     if args.dry_run:
         dry_run(variants)
         return 0
