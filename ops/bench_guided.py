@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     from stoker.engine import GuidedDecoding, LLMEngine
-    from stoker.ops.bench import _GC_YOUNG_THRESHOLD, SHAPES, engine_config, write_model
+    from stoker.ops.bench import SHAPES, engine_config, write_model
     from stoker.ops.step_tail import heap_policy
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     r["schema_bytes"], r["compile_ms"] = len(spec), (time.perf_counter() - started) * 1e3
     r["templates"] = compiler.num_families(guided)
     sys.setswitchinterval(args.switch_interval)
-    r["process"] = heap_policy(args.heap, _GC_YOUNG_THRESHOLD)  # after the engine's start, as the worker
+    r["process"] = heap_policy(args.heap)  # after the engine's start, as the worker
     meter = MaskMeter(cuda)
     cases: list[dict[str, Any]] = []
     recorded: dict[str, list[list[int]]] = {}  # case -> the constrained rows' output token ids (--record)

@@ -80,14 +80,15 @@ class GcRecorder:
         }
 
 
-def heap_policy(name: str, young_threshold: int) -> dict[str, Any]:
-    """Set the process's GC policy for the cases that follow -> what was set. "worker": everything alive is
-    frozen and the young generation raised to young_threshold, as the worker does once its engine is loaded
-    (worker/main.settle_heap; ops/bench.py --heap worker); "default": Python's own (unfrozen, threshold 700)."""
+def heap_policy(name: str) -> dict[str, Any]:
+    """Set the process's GC policy for the cases that follow -> what was set. "worker": the worker's once its
+    engine is loaded (ops/bench.settle_heap, worker/main.settle_heap's twin: everything alive frozen, the young
+    generation raised); "default": Python's own (unfrozen, threshold 700)."""
     if name == "worker":
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(young_threshold, *gc.get_threshold()[1:])
+        # late: bench imports torch, which the distribution helpers above do not need
+        from stoker.ops.bench import settle_heap
+
+        settle_heap()
     elif name == "default":
         gc.unfreeze()
         gc.set_threshold(700, *gc.get_threshold()[1:])

@@ -45,13 +45,13 @@ def test_gc_recorder_ties_each_collection_to_its_step() -> None:
 def test_heap_policies_set_what_they_say() -> None:
     before = gc.get_threshold()
     try:
-        worker = heap_policy("worker", 20_000)
+        worker = heap_policy("worker")
         assert gc.get_threshold()[0] == 20_000 and gc.get_freeze_count() > 0
         assert worker["frozen"] == gc.get_freeze_count() and worker["switch_interval_s"] == sys.getswitchinterval()
-        heap_policy("default", 20_000)
+        heap_policy("default")
         assert gc.get_threshold()[0] == 700 and gc.get_freeze_count() == 0
         with pytest.raises(ValueError, match="worker"):
-            heap_policy("frozen", 1)
+            heap_policy("frozen")
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
