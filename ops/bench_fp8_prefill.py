@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,24 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare 
 from stoker.engine.kernels import rms_norm, silu_and_mul  # noqa: E402
 from stoker.engine.kernels.fp8_linear import quantize_activations, quantize_rows  # noqa: E402
 from stoker.engine.kernels.fp8_quant import rms_norm_quant_fp8_triton, silu_mul_quant_fp8_triton  # noqa: E402
+from stoker.ops.step_profile import event_ms  # noqa: E402
 
 PROJECTIONS_8B = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 
 
 def time_us(fn: Callable[[], object], cuda: bool, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    if not cuda:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e6
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
+    """Mean us of fn() (step_profile's CUDA-event timing; host time on the CPU dry run)."""
+    return event_ms(torch.device("cuda" if cuda else "cpu"), fn, warm=3, reps=reps) * 1e3
 
 
 def row(rows: list[dict], m: int, name: str, us: float, flops: float = 0.0, nbytes: float = 0.0) -> None:

@@ -220,7 +220,7 @@ def _profile_engine_steps(eng: Any, acts: list[ProfilerActivity], device: torch.
             f"step): the replay is opaque, every other row ran eagerly around it\n" + kernel_table(prof, device))
 
 
-def _event_ms(device: torch.device, fn: Callable[[], Any], warm: int = 2, reps: int = 10) -> float:
+def event_ms(device: torch.device, fn: Callable[[], Any], warm: int = 2, reps: int = 10) -> float:
     """Mean device ms of fn() (CUDA events around reps calls); host ms on the CPU."""
     for _ in range(warm):
         fn()
@@ -263,7 +263,7 @@ def mixed_attention_split(runner: Any, inp: Any, num_decodes: int) -> dict[str, 
                                                                     scale),
     }
     with torch.inference_mode():
-        return {name: _event_ms(device, fn) for name, fn in cases.items()}
+        return {name: event_ms(device, fn) for name, fn in cases.items()}
 
 
 def profile_mixed_step(runner: Any, inp: Any, num_decodes: int, composition: dict[str, Any]) -> tuple[dict[str, Any], str]:
