@@ -313,15 +313,17 @@ class RedisIO:
             keys += [names.claim(rid), names.cancelled(rid), names.result(rid), self.attempts_key(rid)]
 
         async def go() -> list[Renewal]:
-            pipe = self.client.pipeline(transaction=False)
-            if heartbeat is not None:
-                key, value, ttl = heartbeat
-                pipe.set(key, value, ex=ttl)
-                pipe.zadd(worker_index(self.names.redis_prefix), {self.token: time.time() * 1000})
-            if keys:
-                await self._renew(keys=keys, args=[self.token, self.claim_ttl_ms, *(a for _, a in running)],
-                                  client=pipe)
-            replies = await pipe.execute()
+            # `async with` hands the connection back even when the pipeline's script load fails before
+            # execute's own cleanup runs (redis-py leaves it held, and warns when the pipeline is collected)
+            async with self.client.pipeline(transaction=False) as pipe:
+                if heartbeat is not None:
+                    key, value, ttl = heartbeat
+                    pipe.set(key, value, ex=ttl)
+                    pipe.zadd(worker_index(self.names.redis_prefix), {self.token: time.time() * 1000})
+                if keys:
+                    await self._renew(keys=keys, args=[self.token, self.claim_ttl_ms, *(a for _, a in running)],
+                                      client=pipe)
+                replies = await pipe.execute()
             return [Renewal(int(x)) for x in replies[-1]] if keys else []
 
         return await self.retry("renew", go)

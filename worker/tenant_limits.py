@@ -200,16 +200,17 @@ class TenantGate:
         drop, self._to_release = self._to_release, []
         if not settle and not drop:
             return
-        pipe = self._client.pipeline(transaction=False)
-        for tenant, rid in drop:
-            pipe.zrem(self.running_key(tenant), rid)
-        for tenant, back in settle:
-            tpm = self.limits.of(tenant)[1]
-            if back and tpm > 0:
-                await self._settle(keys=[self.bucket_key(tenant)], args=[back, tpm, self.limits.capacity(tpm)],
-                                   client=pipe)
         try:
-            await pipe.execute()
+            # `async with` returns the connection even when the script load fails before execute's cleanup
+            async with self._client.pipeline(transaction=False) as pipe:
+                for tenant, rid in drop:
+                    pipe.zrem(self.running_key(tenant), rid)
+                for tenant, back in settle:
+                    tpm = self.limits.of(tenant)[1]
+                    if back and tpm > 0:
+                        await self._settle(keys=[self.bucket_key(tenant)],
+                                           args=[back, tpm, self.limits.capacity(tpm)], client=pipe)
+                await pipe.execute()
         except BaseException:
             self._to_settle[:0], self._to_release[:0] = settle, drop  # sent again by the next flush
             raise
@@ -222,7 +223,7 @@ class TenantGate:
                 by_tenant.setdefault(held.tenant, []).append(rid)
         if not by_tenant:
             return
-        pipe = self._client.pipeline(transaction=False)
-        for tenant, ids in by_tenant.items():
-            await self._renew(keys=[self.running_key(tenant)], args=[self.lease_ms, *ids], client=pipe)
-        await pipe.execute()
+        async with self._client.pipeline(transaction=False) as pipe:
+            for tenant, ids in by_tenant.items():
+                await self._renew(keys=[self.running_key(tenant)], args=[self.lease_ms, *ids], client=pipe)
+            await pipe.execute()
