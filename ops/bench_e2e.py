@@ -482,7 +482,7 @@ def worker_env_vars(args: argparse.Namespace, path: str, settings: Any, bootstra
                REDIS_URL=redis_url, STOKER_JOB_TOPIC=names["topic"], STOKER_PREFIX=names["prefix"],
                STOKER_GROUP_ID=names["group"], STOKER_METRICS_HOST="127.0.0.1",
                STOKER_METRICS_PORT=str(free_port()), STOKER_WORKER_ID=f"e2e-{names['run']}",
-               STOKER_DRAIN_TIMEOUT_S="10", STOKER_MAX_WAITING=str(settings.max_num_seqs))
+               STOKER_DRAIN_TIMEOUT_S="10", STOKER_MAX_WAITING=str(settings.max_num_seqs), STOKER_DEBUG_STAGES="1")
     return env
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.error
 import urllib.request
 
 import pytest
@@ -39,7 +40,7 @@ def test_the_log_keeps_the_latest_jobs_in_arrival_order_and_each_stages_first_va
 @pytest.mark.timeout(120)
 async def test_stages_per_job_match_the_histogram_and_are_served_at_stages(space, r) -> None:
     ids = [f"sl-{i}" for i in range(5)]
-    async with running_worker(space, fake_step_delay_s=0.004, metrics_port=0) as worker:
+    async with running_worker(space, fake_step_delay_s=0.004, metrics_port=0, debug_stages=True) as worker:
         await produce(space.bootstrap, space.names.jobs_topic, [job(i, max_tokens=4) for i in ids])
         await wait_results(r, space.names, ids, timeout=60)
         assert worker.health is not None and worker.health.port
@@ -54,3 +55,18 @@ async def test_stages_per_job_match_the_histogram_and_are_served_at_stages(space
         assert 0 <= row["engine_added"] <= row["first_output"], row
     for s in STAGES:  # the same figures as the histogram's, job by job (it sums seconds, floored at 0)
         assert sum(max(0.0, rows[i][s]) for i in ids) / 1000 == pytest.approx(sums[s], abs=5e-6 * len(ids)), s
+
+
+@pytest.mark.stack
+@pytest.mark.timeout(120)
+async def test_stages_are_off_by_default_since_they_list_request_ids(space, r) -> None:
+    ids = [f"off-{i}" for i in range(3)]
+    async with running_worker(space, fake_step_delay_s=0.004, metrics_port=0) as worker:
+        await produce(space.bootstrap, space.names.jobs_topic, [job(i, max_tokens=4) for i in ids])
+        await wait_results(r, space.names, ids, timeout=60)
+        assert worker.health is not None and worker.health.port
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            await asyncio.to_thread(_get, f"http://127.0.0.1:{worker.health.port}/stages")
+        assert worker.metrics.stage.labels("first_output").sum > 0  # the histogram still counts
+    assert refused.value.code == 404 and b"--debug-stages" in refused.value.read()
+    assert worker.metrics.job_stages.snapshot() == []  # and no id was kept

@@ -120,6 +120,7 @@ class WorkerConfig:
     switch_interval_s: float = 0.0005  # sys.setswitchinterval, set by worker.main (see there why)
     max_tenant_labels: int = 100  # distinct `tenant` metric labels; later tenants count as "other"
     log_prompts: bool = False
+    debug_stages: bool = False  # GET /stages on the health port (it lists request ids: off unless asked for)
     log_level: str = "INFO"
     log_format: str = "kv"  # kv | json
 

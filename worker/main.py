@@ -128,6 +128,9 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
     ("--max-tenant-labels", "STOKER_MAX_TENANT_LABELS", int, 100,
      "distinct `tenant` label values in metrics; later tenants are counted as `other`"),
     ("--log-prompts", "STOKER_LOG_PROMPTS", bool, False, "log prompt text (off: prompts may be private)"),
+    ("--debug-stages", "STOKER_DEBUG_STAGES", bool, False,
+     "serve GET /stages on the metrics port: the latest 256 jobs' request ids with their start stages (off: the "
+     "port is often reachable by more than those who may see request ids)"),
     ("--log-level", "STOKER_LOG_LEVEL", str, "INFO", "DEBUG|INFO|WARNING|ERROR"),
     ("--log-format", "STOKER_LOG_FORMAT", str, "kv", "kv or json"),
 ]

@@ -271,11 +271,12 @@ class WorkerMetrics:
 
 class HealthServer:
     """GET /metrics, /healthz (the process is alive and its loops run), /readyz (model loaded, consumer
-    joined: `ready()` says)."""
+    joined: `ready()` says), and /stages only when `stages` is on (--debug-stages: it lists request ids)."""
 
     def __init__(self, metrics: WorkerMetrics, ready: Callable[[], bool], healthy: Callable[[], bool],
-                 model_state: Callable[[str], str | None] | None = None):
+                 model_state: Callable[[str], str | None] | None = None, stages: bool = False):
         self.metrics, self.ready, self.healthy = metrics, ready, healthy
+        self.stages = stages
         self.model_state = model_state  # /readyz/<model>: that model's state (None: not served here)
         self._server: asyncio.Server | None = None
         self.port: int | None = None
@@ -308,8 +309,10 @@ class HealthServer:
             path = parts[1].split("?", 1)[0] if len(parts) >= 2 else ""
             if path == "/metrics":
                 status, body, ctype = 200, self.metrics.render(), CONTENT_TYPE_LATEST
-            elif path == "/stages":
+            elif path == "/stages" and self.stages:
                 status, body, ctype = 200, json.dumps(self.metrics.job_stages.snapshot()).encode(), "application/json"
+            elif path == "/stages":
+                status, body, ctype = 404, b"/stages is off: start the worker with --debug-stages\n", "text/plain"
             elif path == "/healthz":
                 ok = self.healthy()
                 status, body, ctype = (200 if ok else 503), (b"ok\n" if ok else b"unhealthy\n"), "text/plain"
@@ -319,7 +322,7 @@ class HealthServer:
             elif path.startswith("/readyz/") and self.model_state is not None:
                 status, body, ctype = self._model_ready(path.removeprefix("/readyz/"))
             else:
-                status, body, ctype = 404, b"not found: try /metrics, /healthz, /readyz, /stages\n", "text/plain"
+                status, body, ctype = 404, b"not found: try /metrics, /healthz, /readyz\n", "text/plain"
             reason = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}[status]
             writer.write(f"HTTP/1.0 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
                          f"Connection: close\r\n\r\n".encode() + body)

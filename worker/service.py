@@ -176,7 +176,8 @@ class Worker:
                            on_retry=lambda op, exc: self.metrics.redis_retries.labels(op).inc())
         if cfg.metrics_port >= 0:
             self.health = HealthServer(self.metrics, ready=lambda: self.ready, healthy=self._healthy,
-                                       model_state=lambda name: self._model_states().get(name, (None,))[0])
+                                       model_state=lambda name: self._model_states().get(name, (None,))[0],
+                                       stages=cfg.debug_stages)
             await self.health.start(cfg.metrics_host, cfg.metrics_port)
             log.info("event=metrics_listening port=%s", self.health.port)
         # Redis first: a worker that cannot log in must fail here, before it joins the group and takes
@@ -398,7 +399,7 @@ class Worker:
 
     def _observe(self, stage: str, record_ms: float, at_ms: float, request_id: str | None = None) -> None:
         self._stage[stage].observe(max(0.0, at_ms - record_ms) / 1000)
-        if request_id is not None:  # the job's own line at /stages (worker/stage_log.py)
+        if request_id is not None and self.cfg.debug_stages:  # the job's own line at /stages (stage_log.py)
             self.metrics.job_stages.note(request_id, stage, at_ms - record_ms)
 
     async def _intake(self, records: list[ConsumerRecord[Any, Any]], polled_ms: float) -> None:
