@@ -43,6 +43,11 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
+def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """A kernel's output against its plain-torch reference, within the dtype's TOLERANCE (compared in float32)."""
+    torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
 def cases(gpu_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)) -> list[Any]:
     """(device, dtype) parameters: fp32 and fp16 on the CPU under the interpreter, else gpu_dtypes on CUDA."""
     if INTERPRET:

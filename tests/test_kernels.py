@@ -16,7 +16,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-from kernel_harness import GPU, INTERPRET, NO_CUDA, TOLERANCE, cases, run_under_interpreter  # noqa: E402
+from kernel_harness import GPU, INTERPRET, NO_CUDA, cases, close, run_under_interpreter  # noqa: E402
 from stoker.engine.kernels import (  # noqa: E402  (after the interpreter fix above)
     paged_attention,
     paged_attention_ref,
@@ -36,10 +36,6 @@ from stoker.engine.kernels import (  # noqa: E402  (after the interpreter fix ab
 from stoker.engine.kernels.attention import decode_num_splits  # noqa: E402
 
 CASES = cases()
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
 # ---------------------------------------------------------------------------------------------- rms_norm

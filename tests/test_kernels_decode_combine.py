@@ -13,7 +13,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-from kernel_harness import GPU, INTERPRET, NO_CUDA, TOLERANCE, cases, run_under_interpreter  # noqa: E402
+from kernel_harness import GPU, INTERPRET, NO_CUDA, cases, close, run_under_interpreter  # noqa: E402
 from stoker.engine.kernels import attention  # noqa: E402
 from stoker.engine.kernels.attention import (  # noqa: E402
     decode_combine_counters,
@@ -24,10 +24,6 @@ from stoker.engine.layers.attention import FUSED_COMBINE_BATCHES, PagedAttention
 from test_kernels import paged_batch  # noqa: E402
 
 CASES = cases()
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
 class _NoSecondKernel:

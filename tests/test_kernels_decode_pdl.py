@@ -14,7 +14,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-from kernel_harness import GPU, INTERPRET, NO_CUDA, TOLERANCE, cases, run_under_interpreter  # noqa: E402
+from kernel_harness import GPU, INTERPRET, NO_CUDA, cases, close, run_under_interpreter  # noqa: E402
 from stoker.engine.kernels import rope_cos_sin  # noqa: E402
 from stoker.engine.kernels.attention import (  # noqa: E402
     decode_combine_counters,
@@ -25,10 +25,6 @@ from stoker.engine.kernels.gemv import gemv_rotary_cache_triton, gemv_triton  # 
 from test_kernels import paged_batch  # noqa: E402
 
 CASES = cases()
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
 def _decode(lens: list[int], hq: int, hkv: int, head_dim: int, block_size: int, device: str,

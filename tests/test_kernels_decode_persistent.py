@@ -7,10 +7,10 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-from kernel_harness import INTERPRET, cases, run_under_interpreter  # noqa: E402
+from kernel_harness import INTERPRET, cases, close, run_under_interpreter  # noqa: E402
 from stoker.engine.kernels import paged_decode_attention_ref  # noqa: E402
 from stoker.engine.kernels.decode_persistent import paged_decode_attention_persistent  # noqa: E402
-from test_kernels import close, paged_batch  # noqa: E402
+from test_kernels import paged_batch  # noqa: E402
 
 CASES = cases()
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-from kernel_harness import GPU, INTERPRET, NO_CUDA, TOLERANCE, cases, run_under_interpreter  # noqa: E402
+from kernel_harness import GPU, INTERPRET, NO_CUDA, cases, close, run_under_interpreter  # noqa: E402
 from stoker.engine.kernels import (  # noqa: E402  (after the interpreter fix above)
     paged_attention_ref,
     paged_attention_triton,
@@ -33,10 +33,6 @@ from test_kernels import ATTN_SHAPES, paged_batch  # noqa: E402
 
 CASES = cases()
 MIXED_SHAPES = [(17, 17), (5, 40), (1, 100), (1, 1), (0, 9), (3, 3), (37, 50)]  # (new queries, context)
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
 def fp8_batch(lens: list[int], hkv: int, head_dim: int, block_size: int, device: str

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-from kernel_harness import GPU, INTERPRET, NO_CUDA, TOLERANCE, cases, run_under_interpreter  # noqa: E402
+from kernel_harness import GPU, INTERPRET, NO_CUDA, TOLERANCE, cases, close, run_under_interpreter  # noqa: E402
 from stoker.engine.kernels import fused_linear, rope_cos_sin  # noqa: E402
 from stoker.engine.kernels.gemv import (  # noqa: E402
     GEMV_MAX_M,
@@ -33,10 +33,6 @@ M_PATHS = [(1, "auto"), (1, "dot"), (3, "auto"), (7, "auto")]
 if not INTERPRET:
     M_PATHS += [(3, "cores"), (16, "auto")]
 K, N = 200, 72  # neither a power of two; K spans several BLOCK_K slices and a masked tail
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
 def close_to_truth(actual: torch.Tensor, ref: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype) -> None:

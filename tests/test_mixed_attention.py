@@ -10,7 +10,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-from kernel_harness import INTERPRET, TOLERANCE, cases, run_under_interpreter  # noqa: E402
+from kernel_harness import INTERPRET, cases, close, run_under_interpreter  # noqa: E402
 from stoker.engine.batch import AttentionMetadata  # noqa: E402
 from stoker.engine.kernels import (  # noqa: E402  (after the interpreter fix above)
     paged_attention_ref,
@@ -21,10 +21,6 @@ from stoker.engine.layers.attention import PagedAttention  # noqa: E402
 from test_kernels import paged_batch  # noqa: E402
 
 CASES = cases()
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
 def mixed_meta(shapes: list[tuple[int, int]], num_decodes: int, block_tables: torch.Tensor,
