@@ -58,6 +58,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # ------------------------------------------------------------------------------------------------
+# The kernel files' interpreter runs, started together before the first test (tests/interpreter_runs.py).
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if os.environ.get("TRITON_INTERPRET") == "1" or session.config.option.collectonly:
+        return  # an interpreter run itself (its driver tests skip), or nothing will run
+    files = sorted({str(item.path) for item in session.items if item.name.endswith("_under_triton_interpreter")
+                    and not any(m.args and m.args[0] is True for m in item.iter_markers("skipif"))
+                    and not list(item.iter_markers("skip"))})
+    if not files:
+        return
+    import interpreter_runs
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"[interpreter] running {len(files)} kernel files under TRITON_INTERPRET=1 before the "
+                            "tests, as many at once as there are cores")
+    wall = interpreter_runs.run_all(files)
+    if reporter is not None:
+        reporter.write_line(f"[interpreter] done in {wall:.0f} s")
+
+
+# ------------------------------------------------------------------------------------------------
 # Kafka + Redis for the session.
 
 

@@ -7,10 +7,9 @@ under the interpreter. Import this after `pytest.importorskip("triton")`."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from typing import Any
 
+import interpreter_runs
 import pytest
 import torch
 
@@ -56,11 +55,8 @@ def cases(gpu_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, 
 
 
 def run_under_interpreter(test_file: str) -> None:
-    """Re-run a kernel test file on the CPU under TRITON_INTERPRET=1 and require that all of it passed."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", test_file, "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"],
-        env=env, capture_output=True, text=True, timeout=280,
-    )
+    """Re-run a kernel test file on the CPU under TRITON_INTERPRET=1 and require that all of it passed (the run
+    conftest.py started before the tests, when it did: tests/interpreter_runs.py)."""
+    run = interpreter_runs.result(test_file)
     assert run.returncode == 0, f"interpreter run failed:\n{run.stdout[-8000:]}\n{run.stderr[-4000:]}"
     assert " passed" in run.stdout and "failed" not in run.stdout, run.stdout[-2000:]
