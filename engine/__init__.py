@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from stoker.engine.config import EngineConfig
+from stoker.engine.heap import settle_heap
 from stoker.engine.outputs import EngineRequestError, EngineStats, RequestOutput, TokenLogprob, TopLogprob
 from stoker.engine.request import EngineRequest
 from stoker.engine.sampling_params import GuidedDecoding, SamplingParams
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EngineConfig", "EngineRequest", "EngineRequestError", "EngineStats", "GuidedDecoding", "LLMEngine",
-    "RequestOutput", "SamplingParams", "TokenLogprob", "TopLogprob", "WarmupReport", "warm_up",
+    "RequestOutput", "SamplingParams", "TokenLogprob", "TopLogprob", "WarmupReport", "settle_heap", "warm_up",
 ]
 
 

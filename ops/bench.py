@@ -593,6 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"startup: {r['warm_startup']}")
     r["heap"] = args.heap
     if args.heap == "worker":
+        from stoker.engine import settle_heap
+
         settle_heap()
     mc = eng.model_config
     # Bytes each decode step streams, as stored: FP8 weights (1 byte) and their float32 scales, the bf16
@@ -716,20 +718,6 @@ def measure_w1(eng, args: argparse.Namespace, vocab: int, floor_ms: float) -> tu
 def w1_summary(w1: dict[str, Any], startup: dict[str, Any]) -> dict[str, Any]:
     return {"tpot_ms": w1["tpot_ms"], "x_floor": w1["tpot_ms"] / w1["floor_ms"], "ttft_ms": w1["ttft_ms"],
             "decode": startup.get("decode_kernels"), "graph_capture_s": startup.get("graph_capture_s")}
-
-
-_GC_YOUNG_THRESHOLD = 20_000  # worker/main.py's (net new tracked objects before a young collection)
-
-
-def settle_heap() -> None:
-    """The worker's heap policy once its engine is loaded (worker/main.settle_heap, not imported: the worker's
-    imports need packages the GPU machine lacks): everything alive is frozen, so a full collection no longer
-    walks torch's and the model's objects, and the young generation outgrows a step's burst. Without it W2 on
-    the H200 (18:20 UTC, ops/step_trace.py --gpu-account) had a full collection of 100-145 ms every ~22 decode
-    steps, each leaving the GPU idle 64-109 ms (0.75-0.80 s a run): a cost the worker does not have."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(_GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
 
 
 def close_engine(eng) -> None:

@@ -509,11 +509,11 @@ def brief(s: dict[str, Any]) -> str:
 def engine_side(args: argparse.Namespace, path: str, rate: float, settings: Any) -> dict[str, Any]:
     """settings: the EngineConfig the worker was given (the two sides run the same engine settings)."""
     import bench
-    from stoker.engine import EngineRequest, SamplingParams
+    from stoker.engine import EngineRequest, SamplingParams, settle_heap
 
     r: dict[str, Any] = {"phases": {}}
     eng, r["ready_s"] = bench.start_engine(path, args.max_num_seqs, args.device, config=settings)
-    bench.settle_heap()  # the worker's heap policy once loaded: no full collection walks the model's objects
+    settle_heap()  # the worker's heap policy once loaded: no full collection walks the model's objects
     vocab = eng.model_config.vocab_size
     r["kv_blocks"] = getattr(eng.runner, "num_blocks", None)
     r["startup"] = dict(getattr(eng.runner, "startup", {}))

@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                          "the compiler's own, 80%% of the CPUs); the families compiled stay those of the default")
     ap.add_argument("--heap", choices=["worker", "default"], default="worker",
                     help="worker: the heap frozen and the young GC threshold raised once the engine is up, as the "
-                         "worker does (worker/main.settle_heap); default: Python's GC as it comes (runs before "
+                         "worker does (stoker.engine.settle_heap); default: Python's GC as it comes (runs before "
                          "21:00 UTC 2026-12-01)")
     ap.add_argument("--switch-interval", type=float, default=0.0005,
                     help="sys.setswitchinterval for the run (the worker's default, worker/config.py; Python's own "

@@ -4,7 +4,7 @@ and the garbage collections that ran inside each step (gc.callbacks).
 Used by ops/bench_guided.py. Issue 15's constrained step had means 4-6 ms above its p50 and a max of 154-175 ms
 in both the constrained and the unconstrained case (H200, 19:00 UTC): a tail of a few slow steps that the p50
 hides and the mean pays for. A full collection of a process that holds torch, the model and 1,024 requests'
-objects walks every tracked object (~100-150 ms, ops/bench.py settle_heap), which is what these record.
+objects walks every tracked object (~100-150 ms, stoker.engine.settle_heap), which is what these record.
 """
 
 from __future__ import annotations
@@ -82,11 +82,9 @@ class GcRecorder:
 
 def heap_policy(name: str) -> dict[str, Any]:
     """Set the process's GC policy for the cases that follow -> what was set. "worker": the worker's once its
-    engine is loaded (ops/bench.settle_heap, worker/main.settle_heap's twin: everything alive frozen, the young
-    generation raised); "default": Python's own (unfrozen, threshold 700)."""
+    engine is loaded (stoker.engine.settle_heap: everything alive frozen, the young generation raised); "default": Python's own (unfrozen, threshold 700)."""
     if name == "worker":
-        # late: bench imports torch, which the distribution helpers above do not need
-        from stoker.ops.bench import settle_heap
+        from stoker.engine import settle_heap
 
         settle_heap()
     elif name == "default":

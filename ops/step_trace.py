@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ab-mixed-split", action="store_true",
                     help="run the requests twice on one engine: EngineConfig.mixed_decode_attention off, then on")
     ap.add_argument("--settle-heap", action="store_true",
-                    help="freeze the heap after the warm-up, as the worker does once loaded (bench.settle_heap)")
+                    help="freeze the heap after the warm-up, as the worker does once loaded (stoker.engine.settle_heap)")
     ap.add_argument("--probe-steps", type=int, default=40,
                     help="with --ab-mixed-split or --probe-after: the probe run (window, mixed bench) stops after this "
                          "many steps")
@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON and tables (default $OUT)")
     args = ap.parse_args(argv)
     import bench
-    from stoker.engine import LLMEngine
+    from stoker.engine import LLMEngine, settle_heap
 
     path = args.model_dir or f"/tmp/stoker-bench-{args.shape}"
     if not (Path(path) / "config.json").exists():
@@ -507,7 +507,7 @@ def main(argv: list[str] | None = None) -> None:
     vocab = eng.model_config.vocab_size
     trace(eng, bench.random_prompts(2, args.prompt, vocab, 7), 4)  # first compiles and graph buckets: untimed
     if args.settle_heap:
-        bench.settle_heap()
+        settle_heap()
     prompts = bench.random_prompts(args.requests, args.prompt, vocab, 1)
     runs: dict[str, Any] = {}
     for label, split, probes in run_settings(args):

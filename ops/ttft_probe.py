@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import bench
     import torch
-    from stoker.engine import LLMEngine
+    from stoker.engine import LLMEngine, settle_heap
 
     path = args.model_dir or f"/tmp/stoker-bench-{args.shape}"
     cuda = args.device.startswith("cuda")
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, prompt in enumerate(warm):  # untimed: every condition's first run (allocator, cuBLAS plans)
         set_condition(eng, conditions[i % len(conditions)])
         one_run(eng, marks, phases, prompt, args.new, f"warm{i}")
-    bench.settle_heap()  # as the worker does once loaded
+    settle_heap()  # as the worker does once loaded
     prompts = bench.random_prompts(args.runs * len(conditions) * len(gaps), args.prompt, vocab, 1)
     print("per run: condition, gap ms, then ms: " + ", ".join(FIELDS), flush=True)
     rows: list[dict[str, Any]] = []

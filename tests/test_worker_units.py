@@ -311,10 +311,11 @@ def test_settle_heap_freezes_the_startup_heap_and_widens_the_young_generation():
     import subprocess
     import sys
 
-    code = ("import gc, json; from stoker.worker.main import settle_heap, _GC_YOUNG_THRESHOLD; import stoker.worker.service\n"
+    code = ("import gc, json; from stoker.worker.main import settle_heap; import stoker.worker.service\n"
+            "from stoker.engine.heap import YOUNG_THRESHOLD\n"
             "before = len(gc.get_objects()); settle_heap(); after = len(gc.get_objects())\n"
             "runs = gc.get_stats()[0]['collections']\n"
-            "burst = [[i] for i in range(_GC_YOUNG_THRESHOLD // 2)]\n"  # short-lived containers, as in a step
+            "burst = [[i] for i in range(YOUNG_THRESHOLD // 2)]\n"  # short-lived containers, as in a step
             "print(json.dumps([before, gc.get_freeze_count(), after, gc.get_threshold()[0],"
             " gc.get_stats()[0]['collections'] - runs]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)

@@ -8,7 +8,6 @@ the same settings (--bootstrap-servers, --job-topic, --redis-url, --prefix; test
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import logging
 import signal
@@ -18,6 +17,7 @@ from importlib import metadata
 from typing import Any
 
 import click
+from stoker.engine import settle_heap
 from stoker.worker.config import WorkerConfig, default_worker_id
 from stoker.worker.model_specs import ModelSpec
 
@@ -306,22 +306,6 @@ def _build_one(cfg: WorkerConfig, spec: ModelSpec | None) -> Any:
 
 
 _WARMED: set[str | None] = set()  # the models this process has warmed up in full (by served name)
-
-
-_GC_YOUNG_THRESHOLD = 20_000  # net new tracked objects before a young collection (Python's default: 700)
-
-
-def settle_heap() -> None:
-    """Once loaded, before serving. Everything made so far (modules, the model, the warm-up's leftovers) lives
-    as long as the process: frozen, a full collection no longer walks it (with torch and the engine imported,
-    193,000 tracked objects: 150 ms a full collection on the 2-core development VM, under 1 ms frozen). And a
-    young generation larger than a step's burst of objects that die within the step (an output, its token list
-    and a chunk per running request: thousands at 1,024 requests): at Python's default of 700 the bursts alone
-    set off ~14 collections a second (ops/bench_transport.py --phases paced: 0.013 cores of the worker's
-    ~0.15, none at 20,000)."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(_GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
 
 
 async def serve(cfg: WorkerConfig) -> None:
