@@ -82,7 +82,8 @@ class GcRecorder:
 
 def heap_policy(name: str) -> dict[str, Any]:
     """Set the process's GC policy for the cases that follow -> what was set. "worker": the worker's once its
-    engine is loaded (stoker.engine.settle_heap: everything alive frozen, the young generation raised); "default": Python's own (unfrozen, threshold 700)."""
+    engine is loaded (stoker.engine.settle_heap: everything alive frozen, the young generation raised);
+    "default": Python's own (unfrozen, threshold 700)."""
     if name == "worker":
         from stoker.engine import settle_heap
 
