@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from stoker.engine.config import EngineConfig
 from stoker.engine.heap import settle_heap
+from stoker.engine.os_threads import name_os_thread
 from stoker.engine.outputs import EngineRequestError, EngineStats, RequestOutput, TokenLogprob, TopLogprob
 from stoker.engine.request import EngineRequest
 from stoker.engine.sampling_params import GuidedDecoding, SamplingParams
@@ -21,7 +22,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EngineConfig", "EngineRequest", "EngineRequestError", "EngineStats", "GuidedDecoding", "LLMEngine",
-    "RequestOutput", "SamplingParams", "TokenLogprob", "TopLogprob", "WarmupReport", "settle_heap", "warm_up",
+    "RequestOutput", "SamplingParams", "TokenLogprob", "TopLogprob", "WarmupReport", "name_os_thread", "settle_heap",
+    "warm_up",
 ]
 
 

@@ -32,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from stoker.engine.grammar_masks import MaskStaging
+from stoker.engine.os_threads import name_os_thread
 from stoker.engine.sampling_params import GuidedDecoding
 
 _CACHE_SIZE = 256  # distinct (kind, spec) kept compiled; pipelines send the same schema thousands of times
@@ -136,7 +137,8 @@ class GrammarCompiler:
         queues a step's advance, then the next step's fill, and works meanwhile). That thread mostly waits on
         llguidance's executor, which runs without the GIL."""
         if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar", initializer=name_os_thread,
+                                              initargs=("stoker-grammar",))
         return self._worker.submit(fn, *args)
 
     def new_state(self, guided: GuidedDecoding) -> GrammarState:

@@ -219,6 +219,33 @@ def proc_cpu_s(pid: int, tid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_s(pid: int) -> dict[int, tuple[str, float]]:
+    """{tid: (its name in the kernel, utime + stime)} of every thread of pid now (the worker names its own:
+    stoker-engine, stoker-grammar, stoker-compile; its main thread, tid == pid, is the event loop)."""
+    out: dict[int, tuple[str, float]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError, ValueError):  # a thread that ended meanwhile
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                comm = f.read().strip()
+            out[int(tid)] = (comm, proc_cpu_s(pid, int(tid)))
+    return out
+
+
+def thread_cores(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], pid: int,
+                 wall: float) -> dict[str, float]:
+    """CPU cores per thread name between two thread_cpu_s snapshots (threads of one name summed; the main
+    thread as "loop"), largest first, those under 0.005 cores left out."""
+    by_name: dict[str, float] = {}
+    for tid, (comm, cpu) in after.items():
+        name = "loop" if tid == pid else comm
+        by_name[name] = by_name.get(name, 0.0) + (cpu - before.get(tid, (comm, 0.0))[1]) / wall
+    return {k: round(v, 3) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1]) if v >= 0.005}
+
+
+def threads_text(cores: dict[str, float] | None) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in cores.items()) if cores else ""
+
+
 def scrape(port: int) -> dict[str, float]:
     """The worker's /metrics as {series with labels: value}."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
@@ -278,11 +305,15 @@ def worker_env(settings: Any, defaults: Any, accepted: set[str]) -> tuple[dict[s
 
 
 class Worker:
-    def __init__(self, env: dict[str, str], log_path: Path):
+    def __init__(self, env: dict[str, str], log_path: Path, profile_out: Path | None = None):
         self.log_path = log_path
         self.port = int(env["STOKER_METRICS_PORT"])
         self.t0 = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "stoker.worker.main"], env=env, cwd=ROOT,
+        cmd = [sys.executable, "-m", "stoker.worker.main"]
+        if profile_out is not None:  # the engine thread under cProfile (ops/profile_worker.py)
+            cmd = [sys.executable, str(ROOT / "ops" / "profile_worker.py")]
+            env = {**env, "STOKER_PROFILE_OUT": str(profile_out)}
+        self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT,
                                      stdout=open(log_path, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
 
     def ready(self) -> bool:
@@ -352,7 +383,8 @@ def queue_side(args: argparse.Namespace, path: str, vocab: int, settings: Any, e
     wenv.update(worker_env_vars(args, path, settings, bootstrap, redis_url, names, r))
     log_path = Path(args.log_dir) / "worker.log"
     log(f"worker starting (log {log_path})")
-    worker = Worker(wenv, log_path)
+    profile_out = Path(args.log_dir) / "worker_engine.prof" if args.profile_worker else None
+    worker = Worker(wenv, log_path, profile_out)
     pool.alive = lambda: worker.proc.poll() is None
     warmup = KafkaWarmup(bootstrap, args.kafka_warmup)
     if args.kafka_warmup:
@@ -369,6 +401,7 @@ def queue_side(args: argparse.Namespace, path: str, vocab: int, settings: Any, e
         def phase(name: str, n: int, prompt: int, new: int, rate: float = 0.0, runs: int = 1,
                   procs: int = 1, per_job: bool = False) -> dict[str, Any]:
             seen = {row["request_id"] for row in job_stages(worker.port)} if per_job else set()
+            threads0 = thread_cpu_s(pid)
             m0, cpu0, loop0, t0 = scrape(worker.port), proc_cpu_s(pid), proc_cpu_s(pid, pid), time.monotonic()
             records: list[list[Any]] = []
             client_cpu = 0.0
@@ -378,9 +411,11 @@ def queue_side(args: argparse.Namespace, path: str, vocab: int, settings: Any, e
                 client_cpu += cpu
             wall = time.monotonic() - t0
             cpu1, loop1, m1 = proc_cpu_s(pid), proc_cpu_s(pid, pid), scrape(worker.port)
+            threads1 = thread_cpu_s(pid)
             s = summarize(records)
             s.update(worker_cpu_s=cpu1 - cpu0, worker_cpu_cores=(cpu1 - cpu0) / wall, phase_wall_s=wall,
                      worker_loop_cpu_cores=(loop1 - loop0) / wall,
+                     worker_thread_cores=thread_cores(threads0, threads1, pid, wall),
                      client_cpu_cores=client_cpu / wall, load_procs=procs, stages_ms=stage_means(m0, m1))
             if runs > 1:  # per-run TTFTs: the spread of a single request's
                 s["ttft_runs_ms"] = [round((x[1] - x[0]) * 1e3, 2) for x in records if x[1] is not None]
@@ -389,6 +424,7 @@ def queue_side(args: argparse.Namespace, path: str, vocab: int, settings: Any, e
                                                       if row["request_id"] not in seen])
             r["phases"][name] = s
             log(f"{name}: {brief(s)}")
+            log(f"{name}: worker threads, cores: {threads_text(s['worker_thread_cores'])}")
             return s
 
         phase("first", args.first_n, args.prompt, args.first_new)
@@ -421,7 +457,23 @@ def queue_side(args: argparse.Namespace, path: str, vocab: int, settings: Any, e
         pool.close()
         r["worker_exit"] = worker.stop()
         r["worker_log_tail"] = worker.tail(15)
+    if profile_out is not None:
+        print_profile(profile_out)
     return r
+
+
+def print_profile(path: Path, top: int = 45) -> None:
+    """The worker engine thread's cProfile (--profile-worker), by own time, into the log and beside the stats."""
+    import io
+    import pstats
+
+    if not path.exists():
+        log(f"no engine-thread profile at {path} (the worker did not stop its engine thread)")
+        return
+    buf = io.StringIO()
+    pstats.Stats(str(path), stream=buf).sort_stats("tottime").print_stats(top)
+    path.with_suffix(".txt").write_text(buf.getvalue())
+    log(f"the worker's engine thread under cProfile (shares only), top {top} by own time:\n{buf.getvalue()}")
 
 
 def job_stages(port: int) -> list[dict[str, Any]]:
@@ -567,22 +619,24 @@ def engine_side(args: argparse.Namespace, path: str, rate: float, settings: Any)
               warm: bool = False) -> None:
         records: list[list[Any]] = []
         scheduled.clear()
+        threads0 = thread_cpu_s(os.getpid())
         ru0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
         for i in range(runs):
             records += run(bench.random_prompts(n, prompt, vocab, 100 + i + len(r["phases"])), new, arrivals)
         wall = time.monotonic() - t0
         ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        threads1 = thread_cpu_s(os.getpid())
         if warm:
             return
         s = summarize(records)
         s.update(process_cpu_cores=(ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime) / wall,
-                 phase_wall_s=wall)
+                 phase_wall_s=wall, thread_cores=thread_cores(threads0, threads1, os.getpid(), wall))
         if runs > 1:
             s["ttft_runs_ms"] = [round((x[1] - x[0]) * 1e3, 2) for x in records if x[1] is not None]
         if scheduled:
             s["add_to_scheduled_ms_mean"] = sum(scheduled) / len(scheduled)
         r["phases"][name] = s
-        log(f"engine {name}: {brief(s)}")
+        log(f"engine {name}: {brief(s)}; threads, cores: {threads_text(s['thread_cores'])}")
 
     phase("first", args.first_n, args.prompt, args.first_new)
     phase("warm", 1, args.prompt, 16, warm=True)  # as ops/bench.py does before W1
@@ -642,6 +696,9 @@ def table(q: dict[str, Any], e: dict[str, Any], args: argparse.Namespace) -> lis
         row(f"{w2}: CPU cores (worker / engine process)", g(qp, "W2", "worker_cpu_cores"),
             g(ep, "W2", "process_cpu_cores"))
         row(f"{w2}: worker loop-thread CPU cores (the event path)", g(qp, "W2", "worker_loop_cpu_cores"), None)
+        rows.append((f"{w2}: CPU cores by thread (engine alone: its stepping thread is \"loop\", the main one)",
+                     threads_text(qp.get("W2", {}).get("worker_thread_cores")),
+                     threads_text(ep.get("W2", {}).get("thread_cores")), ""))
     curve = [*([1] if 1 in args.concurrency else []), *curve_points(args),
              *([args.w2_requests] if args.w2_requests in args.concurrency else [])]
     for c in curve:
@@ -764,6 +821,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="start: a private broker + Redis (ports below); external: KAFKA_BOOTSTRAP_SERVERS/REDIS_URL")
     ap.add_argument("--kafka-port", type=int, default=19092)
     ap.add_argument("--redis-port", type=int, default=16379)
+    ap.add_argument("--profile-worker", action="store_true",
+                    help="the worker's engine thread under cProfile (ops/profile_worker.py): its top functions by own "
+                         "time; that run's CPU and timing figures are cProfile's, not the worker's")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-queue", action="store_true", help="the engine alone (its rate phase: --rate or 1/s)")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/e2e.json when OUT is set)")

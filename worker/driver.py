@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from stoker.engine import EngineRequest, EngineStats, RequestOutput
+from stoker.engine import EngineRequest, EngineStats, RequestOutput, name_os_thread
 
 log = logging.getLogger("stoker.worker.driver")
 
@@ -116,6 +116,7 @@ class EngineDriver:
 
     def _run(self) -> None:
         # The loop: wait for work and for the publisher to keep up, step, hand the outputs over.
+        name_os_thread("stoker-engine")
         engine = self.engine
         while True:
             with self._cond:

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from stoker.engine import EngineRequest, EngineRequestError
+from stoker.engine import EngineRequest, EngineRequestError, name_os_thread
 
 log = logging.getLogger("stoker.worker.grammar")
 _TIMED_OUT_KEPT = 1024  # distinct specs remembered as too slow (a flood of one hostile schema costs one thread)
@@ -63,7 +63,8 @@ class GrammarGate:
         self._engine = engine
         self._timeout_s = timeout_s
         self._threads = threads
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="stoker-grammar")
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="stoker-compile", initializer=name_os_thread,
+                                        initargs=("stoker-compile",))
         self._free = threads  # compile threads not running a compile (a timed-out one still holds its thread)
         self._slot_freed = asyncio.Event()
         self._aborts: dict[str, asyncio.Event] = {}  # request id -> set by abort(), for each compile underway
