@@ -262,8 +262,7 @@ class LLMEngine:
         left to the caller -> (this step, None)."""
         now_ms = time.time() * 1000
         self.last_step_tokens = out.num_batched_tokens
-        decodes = sum(c.start >= c.seq.num_prompt_tokens for c in out.chunks)
-        self.last_step_mixed = 0 < decodes < len(out.chunks)  # decodes and prompt chunks in one forward
+        self.last_step_mixed = 0 < out.num_decodes < len(out.chunks)  # decodes and prompt chunks in one forward
         requests = self._requests
         sampling: list[ScheduledChunk] = []
         for chunk in out.chunks:

@@ -60,11 +60,10 @@ class ScheduledChunk:
     seq: Sequence
     start: int  # == seq.num_computed_tokens when scheduled
     num_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """True when the chunk reaches the sequence's last token, so its last logits give the next token."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+    # The chunk reaches the sequence's last token, so its last logits give the next token. Set when scheduled
+    # (start + num_tokens == seq.num_tokens then; update_from_launch's placeholder makes seq one longer after):
+    # read three times per sequence per step, it was a property over two len() calls each time.
+    samples: bool
 
 
 @dataclass(slots=True)
@@ -85,10 +84,11 @@ class SchedulerOutput:
     ended: list[Sequence] = field(default_factory=list)
     # Running sequences pushed back to waiting this step (blocks freed, num_computed_tokens reset to 0).
     preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+    # Chunks that decode (start at or past their prompt's end), counted as they are scheduled: with prompt
+    # chunks beside them the forward is a mixed step.
+    num_decodes: int = 0
+    # Tokens of all chunks, summed as they are scheduled.
+    num_batched_tokens: int = 0
 
 
 class Scheduler:
@@ -191,7 +191,10 @@ class Scheduler:
                 self._preempt(victim, out)
                 if victim is seq:
                     return budget
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+            computed, num_prompt = seq.num_computed_tokens, len(seq.prompt_token_ids)
+            out.chunks.append(ScheduledChunk(seq, computed, num_new, computed + num_new == num_prompt + num_outputs))
+            out.num_decodes += computed >= num_prompt
+            out.num_batched_tokens += num_new
             budget -= num_new
             index += 1
         return budget
@@ -218,7 +221,10 @@ class Scheduler:
             seq.num_computed_tokens = match.num_tokens
             seq.status = SequenceStatus.RUNNING
             insort(self.running, seq, key=_order)
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new,
+                                             seq.num_computed_tokens + num_new == seq.num_tokens))
+            out.num_decodes += seq.num_computed_tokens >= len(seq.prompt_token_ids)
+            out.num_batched_tokens += num_new
             budget -= num_new
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:

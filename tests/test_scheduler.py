@@ -132,6 +132,10 @@ class Harness:
     def check(self, out: SchedulerOutput) -> None:
         sched, bs = self.scheduler, self.config.block_size
         assert out.num_batched_tokens <= self.config.max_num_batched_tokens
+        # The counts and flags the scheduler records as it schedules equal what they stand for.
+        assert out.num_batched_tokens == sum(chunk.num_tokens for chunk in out.chunks)
+        assert out.num_decodes == sum(chunk.start >= chunk.seq.num_prompt_tokens for chunk in out.chunks)
+        assert [c.samples for c in out.chunks] == [c.start + c.num_tokens == c.seq.num_tokens for c in out.chunks]
         assert sched.num_running <= self.config.max_num_seqs
         scheduled = [chunk.seq for chunk in out.chunks]
         assert len(set(map(id, scheduled))) == len(scheduled), "a sequence scheduled twice"
