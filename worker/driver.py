@@ -176,10 +176,7 @@ class EngineDriver:
 
 def _has_first_token(outputs: list[RequestOutput]) -> bool:
     """A request's first tokens are among them (all its tokens so far are new in this step)."""
-    for out in outputs:  # (a plain loop: half the time of any() over a generator, per output per step)
-        if out.completion_tokens == len(out.new_token_ids) and out.new_token_ids:
-            return True
-    return False
+    return any(out.new_token_ids and out.completion_tokens == len(out.new_token_ids) for out in outputs)
 
 
 def _resolve(waiters: list[asyncio.Future[None]]) -> None:
