@@ -1,5 +1,5 @@
 """A job that wakes an idle engine is claimed once the engine's step has launched it (Worker._until_launched,
-EngineDriver.add_request's future; off by default, claim_after_launch_s=0), and a first token's publish holds
+EngineDriver.add_request's future; at most claim_after_launch_s, 5 ms by default), and a first token's publish holds
 the engine thread's next step back (first_token_wait_s): the engine's host work and the loop's do not share the
 GIL at those two points (W1's TTFT through the queue, issue 12). The driver alone, then the worker against the real Kafka and
 Redis with a stand-in engine that steps as the overlapped CUDA engine does (step() returns at the launch)."""
@@ -214,13 +214,30 @@ async def test_the_claim_waits_for_the_launch_no_longer_than_claim_after_launch_
 
 @pytest.mark.stack
 @pytest.mark.timeout(120)
-async def test_by_default_the_claim_goes_out_at_once_even_to_an_overlapped_engine(space, r):
-    """claim_after_launch_s defaults to 0 (the H200 showed no gain: the config's comment): the claim of a job
-    that woke an idle engine leaves before the step that took it in returns."""
+async def test_by_default_the_claim_waits_for_the_launch_at_most_5_ms(space, r):
+    """claim_after_launch_s defaults to 5 ms (the config's comment: W1's TTFT on the H200): the claim of a job
+    that woke an idle engine whose step has not returned leaves 5 ms after the add, long before that step
+    returns."""
     names = space.names
     engine = LaunchingEngine(launch_s=1.0)
     async with running_worker(space, engine) as worker:
-        assert worker.cfg.claim_after_launch_s == 0
+        assert worker.cfg.claim_after_launch_s == 0.005
+        claimed = time_claims(worker)
+        await produce(space.bootstrap, names.jobs_topic, [job("a", max_tokens=3)])
+        results = await wait_results(r, names, ["a"], timeout=30)
+    launched = next(at for at, ids in engine.returns if "a" in ids)
+    assert 0.005 <= claimed["a"] - engine.added["a"] < 0.5 and claimed["a"] < launched - 0.4
+    check_sequence(results["a"])
+
+
+@pytest.mark.stack
+@pytest.mark.timeout(120)
+async def test_with_claim_after_launch_0_the_claim_goes_out_at_once_even_to_an_overlapped_engine(space, r):
+    """claim_after_launch_s=0: the claim of a job that woke an idle engine leaves in the same pass of the loop
+    as the add, before the step that took it in returns."""
+    names = space.names
+    engine = LaunchingEngine(launch_s=1.0)
+    async with running_worker(space, engine, claim_after_launch_s=0.0) as worker:
         claimed = time_claims(worker)
         await produce(space.bootstrap, names.jobs_topic, [job("a", max_tokens=3)])
         results = await wait_results(r, names, ["a"], timeout=30)

@@ -94,9 +94,11 @@ class WorkerConfig:
     stream_maxlen: int = 10_000
     claim_ttl_s: float = 10.0
     # A job that wakes an idle engine is claimed once the engine's step has launched it, waiting at most this
-    # long (Worker._until_launched). Off (0: claim at once): on the H200 the prefill step's step() returned
-    # more than 10 ms after the add, so the wait only moved the claim into that step (BENCHMARKS.md, call 2)
-    claim_after_launch_s: float = 0.0
+    # long (Worker._until_launched; 0: claim at once). With the prefill step replayed as a CUDA graph its step()
+    # returns soon after the add, and W1's TTFT on the H200 was 1.0 ms lower with 5 ms than with 0 (16.16 vs
+    # 17.18 ms p50, 56 lone requests each, BENCHMARKS.md 2026-12-02); before those graphs the wait only moved
+    # the claim into that step, and it was off.
+    claim_after_launch_s: float = 0.005
     # The engine thread waits at most this long for a step's first tokens to be published before its next
     # step (EngineDriver._let_first_tokens_out; overlapped engines; 0: never)
     first_token_wait_s: float = 0.002

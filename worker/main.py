@@ -105,9 +105,9 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
      "least length each request stream keeps; raised to max_attempts x (max_model_len + 1) + 1, so even the "
      "longest request the engine can run keeps every chunk for late readers"),
     ("--claim-ttl-s", "STOKER_CLAIM_TTL_S", float, 10.0, "claim TTL (renewed every third of it)"),
-    ("--claim-after-launch-s", "STOKER_CLAIM_AFTER_LAUNCH_S", float, 0.0,
+    ("--claim-after-launch-s", "STOKER_CLAIM_AFTER_LAUNCH_S", float, 0.005,
      "a job that wakes an idle engine is claimed once its first step has returned, waiting at most this long "
-     "(that step's host work needs the GIL the claim would hold; 0, the default: claim at once)"),
+     "(that step's host work needs the GIL the claim would hold; 0: claim at once)"),
     ("--first-token-wait-s", "STOKER_FIRST_TOKEN_WAIT_S", float, 0.002,
      "the engine thread waits at most this long for a step's first tokens to be published before its next "
      "step, whose host work would hold the GIL the publish needs (overlapped engines; 0: never)"),

@@ -604,9 +604,9 @@ class Worker:
         """Jobs started early woke an idle engine: their claim waits until its step has launched them (at most
         claim_after_launch_s). That step's host work (schedule, prepare, the prefill's launches) needs the GIL,
         which this loop would hold meanwhile to send the claim and read its answer; after the launch the loop's
-        work overlaps the GPU's instead, and the claim's round trip still ends long before a prefill does. Off by
-        default: on the H200 a 512-token prefill step returned > 10 ms after the add (it blocks before its
-        launch is done), so the claim only moved into that step (BENCHMARKS.md, W1's TTFT, call 2)."""
+        work overlaps the GPU's instead, and the claim's round trip still ends long before a prefill does. It
+        pays since the prefill step is a CUDA graph replay (W1's TTFT 1.0 ms lower on the H200); before that, a
+        512-token prefill step returned > 10 ms after the add and the claim only moved into it (BENCHMARKS.md)."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.cfg.claim_after_launch_s):
                 await asyncio.gather(*launches)
