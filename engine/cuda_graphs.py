@@ -18,7 +18,10 @@ would hold them (ModelRunner._decode_launch): only variants the capture compiled
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import time
+from collections.abc import Iterator
 
 import torch
 from stoker.engine.batch import AttentionMetadata, ModelInput, resolve_pending
@@ -56,6 +59,27 @@ def pick_bucket(sizes: list[int], n: int) -> int:
     if n < 1 or i == len(sizes):
         raise ValueError(f"no CUDA-graph bucket for a batch of {n} (buckets {sizes[0]}..{sizes[-1]})")
     return sizes[i]
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic collector off (in every thread) while CUDA graphs are captured; as it was after.
+
+    torch.cuda.graph captures in "global" error mode: while it captures, a CUDA call that is not allowed during a
+    capture, from any thread, invalidates it. A collection that ran then would free what only it can free, such as
+    an earlier engine's CUDA graphs left in a reference cycle, whose destructors reset them
+    (cudaGraphExecDestroy): the capture fails with cudaErrorStreamCaptureInvalidated at its next launch. The one
+    capture failure seen on the H200 (a GPU test process that had built engines before; BENCHMARKS.md 2026-12-02)
+    printed such resets refused mid-capture: the likely cause, not reproduced. A worker reloading a model
+    (worker/models.py) captures while its event loop allocates. Paused, such garbage waits for the first
+    collection after the capture."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class DecodeGraphs:
@@ -125,13 +149,14 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         if self.with_logits:  # on the current stream, which replays use (not the side stream's pool)
             self.logits = torch.empty(self.max_batch, out.shape[1], dtype=out.dtype, device=self.device)
-        for b in reversed(self.sizes):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._forward(b)
-            if not self.with_logits:
-                self.hidden[b] = out
-            self.graphs[b] = graph
+        with collector_paused():
+            for b in reversed(self.sizes):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._forward(b)
+                if not self.with_logits:
+                    self.hidden[b] = out
+                self.graphs[b] = graph
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
         return self.capture_s

@@ -24,6 +24,7 @@ import time
 
 import torch
 from stoker.engine.batch import AttentionMetadata, ModelInput
+from stoker.engine.cuda_graphs import collector_paused
 from stoker.engine.models.base import CausalLM
 
 FINE_STEP = 64  # tokens between buckets up to COARSE_FROM
@@ -84,11 +85,12 @@ class PrefillGraphs:
         self.logits = torch.empty(1, out.shape[1], dtype=out.dtype, device=self.device)
         pool = torch.cuda.graph_pool_handle()
         reserved = torch.cuda.memory_reserved(self.device)
-        for tokens in reversed(self.sizes):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._forward(tokens)
-            self.graphs[tokens] = graph
+        with collector_paused():  # (cuda_graphs.collector_paused says why)
+            for tokens in reversed(self.sizes):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._forward(tokens)
+                self.graphs[tokens] = graph
         torch.cuda.synchronize(self.device)
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved  # what the graphs keep (startup report)
         return time.perf_counter() - t0
