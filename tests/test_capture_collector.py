@@ -82,8 +82,8 @@ def test_a_capture_with_an_old_graph_in_garbage_succeeds(eager_collector) -> Non
     old = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        (x * 2).sum()
+    with torch.cuda.stream(side):  # every kernel the captures use, loaded before them
+        ((x * 2) * 3 + 1).sum()
     torch.cuda.current_stream().wait_stream(side)
     with torch.cuda.graph(old):
         y_old = x * 2
