@@ -214,36 +214,23 @@ async def test_the_claim_waits_for_the_launch_no_longer_than_claim_after_launch_
 
 @pytest.mark.stack
 @pytest.mark.timeout(120)
-async def test_by_default_the_claim_waits_for_the_launch_at_most_5_ms(space, r):
+@pytest.mark.parametrize(("setting", "waits"), [(None, (0.005, 0.5)), (0.0, (0.0, 0.005))],
+                         ids=["default-5ms", "zero-at-once"])
+async def test_the_claim_of_a_job_that_woke_an_overlapped_engine(space, r, setting, waits):
     """claim_after_launch_s defaults to 5 ms (the config's comment: W1's TTFT on the H200): the claim of a job
     that woke an idle engine whose step has not returned leaves 5 ms after the add, long before that step
-    returns."""
+    returns. With 0 it leaves in the same pass of the loop as the add (no await between them)."""
     names = space.names
     engine = LaunchingEngine(launch_s=1.0)
-    async with running_worker(space, engine) as worker:
-        assert worker.cfg.claim_after_launch_s == 0.005
+    overrides = {} if setting is None else {"claim_after_launch_s": setting}
+    async with running_worker(space, engine, **overrides) as worker:
+        assert worker.cfg.claim_after_launch_s == (0.005 if setting is None else setting)
         claimed = time_claims(worker)
         await produce(space.bootstrap, names.jobs_topic, [job("a", max_tokens=3)])
         results = await wait_results(r, names, ["a"], timeout=30)
     launched = next(at for at, ids in engine.returns if "a" in ids)
-    assert 0.005 <= claimed["a"] - engine.added["a"] < 0.5 and claimed["a"] < launched - 0.4
-    check_sequence(results["a"])
-
-
-@pytest.mark.stack
-@pytest.mark.timeout(120)
-async def test_with_claim_after_launch_0_the_claim_goes_out_at_once_even_to_an_overlapped_engine(space, r):
-    """claim_after_launch_s=0: the claim of a job that woke an idle engine leaves in the same pass of the loop
-    as the add, before the step that took it in returns."""
-    names = space.names
-    engine = LaunchingEngine(launch_s=1.0)
-    async with running_worker(space, engine, claim_after_launch_s=0.0) as worker:
-        claimed = time_claims(worker)
-        await produce(space.bootstrap, names.jobs_topic, [job("a", max_tokens=3)])
-        results = await wait_results(r, names, ["a"], timeout=30)
-    launched = next(at for at, ids in engine.returns if "a" in ids)
-    # In the same pass of the loop as the add (no await between them), long before the 1 s step returned.
-    assert 0 <= claimed["a"] - engine.added["a"] < 0.005 and claimed["a"] < launched - 0.5
+    low, high = waits
+    assert low <= claimed["a"] - engine.added["a"] < high and claimed["a"] < launched - 0.4
     check_sequence(results["a"])
 
 
