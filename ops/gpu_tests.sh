@@ -1,0 +1,22 @@
+#!/bin/bash
+# The GPU tests on a device machine in one call: `pytest -m gpu` over several pytest-xdist workers (the GPU image
+# has pytest-xdist), each test file on one worker (--dist loadfile: a file's Triton compiles stay in one process).
+# Session 8 ran the same tests as 8 hand-made shards and under `-n 4` (BENCHMARKS.md, 2026-12-02); on 16 cores
+# the 821 took ~130 s of wall at 8 at once. E.g. with the device tool:
+#
+#   run(command="bash ops/gpu_tests.sh", carry=[".gpu-stack"], timeout_s=400)
+#   run(command="bash ops/gpu_tests.sh tests/test_capture_collector.py tests/test_gpu_engine.py", ...)
+#
+# Arguments go to pytest in place of `tests`. GPU_TEST_WORKERS sets the workers (default 8). The collection
+# imports the worker's modules, so the packed stack's wheels come first (ops/gpu_stack_env). Writes
+# $OUT/gpu_tests.log (a line per failure, error and skip reason at its end).
+export PYTHONUNBUFFERED=1 PYTEST_ADDOPTS="-p no:warnings"
+OUT=${OUT:-/tmp}
+# shellcheck source=/dev/null
+source ops/gpu_stack_env > "$OUT/gpu_stack_env.log" 2>&1 || { cat "$OUT/gpu_stack_env.log"; exit 1; }
+[ $# -eq 0 ] && set -- tests
+python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu -n "${GPU_TEST_WORKERS:-8}" --dist loadfile "$@" \
+  > "$OUT/gpu_tests.log" 2>&1
+rc=$?
+tail -40 "$OUT/gpu_tests.log"
+exit $rc
