@@ -1,8 +1,8 @@
 #!/bin/bash
 # The GPU tests on a device machine in one call: `pytest -m gpu` over several pytest-xdist workers (the GPU image
 # has pytest-xdist), each test file on one worker (--dist loadfile: a file's Triton compiles stay in one process).
-# Session 8 ran the same tests as 8 hand-made shards and under `-n 4` (BENCHMARKS.md, 2026-12-02); on 16 cores
-# the 821 took ~130 s of wall at 8 at once. E.g. with the device tool:
+# Session 8 ran the same tests as 8 hand-made shards at once on 16 cores and under `-n 4` (BENCHMARKS.md,
+# 2026-12-02): seven shards took 49-129 s each, the one holding test_kernels.py more than 170 s. E.g.:
 #
 #   run(command="bash ops/gpu_tests.sh", carry=[".gpu-stack"], timeout_s=400)
 #   run(command="bash ops/gpu_tests.sh tests/test_capture_collector.py tests/test_gpu_engine.py", ...)
