@@ -304,18 +304,9 @@ class StepProbe:
 
 def thread_cpu() -> dict[str, float]:
     """CPU seconds (user + system) of each thread of this process, keyed "name:tid" (from /proc)."""
-    tick, out = os.sysconf("SC_CLK_TCK"), {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # fields from the 3rd on: utime, stime are 14, 15
-        out[f"{stat[stat.index('(') + 1 : stat.rindex(')')]}:{tid}"] = (
-            int(fields[11]) + int(fields[12])
-        ) / tick
-    return out
+    from stoker.ops.proc_cpu import threads_cpu_s
+
+    return {f"{name}:{tid}": cpu for tid, (name, cpu) in threads_cpu_s().items()}
 
 
 def busiest_threads(before: dict[str, float], after: dict[str, float], n: int = 6) -> list[tuple[str, float]]:

@@ -48,6 +48,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "ops"))
 sys.path.insert(0, str(ROOT))
 
+from stoker.ops.proc_cpu import cpu_s, threads_cpu_s  # noqa: E402
+
+
 # Each engine setting of ops/bench.py's EngineConfig, as the worker's environment variable and the value it
 # reads there (booleans the worker spells as --no-* switches: "1" turns the feature off). Checked at start
 # against the variables `stoker-worker --help` lists.
@@ -211,29 +214,9 @@ class LoadPool:
 
 
 # ---- the worker ---------------------------------------------------------------------------------------
-def proc_cpu_s(pid: int, tid: int | None = None) -> float:
-    """utime + stime of every thread, or of thread `tid` alone (the worker's main thread, pid itself, is its
-    asyncio loop: the event path with the Kafka and Redis clients; the engine steps on another thread)."""
-    with open(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def thread_cpu_s(pid: int) -> dict[int, tuple[str, float]]:
-    """{tid: (its name in the kernel, utime + stime)} of every thread of pid now (the worker names its own:
-    stoker-engine, stoker-grammar, stoker-compile; its main thread, tid == pid, is the event loop)."""
-    out: dict[int, tuple[str, float]] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError, ValueError):  # a thread that ended meanwhile
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                comm = f.read().strip()
-            out[int(tid)] = (comm, proc_cpu_s(pid, int(tid)))
-    return out
-
-
 def thread_cores(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], pid: int,
                  wall: float) -> dict[str, float]:
-    """CPU cores per thread name between two thread_cpu_s snapshots (threads of one name summed; the main
+    """CPU cores per thread name between two threads_cpu_s snapshots (threads of one name summed; the main
     thread as "loop"), largest first, those under 0.005 cores left out."""
     by_name: dict[str, float] = {}
     for tid, (comm, cpu) in after.items():
@@ -401,8 +384,8 @@ def queue_side(args: argparse.Namespace, path: str, vocab: int, settings: Any, e
         def phase(name: str, n: int, prompt: int, new: int, rate: float = 0.0, runs: int = 1,
                   procs: int = 1, per_job: bool = False) -> dict[str, Any]:
             seen = {row["request_id"] for row in job_stages(worker.port)} if per_job else set()
-            threads0 = thread_cpu_s(pid)
-            m0, cpu0, loop0, t0 = scrape(worker.port), proc_cpu_s(pid), proc_cpu_s(pid, pid), time.monotonic()
+            threads0 = threads_cpu_s(pid)  # (the main thread, pid itself, is the worker's event loop)
+            m0, cpu0, t0 = scrape(worker.port), cpu_s(pid), time.monotonic()
             records: list[list[Any]] = []
             client_cpu = 0.0
             for i in range(runs):
@@ -410,11 +393,11 @@ def queue_side(args: argparse.Namespace, path: str, vocab: int, settings: Any, e
                 records += recs
                 client_cpu += cpu
             wall = time.monotonic() - t0
-            cpu1, loop1, m1 = proc_cpu_s(pid), proc_cpu_s(pid, pid), scrape(worker.port)
-            threads1 = thread_cpu_s(pid)
+            cpu1, m1 = cpu_s(pid), scrape(worker.port)
+            threads1 = threads_cpu_s(pid)
             s = summarize(records)
             s.update(worker_cpu_s=cpu1 - cpu0, worker_cpu_cores=(cpu1 - cpu0) / wall, phase_wall_s=wall,
-                     worker_loop_cpu_cores=(loop1 - loop0) / wall,
+                     worker_loop_cpu_cores=(threads1[pid][1] - threads0[pid][1]) / wall,
                      worker_thread_cores=thread_cores(threads0, threads1, pid, wall),
                      client_cpu_cores=client_cpu / wall, load_procs=procs, stages_ms=stage_means(m0, m1))
             if runs > 1:  # per-run TTFTs: the spread of a single request's
@@ -619,13 +602,13 @@ def engine_side(args: argparse.Namespace, path: str, rate: float, settings: Any)
               warm: bool = False) -> None:
         records: list[list[Any]] = []
         scheduled.clear()
-        threads0 = thread_cpu_s(os.getpid())
+        threads0 = threads_cpu_s()
         ru0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
         for i in range(runs):
             records += run(bench.random_prompts(n, prompt, vocab, 100 + i + len(r["phases"])), new, arrivals)
         wall = time.monotonic() - t0
         ru1 = resource.getrusage(resource.RUSAGE_SELF)
-        threads1 = thread_cpu_s(os.getpid())
+        threads1 = threads_cpu_s()
         if warm:
             return
         s = summarize(records)
