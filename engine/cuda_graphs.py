@@ -70,7 +70,9 @@ def collector_paused() -> Iterator[None]:
     an earlier engine's CUDA graphs left in a reference cycle, whose destructors reset them
     (cudaGraphExecDestroy): the capture fails with cudaErrorStreamCaptureInvalidated at its next launch. The one
     capture failure seen on the H200 (a GPU test process that had built engines before; BENCHMARKS.md 2026-12-02)
-    printed such resets refused mid-capture: the likely cause, not reproduced. A worker reloading a model
+    printed such resets refused mid-capture; the same made on purpose (an old graph in a cycle that becomes garbage
+    mid-capture, the collector at every allocation) fails that way on the H200 without the pause and captures
+    with it (tests/test_capture_collector.py). A worker reloading a model
     (worker/models.py) captures while its event loop allocates. Paused, such garbage waits for the first
     collection after the capture."""
     enabled = gc.isenabled()

@@ -13,7 +13,8 @@ Pieces (see ../shared/notes/queue-on-a-gpu-machine.md for why each is as it is):
                         the rest of its ldd closure (lib-spare/: gpu_stack_env copies in only those the
                         target machine lacks, so none of them shadow the machine's own)
   wheels/               msgspec, aiokafka, redis, async-timeout, llguidance, starlette, uvicorn,
-                        python-multipart for cp312 manylinux x86_64 (wheels/spare:
+                        python-multipart, and the GPU tests' jsonschema and openai with what they need,
+                        for cp312 manylinux x86_64 (wheels/spare:
                         packaging and typing_extensions, installed only when the target lacks them)
   manifest.txt          versions and sizes
 --check unpacks the result into a temporary folder and starts the broker and Redis from it (private ports
@@ -46,9 +47,14 @@ KEEP_PLATFORMS = ("linux/amd64/", "linux/x86_64/")  # compared lower-case: snapp
 # aiokafka needs: those travel as spares): the worker's (msgspec, aiokafka, redis), constrained decoding's
 # (llguidance) and the gateway's (starlette, uvicorn, python-multipart: ops/bench_batch.py runs it).
 # Versions follow the project's venv when it has them.
-WHEELS = ("msgspec", "aiokafka", "redis", "async-timeout", "llguidance", "starlette", "uvicorn", "python-multipart")
+# Then what the GPU tests import that the image lacks (ops/gpu_tests.sh: test_gateway, test_structured_output and
+# test_worker_engine import jsonschema; test_batch_api the official openai client), with what those need.
+WHEELS = ("msgspec", "aiokafka", "redis", "async-timeout", "llguidance", "starlette", "uvicorn", "python-multipart",
+          "jsonschema", "jsonschema-specifications", "referencing", "rpds-py",
+          "openai", "pydantic", "pydantic-core", "typing-inspection", "annotated-types", "jiter", "distro", "sniffio",
+          "httpx2", "httpcore2", "truststore")
 # What those need that the GPU image already holds (KINDS.md's package list): not packed.
-ON_GPU_IMAGE = ("anyio", "click", "h11")
+ON_GPU_IMAGE = ("anyio", "click", "h11", "attrs", "httpx", "tqdm", "idna")
 SPARE_WHEELS = ("packaging", "typing_extensions")
 GLIBC = ("linux-vdso", "libc.so", "libm.so", "libdl.so", "libpthread.so", "librt.so", "ld-linux")
 # Beside glibc, the libraries the note found missing on the GPU machine: always put in lib/.
@@ -227,7 +233,7 @@ def requires(wheel: Path) -> list[str]:
             continue
         req = line.split(":", 1)[1].strip()
         marker = req.split(";", 1)[1] if ";" in req else ""
-        if "extra" in marker or "< '3.11" in marker or '< "3.11' in marker:
+        if "extra" in marker or "< '3.11" in marker or '< "3.11' in marker or "== 'emscripten'" in marker:
             continue
         out.append(req.split(";")[0].strip())
     return out

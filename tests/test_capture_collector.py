@@ -88,14 +88,19 @@ def test_a_capture_with_an_old_graph_in_garbage_succeeds(eager_collector) -> Non
     with torch.cuda.graph(old):
         y_old = x * 2
     log: list[str] = []
-    _Garbage(log, (old, y_old))  # the old graph now dies only in a collection
+    held = [old, y_old]
     del old, y_old
     graph = torch.cuda.CUDAGraph()
     with collector_paused(), torch.cuda.graph(graph):
         y = x * 3
+        # The old graph becomes garbage only now, mid-capture (made before, a collection at threshold 1 would
+        # free it before the capture began: harmless, and not the case).
+        _Garbage(log, tuple(held))
+        held.clear()
         _churn()  # at threshold 1, a collection here would free the old graph mid-capture
         y = y + 1
-    assert log == []
+        freed_mid_capture = list(log)  # read inside: the first allocation after the pause collects it
+    assert freed_mid_capture == []
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, torch.full_like(x, 4.0))
