@@ -53,10 +53,11 @@ class OutputProcessor:
     def detokenize(state: RequestState, token_id: int) -> tuple[str, bool]:
         """A new token of a running sequence (before the scheduler fills its placeholder) -> (text delta,
         whether a stop string ended here). Stop strings count only once min_tokens are out."""
-        seq = state.seq
-        past_min = seq.num_known_output_tokens + 1 >= seq.params.min_tokens
-        text = state.detokenizer.add_token(token_id, past_min)
-        return text, state.detokenizer.stopped
+        detokenizer, seq = state.detokenizer, state.seq
+        # (min_tokens matters only to stop strings: the common request has none, and skips the count)
+        past_min = not detokenizer.stop or seq.num_known_output_tokens + 1 >= seq.params.min_tokens
+        text = detokenizer.add_token(token_id, past_min)
+        return text, detokenizer.stopped
 
     def unpack(self, out: SamplerOutput, seqs: list[Sequence]) -> list[SampleResult]:
         """The sampler's host tensors -> one result per row (row i is seqs[i])."""

@@ -148,6 +148,61 @@ def test_one_failing_request_does_not_fail_the_engine(engine, monkeypatch):
     assert engine.stats().kv_blocks_free == 16
 
 
+def test_a_request_whose_detokenization_fails_ends_alone_on_the_plain_path(engine, monkeypatch):
+    """The common step (no grammar, penalties or logprobs: LLMEngine._finish_plain) fails a row alone too."""
+    from stoker.engine.output_processor import OutputProcessor
+
+    original = OutputProcessor.detokenize
+    calls = {"bad": 0}
+
+    def detokenize(state, token_id):
+        if state.seq.request_id == "bad":
+            calls["bad"] += 1
+            if calls["bad"] == 2:  # its second token
+                raise RuntimeError("detok boom")
+        return original(state, token_id)
+
+    monkeypatch.setattr(OutputProcessor, "detokenize", staticmethod(detokenize))
+    ps = prompts(34, [5, 7])
+    engine.add_request(EngineRequest("ok", prompt_token_ids=ps[0], params=GREEDY))
+    engine.add_request(EngineRequest("bad", prompt_token_ids=ps[1], params=GREEDY))
+    outs = drain(engine)
+    assert outs["bad"][-1].error_code == "internal" and "detok boom" in (outs["bad"][-1].error_message or "")
+    assert outs["bad"][-1].finished and outs["bad"][-1].completion_tokens == 1  # the one before the failure
+    assert outs["ok"][-1].finish_reason == "length" and outs["ok"][-1].completion_tokens == 4
+    assert engine.stats().kv_blocks_free == 16
+
+
+def test_a_sample_that_fails_to_reach_the_host_fails_its_rows_not_the_engine(engine, monkeypatch):
+    """The step's one wait for the sampled tokens raising (a failed copy): every row of that step ends with an
+    error, the engine goes on with the next request."""
+    from stoker.engine.model_runner import PendingSample
+
+    original = PendingSample.wait
+    failing = {"left": 1}
+
+    def wait(self):
+        out = original(self)
+        if failing["left"] and len(out.token_ids) == 2 and engine.stats().num_running == 2:
+            failing["left"] -= 1
+            raise RuntimeError("copy boom")
+        return out
+
+    monkeypatch.setattr(PendingSample, "wait", wait)
+    ps = prompts(35, [5, 7, 6])
+    engine.add_request(EngineRequest("a", prompt_token_ids=ps[0], params=GREEDY))
+    engine.add_request(EngineRequest("b", prompt_token_ids=ps[1], params=GREEDY))
+    outs = drain(engine)
+    assert failing["left"] == 0
+    for rid in ("a", "b"):
+        assert outs[rid][-1].error_code == "internal" and "copy boom" in (outs[rid][-1].error_message or "")
+        assert outs[rid][-1].finished
+    engine.add_request(EngineRequest("c", prompt_token_ids=ps[2], params=GREEDY))
+    outs = drain(engine)
+    assert outs["c"][-1].finish_reason == "length" and outs["c"][-1].completion_tokens == 4
+    assert engine.stats().kv_blocks_free == 16
+
+
 def test_concurrent_adds_while_stepping(engine):
     ps = prompts(33, [4] * 24)
     results: dict[str, list[RequestOutput]] = {}
