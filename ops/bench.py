@@ -231,14 +231,16 @@ def decode_setting(text: str) -> dict[str, Any]:
 
 
 def start_engine(path: str, max_num_seqs: int, device: str = "cuda", quantization: str | None = None,
-                 tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto", decode: str = "auto", config=None):
+                 tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto", decode: str = "auto", config=None,
+                 max_num_batched_tokens: int = 8192):
     """The engine and its seconds to ready; `config` (an EngineConfig) replaces the other settings when given."""
     from stoker.engine import LLMEngine
 
     t0 = time.perf_counter()
     if config is None:
         config = engine_config(path, max_num_seqs, device, quantization, tensor_parallel_size=tensor_parallel_size,
-                               kv_cache_dtype=kv_cache_dtype, decode=decode)
+                               kv_cache_dtype=kv_cache_dtype, decode=decode,
+                               max_num_batched_tokens=max_num_batched_tokens)
     eng = LLMEngine(config)
     if str(config.device).startswith("cuda"):
         torch.cuda.synchronize()
@@ -525,6 +527,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heap", choices=["worker", "default"], default="worker",
                     help="worker: freeze the heap after the warm start and raise the young GC threshold, as the worker "
                          "does once loaded (settle_heap); default: Python's GC as it comes")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                    help="the engine's token budget per step (EngineConfig.max_num_batched_tokens): W2's prefill chunk size")
     ap.add_argument("--mixed-split", default="on",
                     help="EngineConfig.mixed_decode_attention for W2: on | off | a comma list (W2 once per setting on "
                          "the same engine, in order; the last one is the table's W2 and --profile's)")
@@ -570,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         eng, r["cold_ready_s"] = start_engine(path, args.max_num_seqs, quantization=quantization,
                                               tensor_parallel_size=args.tensor_parallel,
-                                              kv_cache_dtype=args.kv_cache_dtype, decode=decodes[0])
+                                              kv_cache_dtype=args.kv_cache_dtype, decode=decodes[0],
+                                              max_num_batched_tokens=args.max_num_batched_tokens)
         r["cold_startup"] = {k: v for k, v in eng.runner.startup.items()}
         eng.close()  # tensor parallel: its rank processes hold the other GPUs
         del eng
@@ -579,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     log("warm start")
     eng, r["warm_ready_s"] = start_engine(path, args.max_num_seqs, quantization=quantization,
                                           tensor_parallel_size=args.tensor_parallel, kv_cache_dtype=args.kv_cache_dtype,
-                                          decode=decodes[0])
+                                          decode=decodes[0], max_num_batched_tokens=args.max_num_batched_tokens)
     r["warm_startup"] = dict(eng.runner.startup)
     log(f"startup: {r['warm_startup']}")
     r["heap"] = args.heap
@@ -727,7 +732,7 @@ def finish(eng, r: dict[str, Any], args: argparse.Namespace, path: str, decodes:
         log(f"W1 with --decode-kernels {decode}")
         eng, _ = start_engine(path, args.max_num_seqs, quantization=quantization,
                               tensor_parallel_size=args.tensor_parallel, kv_cache_dtype=args.kv_cache_dtype,
-                              decode=decode)
+                              decode=decode, max_num_batched_tokens=args.max_num_batched_tokens)
         w1, _ = measure_w1(eng, args, eng.model_config.vocab_size, r["w1"]["floor_ms"])
         r["w1_by_decode"][decode] = w1_summary(w1, eng.runner.startup)
         log(f"W1 {decode}: {r['w1_by_decode'][decode]}")
@@ -879,6 +884,8 @@ def print_table(r: dict[str, Any], args: argparse.Namespace) -> None:
         *w1_rows(r, hf),
         *w1_decode_rows(r),
         *(w2_rows(r, args) if "w2" in r else []),
+        *([("W2 token budget per step (--max-num-batched-tokens)", str(args.max_num_batched_tokens), "", "", "")]
+          if "w2" in r else []),
         *mixed_split_rows(r),
         (
             "W3 weights on GPU (warm)",
