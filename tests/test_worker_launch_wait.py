@@ -166,6 +166,65 @@ async def test_after_a_first_token_the_next_step_waits_for_its_publish_at_most_f
     assert engine.starts[2] - sunk[1][0] < 0.04 and engine.starts[3] - sunk[2][0] < 0.04
 
 
+class WaitingEngine(LaunchingEngine):
+    """An overlapped stand-in whose step() spends `launch_s` launching, then calls before_gpu_wait (as LLMEngine
+    does before its one host sync) and sleeps `gpu_s` waiting for the GPU, then returns its outputs."""
+
+    def __init__(self, launch_s: float, gpu_s: float):
+        super().__init__()
+        self.before_gpu_wait = None
+        self.launch_s_each, self.gpu_s = launch_s, gpu_s
+        self.hooks: list[float] = []  # epoch s of each before_gpu_wait call
+
+    def step(self) -> list[RequestOutput]:
+        self.starts.append(time.time())
+        time.sleep(self.launch_s_each)
+        if self.before_gpu_wait is not None:
+            self.hooks.append(time.time())
+            self.before_gpu_wait()
+        time.sleep(self.gpu_s)
+        outputs = FakeEngine.step(self)
+        self.returns.append((time.time(), []))
+        return outputs
+
+
+@pytest.mark.parametrize("hold", [True, False])
+async def test_outputs_without_a_first_token_are_handed_over_at_the_next_steps_gpu_wait(hold: bool):
+    """hand_off_at_gpu_wait: a step's outputs reach the loop when the next step is about to wait for the GPU (so the
+    loop's work on them overlaps that wait, not the next launch); a first token's step goes at once, and the last
+    step's outputs when the engine goes idle. Off: every step's at its return. In order, none lost, either way."""
+    loop = asyncio.get_running_loop()
+    engine = WaitingEngine(launch_s=0.06, gpu_s=0.1)
+    sunk: list[tuple[float, int, bool]] = []  # (epoch s, the request's completion tokens, finished)
+
+    def sink(outs: list[RequestOutput], stats: object, ms: float) -> None:
+        sunk.extend((time.time(), o.completion_tokens, o.finished) for o in outs)
+        driver.published()
+
+    driver = EngineDriver(engine, loop, sink, max_unpublished_steps=100, hand_off_at_gpu_wait=hold)
+    assert (engine.before_gpu_wait is not None) is hold
+    driver.start()
+    try:
+        await until_idle(driver)
+        driver.add_request(request("a", max_tokens=5))
+        for _ in range(300):
+            if sunk and sunk[-1][2]:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        driver.stop()
+    assert [(n, done) for _, n, done in sunk] == [(1, False), (2, False), (3, False), (4, False), (5, True)]
+    returned = [at for at, _ in engine.returns]
+    waits = [start + engine.launch_s_each for start in engine.starts]  # when each step reaches its GPU wait
+    assert sunk[0][0] - returned[0] < 0.05  # the first token: at once
+    for k in (1, 2, 3):  # tokens 2-4 (step k's): at step k + 1's GPU wait, or at step k's return
+        if hold:
+            assert waits[k + 1] - 0.005 <= sunk[k][0] < waits[k + 1] + 0.05
+        else:
+            assert sunk[k][0] - returned[k] < 0.05 and sunk[k][0] < waits[k + 1] - 0.02
+    assert sunk[4][0] - returned[4] < 0.05  # the last: the engine went idle, nothing to wait in
+
+
 # -- the worker -----------------------------------------------------------------------------------------------
 def time_claims(worker: Worker) -> dict[str, float]:
     """Wrap the running worker's claim round: job id -> when its claim went out (filled as the worker runs)."""
