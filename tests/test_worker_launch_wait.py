@@ -323,10 +323,13 @@ async def test_the_stage_scheduled_is_the_engines_first_step_of_the_job(space, r
 @pytest.mark.stack
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-async def test_the_real_engine_with_overlapped_steps_runs_lone_jobs_through_both_hand_offs(space, r, tiny_model):
+@pytest.mark.parametrize("gpu_wait_handoff", [False, True])
+async def test_the_real_engine_with_overlapped_steps_runs_lone_jobs_through_both_hand_offs(space, r, tiny_model,
+                                                                                          gpu_wait_handoff: bool):
     """The CUDA engine's path on the CPU: LLMEngine with async_scheduling on, so each lone job is claimed after
     its launch and its first token's publish holds the next step back; every job's text equals the engine
-    alone's (greedy), and both hand-offs ran (the claim after the step that took the job in)."""
+    alone's (greedy), and both hand-offs ran (the claim after the step that took the job in). With
+    gpu_wait_handoff, later tokens' outputs also went to the loop from inside the next step (its GPU wait)."""
     from stoker.engine import EngineConfig, LLMEngine
 
     def engine(overlapped: bool) -> LLMEngine:
@@ -355,10 +358,21 @@ async def test_the_real_engine_with_overlapped_steps_runs_lone_jobs_through_both
     overlapped.step = timed_step  # type: ignore[method-assign]
     claimed: list[float] = []
     results = {}
+    handed_in_wait: list[bool] = []  # per before_gpu_wait call: outputs were held for it
     async with running_worker(space, overlapped, fake_engine=False, model=tiny_model, claim_after_launch_s=1.0,
-                              first_token_wait_s=0.05) as worker:
-        assert worker.rio is not None
+                              first_token_wait_s=0.05, gpu_wait_handoff=gpu_wait_handoff) as worker:
+        assert worker.rio is not None and worker.driver is not None
         admit = worker.rio.admit
+        hand = overlapped.before_gpu_wait
+        assert (hand is not None) is gpu_wait_handoff
+        if hand is not None:
+            driver = worker.driver
+
+            def counted_hand() -> None:
+                handed_in_wait.append(driver._held is not None)
+                hand()
+
+            overlapped.before_gpu_wait = counted_hand
 
         async def timed_admit(ids: list[str]) -> list[tuple[Admission, int]]:
             claimed.append(time.time())
@@ -372,6 +386,7 @@ async def test_the_real_engine_with_overlapped_steps_runs_lone_jobs_through_both
     for rid, outcome in results.items():
         check_sequence(outcome)
         assert isinstance(outcome.terminal, Done) and outcome.terminal.text == expected[rid]
+    assert any(handed_in_wait) is gpu_wait_handoff
     launches = [at for at, took_in in steps if took_in]
     assert len(launches) == len(claimed) == len(prompts)
     assert all(launch <= claim for launch, claim in zip(launches, claimed, strict=True))
