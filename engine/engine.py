@@ -54,16 +54,6 @@ class _Launched:
     parts: list[tuple[int, PendingSample | Exception]]
 
 
-@dataclass(slots=True)
-class _Waited:
-    """A sample part whose host tensors were already waited for (PendingSample's wait(), done)."""
-
-    host: Any
-
-    def wait(self) -> Any:
-        return self.host
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -331,17 +321,16 @@ class LLMEngine:
         if self.before_gpu_wait is not None:
             self.before_gpu_wait()
         seqs = [c.seq for c in launched.sampling]
-        parts: list[tuple[int, PendingSample | _Waited | Exception]] = list(launched.parts)
+        parts = launched.parts
         if not self._num_history and len(parts) == 1 and isinstance(parts[0][1], PendingSample):
             try:
-                host = parts[0][1].wait()
+                host = parts[0][1].wait()  # (once: the path below waits on it again for nothing)
                 token_ids = host.token_ids.tolist() if host.logprobs is None else None  # None: logprobs asked
             except Exception as e:  # every row fails alone, as below
                 parts = [(0, e)]
             else:
                 if token_ids is not None:
                     return self._finish_plain(seqs, token_ids)
-                parts = [(0, _Waited(host))]  # the general path below, without waiting twice
         results: list[SampleResult] = []
         for k, (first, part) in enumerate(parts):
             end = parts[k + 1][0] if k + 1 < len(parts) else len(seqs)
@@ -380,10 +369,7 @@ class LLMEngine:
                 except Exception as e:
                     result = e
             done.append((req, result, text))
-        self._generation_tokens_total += len(sampled)
-        for seq in self.scheduler.update_from_output(sampled):
-            self._forget(seq)
-        return [self._output(req, result, text) for req, result, text in done]
+        return self._settle(sampled, done)
 
     def _finish_plain(self, seqs: list[Sequence], token_ids: list[int]) -> list[RequestOutput]:
         """_finish_step of the common step: one sample for all rows, which none failed, and no row with a grammar,
@@ -404,12 +390,16 @@ class LLMEngine:
                 continue
             sampled.append(SampledToken(seq, token, stop_string))
             done.append((req, (token, None), text))
+        return self._settle(sampled, done)
+
+    def _settle(self, sampled: list[SampledToken], done: list[tuple[_Request, SampleResult, str]]
+                ) -> list[RequestOutput]:
+        """The end of _finish_step's two paths: the scheduler takes the tokens (stop rule, ends), the ended are
+        forgotten, each row gets its output."""
         self._generation_tokens_total += len(sampled)
         for seq in self.scheduler.update_from_output(sampled):
             self._forget(seq)
-        output = self.outputs.output
-        return [output(req.state, [result[0]], text, None) if type(result) is tuple else self._output(req, result, text)
-                for req, result, text in done]
+        return [self._output(req, result, text) for req, result, text in done]
 
     def _advance_grammars(self, live: list[tuple[_Request, SampleResult]]) -> tuple[list[int], Any]:
         """Each constrained row's matcher consumes its sampled token: on the mask threads in one call queued on

@@ -225,6 +225,42 @@ async def test_outputs_without_a_first_token_are_handed_over_at_the_next_steps_g
     assert sunk[4][0] - returned[4] < 0.05  # the last: the engine went idle, nothing to wait in
 
 
+async def test_outputs_held_for_a_gpu_wait_still_reach_the_loop_when_the_next_step_breaks():
+    """hand_off_at_gpu_wait: the engine failing in the step that would have handed the held outputs over (before
+    its GPU wait) loses none of them: they reach the loop, then the broken engine's empty hand-over."""
+    loop = asyncio.get_running_loop()
+
+    class BreaksAtThird(WaitingEngine):
+        def step(self) -> list[RequestOutput]:
+            if len(self.starts) == 2:
+                self.starts.append(time.time())
+                raise RuntimeError("the GPU fell off")
+            return super().step()
+
+    engine = BreaksAtThird(launch_s=0.0, gpu_s=0.02)
+    sunk: list[tuple[int, bool] | str] = []  # (completion tokens, finished) per output; "fatal" for the break
+
+    def sink(outs: list[RequestOutput], stats: object, ms: float) -> None:
+        if driver.fatal is not None and not outs:
+            sunk.append("fatal")
+        sunk.extend((o.completion_tokens, o.finished) for o in outs)
+        driver.published()
+
+    driver = EngineDriver(engine, loop, sink, max_unpublished_steps=100, hand_off_at_gpu_wait=True)
+    driver.start()
+    try:
+        await until_idle(driver)
+        driver.add_request(request("a", max_tokens=5))
+        for _ in range(300):
+            if "fatal" in sunk:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        driver.stop()
+    # step 1's first token went at once, step 2's was held, step 3 raised before any GPU wait
+    assert sunk == [(1, False), (2, False), "fatal"]
+
+
 # -- the worker -----------------------------------------------------------------------------------------------
 def time_claims(worker: Worker) -> dict[str, float]:
     """Wrap the running worker's claim round: job id -> when its claim went out (filled as the worker runs)."""

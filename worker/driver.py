@@ -66,12 +66,14 @@ class EngineDriver:
         self._overlapped = getattr(engine, "async_scheduling", False) is True
         self._idle = False  # the thread sleeps in _run's wait (no work, or the publisher behind)
         self._step_waiters: list[asyncio.Future[None]] = []  # resolved when the current or next step() returns
-        # Outputs held for the GPU wait (see _hold): (outputs, stats, step end ms), handed over in step order.
+        # Outputs held for the next step's GPU wait (see _hand_held): (outputs, stats, step end ms), in step order.
         self._held: tuple[list[RequestOutput], EngineStats | None, float] | None = None
         self._hold_outputs = (hand_off_at_gpu_wait and self._overlapped
                               and hasattr(engine, "before_gpu_wait"))
         if self._hold_outputs:
             engine.before_gpu_wait = self._hand_held  # type: ignore[attr-defined]
+        # Whether a step's outputs must be searched for first tokens (never held; _let_first_tokens_out)
+        self._watch_first_tokens = self._overlapped and (self._hold_outputs or first_token_wait_s > 0)
         set_waker = getattr(engine, "set_waker", None)  # a ModelSet wakes us when a model loads or idles out
         if set_waker is not None:
             set_waker(self.notify)
@@ -157,18 +159,29 @@ class EngineDriver:
             if self._step_waiters:  # only after a wake-up from idle: a lone job's first step
                 self._release_waiters()
             self._hand_held()  # this step did not wait on the GPU: the outputs held before go first
-            if outputs and self._hold_outputs and not _has_first_token(outputs):
+            if not outputs:
+                continue
+            first = self._watch_first_tokens and _has_first_token(outputs)
+            if self._hold_outputs and not first:
                 self._held = (outputs, stats, time.time() * 1000)
-            elif outputs:
-                with self._cond:
-                    self._unpublished += 1
-                    handed = self._unpublished
-                try:
-                    self._loop.call_soon_threadsafe(self._sink, outputs, stats, time.time() * 1000)
-                except RuntimeError:  # the loop closed under us: shutting down
-                    return
-                if self._overlapped and self._first_token_wait_s > 0 and _has_first_token(outputs):
-                    self._let_first_tokens_out(handed)
+                continue
+            handed = self._hand_over(outputs, stats, time.time() * 1000)
+            if handed is None:  # the loop closed under us: shutting down
+                return
+            if first and self._first_token_wait_s > 0:
+                self._let_first_tokens_out(handed)
+
+    def _hand_over(self, outputs: list[RequestOutput], stats: EngineStats | None, step_ms: float) -> int | None:
+        """Outputs to the loop's sink, counted as unpublished until it acknowledges them (published()).
+        -> the unpublished count with them, or None when the loop has closed."""
+        with self._cond:
+            self._unpublished += 1
+            handed = self._unpublished
+        try:
+            self._loop.call_soon_threadsafe(self._sink, outputs, stats, step_ms)
+        except RuntimeError:
+            return None
+        return handed
 
     def _hand_held(self) -> None:
         """Hand the held outputs to the loop, if any (the engine thread only: the engine's before_gpu_wait, or
@@ -181,12 +194,8 @@ class EngineDriver:
         wait, the loop works while this thread sleeps on the GPU. The events leave later by the next step's
         launch work (~1 ms at batch 1, a few at 1,024); steps carrying a first token are never held."""
         held, self._held = self._held, None
-        if held is None:
-            return
-        with self._cond:
-            self._unpublished += 1
-        with contextlib.suppress(RuntimeError):  # the loop closed under us: shutting down
-            self._loop.call_soon_threadsafe(self._sink, *held)
+        if held is not None:
+            self._hand_over(*held)  # (a closed loop: shutting down; _run sees it at its own next hand-over)
 
     def _let_first_tokens_out(self, handed: int) -> None:
         """Wait (at most first_token_wait_s) until the loop has published the step just handed over, which
