@@ -185,6 +185,7 @@ class Chaos:
         self.redis_dir = work_dir / "redis"
         self.redis_proc: subprocess.Popen[bytes] | None = None
         self.workers: list[subprocess.Popen[bytes]] = []
+        self.worker_ids: dict[int, str] = {}  # pid -> its STOKER_WORKER_ID (the name its claims carry)
         self.proxies: dict[int, RedisProxy] = {}  # worker pid -> its own link to Redis
         self.worker_count = 0
         self.report = ChaosReport(jobs)
@@ -211,6 +212,7 @@ class Chaos:
     async def start_worker(self) -> subprocess.Popen[bytes]:
         """A worker process whose Redis link is a proxy of its own (so one worker's link can stall)."""
         self.worker_count += 1
+        worker_id = f"chaos-w{self.worker_count}"
         proxy = RedisProxy(self.redis_port)
         proxy_port = await proxy.start()
         env = dict(os.environ)
@@ -219,16 +221,27 @@ class Chaos:
                    STOKER_JOB_TOPIC=self.names.jobs_topic, STOKER_PREFIX=self.names.redis_prefix,
                    STOKER_GROUP_ID=self.group, STOKER_METRICS_PORT="-1", STOKER_FAKE_ENGINE="1",
                    STOKER_FAKE_STEP_DELAY_S=str(self.step_delay_s), STOKER_CLAIM_TTL_S=str(CLAIM_TTL_S),
-                   STOKER_DRAIN_TIMEOUT_S="5", PYTHONUNBUFFERED="1")
+                   STOKER_DRAIN_TIMEOUT_S="5", STOKER_WORKER_ID=worker_id, PYTHONUNBUFFERED="1")
         with open(self.work_dir / f"worker-{self.worker_count}.log", "ab") as out:
             proc = subprocess.Popen([sys.executable, "-m", "stoker.worker.main"], cwd=ROOT, env=env, stdout=out,
                                     stderr=subprocess.STDOUT)
         self.workers.append(proc)
         self.proxies[proc.pid] = proxy
+        self.worker_ids[proc.pid] = worker_id
         return proc
 
     def live_workers(self) -> list[subprocess.Popen[bytes]]:
         return [w for w in self.workers if w.poll() is None]
+
+    async def busiest_worker(self, r: aioredis.Redis, fallback: int) -> subprocess.Popen[bytes]:
+        """The live worker holding the most claims now (a claim lives while its job runs; its value is "<worker
+        id> <attempt>"), so that a fault hits running work; live_workers()[fallback] when none holds one."""
+        live = self.live_workers()
+        values = await r.mget([self.names.claim(i) for i in self.ids])
+        held = Counter(v.split()[0].decode() for v in values if v)
+        by_id = {self.worker_ids[w.pid]: w for w in live}
+        busy = [(n, by_id[wid]) for wid, n in held.most_common() if wid in by_id]
+        return busy[0][1] if busy else live[fallback]
 
     async def create_topics(self) -> None:
         admin = AIOKafkaAdminClient(bootstrap_servers=self.stack_cfg.kafka_bootstrap)
@@ -265,16 +278,16 @@ class Chaos:
             await asyncio.sleep(0.05)
 
     # -- faults ------------------------------------------------------------------------------------------
-    async def fault_sigkill(self) -> None:
-        victim = self.live_workers()[0]
+    async def fault_sigkill(self, r: aioredis.Redis) -> None:
+        victim = await self.busiest_worker(r, 0)
         victim.kill()
         victim.wait()
         self.report.faults.append("worker SIGKILL")
         await asyncio.sleep(1.0)
         await self.start_worker()
 
-    async def fault_sigstop(self) -> None:
-        victim = self.live_workers()[-1]
+    async def fault_sigstop(self, r: aioredis.Redis) -> None:
+        victim = await self.busiest_worker(r, -1)
         link = self.proxies[victim.pid]
         # Its link stalls first, with a publish in flight (a frozen VM, a long GC pause: the bytes it sent
         # arrive when it wakes). Then the process stops past the claim TTL and the group's session timeout
@@ -287,13 +300,13 @@ class Chaos:
         victim.send_signal(signal.SIGCONT)
         self.report.faults.append(f"worker SIGSTOP {CLAIM_TTL_S + 10:.0f} s")
 
-    async def fault_redis(self) -> None:
+    async def fault_redis(self, r: aioredis.Redis) -> None:
         self.kill_redis()
         await asyncio.sleep(5.0)
         self.start_redis()
         self.report.faults.append("Redis killed 5 s")
 
-    async def fault_broker(self) -> None:
+    async def fault_broker(self, r: aioredis.Redis) -> None:
         pid = stack.status(self.stack_cfg).kafka.pid
         if pid is None:
             raise RuntimeError("the private broker is not running")
@@ -321,7 +334,7 @@ class Chaos:
                 await self.produce(count)
                 await self.wait_streaming(r, self.ids[-count:])
                 self.log(f"[chaos] {len(self.ids)} jobs produced; fault: {fault.__name__[6:]}")
-                await fault()
+                await fault(r)
                 if fault == self.fault_redis:  # the test's own connections died with the server
                     await r.aclose()
                     r = aioredis.Redis.from_url(self.redis_url)
