@@ -67,7 +67,9 @@ class IncrementalDetokenizer:
         if utf8 is None or self.stop or self.stopped:
             return self.add([token], check_stop)
         table = self._bytes
-        piece = utf8.decode(table[token] if 0 <= token < len(table) else b"")
+        data = table[token] if 0 <= token < len(table) else b""
+        # ASCII with no unfinished character held (the decoder's .buffer): the decoder's work without its frame
+        piece = data.decode("ascii") if data.isascii() and not utf8.buffer else utf8.decode(data)
         if piece:
             self.text += piece
             self.emitted = len(self.text)

@@ -166,14 +166,16 @@ class ModelRunner:
         # Token ids: host values, or -1 - (row in prev_tokens) for a pending one (resolved on the device).
         ids = np.empty(num_tokens, np.int64)
         gather = False
-        for i, c in enumerate(decodes):
+        for i, c in enumerate(decodes):  # (per row per step: the known-token count inline)
             seq = c.seq
-            if seq.num_pending and c.start >= seq.num_known_tokens:
-                if prev_rows is None or seq not in prev_rows:
+            pending = seq.num_pending
+            if pending and c.start >= len(seq.prompt_token_ids) + len(seq.output_token_ids) - pending:
+                row = prev_rows.get(seq) if prev_rows is not None else None
+                if row is None:
                     raise RuntimeError(
                         f"{seq.request_id}: pending token at {c.start} without a step to read it from"
                     )
-                ids[i] = -1 - prev_rows[seq]
+                ids[i] = -1 - row
                 gather = True
             else:
                 ids[i] = seq.token_id_at(c.start)

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from stoker.engine.detokenizer import Decoder, IncrementalDetokenizer
 from stoker.engine.outputs import RequestOutput, TokenLogprob, TopLogprob
 from stoker.engine.sampler import SamplerOutput
-from stoker.engine.sequence import Sequence
+from stoker.engine.sequence import Sequence, SequenceStatus
+
+FINISHED = SequenceStatus.FINISHED
 
 
 @dataclass(slots=True)
@@ -75,6 +77,21 @@ class OutputProcessor:
             top = [TopLogprob(t, lp, text(t)) for t, lp in zip(top_ids[i][:n], top_lps[i][:n], strict=True)]
             results.append((token, TokenLogprob(token, lps[i], top, text(token))))
         return results
+
+    @staticmethod
+    def output_token(state: RequestState, token_id: int, text: str) -> RequestOutput:
+        """output(state, [token_id], text, None) for a request that asked for no logprobs: the common output,
+        once per running request per step."""
+        seq = state.seq
+        if seq.status is not FINISHED:
+            return RequestOutput(seq.request_id, [token_id], text, None, False, None, len(seq.prompt_token_ids),
+                                 len(seq.output_token_ids) - seq.num_pending, seq.num_cached_tokens,
+                                 state.first_scheduled_ms)
+        reason = seq.finish_reason
+        return RequestOutput(seq.request_id, [token_id], text + state.detokenizer.flush(), None, True,
+                             reason.value if reason is not None else None, len(seq.prompt_token_ids),
+                             len(seq.output_token_ids) - seq.num_pending, seq.num_cached_tokens,
+                             state.first_scheduled_ms)
 
     @staticmethod
     def output(

@@ -157,3 +157,21 @@ def test_byte_table_fast_path_equals_tokenizer_decode(tmp_path):
         deltas = [det.add([i]) for i in ids]
         assert "".join(deltas) + det.flush() == tok.decode(ids), ids
         assert all(not d.endswith("\ufffd") or "\ufffd" in tok.decode(ids) for d in deltas)
+        # add_token, the engine's per-token path (ASCII pieces skip the incremental decoder unless it holds
+        # the start of a character): the same deltas
+        fast = IncrementalDetokenizer(tok, [5, 6])
+        assert [fast.add_token(i) for i in ids] == deltas, ids
+
+
+def test_add_token_across_a_split_character_then_ascii(tokenizer):
+    # Characters split over tokens, then ASCII; and a lone lead byte followed by ASCII (invalid UTF-8): the
+    # ASCII token must not jump the bytes the decoder holds.
+    table = tokenizer.byte_table()
+    assert table is not None
+    data = "é🔥a東b".encode() + b"\xe6" + b"c"
+    by_bytes = {b: i for i, b in enumerate(table) if len(b) == 1}
+    ids = [by_bytes[data[k : k + 1]] for k in range(len(data))]  # one token per byte
+    det = IncrementalDetokenizer(tokenizer, [5])
+    deltas = [det.add_token(i) for i in ids]
+    assert "".join(deltas) + det.flush() == data.decode("utf-8", "replace") == "é🔥a東b\ufffdc"
+    assert deltas[data.index(b"a")] == "a" and deltas[-1] == "\ufffdc"
