@@ -47,7 +47,10 @@ def test_heap_policies_set_what_they_say() -> None:
     try:
         worker = heap_policy("worker")
         assert gc.get_threshold()[0] == 20_000 and gc.get_freeze_count() > 0
-        assert worker["frozen"] == gc.get_freeze_count() and worker["switch_interval_s"] == sys.getswitchinterval()
+        # Frozen objects may die after the count was read (another thread's temporaries; the full suite leaves
+        # some running), never join without a freeze: the count reported, or a hair above today's.
+        assert worker["frozen"] >= gc.get_freeze_count() > 0.99 * worker["frozen"]
+        assert worker["switch_interval_s"] == sys.getswitchinterval()
         heap_policy("default")
         assert gc.get_threshold()[0] == 700 and gc.get_freeze_count() == 0
         with pytest.raises(ValueError, match="worker"):
