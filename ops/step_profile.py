@@ -17,7 +17,9 @@ K/V values into the same slots, so the engine's state is unchanged. The decode r
 graph (a replay is one opaque entry for the profiler): the table is of the same step run eagerly, and the
 replay's own wall time (CUDA events, mean of a few replays) is given beside it. A third table covers a few
 whole engine steps with graphs on: the replay plus every op that still runs eagerly around it (input
-upload, the pending-token gather, static-buffer copies, sampling).
+upload, the pending-token gather, static-buffer copies, sampling). The prefill step also gets its host cost:
+the forward's launching timed unprofiled (thread CPU and wall, call to return) and its ops by host time (W2's
+prefill steps cost the H200's host 32 ms each against 4.5 for a 1,024-row decode step: BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -95,6 +97,30 @@ def _replay_ms(runner: Any, inp: Any, reps: int = 5) -> float | None:
     return start.elapsed_time(end) / reps
 
 
+def host_forward_ms(runner: Any, inp: Any, reps: int = 3) -> dict[str, float]:
+    """The eager forward's host cost, the device idle before each call: the calling thread's CPU and the wall
+    from the call to its return, mean of reps. On the GPU that is the launching (the kernels run after it
+    returns: a W2 prefill step is all launch work on the host, no graph); on the CPU the whole forward."""
+    device = runner.device
+    cpu = wall = 0.0
+    with torch.inference_mode():
+        for _ in range(reps):
+            _sync(device)
+            c0, w0 = time.thread_time(), time.perf_counter()
+            _eager_forward(runner, inp)
+            cpu += time.thread_time() - c0
+            wall += time.perf_counter() - w0
+        _sync(device)
+    return {"cpu_ms": cpu / reps * 1e3, "wall_ms": wall / reps * 1e3}
+
+
+def host_table(prof: Any, rows: int = 25) -> str:
+    """Ops by the host time spent in them, children excluded (cuBLAS's setup under aten::mm, the driver's launch
+    calls). A Triton kernel's Python launch work (its JIT binder) sits under no op: it is the forward's host total
+    less these rows."""
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=90)
+
+
 def _eager_forward(runner: Any, inp: Any) -> torch.Tensor:
     """The forward without the CUDA graph: the same kernels the graph holds, launched one by one."""
     from stoker.engine.batch import resolve_pending
@@ -149,10 +175,13 @@ def profile_w2_steps(eng: Any, vocab: int, requests: int, prompt: int, prefill_t
         res["prefill_tokens"] = int(inp.input_ids.shape[0])
         res["prefill_kernel_ms"] = _device_total_ms(prof, device)
         res["prefill_ops"] = op_rows(prof, device)
+        res["prefill_host"] = host = host_forward_ms(runner, inp)
         texts["prefill"] = (
             f"ONE prefill step of {res['prefill_tokens']} tokens ({int(inp.meta.context_lens.shape[0])} prompt "
             f"chunks of prompts of {prompt}), eager (prefill never uses a graph); device kernel time summed: "
-            f"{res['prefill_kernel_ms']:.2f} ms\n" + kernel_table(prof, device)
+            f"{res['prefill_kernel_ms']:.2f} ms; the forward's host cost unprofiled (thread CPU / wall from the "
+            f"call to its return, device idle before): {host['cpu_ms']:.2f} / {host['wall_ms']:.2f} ms\n"
+            + kernel_table(prof, device) + "\nthe same step's ops by host time (self CPU):\n" + host_table(prof)
         )
 
     def on_decode(inp: Any) -> None:
