@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 from stoker.engine import EngineRequest, RequestOutput, SamplingParams
@@ -55,11 +56,17 @@ def request(rid: str, max_tokens: int = 3) -> EngineRequest:
 
 
 async def until_idle(driver: EngineDriver) -> None:
-    for _ in range(200):
-        if driver._idle:
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("the engine thread never went idle")
+    if not await poll(lambda: driver._idle, 200, 0.005):
+        raise AssertionError("the engine thread never went idle")
+
+
+async def poll(done: Callable[[], bool], tries: int, interval_s: float) -> bool:
+    """Wait until done() holds, looking `tries` times `interval_s` apart -> whether it came to hold."""
+    for _ in range(tries):
+        if done():
+            return True
+        await asyncio.sleep(interval_s)
+    return False
 
 
 # -- the driver -----------------------------------------------------------------------------------------------
@@ -151,10 +158,7 @@ async def test_after_a_first_token_the_next_step_waits_for_its_publish_at_most_f
     try:
         await until_idle(driver)
         driver.add_request(request("a", max_tokens=4))
-        for _ in range(200):
-            if len(sunk) == 4:
-                break
-            await asyncio.sleep(0.02)
+        await poll(lambda: len(sunk) == 4, 200, 0.02)
         await asyncio.sleep(publish_after_s)
     finally:
         driver.stop()
@@ -207,10 +211,7 @@ async def test_outputs_without_a_first_token_are_handed_over_at_the_next_steps_g
     try:
         await until_idle(driver)
         driver.add_request(request("a", max_tokens=5))
-        for _ in range(300):
-            if sunk and sunk[-1][2]:
-                break
-            await asyncio.sleep(0.01)
+        await poll(lambda: bool(sunk) and sunk[-1][2], 300, 0.01)
     finally:
         driver.stop()
     assert [(n, done) for _, n, done in sunk] == [(1, False), (2, False), (3, False), (4, False), (5, True)]
@@ -251,10 +252,7 @@ async def test_outputs_held_for_a_gpu_wait_still_reach_the_loop_when_the_next_st
     try:
         await until_idle(driver)
         driver.add_request(request("a", max_tokens=5))
-        for _ in range(300):
-            if "fatal" in sunk:
-                break
-            await asyncio.sleep(0.01)
+        await poll(lambda: "fatal" in sunk, 300, 0.01)
     finally:
         driver.stop()
     # step 1's first token went at once, step 2's was held, step 3 raised before any GPU wait
