@@ -369,7 +369,8 @@ class LLMEngine:
                 except Exception as e:
                     result = e
             done.append((req, result, text))
-        return self._settle(sampled, done)
+        self._take_sampled(sampled)
+        return [self._output(req, result, text) for req, result, text in done]
 
     def _finish_plain(self, seqs: list[Sequence], token_ids: list[int]) -> list[RequestOutput]:
         """_finish_step of the common step: one sample for all rows, which none failed, and no row with a grammar,
@@ -390,21 +391,16 @@ class LLMEngine:
                 continue
             sampled.append(SampledToken(seq, token, stop_string))
             done.append((req, token, text))
-        self._generation_tokens_total += len(sampled)
-        for seq in self.scheduler.update_from_output(sampled):
-            self._forget(seq)
+        self._take_sampled(sampled)
         output_token = self.outputs.output_token
         return [self._output(req, token, "") if isinstance(token, Exception) else output_token(req.state, token, text)
                 for req, token, text in done]
 
-    def _settle(self, sampled: list[SampledToken], done: list[tuple[_Request, SampleResult, str]]
-                ) -> list[RequestOutput]:
-        """The end of _finish_step's two paths: the scheduler takes the tokens (stop rule, ends), the ended are
-        forgotten, each row gets its output."""
+    def _take_sampled(self, sampled: list[SampledToken]) -> None:
+        """The scheduler takes a step's tokens (stop rule, ends); the sequences it ended are forgotten."""
         self._generation_tokens_total += len(sampled)
         for seq in self.scheduler.update_from_output(sampled):
             self._forget(seq)
-        return [self._output(req, result, text) for req, result, text in done]
 
     def _advance_grammars(self, live: list[tuple[_Request, SampleResult]]) -> tuple[list[int], Any]:
         """Each constrained row's matcher consumes its sampled token: on the mask threads in one call queued on
