@@ -175,3 +175,30 @@ def test_add_token_across_a_split_character_then_ascii(tokenizer):
     deltas = [det.add_token(i) for i in ids]
     assert "".join(deltas) + det.flush() == data.decode("utf-8", "replace") == "é🔥a東b\ufffdc"
     assert deltas[data.index(b"a")] == "a" and deltas[-1] == "\ufffdc"
+
+
+@pytest.mark.parametrize("finished", [False, True])
+def test_output_token_equals_output_for_a_token_without_logprobs(tokenizer, finished):
+    # OutputProcessor.output_token restates output(state, [token], text, None) for the hot path: the two must
+    # give the same RequestOutput, a finished request's held-back bytes (a split character here) included.
+    from stoker.engine.output_processor import OutputProcessor
+    from stoker.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+    ids = tokenizer.encode("Fire 🔥 on", add_special_tokens=False)
+    cut = next(k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd"))  # mid-character
+    processor = OutputProcessor(tokenizer)
+    outs = []
+    for use_output_token in (True, False):
+        seq = Sequence("r", [5, 6, 7], output_token_ids=list(ids[:cut]), num_cached_tokens=2)
+        state = processor.new_request(seq)
+        state.first_scheduled_ms = 123.0
+        for t in ids[: cut - 1]:
+            state.detokenizer.add_token(t)
+        text = state.detokenizer.add_token(ids[cut - 1])
+        if finished:
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.LENGTH
+        outs.append(processor.output_token(state, ids[cut - 1], text) if use_output_token
+                    else processor.output(state, [ids[cut - 1]], text, None))
+    assert outs[0] == outs[1]
+    assert outs[0].finished is finished and outs[0].completion_tokens == cut and outs[0].cached_tokens == 2
+    assert outs[0].text_delta.endswith("\ufffd") is finished  # only a finished request flushes held bytes
