@@ -76,6 +76,11 @@ class EngineConfig:
     # 512-token prompt (ops/ttft_probe.py, 21:09 UTC): TTFT p50 19.4 ms (15.8-31.4) eager, 12.4 ms (12.2-12.7)
     # replayed; the eager step's launch took 18.3 ms of host for 11.0 ms of kernels. Capture: 12 buckets, 0.38 s.
     prefill_graph_tokens: int = 1024
+    # With cuda_graphs: every other step with prompt tokens (several prompts, prompt chunks beside decode rows) of
+    # <= this many tokens replays per-layer graphs with the attentions launched eagerly between them
+    # (engine/piecewise_graphs.py; capped at max_num_batched_tokens). 0: eager. H200, 8B: W2's 8,192-token prefill
+    # step cost the host 27.3 ms of CPU eagerly (ops/step_profile.py, session 11).
+    piecewise_graph_tokens: int = 8192
 
     def __post_init__(self) -> None:
         problems = []
@@ -129,6 +134,9 @@ class EngineConfig:
         if self.decode_overlap and self.tensor_parallel_size > 1:
             # Each half's o_proj / down all-reduce would run beside the other half's on a second stream.
             problems.append("decode_overlap is untested with tensor_parallel_size > 1: turn one of them off")
+        if self.piecewise_graph_tokens < 0:
+            problems.append(f"piecewise_graph_tokens must be >= 0 (0 = batch steps run eagerly), "
+                            f"got {self.piecewise_graph_tokens}")
         if self.prefill_graph_tokens < 0:
             problems.append(f"prefill_graph_tokens must be >= 0 (0 = prefill steps run eagerly), "
                             f"got {self.prefill_graph_tokens}")

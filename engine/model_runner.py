@@ -32,6 +32,7 @@ from stoker.engine.sequence import Sequence
 if TYPE_CHECKING:
     from stoker.engine.parallel.comm import RankComm
     from stoker.engine.parallel.launcher import RankGroup
+    from stoker.engine.piecewise_graphs import PiecewiseGraphs
     from stoker.engine.prefill_graphs import PrefillGraphs
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class ModelRunner:
             self.startup["graph_capture_s"] = self.graphs.capture()
             self.startup["graph_buckets"] = self.graphs.sizes
         self.prefill_graphs = self._capture_prefill_graphs(max_model_len)
+        self.piecewise_graphs = self._capture_piecewise_graphs()
         self.startup["ready_s"] = time.perf_counter() - t0
         if self.device.type == "cuda":
             log.info(
@@ -252,12 +254,33 @@ class ModelRunner:
         memory back to the GPU so that another model may use it; stop the other tensor-parallel ranks."""
         if self.ranks is not None:
             self.ranks.close()
-        self.graphs = self.prefill_graphs = None
+        self.graphs = self.prefill_graphs = self.piecewise_graphs = None
         self.kv_caches = []
         self.__dict__.pop("model", None)  # (a second close is a no-op)
         if self.device.type == "cuda":
             gc.collect()  # graphs and modules may sit in reference cycles; their blocks must be free first
             torch.cuda.empty_cache()
+
+    def _capture_piecewise_graphs(self) -> PiecewiseGraphs | None:
+        """The batch step's layers between attentions as graph replays (engine/piecewise_graphs.py): with the
+        decode graphs, on one GPU, when piecewise_graph_tokens > 0 and the model has the cut."""
+        tokens = min(self.config.piecewise_graph_tokens, self.config.max_num_batched_tokens)
+        if self.graphs is None or self.comm is not None or tokens < 1 or self.model.num_pieces < 2:
+            return None
+        from stoker.engine.piecewise_graphs import PiecewiseGraphs
+
+        mc = self.model_config
+        graphs = PiecewiseGraphs(self.model, self.kv_caches, self.device, tokens, mc.num_heads, mc.head_dim,
+                                 mc.hidden_size, self.dtype)
+        try:
+            self.startup["piecewise_graph_capture_s"] = graphs.capture()
+        except Exception as e:  # a path the captures were not tried on: eager, as before, not dead
+            log.warning("piecewise CUDA graphs not captured (%s: %s): batch steps run eagerly", type(e).__name__, e)
+            torch.cuda.synchronize(self.device)
+            return None
+        self.startup["piecewise_graph_buckets"] = graphs.sizes
+        self.startup["piecewise_graph_pool_mb"] = round(graphs.pool_bytes / 2**20, 1)
+        return graphs
 
     def release(self, seq: Sequence) -> None:
         """seq ended: its host block-table row can go to another sequence."""
@@ -276,6 +299,8 @@ class ModelRunner:
             return self.graphs.run(inp)  # decode-only: replay the captured graph of the batch's bucket
         if self.prefill_graphs is not None and self.prefill_graphs.fits(inp):
             return self.prefill_graphs.run(inp)  # one sequence's prompt chunk alone
+        if self.piecewise_graphs is not None and self.piecewise_graphs.fits(inp):
+            return self.piecewise_graphs.run(inp)  # any other step with prompt tokens: graphs between attentions
         input_ids = resolve_pending(inp.input_ids, inp.prev_tokens)
         hidden = self.model(input_ids, inp.positions, inp.meta, self.kv_caches)
         return self.model.compute_logits(hidden[inp.sample_indices])

@@ -78,6 +78,7 @@ WORKER_ENV: dict[str, tuple[str, Callable[[Any], str]]] = {
     "quantization": ("STOKER_QUANTIZATION", str),
     "kv_cache_dtype": ("STOKER_KV_CACHE_DTYPE", str),
     "prefill_graph_tokens": ("STOKER_PREFILL_GRAPH_TOKENS", str),
+    "piecewise_graph_tokens": ("STOKER_PIECEWISE_GRAPH_TOKENS", str),
 }
 STAGES = ("polled", "claimed", "engine_added", "scheduled", "first_output", "published")
 
@@ -785,6 +786,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--w1-ttft-new", type=int, default=16)
     ap.add_argument("--prefill-graph-tokens", type=int, default=None,
                     help="EngineConfig.prefill_graph_tokens on both sides (default: the engine's)")
+    ap.add_argument("--piecewise-graph-tokens", type=int, default=None,
+                    help="EngineConfig.piecewise_graph_tokens on both sides (default: the engine's)")
     ap.add_argument("--first-n", type=int, default=8)
     ap.add_argument("--first-new", type=int, default=32)
     ap.add_argument("--w2-requests", type=int, default=1024, help="0: no W2 phase")
@@ -903,6 +906,8 @@ def main(argv: list[str] | None = None) -> int:
                                        kv_cache_dtype=args.kv_cache_dtype)
         if args.prefill_graph_tokens is not None:
             settings.prefill_graph_tokens = args.prefill_graph_tokens
+        if args.piecewise_graph_tokens is not None:
+            settings.piecewise_graph_tokens = args.piecewise_graph_tokens
         res["engine_settings"] = {f: getattr(settings, f) for f in WORKER_ENV}
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])

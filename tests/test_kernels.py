@@ -99,6 +99,38 @@ def test_rotary_and_cache(device: str, dtype: torch.dtype, hq: int, hkv: int, he
     torch.testing.assert_close(v_cache, ref_v_cache, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_rotary_and_cache_into_q_out(device: str, dtype: torch.dtype) -> None:
+    """q_out (the piecewise graphs' static q): the rotated q lands there, as the in-place rotation would leave it,
+    q itself is untouched, and k and the caches are as without q_out."""
+    num_tokens, hq, hkv, head_dim, block_size = 9, 6, 2, 64, 8
+    cos_sin = rope_cos_sin(head_dim, 256, 10000.0, None, device=device)
+    qkv = torch.randn(num_tokens, (hq + 2 * hkv) * head_dim, device=device, dtype=dtype)
+    positions = torch.randint(0, 256, (num_tokens,), device=device)
+    slots = torch.randperm(4 * block_size, device=device)[:num_tokens]
+    slots[2] = -1
+    caches = [torch.zeros(4, block_size, hkv, head_dim, device=device, dtype=dtype) for _ in range(4)]
+
+    def views(t: torch.Tensor) -> list[torch.Tensor]:
+        return [x.view(num_tokens, -1, head_dim) for x in t.split([hq * head_dim, hkv * head_dim, hkv * head_dim], -1)]
+
+    in_place, untouched = qkv.clone(), qkv.clone()
+    q_out = torch.full((num_tokens, hq, head_dim), float("nan"), device=device, dtype=dtype)
+    rotary_and_cache_triton(*views(in_place), positions, cos_sin, caches[0], caches[1], slots)
+    rotary_and_cache_triton(*views(qkv), positions, cos_sin, caches[2], caches[3], slots, q_out=q_out)
+    torch.testing.assert_close(q_out, views(in_place)[0], rtol=0, atol=0)
+    torch.testing.assert_close(views(qkv)[0], views(untouched)[0], rtol=0, atol=0)  # q left as it was
+    torch.testing.assert_close(views(qkv)[1], views(in_place)[1], rtol=0, atol=0)  # k rotated in place as before
+    for a, b in zip(caches[:2], caches[2:], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    ref_out = torch.empty_like(q_out)
+    rotary_and_cache_ref(*views(untouched.clone()), positions, cos_sin, caches[0].clone(), caches[1].clone(), slots,
+                         q_out=ref_out)
+    close(q_out, ref_out, dtype)
+    with pytest.raises(ValueError, match="q_out"):
+        rotary_and_cache_triton(*views(qkv), positions, cos_sin, caches[2], caches[3], slots, q_out=q_out[:, :2])
+
+
 # -------------------------------------------------------------------------------------------- attention
 def paged_batch(
     lens: list[int], hkv: int, head_dim: int, block_size: int, device: str, dtype: torch.dtype

@@ -49,6 +49,7 @@ class WorkerConfig:
     decode_kernels: str = "auto"  # auto | fused | fused-folded | cublas (EngineConfig.decode_kernels)
     decode_pdl: bool = False  # the fused decode GEMVs with programmatic dependent launch (EngineConfig.decode_pdl)
     prefill_graph_tokens: int = 1024  # a lone prompt chunk of <= this many tokens as a CUDA graph (EngineConfig's)
+    piecewise_graph_tokens: int = 8192  # other prompt steps: per-layer CUDA graphs up to this many tokens
     block_size: int = 16  # tokens per KV block (a power of two)
     num_kv_blocks: int | None = None  # None = as many as the memory budget allows
     gpu_memory_utilization: float = 0.9  # share of the GPU the engine may fill (without kv_cache_memory_bytes)

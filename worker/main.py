@@ -51,6 +51,9 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
     ("--prefill-graph-tokens", "STOKER_PREFILL_GRAPH_TOKENS", int, 1024,
      "a step that is one prompt chunk alone (a request at an idle engine) of <= this many tokens replays a CUDA "
      "graph captured at startup instead of launching ~300 kernels (0: eager)"),
+    ("--piecewise-graph-tokens", "STOKER_PIECEWISE_GRAPH_TOKENS", int, 8192,
+     "every other step with prompt tokens (several prompts, chunks beside decode rows) of <= this many tokens "
+     "replays per-layer CUDA graphs, the attentions launched between them (0: eager)"),
     ("--tensor-parallel", "STOKER_TENSOR_PARALLEL", int, 1,
      "GPUs (one process each) the model is split over: the first N that CUDA_VISIBLE_DEVICES shows"),
     ("--block-size", "STOKER_BLOCK_SIZE", int, 16, "tokens per KV block (a power of two)"),
@@ -281,7 +284,7 @@ def _build_one(cfg: WorkerConfig, spec: ModelSpec | None) -> Any:
         "blocking_sync": not cfg.no_blocking_sync, "quantization": cfg.quantization,
         "tensor_parallel_size": cfg.tensor_parallel, "kv_cache_dtype": cfg.kv_cache_dtype,
         "decode_kernels": cfg.decode_kernels, "decode_pdl": cfg.decode_pdl,
-        "prefill_graph_tokens": cfg.prefill_graph_tokens,
+        "prefill_graph_tokens": cfg.prefill_graph_tokens, "piecewise_graph_tokens": cfg.piecewise_graph_tokens,
     }
     if cfg.served_model_name:
         kwargs["model_name"] = cfg.served_model_name

@@ -75,10 +75,12 @@ def rotary_and_cache(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    q_out: torch.Tensor | None = None,
 ) -> None:
-    """k_scale/v_scale: the FP8 KV cache's per-tensor scales (kv_quant.py); unused for other caches."""
+    """k_scale/v_scale: the FP8 KV cache's per-tensor scales (kv_quant.py); unused for other caches. q_out: where
+    the rotated q goes (None: q in place)."""
     op = rotary_and_cache_triton if use_triton(q) else rotary_and_cache_ref
-    op(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    op(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k_scale, v_scale, q_out)
 
 
 def paged_attention(

@@ -61,7 +61,11 @@ def _check(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
+    q_out: torch.Tensor | None = None,
 ) -> None:
+    if q_out is not None and (q_out.shape != q.shape or q_out.dtype != q.dtype or q_out.device != q.device):
+        raise ValueError(f"rotary_and_cache: q_out must be like q {tuple(q.shape)} {q.dtype}, "
+                         f"got {tuple(q_out.shape)} {q_out.dtype} on {q_out.device}")
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
         raise ValueError(
             f"rotary_and_cache: q [T, Hq, D], k and v [T, Hkv, D] expected, "
@@ -111,15 +115,19 @@ def rotary_and_cache_ref(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    q_out: torch.Tensor | None = None,
 ) -> None:
     """Rotates q [T, Hq, D] and k [T, Hkv, D] in place (float32 math), then writes k and v into the paged
     caches [num_blocks, block_size, Hkv, D] at flat slot_mapping[t]; slots < 0 (padding) are skipped. An FP8
     cache stores quantize_kv(k, k_scale) and quantize_kv(v, v_scale) (the rotated k, as the model dtype
-    holds it); q and k themselves stay unquantized."""
-    _check(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    holds it); q and k themselves stay unquantized. q_out ([T, Hq, D], q's dtype): the rotated q goes there
+    and q is left as it was (the piecewise graphs' static q buffer)."""
+    _check(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k_scale, v_scale, q_out)
     half = q.shape[-1] // 2
     table = cos_sin[positions]  # [T, D]
     cos, sin = table[:, None, :half], table[:, None, half:]
+    if q_out is not None:
+        q = q_out.copy_(q)
     _rotate_in_place(q, cos, sin)
     _rotate_in_place(k, cos, sin)
     keep = slot_mapping >= 0
@@ -135,10 +143,11 @@ def rotary_and_cache_ref(
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, token, token_stride, head_stride, num_heads, cos, sin,
+    x_ptr, out_ptr, token, token_stride, head_stride, out_token_stride, out_head_stride, num_heads, cos, sin,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
-    """Rotates all heads of one token in place; returns the rotated halves (float32) for the cache write."""
+    """Rotates all heads of one token into out (x itself when out_ptr is x_ptr with x's strides); returns the
+    rotated halves (float32) for the cache write."""
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < num_heads) & (dims < HALF)
@@ -147,8 +156,9 @@ def _rotate_heads(
     x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
     out1 = x1 * cos - x2 * sin
     out2 = x2 * cos + x1 * sin
-    tl.store(ptr, out1.to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(ptr + HALF, out2.to(x_ptr.dtype.element_ty), mask=mask)
+    out = out_ptr + token * out_token_stride + heads * out_head_stride + dims
+    tl.store(out, out1.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out + HALF, out2.to(out_ptr.dtype.element_ty), mask=mask)
     return out1, out2
 
 
@@ -165,7 +175,7 @@ def _to_fp8(x, scale):
 def _rotary_and_cache_kernel(
     q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     k_scale_ptr, v_scale_ptr, q_token_stride, q_head_stride, k_token_stride, k_head_stride, v_token_stride, v_head_stride,
-    num_q_heads, num_kv_heads,
+    q_out_ptr, q_out_token_stride, q_out_head_stride, num_q_heads, num_kv_heads,
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
     FP8_CACHE: tl.constexpr,
 ):
@@ -176,10 +186,10 @@ def _rotary_and_cache_kernel(
     table = cos_sin_ptr + position * (2 * HALF) + dims
     cos = tl.load(table, mask=dims < HALF, other=0.0)
     sin = tl.load(table + HALF, mask=dims < HALF, other=0.0)
-    _rotate_heads(q_ptr, token, q_token_stride, q_head_stride, num_q_heads, cos, sin,
-                  HALF, BLOCK_HQ, BLOCK_HALF)
-    k1, k2 = _rotate_heads(k_ptr, token, k_token_stride, k_head_stride, num_kv_heads, cos, sin,
-                           HALF, BLOCK_HKV, BLOCK_HALF)
+    _rotate_heads(q_ptr, q_out_ptr, token, q_token_stride, q_head_stride, q_out_token_stride, q_out_head_stride,
+                  num_q_heads, cos, sin, HALF, BLOCK_HQ, BLOCK_HALF)
+    k1, k2 = _rotate_heads(k_ptr, k_ptr, token, k_token_stride, k_head_stride, k_token_stride, k_head_stride,
+                           num_kv_heads, cos, sin, HALF, BLOCK_HKV, BLOCK_HALF)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     heads = tl.arange(0, BLOCK_HKV)[:, None]
     mask = (heads < num_kv_heads) & (dims < HALF) & (slot >= 0)  # slot < 0: a padding token
@@ -214,11 +224,15 @@ def rotary_and_cache_triton(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    q_out: torch.Tensor | None = None,
 ) -> None:
-    _check(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    check_launchable(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
-    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
-        raise ValueError("rotary_and_cache: the head_dim of q, k and v must be contiguous (row strides may vary)")
+    """As rotary_and_cache_ref."""
+    _check(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k_scale, v_scale, q_out)
+    q_out = q if q_out is None else q_out
+    check_launchable(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, q_out)
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or q_out.stride(2) != 1:
+        raise ValueError("rotary_and_cache: the head_dim of q, k, v and q_out must be contiguous (row strides may "
+                         "vary)")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos_sin.is_contiguous()):
         raise ValueError("rotary_and_cache: k_cache, v_cache and cos_sin must be contiguous")
     num_tokens, num_q_heads, head_dim = q.shape
@@ -230,7 +244,7 @@ def rotary_and_cache_triton(
     _rotary_and_cache_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k_scale_arg, v_scale_arg,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        num_q_heads, num_kv_heads,
+        q_out, q_out.stride(0), q_out.stride(1), num_q_heads, num_kv_heads,
         HALF=head_dim // 2,
         BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),

@@ -56,30 +56,33 @@ class PagedAttention(WeightModule):
 
     def forward(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-        pdl: bool = False,
+        pdl: bool = False, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [T, Hq, D] (this step's keys and values already in the cache) -> [T, Hq, D]. pdl: a decode-only
-        step's kernel launched with programmatic dependent launch (the fused decode chain; ignored otherwise)."""
+        step's kernel launched with programmatic dependent launch (the fused decode chain; ignored otherwise).
+        out: where to write the result ([T, Hq, D]; the piecewise graphs' static buffer), None allocates."""
         if meta.decode_only:
             return kernels.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale, self.k_scale, self.v_scale,
-                self._counters_for(q), pdl=pdl,
+                self._counters_for(q), pdl=pdl, out=out,
             )
         if meta.num_decodes:
-            return self._mixed(q, k_cache, v_cache, meta)
+            return self._mixed(q, k_cache, v_cache, meta, out)
         return kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, self.scale,
-            self.k_scale, self.v_scale,
+            self.k_scale, self.v_scale, out=out,
         )
 
     def _mixed(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+        out: torch.Tensor | None,
     ) -> torch.Tensor:
         """A mixed step: its first num_decodes rows (one query token each) through the decode kernel, the prompt
         chunks after them through the prefill kernel, each into its rows of one output."""
         nd = meta.num_decodes
         assert meta.prompt_query_start_loc is not None  # set by the runner whenever num_decodes is
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_splits, counters = None, self._counters_for(q[:nd])
         if meta.decode_launch is not None and kernels.use_triton(q):  # (the reference has no splits)
             # Launched as the graph bucket that would hold these rows: a (split count, combine) variant the capture

@@ -30,5 +30,7 @@ class RotaryEmbedding(nn.Module):
         slot_mapping: torch.Tensor,  # [T] int64
         k_scale: torch.Tensor | None = None,  # the FP8 KV cache's scales (layers/attention.py)
         v_scale: torch.Tensor | None = None,
+        q_out: torch.Tensor | None = None,  # [T, Hq, D]: the rotated q goes there instead (q stays as it was)
     ) -> None:
-        kernels.rotary_and_cache(q, k, v, positions, self.cos_sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        kernels.rotary_and_cache(q, k, v, positions, self.cos_sin, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+                                 q_out)

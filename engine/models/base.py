@@ -27,6 +27,25 @@ class CausalLM(nn.Module):
         """[N, H] (only the rows we sample) -> [N, vocab] float32 (into `out` when given: CUDA graphs)."""
         raise NotImplementedError
 
+    # The forward cut at every attention (engine/piecewise_graphs.py captures each piece as a CUDA graph and runs
+    # the attentions eagerly between them). Pieces 0 .. num_pieces - 1: piece 0 takes the input ids, piece i > 0
+    # layer i-1's attention output [T, Hq, D] and the running residual sum; each returns (layer i's q [T, Hq, D],
+    # written into q_out, the sum), the last (the final hidden states [T, H] normed, the sum). Each piece reads
+    # only meta.slot_mapping (the cache write). attend(i, q, meta, kv_caches, out) is layer i's attention into
+    # `out`. num_pieces 0: no such cut (the batch step stays eager).
+    @property
+    def num_pieces(self) -> int:
+        return 0
+
+    def piece(self, i: int, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+              meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], q_out: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def attend(self, i: int, q: torch.Tensor, meta: AttentionMetadata,
+               kv_caches: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def plan_decode(self, mode: str, pdl: bool, kv_dtype: torch.dtype) -> dict[str, Any]:
         """Called once after loading: pick each layer's decode path for `mode` (a resolved
         EngineConfig.decode_kernels: "fused", "fused-folded" or "cublas"; engine/models/fused_decode.py) and

@@ -69,15 +69,14 @@ class LlamaAttention(nn.Module):
         q = self.project(x, positions, meta, k_cache, v_cache)
         return self.o_proj(self.attn(q, k_cache, v_cache, meta).reshape(x.shape[0], self.q_size))
 
-    def forward_after_norm(
+    def project_after_norm(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, positions: torch.Tensor,
-        meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor, q_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward(norm(hidden, residual)) and the sum: the norm goes into qkv's call (Linear.forward_after_norm),
-        so an FP8 qkv quantizes its normed input in the norm's own kernel."""
+        """project(norm(hidden, residual)) and the sum: the norm goes into qkv's call (Linear.forward_after_norm),
+        so an FP8 qkv quantizes its normed input in the norm's own kernel. -> (q [T, Hq, D], the sum)."""
         qkv, residual = cast(Linear, self.qkv_proj).forward_after_norm(hidden, residual, norm.weight, norm.eps)
-        q = self.project_qkv(qkv, positions, meta, k_cache, v_cache)
-        return self.o_proj(self.attn(q, k_cache, v_cache, meta).reshape(hidden.shape[0], self.q_size)), residual
+        return self.project_qkv(qkv, positions, meta, k_cache, v_cache, q_out), residual
 
     def project(
         self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
@@ -89,9 +88,10 @@ class LlamaAttention(nn.Module):
 
     def project_qkv(
         self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        v_cache: torch.Tensor, q_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """project() after the qkv GEMM: qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D]."""
+        """project() after the qkv GEMM: qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D] (q_out, rotated there, when
+        given)."""
         num_tokens = qkv.shape[0]
         # Views into qkv (row stride != H*D): the rotary kernel rotates them in place.
         q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
@@ -100,8 +100,9 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim))[0].view_as(q)
             k = self.k_norm(k.reshape(-1, self.head_dim))[0].view_as(k)
-        self.rotary(q, k, v, positions, k_cache, v_cache, meta.slot_mapping, self.attn.k_scale, self.attn.v_scale)
-        return q
+        self.rotary(q, k, v, positions, k_cache, v_cache, meta.slot_mapping, self.attn.k_scale, self.attn.v_scale,
+                    q_out)
+        return q if q_out is None else q_out
 
 
 class LlamaMLP(nn.Module):
@@ -147,10 +148,25 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.fused_decode is not None and takes_fused_decode(hidden, meta):
             return fused_decode_layer(self.fused_decode, hidden, residual, positions, meta, k_cache, v_cache)
-        # Each norm runs inside the linear after it (Linear.forward_after_norm: the norm kernel, then the GEMM;
-        # an FP8 linear quantizes in the norm's kernel).
-        hidden, residual = self.self_attn.forward_after_norm(hidden, residual, self.input_layernorm, positions, meta,
-                                                             k_cache, v_cache)
+        q, residual = self.before_attention(hidden, residual, positions, meta, k_cache, v_cache)
+        return self.after_attention(self.self_attn.attn(q, k_cache, v_cache, meta), residual)
+
+    # The layer in two halves around its attention (forward, and the batch step's piecewise CUDA graphs:
+    # engine/piecewise_graphs.py). Each norm runs inside the linear after it (Linear.forward_after_norm: the
+    # norm kernel, then the GEMM; an FP8 linear quantizes in the norm's kernel).
+    def before_attention(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, q_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input norm (+ residual), qkv, q/k norms, rotary and this step's K/V into the cache -> (q, the sum);
+        q_out: the rotated q goes there."""
+        return self.self_attn.project_after_norm(hidden, residual, self.input_layernorm, positions, meta, k_cache,
+                                                 v_cache, q_out)
+
+    def after_attention(self, attention: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """attention [T, Hq, D] (or [T, Hq * D]) -> o_proj, post-attention norm (+ residual), the MLP -> (hidden,
+        the sum)."""
+        hidden = self.self_attn.o_proj(attention.reshape(attention.shape[0], self.self_attn.q_size))
         return self.mlp.forward_after_norm(hidden, residual, self.post_attention_layernorm)
 
 
@@ -181,6 +197,28 @@ class LlamaModel(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, positions, meta, k_cache, v_cache)
         return self.norm(hidden, residual)[0]
+
+    def piece(
+        self, i: int, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+        meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], q_out: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Piece i of forward() cut at every attention (CausalLM.piece): the same modules in the same order as
+        the layers' forward, regrouped so that each piece ends where an attention begins."""
+        layers = cast(list[LlamaDecoderLayer], list(self.layers))
+        if i == 0:
+            hidden = self.embed_tokens(x)
+        else:
+            assert residual is not None  # every piece after the first gets the running sum
+            hidden, residual = layers[i - 1].after_attention(x, residual)
+        if i == len(layers):
+            return self.norm(hidden, residual)
+        k_cache, v_cache = kv_caches[i]
+        return layers[i].before_attention(hidden, residual, positions, meta, k_cache, v_cache, q_out)
+
+    def attend(self, i: int, q: torch.Tensor, meta: AttentionMetadata,
+               kv_caches: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = kv_caches[i]
+        return cast(LlamaDecoderLayer, self.layers[i]).self_attn.attn(q, k_cache, v_cache, meta, out=out)
 
 
 class LlamaForCausalLM(CausalLM):
@@ -215,6 +253,19 @@ class LlamaForCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[N, H] (only the rows we sample) -> [N, vocab] float32 (into `out` when given)."""
         return self.lm_head(hidden, out)
+
+    @property
+    def num_pieces(self) -> int:
+        return self.cfg.num_layers + 1
+
+    def piece(self, i: int, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+              meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], q_out: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.piece(i, x, residual, positions, meta, kv_caches, q_out)
+
+    def attend(self, i: int, q: torch.Tensor, meta: AttentionMetadata,
+               kv_caches: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor) -> torch.Tensor:
+        return self.model.attend(i, q, meta, kv_caches, out)
 
     def plan_decode(self, mode: str, pdl: bool, kv_dtype: torch.dtype) -> dict[str, Any]:
         reasons: list[str | None] = []
