@@ -22,6 +22,7 @@ import contextlib
 import gc
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from stoker.engine.batch import AttentionMetadata, ModelInput, resolve_pending
@@ -82,6 +83,64 @@ def collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+class TokenBucketGraphs:
+    """What the prefill graphs (prefill_graphs.py) and the piecewise graphs (piecewise_graphs.py) share: static
+    token ids, positions and slots for the largest bucket of `sizes` (slots -1: padding rows write no K/V), the
+    capture's order (a warm-up of the largest and the smallest bucket on a side stream for the compiles and the
+    cuBLAS plans, then every bucket largest first into one pool) and the counters benches and tests read."""
+
+    def __init__(self, device: torch.device, sizes: list[int]):
+        self.device, self.sizes = device, sizes
+        top = sizes[-1]
+        self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(top, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((top,), -1, dtype=torch.int64, device=device)  # -1: write no K/V
+        self.replays = 0  # steps served from the graphs (tests and benches read it)
+        self.pool_bytes = 0  # device memory the captured graphs hold (set by capture)
+        self.enabled = True  # benches flip it to compare with the eager step on one engine
+
+    def _warm(self, tokens: int) -> None:
+        """Run a bucket's work eagerly (on the capture's side stream)."""
+        raise NotImplementedError
+
+    def _capture_bucket(self, tokens: int, pool: Any) -> None:
+        """Capture a bucket's graph(s) into `pool` (torch.cuda.graph_pool_handle())."""
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        """The warm-up, then every bucket largest first into one pool; -> seconds taken. The static slots are -1
+        throughout: nothing writes the KV cache."""
+        t0 = time.perf_counter()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for tokens in (self.sizes[-1], self.sizes[0]):
+                self._warm(tokens)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        reserved = torch.cuda.memory_reserved(self.device)
+        with collector_paused():
+            for tokens in reversed(self.sizes):
+                self._capture_bucket(tokens, pool)
+        torch.cuda.synchronize(self.device)
+        self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved  # what the graphs keep (startup report)
+        return time.perf_counter() - t0
+
+    def _bucket_inputs(self, inp: ModelInput) -> int:
+        """Copy the step's ids (pending ones resolved), positions and slots into the static buffers, on the
+        device; slots past its tokens to the bucket's end -1 -> the bucket."""
+        tokens = inp.input_ids.shape[0]
+        bucket = self.sizes[bisect.bisect_left(self.sizes, tokens)]
+        self.input_ids[:tokens].copy_(resolve_pending(inp.input_ids, inp.prev_tokens), non_blocking=True)
+        self.positions[:tokens].copy_(inp.positions, non_blocking=True)
+        self.slot_mapping[:tokens].copy_(inp.meta.slot_mapping, non_blocking=True)
+        if tokens < bucket:  # rows a longer step left: they must write no K/V
+            self.slot_mapping[tokens:bucket].fill_(-1)
+        return bucket
 
 
 class DecodeGraphs:

@@ -30,6 +30,7 @@ from stoker.engine.scheduler import SchedulerOutput
 from stoker.engine.sequence import Sequence
 
 if TYPE_CHECKING:
+    from stoker.engine.cuda_graphs import TokenBucketGraphs
     from stoker.engine.parallel.comm import RankComm
     from stoker.engine.parallel.launcher import RankGroup
     from stoker.engine.piecewise_graphs import PiecewiseGraphs
@@ -115,15 +116,7 @@ class ModelRunner:
         from stoker.engine.prefill_graphs import PrefillGraphs
 
         graphs = PrefillGraphs(self.model, self.kv_caches, self.device, tokens, -(-max_model_len // self.block_size))
-        try:
-            self.startup["prefill_graph_capture_s"] = graphs.capture()
-        except Exception as e:  # a path the captures were not tried on (FP8 variants): eager, as before, not dead
-            log.warning("prefill CUDA graphs not captured (%s: %s): prefill steps run eagerly", type(e).__name__, e)
-            torch.cuda.synchronize(self.device)
-            return None
-        self.startup["prefill_graph_buckets"] = graphs.sizes
-        self.startup["prefill_graph_pool_mb"] = round(graphs.pool_bytes / 2**20, 1)
-        return graphs
+        return graphs if self._captured("prefill_graph", graphs) else None
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         host = torch.tensor(values, dtype=dtype)
@@ -272,15 +265,21 @@ class ModelRunner:
         mc = self.model_config
         graphs = PiecewiseGraphs(self.model, self.kv_caches, self.device, tokens, mc.num_heads, mc.head_dim,
                                  mc.hidden_size, self.dtype)
+        return graphs if self._captured("piecewise_graph", graphs) else None
+
+    def _captured(self, name: str, graphs: TokenBucketGraphs) -> bool:
+        """graphs.capture() and its startup report (`<name>_capture_s`, `_buckets`, `_pool_mb`). A capture that
+        fails (a path the captures were not tried on, e.g. an FP8 variant) leaves those steps eager, logged, rather
+        than the engine dead."""
         try:
-            self.startup["piecewise_graph_capture_s"] = graphs.capture()
-        except Exception as e:  # a path the captures were not tried on: eager, as before, not dead
-            log.warning("piecewise CUDA graphs not captured (%s: %s): batch steps run eagerly", type(e).__name__, e)
+            self.startup[f"{name}_capture_s"] = graphs.capture()
+        except Exception as e:
+            log.warning("%s CUDA graphs not captured (%s: %s): those steps run eagerly", name, type(e).__name__, e)
             torch.cuda.synchronize(self.device)
-            return None
-        self.startup["piecewise_graph_buckets"] = graphs.sizes
-        self.startup["piecewise_graph_pool_mb"] = round(graphs.pool_bytes / 2**20, 1)
-        return graphs
+            return False
+        self.startup[f"{name}_buckets"] = graphs.sizes
+        self.startup[f"{name}_pool_mb"] = round(graphs.pool_bytes / 2**20, 1)
+        return True
 
     def release(self, seq: Sequence) -> None:
         """seq ended: its host block-table row can go to another sequence."""

@@ -28,13 +28,11 @@ rounding, not results, can differ from the eager step).
 
 from __future__ import annotations
 
-import bisect
-import time
 from typing import Any
 
 import torch
-from stoker.engine.batch import AttentionMetadata, ModelInput, resolve_pending
-from stoker.engine.cuda_graphs import collector_paused
+from stoker.engine.batch import AttentionMetadata, ModelInput
+from stoker.engine.cuda_graphs import TokenBucketGraphs
 from stoker.engine.models.base import CausalLM
 
 MIN_TOKENS = 64  # the smallest bucket
@@ -56,24 +54,18 @@ def bucket_sizes(max_tokens: int) -> list[int]:
     return sizes + [top]
 
 
-class PiecewiseGraphs:
+class PiecewiseGraphs(TokenBucketGraphs):
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
                  max_tokens: int, num_heads: int, head_dim: int, hidden_size: int, dtype: torch.dtype):
         if model.num_pieces < 2:
             raise ValueError(f"piecewise graphs: {type(model).__name__} has no forward cut at its attentions")
-        self.model, self.kv_caches, self.device = model, kv_caches, device
-        self.sizes = bucket_sizes(max_tokens)
+        super().__init__(device, bucket_sizes(max_tokens))
+        self.model, self.kv_caches = model, kv_caches
         top = self.sizes[-1]
-        self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(top, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((top,), -1, dtype=torch.int64, device=device)  # -1: write no K/V
         self.q = torch.zeros(top, num_heads, head_dim, dtype=dtype, device=device)
         self.attention = torch.zeros(top, num_heads, head_dim, dtype=dtype, device=device)
         self.hidden = torch.zeros(top, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self.replays = 0  # steps served from the graphs (tests and benches read it)
-        self.pool_bytes = 0  # device memory the captured graphs hold (set by capture)
-        self.enabled = True  # benches flip it to compare with the eager step on one engine
 
     def _meta(self, tokens: int) -> AttentionMetadata:
         """The pieces read only the slots (the cache write); the rest of the metadata is the eager attention's."""
@@ -89,7 +81,12 @@ class PiecewiseGraphs:
             self.hidden[:tokens].copy_(out)
         return residual
 
-    def _capture_bucket(self, tokens: int, pool: Any) -> list[torch.cuda.CUDAGraph]:  # (torch.cuda.graph_pool_handle)
+    def _warm(self, tokens: int) -> None:
+        residual, meta = None, self._meta(tokens)
+        for i in range(self.model.num_pieces):  # (the attention output stays as it is)
+            residual = self._piece(i, tokens, meta, residual)
+
+    def _capture_bucket(self, tokens: int, pool: Any) -> None:
         meta, graphs, residual = self._meta(tokens), [], None
         for i in range(self.model.num_pieces):
             graph = torch.cuda.CUDAGraph()
@@ -97,30 +94,7 @@ class PiecewiseGraphs:
                 new_residual = self._piece(i, tokens, meta, residual)
             graphs.append(graph)
             residual = new_residual  # the previous sum is dead now: later captures may reuse its memory
-        return graphs
-
-    @torch.inference_mode()
-    def capture(self) -> float:
-        """Warm up (compiles, cuBLAS plans) on a side stream, then capture every bucket's pieces largest first
-        into one pool; -> seconds taken. The static slots are -1 throughout: nothing writes the KV cache."""
-        t0 = time.perf_counter()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for tokens in (self.sizes[-1], self.sizes[0]):
-                residual, meta = None, self._meta(tokens)
-                for i in range(self.model.num_pieces):  # (the attention output stays as it is)
-                    residual = self._piece(i, tokens, meta, residual)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize(self.device)
-        pool = torch.cuda.graph_pool_handle()
-        reserved = torch.cuda.memory_reserved(self.device)
-        with collector_paused():  # (cuda_graphs.collector_paused says why)
-            for tokens in reversed(self.sizes):
-                self.graphs[tokens] = self._capture_bucket(tokens, pool)
-        torch.cuda.synchronize(self.device)
-        self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved  # what the graphs keep (startup report)
-        return time.perf_counter() - t0
+        self.graphs[tokens] = graphs
 
     def fits(self, inp: ModelInput) -> bool:
         """A step with prompt tokens (decode-only steps have their own graphs) within the largest bucket."""
@@ -130,12 +104,7 @@ class PiecewiseGraphs:
         """Copy the step's ids, positions and slots into the static buffers (on the device), replay its bucket's
         pieces with the attentions between them -> float32 logits [N, V] of the sampled rows. No host sync."""
         tokens, meta = inp.input_ids.shape[0], inp.meta
-        bucket = self.sizes[bisect.bisect_left(self.sizes, tokens)]
-        self.input_ids[:tokens].copy_(resolve_pending(inp.input_ids, inp.prev_tokens), non_blocking=True)
-        self.positions[:tokens].copy_(inp.positions, non_blocking=True)
-        self.slot_mapping[:tokens].copy_(meta.slot_mapping, non_blocking=True)
-        if tokens < bucket:  # rows a longer step left: they must write no K/V
-            self.slot_mapping[tokens:bucket].fill_(-1)
+        bucket = self._bucket_inputs(inp)
         q, out = self.q[:tokens], self.attention[:tokens]
         graphs = self.graphs.get(bucket)  # None before capture (the CPU tests): the same pieces, eagerly
         last, residual = self.model.num_pieces - 1, None

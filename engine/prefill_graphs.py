@@ -19,12 +19,11 @@ and longer chunks stay eager: there the GPU work outlasts the launches.
 
 from __future__ import annotations
 
-import bisect
-import time
+from typing import Any
 
 import torch
 from stoker.engine.batch import AttentionMetadata, ModelInput
-from stoker.engine.cuda_graphs import collector_paused
+from stoker.engine.cuda_graphs import TokenBucketGraphs
 from stoker.engine.models.base import CausalLM
 
 FINE_STEP = 64  # tokens between buckets up to COARSE_FROM
@@ -45,24 +44,17 @@ def bucket_sizes(max_tokens: int) -> list[int]:
     return sizes + [-(-max_tokens // 16) * 16]
 
 
-class PrefillGraphs:
+class PrefillGraphs(TokenBucketGraphs):
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
                  max_tokens: int, max_blocks: int):
-        self.model, self.kv_caches, self.device = model, kv_caches, device
-        self.sizes = bucket_sizes(max_tokens)
-        top = self.sizes[-1]
-        self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(top, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((top,), -1, dtype=torch.int64, device=device)  # -1: write no K/V
+        super().__init__(device, bucket_sizes(max_tokens))
+        self.model, self.kv_caches = model, kv_caches
         self.block_tables = torch.zeros(1, max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=device)
         self.context_lens = torch.ones(1, dtype=torch.int32, device=device)
         self.sample_index = torch.zeros(1, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None  # [1, V] float32, written by every bucket's graph
-        self.replays = 0  # prefill steps served from a graph (tests and benches read it)
-        self.pool_bytes = 0  # device memory the captured graphs hold (set by capture)
-        self.enabled = True  # benches flip it to compare with the eager step on one engine
 
     def _forward(self, tokens: int) -> torch.Tensor:
         meta = AttentionMetadata(self.slot_mapping[:tokens], self.block_tables, self.query_start_loc,
@@ -70,30 +62,16 @@ class PrefillGraphs:
         hidden = self.model(self.input_ids[:tokens], self.positions[:tokens], meta, self.kv_caches)
         return self.model.compute_logits(hidden[self.sample_index], out=self.logits)
 
-    @torch.inference_mode()
-    def capture(self) -> float:
-        """Warm up (compiles, cuBLAS plans) on a side stream, then capture every bucket largest first into one
-        pool; -> seconds taken. The static slots are -1 throughout: neither run writes the KV cache."""
-        t0 = time.perf_counter()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for tokens in (self.sizes[-1], self.sizes[0]):
-                out = self._forward(tokens)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize(self.device)
-        self.logits = torch.empty(1, out.shape[1], dtype=out.dtype, device=self.device)
-        pool = torch.cuda.graph_pool_handle()
-        reserved = torch.cuda.memory_reserved(self.device)
-        with collector_paused():  # (cuda_graphs.collector_paused says why)
-            for tokens in reversed(self.sizes):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._forward(tokens)
-                self.graphs[tokens] = graph
-        torch.cuda.synchronize(self.device)
-        self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved  # what the graphs keep (startup report)
-        return time.perf_counter() - t0
+    def _warm(self, tokens: int) -> None:
+        out = self._forward(tokens)
+        if self.logits is None:  # the static logits row, shaped by the first warm-up
+            self.logits = torch.empty(1, out.shape[1], dtype=out.dtype, device=self.device)
+
+    def _capture_bucket(self, tokens: int, pool: Any) -> None:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self._forward(tokens)
+        self.graphs[tokens] = graph
 
     def fits(self, inp: ModelInput) -> bool:
         """One sequence's prompt chunk alone, within the largest bucket and the static block table."""
@@ -105,13 +83,8 @@ class PrefillGraphs:
     def run(self, inp: ModelInput) -> torch.Tensor:
         """Copy the step's tensors (on the device) into the static buffers and replay the bucket's graph ->
         float32 logits [N, V] of the sampled row (N = 0 or 1). Device-side copies only: no host sync."""
-        tokens, meta = inp.input_ids.shape[0], inp.meta
-        bucket = self.sizes[bisect.bisect_left(self.sizes, tokens)]
-        self.input_ids[:tokens].copy_(inp.input_ids, non_blocking=True)
-        self.positions[:tokens].copy_(inp.positions, non_blocking=True)
-        self.slot_mapping[:tokens].copy_(meta.slot_mapping, non_blocking=True)
-        if tokens < bucket:
-            self.slot_mapping[tokens:bucket].fill_(-1)
+        meta = inp.meta
+        bucket = self._bucket_inputs(inp)
         self.block_tables[:, : meta.block_tables.shape[1]].copy_(meta.block_tables, non_blocking=True)
         self.query_start_loc.copy_(meta.query_start_loc, non_blocking=True)
         self.context_lens.copy_(meta.context_lens, non_blocking=True)

@@ -37,21 +37,6 @@ def test_config_rejects_a_negative_token_cap(tmp_path) -> None:
         EngineConfig(model_path=str(tmp_path), device="cpu", piecewise_graph_tokens=-1)
 
 
-def test_worker_flag_reaches_the_engine_config(tmp_path, monkeypatch) -> None:
-    import stoker.engine
-    from stoker.worker import main as worker_main
-
-    path = str(tmp_path)
-    built: list[EngineConfig] = []
-    monkeypatch.setattr(stoker.engine, "LLMEngine", built.append)  # the config build_engine makes, no engine
-    worker_main.build_engine(worker_main.parse_config(["--model", path, "--piecewise-graph-tokens", "0",
-                                                       "--no-warmup", "--device", "cpu"], {}))
-    worker_main.build_engine(worker_main.parse_config(["--model", path, "--no-warmup", "--device", "cpu"],
-                                                      {"STOKER_PIECEWISE_GRAPH_TOKENS": "2048"}))
-    worker_main.build_engine(worker_main.parse_config(["--model", path, "--no-warmup", "--device", "cpu"], {}))
-    assert [c.piecewise_graph_tokens for c in built] == [0, 2048, EngineConfig(path).piecewise_graph_tokens]
-
-
 @pytest.fixture(scope="module", params=list(ARCHS))
 def arch(request, tmp_path_factory) -> tuple[str, str, object]:
     path = str(tmp_path_factory.mktemp(request.param))

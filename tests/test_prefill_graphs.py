@@ -56,7 +56,14 @@ def test_config_rejects_a_negative_token_cap(tmp_path) -> None:
         EngineConfig(model_path=str(tmp_path), device="cpu", prefill_graph_tokens=-1)
 
 
-def test_worker_flag_reaches_the_engine_config(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("flag,env,field,given", [
+    ("--prefill-graph-tokens", "STOKER_PREFILL_GRAPH_TOKENS", "prefill_graph_tokens", ("768", "256")),
+    ("--piecewise-graph-tokens", "STOKER_PIECEWISE_GRAPH_TOKENS", "piecewise_graph_tokens", ("0", "2048")),
+])
+def test_worker_flag_reaches_the_engine_config(tmp_path, monkeypatch, flag: str, env: str, field: str,
+                                               given: tuple[str, str]) -> None:
+    """The worker's flag, else its environment variable, else the engine's default (engine/piecewise_graphs.py's
+    cap too)."""
     import stoker.engine
     from stoker.engine.config import EngineConfig
     from stoker.worker import main as worker_main
@@ -64,12 +71,12 @@ def test_worker_flag_reaches_the_engine_config(tmp_path, monkeypatch) -> None:
     path = str(tmp_path)
     built: list[EngineConfig] = []
     monkeypatch.setattr(stoker.engine, "LLMEngine", built.append)  # the config build_engine makes, no engine
-    worker_main.build_engine(worker_main.parse_config(["--model", path, "--prefill-graph-tokens", "768",
+    worker_main.build_engine(worker_main.parse_config(["--model", path, flag, given[0],
                                                        "--no-warmup", "--device", "cpu"], {}))
     worker_main.build_engine(worker_main.parse_config(["--model", path, "--no-warmup", "--device", "cpu"],
-                                                      {"STOKER_PREFILL_GRAPH_TOKENS": "256"}))
+                                                      {env: given[1]}))
     worker_main.build_engine(worker_main.parse_config(["--model", path, "--no-warmup", "--device", "cpu"], {}))
-    assert [c.prefill_graph_tokens for c in built] == [768, 256, EngineConfig(path).prefill_graph_tokens]
+    assert [getattr(c, field) for c in built] == [int(given[0]), int(given[1]), getattr(EngineConfig(path), field)]
 
 
 @pytest.mark.gpu
