@@ -23,14 +23,18 @@ def kv_cache_dtype(config: EngineConfig) -> torch.dtype:
 
 def activation_reserve_bytes(model: ModelConfig, config: EngineConfig) -> int:
     """Rough peak of one forward's temporaries, kept free on the GPU beside the KV cache: the widest
-    per-token tensors (qkv, gate_up, attention out, residual) for a full token budget, plus float32
-    logits and sampler work (sort, probabilities) for max_num_seqs rows. Over-estimates on purpose."""
+    per-token tensors (qkv, gate_up, attention out, residual) for a full token budget (twice with the piecewise
+    graphs: their pool holds one), plus float32 logits and sampler work (sort, probabilities) for max_num_seqs
+    rows. Over-estimates on purpose."""
     itemsize = torch.empty((), dtype=config.torch_dtype).element_size()
     per_token = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim + 3 * model.intermediate_size
     per_token += 4 * model.hidden_size
-    return (
-        config.max_num_batched_tokens * per_token * itemsize + config.max_num_seqs * model.vocab_size * 4 * 6
-    )
+    tokens = config.max_num_batched_tokens
+    if config.cuda_graphs and config.device != "cpu":
+        # The piecewise graphs' pool (engine/piecewise_graphs.py) keeps its largest bucket's temporaries for good,
+        # beside what the eager parts and the warm-up leave cached.
+        tokens += min(config.piecewise_graph_tokens, config.max_num_batched_tokens)
+    return tokens * per_token * itemsize + config.max_num_seqs * model.vocab_size * 4 * 6
 
 
 def num_kv_blocks(model: ModelConfig, config: EngineConfig, weights_bytes: int = 0) -> int:

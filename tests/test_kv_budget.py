@@ -74,3 +74,16 @@ def test_close_frees_the_weights_and_the_kv_cache_even_while_the_engine_is_still
     engine.close()  # what an idle unload calls (worker/models.py)
     gc.collect()
     assert model() is None and kv() is None
+
+
+def test_the_reserve_counts_the_piecewise_graphs_pool(folder):
+    """With the piecewise graphs (the CUDA default) the reserve holds a second full-budget forward's temporaries:
+    their pool keeps one; without them (flag 0, graphs off, the CPU) it is as before."""
+    mc = ModelConfig.from_folder(folder)
+    per_token = ((mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim + 3 * mc.intermediate_size + 4 * mc.hidden_size) * 2
+    plain = activation_reserve_bytes(mc, config(folder, piecewise_graph_tokens=0))
+    assert activation_reserve_bytes(mc, config(folder)) == plain + 512 * per_token  # capped at the 512-token budget
+    assert activation_reserve_bytes(mc, config(folder, piecewise_graph_tokens=128)) == plain + 128 * per_token
+    assert activation_reserve_bytes(mc, config(folder, cuda_graphs=False)) == plain
+    cpu = EngineConfig(model_path=folder, device="cpu", dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=512)
+    assert activation_reserve_bytes(mc, cpu) == plain
