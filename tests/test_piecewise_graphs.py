@@ -127,6 +127,57 @@ def test_padding_rows_write_no_kv_after_a_longer_step(tmp_path) -> None:
         assert got[rid] == hf_greedy(model, ids, MAX_NEW), rid
 
 
+def test_prefix_cache_hits_and_preemption_through_the_pieces(tmp_path) -> None:
+    """Prompts whose chunks start past a cached prefix (their attention reads context the step did not write),
+    and preempted requests recomputed from their prompts, through the pieces: tokens equal transformers'."""
+    path = str(tmp_path)
+    model = build_hf_model("llama", path)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+
+    def run(engine: LLMEngine, requests: dict[str, list[int]]) -> dict[str, list[int]]:
+        for rid, ids in requests.items():
+            engine.add_request(EngineRequest(rid, prompt_token_ids=ids, params=params))
+        got: dict[str, list[int]] = {rid: [] for rid in requests}
+        while engine.has_unfinished():
+            for out in engine.step():
+                assert out.error_code is None, out.error_message
+                got[out.request_id] += out.new_token_ids
+                if out.finished and out.request_id.startswith("hit"):
+                    assert out.cached_tokens >= 32, out  # the shared prefix came from the cache
+        return got
+
+    engine = LLMEngine(EngineConfig(model_path=path, device="cpu", num_kv_blocks=64, block_size=8,
+                                    async_scheduling=False))
+    graphs = _attach(engine, engine.config.max_num_batched_tokens)
+    shared = prompts(3, [40])[0]
+    tails = prompts(4, [5, 1, 9])
+    requests = {"first": shared + tails[0]} | {f"hit{i}": shared + t for i, t in enumerate(tails[1:])}
+    got = run(engine, {"first": requests.pop("first")}) | run(engine, requests)
+    assert graphs.replays == 2
+    for rid, ids in ({"first": shared + tails[0]} | requests).items():
+        assert got[rid] == hf_greedy(model, ids, MAX_NEW), rid
+
+    # 4-token blocks, 16 of them: 64 tokens for five requests of 11-36: some are preempted and recomputed.
+    engine = LLMEngine(EngineConfig(model_path=path, device="cpu", num_kv_blocks=16, block_size=4, max_model_len=64,
+                                    async_scheduling=False))
+    graphs = _attach(engine, engine.config.max_num_batched_tokens)
+    preempted: list[str] = []
+    schedule = engine.scheduler.schedule
+
+    def spy():  # type: ignore[no-untyped-def]
+        out = schedule()
+        preempted.extend(seq.request_id for seq in out.preempted)
+        return out
+
+    engine.scheduler.schedule = spy  # type: ignore[method-assign]
+    requests = {f"p{i}": ids for i, ids in enumerate(prompts(1, [3, 17, 9, 26, 1]))}
+    got = run(engine, requests)
+    assert preempted, "nothing was preempted: the test does not test preemption"
+    assert graphs.replays == len(graphs.prompt_steps) >= 2  # type: ignore[attr-defined]
+    for rid, ids in requests.items():
+        assert got[rid] == hf_greedy(model, ids, MAX_NEW), rid
+
+
 def _input(tokens: int, decode_only: bool = False) -> ModelInput:
     meta = AttentionMetadata(torch.arange(tokens), torch.zeros(1, 4, dtype=torch.int32),
                              torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32),
