@@ -178,6 +178,26 @@ def test_prefix_cache_hits_and_preemption_through_the_pieces(tmp_path) -> None:
         assert got[rid] == hf_greedy(model, ids, MAX_NEW), rid
 
 
+def test_fp8_weights_and_kv_cache_through_the_pieces_as_eagerly(tmp_path) -> None:
+    """FP8 linears (their norm and SiLU fused into the activation quantization, per token: padding rows cannot
+    move a real row's scale) and the FP8 KV cache through the pieces: the same greedy tokens as the same engine
+    eager (the FP8 model is not transformers', so the eager engine is the reference)."""
+    path = str(tmp_path)
+    build_hf_model("llama", path)
+    first = dict(zip(["a", "b", "c"], prompts(11, [3, 30, 9]), strict=True))
+    late = dict(zip(["d", "e"], prompts(12, [17, 1]), strict=True))
+    runs = []
+    for pieces in (False, True):
+        engine = LLMEngine(EngineConfig(model_path=path, device="cpu", num_kv_blocks=64, max_num_batched_tokens=24,
+                                        quantization="fp8", kv_cache_dtype="fp8", async_scheduling=False))
+        graphs = _attach(engine, 24) if pieces else None
+        runs.append(_generate(engine, first, late))
+        if graphs is not None:
+            assert graphs.replays == len(graphs.prompt_steps) >= 3  # type: ignore[attr-defined]
+    assert runs[1] == runs[0]
+    assert all(len(t) == MAX_NEW for t in runs[0].values())
+
+
 def _input(tokens: int, decode_only: bool = False) -> ModelInput:
     meta = AttentionMetadata(torch.arange(tokens), torch.zeros(1, 4, dtype=torch.int32),
                              torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32),
