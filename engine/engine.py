@@ -14,7 +14,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,11 +118,6 @@ class LLMEngine:
         # took 12.1 ms of wall a step against 6.2 at the worker's 0.5 ms (H200, 21:08 UTC, BENCHMARKS.md).
         self.grammar_overlap = True
         self._inflight: _Launched | None = None
-        # Called on the stepping thread when a step is about to wait for a launched step's sampled tokens (the
-        # step's one host sync, in _finish_step): the thread then sleeps on the GPU without the GIL, the time a
-        # caller's other threads can use it without delaying the next launch (worker.driver hands the previous
-        # step's outputs to its event loop here). None: nothing. It must not raise; it may not call the engine.
-        self.before_gpu_wait: Callable[[], None] | None = None
         self._num_history = 0  # live requests whose penalties or grammar read the output token values
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
@@ -318,8 +313,6 @@ class LLMEngine:
         update the scheduler, build the outputs. A request whose sampling, grammar or detokenization failed
         fails alone. upcoming: (the rows the next sampling will take, the logits' width): their grammar masks
         start filling once the grammars have advanced, beside the rest of this (grammar_overlap)."""
-        if self.before_gpu_wait is not None:
-            self.before_gpu_wait()
         seqs = [c.seq for c in launched.sampling]
         parts = launched.parts
         if not self._num_history and len(parts) == 1 and isinstance(parts[0][1], PendingSample):

@@ -232,28 +232,3 @@ def test_prepare_starts_every_device_part_16_byte_aligned(path):
         assert (m.context_lens > 0).all() and (inp.sample_indices < inp.input_ids.shape[0]).all()
     packed, starts = _pack([np.arange(3), np.arange(5) + 10, np.arange(0)], np.int32)
     assert starts == [0, 4, 12] and packed[4:9].tolist() == list(range(10, 15)) and len(packed) == 12
-
-
-def test_before_gpu_wait_is_called_once_per_step_that_reads_a_launched_steps_tokens(path):
-    """LLMEngine.before_gpu_wait runs on the stepping thread right before each wait for a launched step's sampled
-    tokens (worker.driver hands the previous outputs to its loop there), after that step's own launch."""
-    engine = make(path, True)
-    calls: list[tuple[int, int]] = []  # (step() calls so far, forwards launched so far) at each call
-    steps = [0]
-    launched = [0]
-    forward = engine.runner.forward
-
-    def counting_forward(inp):
-        launched[0] += 1
-        return forward(inp)
-
-    engine.runner.forward = counting_forward  # type: ignore[method-assign]
-    engine.before_gpu_wait = lambda: calls.append((steps[0], launched[0]))
-    engine.add_request(EngineRequest("a", prompt_token_ids=[5, 6, 7], params=SamplingParams(max_tokens=4,
-                                                                                         temperature=0, ignore_eos=True)))
-    while engine.has_unfinished():
-        steps[0] += 1
-        engine.step()
-    # Step 1 launches the prefill and waits for nothing; steps 2-4 each launch a decode, then wait for the step
-    # before; step 5 launches nothing (the request's last token is in flight) and waits for it.
-    assert calls == [(2, 2), (3, 3), (4, 4), (5, 4)]

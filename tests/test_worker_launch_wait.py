@@ -170,95 +170,6 @@ async def test_after_a_first_token_the_next_step_waits_for_its_publish_at_most_f
     assert engine.starts[2] - sunk[1][0] < 0.04 and engine.starts[3] - sunk[2][0] < 0.04
 
 
-class WaitingEngine(LaunchingEngine):
-    """An overlapped stand-in whose step() spends `launch_s` launching, then calls before_gpu_wait (as LLMEngine
-    does before its one host sync) and sleeps `gpu_s` waiting for the GPU, then returns its outputs."""
-
-    def __init__(self, launch_s: float, gpu_s: float):
-        super().__init__()
-        self.before_gpu_wait = None
-        self.launch_s_each, self.gpu_s = launch_s, gpu_s
-        self.hooks: list[float] = []  # epoch s of each before_gpu_wait call
-
-    def step(self) -> list[RequestOutput]:
-        self.starts.append(time.time())
-        time.sleep(self.launch_s_each)
-        if self.before_gpu_wait is not None:
-            self.hooks.append(time.time())
-            self.before_gpu_wait()
-        time.sleep(self.gpu_s)
-        outputs = FakeEngine.step(self)
-        self.returns.append((time.time(), []))
-        return outputs
-
-
-@pytest.mark.parametrize("hold", [True, False])
-async def test_outputs_without_a_first_token_are_handed_over_at_the_next_steps_gpu_wait(hold: bool):
-    """hand_off_at_gpu_wait: a step's outputs reach the loop when the next step is about to wait for the GPU (so the
-    loop's work on them overlaps that wait, not the next launch); a first token's step goes at once, and the last
-    step's outputs when the engine goes idle. Off: every step's at its return. In order, none lost, either way."""
-    loop = asyncio.get_running_loop()
-    engine = WaitingEngine(launch_s=0.06, gpu_s=0.1)
-    sunk: list[tuple[float, int, bool]] = []  # (epoch s, the request's completion tokens, finished)
-
-    def sink(outs: list[RequestOutput], stats: object, ms: float) -> None:
-        sunk.extend((time.time(), o.completion_tokens, o.finished) for o in outs)
-        driver.published()
-
-    driver = EngineDriver(engine, loop, sink, max_unpublished_steps=100, hand_off_at_gpu_wait=hold)
-    assert (engine.before_gpu_wait is not None) is hold
-    driver.start()
-    try:
-        await until_idle(driver)
-        driver.add_request(request("a", max_tokens=5))
-        await poll(lambda: bool(sunk) and sunk[-1][2], 300, 0.01)
-    finally:
-        driver.stop()
-    assert [(n, done) for _, n, done in sunk] == [(1, False), (2, False), (3, False), (4, False), (5, True)]
-    returned = [at for at, _ in engine.returns]
-    waits = [start + engine.launch_s_each for start in engine.starts]  # when each step reaches its GPU wait
-    assert sunk[0][0] - returned[0] < 0.05  # the first token: at once
-    for k in (1, 2, 3):  # tokens 2-4 (step k's): at step k + 1's GPU wait, or at step k's return
-        if hold:
-            assert waits[k + 1] - 0.005 <= sunk[k][0] < waits[k + 1] + 0.05
-        else:
-            assert sunk[k][0] - returned[k] < 0.05 and sunk[k][0] < waits[k + 1] - 0.02
-    assert sunk[4][0] - returned[4] < 0.05  # the last: the engine went idle, nothing to wait in
-
-
-async def test_outputs_held_for_a_gpu_wait_still_reach_the_loop_when_the_next_step_breaks():
-    """hand_off_at_gpu_wait: the engine failing in the step that would have handed the held outputs over (before
-    its GPU wait) loses none of them: they reach the loop, then the broken engine's empty hand-over."""
-    loop = asyncio.get_running_loop()
-
-    class BreaksAtThird(WaitingEngine):
-        def step(self) -> list[RequestOutput]:
-            if len(self.starts) == 2:
-                self.starts.append(time.time())
-                raise RuntimeError("the GPU fell off")
-            return super().step()
-
-    engine = BreaksAtThird(launch_s=0.0, gpu_s=0.02)
-    sunk: list[tuple[int, bool] | str] = []  # (completion tokens, finished) per output; "fatal" for the break
-
-    def sink(outs: list[RequestOutput], stats: object, ms: float) -> None:
-        if driver.fatal is not None and not outs:
-            sunk.append("fatal")
-        sunk.extend((o.completion_tokens, o.finished) for o in outs)
-        driver.published()
-
-    driver = EngineDriver(engine, loop, sink, max_unpublished_steps=100, hand_off_at_gpu_wait=True)
-    driver.start()
-    try:
-        await until_idle(driver)
-        driver.add_request(request("a", max_tokens=5))
-        await poll(lambda: "fatal" in sunk, 300, 0.01)
-    finally:
-        driver.stop()
-    # step 1's first token went at once, step 2's was held, step 3 raised before any GPU wait
-    assert sunk == [(1, False), (2, False), "fatal"]
-
-
 # -- the worker -----------------------------------------------------------------------------------------------
 def time_claims(worker: Worker) -> dict[str, float]:
     """Wrap the running worker's claim round: job id -> when its claim went out (filled as the worker runs)."""
@@ -357,13 +268,10 @@ async def test_the_stage_scheduled_is_the_engines_first_step_of_the_job(space, r
 @pytest.mark.stack
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("gpu_wait_handoff", [False, True])
-async def test_the_real_engine_with_overlapped_steps_runs_lone_jobs_through_both_hand_offs(space, r, tiny_model,
-                                                                                          gpu_wait_handoff: bool):
+async def test_the_real_engine_with_overlapped_steps_runs_lone_jobs_through_both_hand_offs(space, r, tiny_model):
     """The CUDA engine's path on the CPU: LLMEngine with async_scheduling on, so each lone job is claimed after
     its launch and its first token's publish holds the next step back; every job's text equals the engine
-    alone's (greedy), and both hand-offs ran (the claim after the step that took the job in). With
-    gpu_wait_handoff, later tokens' outputs also went to the loop from inside the next step (its GPU wait)."""
+    alone's (greedy), and both hand-offs ran (the claim after the step that took the job in)."""
     from stoker.engine import EngineConfig, LLMEngine
 
     def engine(overlapped: bool) -> LLMEngine:
@@ -392,21 +300,10 @@ async def test_the_real_engine_with_overlapped_steps_runs_lone_jobs_through_both
     overlapped.step = timed_step  # type: ignore[method-assign]
     claimed: list[float] = []
     results = {}
-    handed_in_wait: list[bool] = []  # per before_gpu_wait call: outputs were held for it
     async with running_worker(space, overlapped, fake_engine=False, model=tiny_model, claim_after_launch_s=1.0,
-                              first_token_wait_s=0.05, gpu_wait_handoff=gpu_wait_handoff) as worker:
+                              first_token_wait_s=0.05) as worker:
         assert worker.rio is not None and worker.driver is not None
         admit = worker.rio.admit
-        hand = overlapped.before_gpu_wait
-        assert (hand is not None) is gpu_wait_handoff
-        if hand is not None:
-            driver = worker.driver
-
-            def counted_hand() -> None:
-                handed_in_wait.append(driver._held is not None)
-                hand()
-
-            overlapped.before_gpu_wait = counted_hand
 
         async def timed_admit(ids: list[str]) -> list[tuple[Admission, int]]:
             claimed.append(time.time())
@@ -420,7 +317,6 @@ async def test_the_real_engine_with_overlapped_steps_runs_lone_jobs_through_both
     for rid, outcome in results.items():
         check_sequence(outcome)
         assert isinstance(outcome.terminal, Done) and outcome.terminal.text == expected[rid]
-    assert any(handed_in_wait) is gpu_wait_handoff
     launches = [at for at, took_in in steps if took_in]
     assert len(launches) == len(claimed) == len(prompts)
     assert all(launch <= claim for launch, claim in zip(launches, claimed, strict=True))

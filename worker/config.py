@@ -103,11 +103,6 @@ class WorkerConfig:
     # The engine thread waits at most this long for a step's first tokens to be published before its next
     # step (EngineDriver._let_first_tokens_out; overlapped engines; 0: never)
     first_token_wait_s: float = 0.002
-    # True: a step's outputs go to the event loop when the next step is about to wait for the GPU, instead of as
-    # step() returns (EngineDriver._hand_held; overlapped engines; steps with a first token always go at once).
-    # Its aim: less GIL contention, the worker's W2 CPU. Off: on the H200 (BENCHMARKS.md, 2026-12-02 07:35, two runs
-    # a side on one machine) W2 read 0.34 / 0.30 cores with it against 0.34 / 0.33 without, within the spread.
-    gpu_wait_handoff: bool = False
     # Unreachable this long, the worker leaves the consumer group so others take its partitions
     redis_outage_leave_s: float = 60.0
     attempts_ttl_s: int = 86_400

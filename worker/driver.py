@@ -44,7 +44,7 @@ OutputSink = Callable[[list[RequestOutput], EngineStats | None, float], None]
 
 class EngineDriver:
     def __init__(self, engine: EngineLike, loop: asyncio.AbstractEventLoop, sink: OutputSink,
-                 max_unpublished_steps: int = 4, first_token_wait_s: float = 0.0, hand_off_at_gpu_wait: bool = False):
+                 max_unpublished_steps: int = 4, first_token_wait_s: float = 0.0):
         self.engine = engine
         self._first_token_wait_s = first_token_wait_s  # see _let_first_tokens_out
         self._loop = loop
@@ -66,14 +66,8 @@ class EngineDriver:
         self._overlapped = getattr(engine, "async_scheduling", False) is True
         self._idle = False  # the thread sleeps in _run's wait (no work, or the publisher behind)
         self._step_waiters: list[asyncio.Future[None]] = []  # resolved when the current or next step() returns
-        # Outputs held for the next step's GPU wait (see _hand_held): (outputs, stats, step end ms), in step order.
-        self._held: tuple[list[RequestOutput], EngineStats | None, float] | None = None
-        self._hold_outputs = (hand_off_at_gpu_wait and self._overlapped
-                              and hasattr(engine, "before_gpu_wait"))
-        if self._hold_outputs:
-            engine.before_gpu_wait = self._hand_held  # type: ignore[attr-defined]
-        # Whether a step's outputs must be searched for first tokens (never held; _let_first_tokens_out)
-        self._watch_first_tokens = self._overlapped and (self._hold_outputs or first_token_wait_s > 0)
+        # Whether a step's outputs must be searched for first tokens (_let_first_tokens_out)
+        self._watch_first_tokens = self._overlapped and first_token_wait_s > 0
         set_waker = getattr(engine, "set_waker", None)  # a ModelSet wakes us when a model loads or idles out
         if set_waker is not None:
             set_waker(self.notify)
@@ -131,14 +125,10 @@ class EngineDriver:
                 while not self._stopping and (
                     self._unpublished >= self._max_unpublished or not engine.has_unfinished()
                 ):
-                    if self._held is not None:  # no step to wait in comes: out now (then look again)
-                        self._hand_held()
-                        continue
                     self._idle = True
                     self._cond.wait()
                 self._idle = False
                 if self._stopping:
-                    self._hand_held()
                     return
             started = time.perf_counter()
             try:
@@ -148,7 +138,6 @@ class EngineDriver:
                 stats = engine.stats()
             except BaseException as exc:  # the engine is broken, not one request: the worker must stop
                 log.exception("event=engine_step_failed")
-                self._hand_held()
                 self.fatal = exc
                 self._loop.call_soon_threadsafe(self._sink, [], None, time.time() * 1000)
                 self._release_waiters()
@@ -158,13 +147,9 @@ class EngineDriver:
             self.last_stats = stats
             if self._step_waiters:  # only after a wake-up from idle: a lone job's first step
                 self._release_waiters()
-            self._hand_held()  # this step did not wait on the GPU: the outputs held before go first
             if not outputs:
                 continue
             first = self._watch_first_tokens and _has_first_token(outputs)
-            if self._hold_outputs and not first:
-                self._held = (outputs, stats, time.time() * 1000)
-                continue
             handed = self._hand_over(outputs, stats, time.time() * 1000)
             if handed is None:  # the loop closed under us: shutting down
                 return
@@ -182,20 +167,6 @@ class EngineDriver:
         except RuntimeError:
             return None
         return handed
-
-    def _hand_held(self) -> None:
-        """Hand the held outputs to the loop, if any (the engine thread only: the engine's before_gpu_wait, or
-        _run when no wait came).
-
-        Held (hand_off_at_gpu_wait, overlapped engines): a step's outputs without a first token are handed over
-        not when step() returns but when the next step() is about to wait for the GPU. Handed at the return, the
-        loop turns them into events (~7 us each, 1,024 a step in W2) while this thread schedules, prepares and
-        launches the next step: both want the GIL, and every forced switch costs both threads. Handed at the
-        wait, the loop works while this thread sleeps on the GPU. The events leave later by the next step's
-        launch work (~1 ms at batch 1, a few at 1,024); steps carrying a first token are never held."""
-        held, self._held = self._held, None
-        if held is not None:
-            self._hand_over(*held)  # (a closed loop: shutting down; _run sees it at its own next hand-over)
 
     def _let_first_tokens_out(self, handed: int) -> None:
         """Wait (at most first_token_wait_s) until the loop has published the step just handed over, which

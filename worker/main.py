@@ -114,9 +114,6 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
     ("--first-token-wait-s", "STOKER_FIRST_TOKEN_WAIT_S", float, 0.002,
      "the engine thread waits at most this long for a step's first tokens to be published before its next "
      "step, whose host work would hold the GIL the publish needs (overlapped engines; 0: never)"),
-    ("--gpu-wait-handoff", "STOKER_GPU_WAIT_HANDOFF", bool, False,
-     "hand a step's outputs to the event loop when the next step waits for the GPU, not as step() returns "
-     "(overlapped engines; steps with a first token still go at once; no gain measured on the H200: off)"),
     ("--redis-outage-leave-s", "STOKER_REDIS_OUTAGE_LEAVE_S", float, 60.0,
      "Redis unreachable this long: leave the consumer group (others take the partitions), rejoin after"),
     ("--max-attempts", "STOKER_MAX_ATTEMPTS", int, 3, "starts before a job is dead-lettered as poison"),

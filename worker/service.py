@@ -184,8 +184,7 @@ class Worker:
         # partitions it could never serve (an outage, by contrast, is waited out).
         await self.rio.retry("ping", self.redis.ping)
         self.admitter.start(self.redis, self.rio.retry)
-        self.driver = EngineDriver(self.engine, loop, self._on_step, first_token_wait_s=cfg.first_token_wait_s,
-                                   hand_off_at_gpu_wait=cfg.gpu_wait_handoff)
+        self.driver = EngineDriver(self.engine, loop, self._on_step, first_token_wait_s=cfg.first_token_wait_s)
         self.grammars = GrammarGate(self.engine, cfg.grammar_compile_threads, cfg.grammar_compile_timeout_s)
         self.driver.on_abort = self.grammars.abort  # a cancel must reach a request still compiling
         self.metrics.watch_engine(self.driver)
