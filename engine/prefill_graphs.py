@@ -14,7 +14,7 @@ largest bucket of tokens; it replays the smallest bucket >= its tokens. Rows pas
 padding: slot -1 (no K/V write), zero attention output (the prefill kernel writes rows past query_start_loc[-1]
 with zeros), and nobody reads their hidden states. The logits row is the chunk's last token (a chunk that does
 not end its prompt samples nothing: its logits are computed and ignored). Several prompts at once, mixed steps
-and longer chunks stay eager: there the GPU work outlasts the launches.
+and longer chunks take the piecewise graphs (piecewise_graphs.py) instead.
 """
 
 from __future__ import annotations
