@@ -105,6 +105,9 @@ class TokenBucketGraphs:
         """Run a bucket's work eagerly (on the capture's side stream)."""
         raise NotImplementedError
 
+    def _after_warm(self) -> None:
+        """Between the warm-up and the captures, on the current stream (which replays use): static outputs."""
+
     def _capture_bucket(self, tokens: int, pool: Any) -> None:
         """Capture a bucket's graph(s) into `pool` (torch.cuda.graph_pool_handle())."""
         raise NotImplementedError
@@ -121,6 +124,7 @@ class TokenBucketGraphs:
                 self._warm(tokens)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize(self.device)
+        self._after_warm()
         pool = torch.cuda.graph_pool_handle()
         reserved = torch.cuda.memory_reserved(self.device)
         with collector_paused():

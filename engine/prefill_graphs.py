@@ -55,6 +55,7 @@ class PrefillGraphs(TokenBucketGraphs):
         self.sample_index = torch.zeros(1, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None  # [1, V] float32, written by every bucket's graph
+        self._logits_like: torch.Tensor | None = None  # the warm-up's logits (their width and dtype)
 
     def _forward(self, tokens: int) -> torch.Tensor:
         meta = AttentionMetadata(self.slot_mapping[:tokens], self.block_tables, self.query_start_loc,
@@ -63,9 +64,13 @@ class PrefillGraphs(TokenBucketGraphs):
         return self.model.compute_logits(hidden[self.sample_index], out=self.logits)
 
     def _warm(self, tokens: int) -> None:
-        out = self._forward(tokens)
-        if self.logits is None:  # the static logits row, shaped by the first warm-up
-            self.logits = torch.empty(1, out.shape[1], dtype=out.dtype, device=self.device)
+        self._logits_like = self._forward(tokens)
+
+    def _after_warm(self) -> None:
+        # The static logits row, on the current stream (which replays use), not the warm-up's side stream.
+        out, self._logits_like = self._logits_like, None
+        assert out is not None  # (the warm-up ran)
+        self.logits = torch.empty(1, out.shape[1], dtype=out.dtype, device=self.device)
 
     def _capture_bucket(self, tokens: int, pool: Any) -> None:
         graph = torch.cuda.CUDAGraph()
