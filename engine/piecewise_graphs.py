@@ -119,4 +119,3 @@ class PiecewiseGraphs(TokenBucketGraphs):
                 self.model.attend(i, q, meta, self.kv_caches, out)
         self.replays += 1
         return self.model.compute_logits(self.hidden[inp.sample_indices])
-

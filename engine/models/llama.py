@@ -204,16 +204,16 @@ class LlamaModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Piece i of forward() cut at every attention (CausalLM.piece): the same modules in the same order as
         the layers' forward, regrouped so that each piece ends where an attention begins."""
-        layers = cast(list[LlamaDecoderLayer], list(self.layers))
         if i == 0:
             hidden = self.embed_tokens(x)
         else:
             assert residual is not None  # every piece after the first gets the running sum
-            hidden, residual = layers[i - 1].after_attention(x, residual)
-        if i == len(layers):
+            hidden, residual = cast(LlamaDecoderLayer, self.layers[i - 1]).after_attention(x, residual)
+        if i == len(self.layers):
             return self.norm(hidden, residual)
         k_cache, v_cache = kv_caches[i]
-        return layers[i].before_attention(hidden, residual, positions, meta, k_cache, v_cache, q_out)
+        return cast(LlamaDecoderLayer, self.layers[i]).before_attention(hidden, residual, positions, meta, k_cache,
+                                                                        v_cache, q_out)
 
     def attend(self, i: int, q: torch.Tensor, meta: AttentionMetadata,
                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor) -> torch.Tensor:
