@@ -6,7 +6,8 @@ little-endian length + JSON: name -> dtype, shape, [begin, end) of the data sect
 into groups of whole tensors of up to `group_bytes`, and for each group:
   1. reader threads `preadv` fixed-size chunks of the file range into a ring of pinned host buffers
      (the read releases the GIL, so the threads really read in parallel) and each thread issues a
-     `non_blocking` host->device copy of its chunk into one raw uint8 device buffer, on a copy stream;
+     `non_blocking` host->device copy of its chunk into one raw uint8 device buffer, on a copy stream (the
+     buffer is allocated on that stream: _group_buffer says why);
   2. the main thread waits for the group's copies on the compute stream, views each tensor inside the raw
      buffer (dtype, shape) and hands the view to its layer's `load_weight` (engine.loader.WeightMap), whose
      one copy_ puts it into the (fused) parameter, casting on the GPU.
@@ -171,7 +172,7 @@ def load_weights_fast(
             try:
                 for group in _groups(entries, group_bytes):
                     begin, end = group[0].begin, group[-1].end
-                    raw = torch.empty(end - begin, dtype=torch.uint8, device=device)
+                    raw = _group_buffer(end - begin, device, copy_stream)
                     futures = [
                         pool.submit(fetch, fd, raw, begin, off, min(chunk_bytes, end - off))
                         for off in range(begin, end, chunk_bytes)
@@ -179,8 +180,9 @@ def load_weights_fast(
                     for fut in futures:
                         fut.result()  # re-raises a reader's error here
                     if copy_stream is not None:
-                        torch.cuda.current_stream(device).wait_stream(copy_stream)
-                        raw.record_stream(copy_stream)
+                        compute = torch.cuda.current_stream(device)
+                        compute.wait_stream(copy_stream)
+                        raw.record_stream(compute)  # its block is not handed out again before the casts ran
                     for e in group:
                         _place(weights, file, e, raw[e.begin - begin : e.end - begin])
                     del raw
@@ -193,6 +195,22 @@ def load_weights_fast(
     weights.check_all_loaded(path)
     seconds = time.perf_counter() - t0
     return {"load_s": seconds, "bytes": total, "gb_per_s": total / seconds / 1e9, "files": len(files)}
+
+
+def _group_buffer(nbytes: int, device: torch.device, copy_stream: torch.cuda.Stream | None) -> torch.Tensor:
+    """A group's raw device buffer, allocated on the stream that writes it (the copy stream on CUDA).
+
+    Why not on the compute stream, where the casts read it: the copy stream does not wait for the compute stream,
+    so a block allocated there could be the previous group's, freed by `del raw` while its casts are still
+    queued behind other work on the compute stream (a GPU busy with another process, another model's steps):
+    the copies would overwrite bytes not yet cast. That happened on the H200 (2026-12-02, session 12: every engine
+    built while another process kept the GPU busy loaded corrupt weights, tests/test_gpu_engine.py
+    test_fast_load_behind_a_busy_compute_stream). Allocated on the copy stream and recorded on the compute
+    stream, the block goes back to the copy stream's pool only once the casts that read it have run."""
+    if copy_stream is None:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    with torch.cuda.stream(copy_stream):
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def _place(weights: WeightMap, file: str, e: TensorEntry, raw: torch.Tensor) -> None:
