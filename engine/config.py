@@ -57,6 +57,10 @@ class EngineConfig:
     # kernel's successor let in early (gemv.py PDL_*): off, as it measured slower at 8B bf16 batch 1 (H200 21:07 UTC:
     # W1 4.46 vs 4.26 ms; the graph's plain chain has no launch gap left to hide; BENCHMARKS.md).
     decode_pdl: bool = False
+    # With decode_kernels fused / fused-folded, one-token decode steps (batch 1) run each layer's MLP as one kernel
+    # streaming gate_up and down with float32 partials per program, plus a small reduce (engine/kernels/fused_mlp.py)
+    # instead of two GEMVs: one kernel boundary less a layer. FP8 weights and PDL keep the two GEMVs.
+    decode_fused_mlp: bool = True
     # Two-nano-batch decode (engine/models/nano_batches.py): decode-only steps of >= decode_overlap_min_rows
     # sequences run as two halves whose GEMMs and attention interleave on two CUDA streams (in the graphs).
     # Off: measured 3.7 % slower at batch 1,024 and 13 % at 512 (8B, H200; BENCHMARKS.md, 14:44 UTC).

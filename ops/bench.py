@@ -210,7 +210,7 @@ def engine_config(path: str, max_num_seqs: int, device: str = "cuda", quantizati
 
 def decode_setting(text: str) -> dict[str, Any]:
     """"fused+pdl" -> {"decode_kernels": "fused", "decode_pdl": True}: one --decode-kernels item ("+nopdl": False;
-    neither: EngineConfig's default). "+overlap"
+    neither: EngineConfig's default); "+nomlp" / "+mlp" sets decode_fused_mlp. "+overlap"
     adds decode_overlap (two-nano-batch decode steps, engine/models/nano_batches.py), "+overlapN" with N rows
     as its threshold (decode_overlap_min_rows), "+smsK" K SMs for its attention lane (decode_overlap_sms)."""
     kernels, *flags = text.split("+")
@@ -219,6 +219,8 @@ def decode_setting(text: str) -> dict[str, Any]:
         rows = flag.removeprefix("overlap")
         if flag in ("pdl", "nopdl"):
             setting["decode_pdl"] = flag == "pdl"
+        elif flag in ("mlp", "nomlp"):
+            setting["decode_fused_mlp"] = flag == "mlp"
         elif flag.startswith("overlap") and (rows == "" or rows.isdigit()):
             setting["decode_overlap"] = True
             setting |= {"decode_overlap_min_rows": int(rows)} if rows else {}
@@ -226,7 +228,7 @@ def decode_setting(text: str) -> dict[str, Any]:
             setting["decode_overlap_sms"] = int(flag[3:])
         else:
             raise ValueError(f"--decode-kernels item {text!r}: a decode_kernels value, optionally with '+pdl', "
-                             "'+nopdl', '+overlap[N]' and '+smsK'")
+                             "'+nopdl', '+mlp', '+nomlp', '+overlap[N]' and '+smsK'")
     return setting
 
 

@@ -6,7 +6,8 @@
 One layer = qkv GEMV (folded-norm prologue, rotary, KV write) -> decode attention (fused combine) -> o_proj GEMV +
 residual -> gate_up GEMV (folded-norm prologue, SiLU-mul) -> down GEMV + residual, as engine/models/fused_decode.py
 launches them for bf16 "fused-folded" (weights the 8B shape's, random; every layer its own copy, so each streams
-from HBM). Per variant (plain; pdl: EngineConfig.decode_pdl's form, the attention in the chain): us per layer over the
+from HBM). Per variant (plain; pdl: EngineConfig.decode_pdl's form, the attention in the chain; mlp: gate_up + down
+as engine/kernels/fused_mlp.py's partials and reduce kernels, EngineConfig.decode_fused_mlp): us per layer over the
 graph's replays (CUDA events), and from one profiled replay (torch.profiler, CUPTI) the median gap between each
 kernel's end and the next one's start (negative: the next kernel was already running, i.e. PDL overlapped them)
 and each kernel's median duration. Table to stdout, $OUT/pdl_chain.json when OUT is set. --dry-run: the tiny
@@ -61,8 +62,9 @@ class Layer:
         self.slots = (last * block_size + (context - 1) % block_size).view(1)
         self.counters = decode_combine_counters(1, kv_heads, device)
 
-    def forward(self, stream: torch.Tensor, pdl: bool) -> torch.Tensor:
+    def forward(self, stream: torch.Tensor, pdl: bool, mlp: bool = False) -> torch.Tensor:
         from stoker.engine.kernels.attention import paged_decode_attention_triton
+        from stoker.engine.kernels.fused_mlp import fused_mlp_triton
         from stoker.engine.kernels.gemv import gemv_rotary_cache_triton, gemv_triton
 
         qkv, _ = gemv_rotary_cache_triton(
@@ -73,27 +75,30 @@ class Layer:
         attn = paged_decode_attention_triton(q, self.k_cache, self.v_cache, self.block_tables, self.context_lens,
                                              self.head_dim**-0.5, counters=self.counters, pdl=pdl)
         stream, _ = gemv_triton(attn.reshape(1, -1), self.w_o, add=stream, pdl=pdl)
+        if mlp:  # EngineConfig.decode_fused_mlp: one streaming kernel and a reduce (engine/kernels/fused_mlp.py)
+            return fused_mlp_triton(stream, self.w_gu, self.w_d, stream, eps=1e-5)
         act, _ = gemv_triton(stream, self.w_gu, silu_mul=True, norm_folded=True, eps=1e-5, pdl=pdl)
         return gemv_triton(act, self.w_d, add=stream, pdl=pdl)[0]
 
 
-VARIANTS = {"plain": False, "pdl": True}  # variant -> pdl
+VARIANTS = {"plain": (False, False), "pdl": (True, False), "mlp": (False, True)}  # variant -> (pdl, fused MLP)
+MLP_STAGES = ("qkv", "attention", "o_proj", "mlp", "reduce")
 
 
-def run_chain(layers: list[Layer], x: torch.Tensor, pdl: bool) -> torch.Tensor:
+def run_chain(layers: list[Layer], x: torch.Tensor, pdl: bool, mlp: bool = False) -> torch.Tensor:
     for layer in layers:
-        x = layer.forward(x, pdl)
+        x = layer.forward(x, pdl, mlp)
     return x
 
 
 def time_variant(layers: list[Layer], x: torch.Tensor, variant: str, replays: int) -> dict[str, Any]:
-    pdl = VARIANTS[variant]
+    pdl, mlp = VARIANTS[variant]
     for _ in range(2):  # compile outside the capture
-        run_chain(layers, x, pdl)
+        run_chain(layers, x, pdl, mlp)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = run_chain(layers, x, pdl)
+        out = run_chain(layers, x, pdl, mlp)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -103,35 +108,36 @@ def time_variant(layers: list[Layer], x: torch.Tensor, variant: str, replays: in
     end.synchronize()
     result: dict[str, Any] = {"us_per_layer": start.elapsed_time(end) * 1e3 / replays / len(layers)}
     try:
-        result |= profile_gaps(graph, len(layers))
+        result |= profile_gaps(graph, len(layers), MLP_STAGES if mlp else STAGES)
     except Exception as e:  # the timing above stands without the profile
         result["profile_error"] = f"{type(e).__name__}: {e}"[:300]
     expected = run_chain(layers, x, False)
     result["bitwise_equal_to_plain"] = bool(torch.equal(out, expected))
+    result["max_abs_diff_to_plain"] = (out.float() - expected.float()).abs().max().item()
     del graph
     return result
 
 
-def profile_gaps(graph: torch.cuda.CUDAGraph, num_layers: int) -> dict[str, Any]:
+def profile_gaps(graph: torch.cuda.CUDAGraph, num_layers: int, stages: tuple[str, ...] = STAGES) -> dict[str, Any]:
     """Median gap (next start - this end, us) after each stage and median duration of each, from one replay."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
-    return gaps_from_events(prof.events(), num_layers)
+    return gaps_from_events(prof.events(), num_layers, stages)
 
 
-def gaps_from_events(events: Any, num_layers: int) -> dict[str, Any]:
-    kernels = sorted((e for e in events if str(e.device_type).endswith("CUDA") and e.name.startswith(("_gemv", "_decode"))),
-                     key=lambda e: e.time_range.start)
-    if len(kernels) != len(STAGES) * num_layers:
+def gaps_from_events(events: Any, num_layers: int, stages: tuple[str, ...] = STAGES) -> dict[str, Any]:
+    kernels = sorted((e for e in events if str(e.device_type).endswith("CUDA")
+                      and e.name.startswith(("_gemv", "_decode", "_mlp"))), key=lambda e: e.time_range.start)
+    if len(kernels) != len(stages) * num_layers:
         return {"profile_error": f"{len(kernels)} kernels for {num_layers} layers: "
                                  f"{sorted({k.name for k in kernels})}"}
-    gaps: dict[str, list[float]] = {s: [] for s in STAGES}
-    durations: dict[str, list[float]] = {s: [] for s in STAGES}
+    gaps: dict[str, list[float]] = {s: [] for s in stages}
+    durations: dict[str, list[float]] = {s: [] for s in stages}
     for i, k in enumerate(kernels):
-        stage = STAGES[i % len(STAGES)]
+        stage = stages[i % len(stages)]
         durations[stage].append(k.time_range.end - k.time_range.start)
         if i + 1 < len(kernels):
             gaps[stage].append(kernels[i + 1].time_range.start - k.time_range.end)
@@ -149,7 +155,7 @@ def dry_run(variants: list[str]) -> None:
     x = torch.randn(1, SHAPES["tiny"][0])
     plain = run_chain(layers, x, False)
     for variant in variants:
-        out = run_chain(layers, x, VARIANTS[variant])
+        out = run_chain(layers, x, *VARIANTS[variant])
         print(f"dry-run {variant}: max |out - plain| = {(out - plain).abs().max().item():.3g}")
 
 
@@ -159,7 +165,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8, help="layers in the graph, each with its own weights")
     ap.add_argument("--context", type=int, default=640, help="W1's mean context (512 + 256 / 2)")
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--variants", default="plain,pdl", help="comma-separated: plain, pdl")
+    ap.add_argument("--variants", default="plain,pdl", help="comma-separated: plain, pdl, mlp")
     ap.add_argument("--budget-s", type=float, default=60.0, help="stop starting new variants after this")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args()
@@ -184,8 +190,9 @@ def main() -> int:
             print(f"budget spent: {variant} not run")
             break
         r = results["variants"][variant] = time_variant(layers, x, variant, args.replays)
-        gaps = " / ".join(f"{r['gap_after_us'][s]:.2f}" for s in STAGES if s in r.get("gap_after_us", {}))
-        durs = " / ".join(f"{r['duration_us'][s]:.2f}" for s in STAGES if s in r.get("duration_us", {}))
+        stages = MLP_STAGES if VARIANTS[variant][1] else STAGES
+        gaps = " / ".join(f"{r['gap_after_us'][s]:.2f}" for s in stages if s in r.get("gap_after_us", {}))
+        durs = " / ".join(f"{r['duration_us'][s]:.2f}" for s in stages if s in r.get("duration_us", {}))
         print(f"| {variant} | {r['us_per_layer']:.2f} | {gaps or r.get('profile_error')} | {durs} | "
               f"{r['bitwise_equal_to_plain']} |", flush=True)
     if os.environ.get("OUT"):

@@ -62,13 +62,20 @@ class SpyCalls:
         import stoker.engine.models.llama as llama
 
         self.calls = 0
+        self.mlp_rows: list[int] = []  # the token count of every fused-MLP launch (kernels/fused_mlp.py)
         original = llama.fused_decode_layer
+        original_mlp = fused_decode.fused_mlp_triton
 
         def spy(*args: Any, **kwargs: Any) -> Any:
             self.calls += 1
             return original(*args, **kwargs)
 
+        def spy_mlp(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.mlp_rows.append(x.shape[0])
+            return original_mlp(x, *args, **kwargs)
+
         monkeypatch.setattr(llama, "fused_decode_layer", spy)
+        monkeypatch.setattr(fused_decode, "fused_mlp_triton", spy_mlp)
 
 
 def count_norm_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
@@ -113,6 +120,9 @@ def test_fused_decode_greedy_matches_transformers_and_unfused(arch, mode: str, m
     got = generate(fused, PROMPTS, MAX_TOKENS)
     decode_steps = max(MAX_TOKENS) - 1
     assert spy.calls == 2 * decode_steps, "the fused path did not make every decode step"
+    # The one-token steps (the last ones: the batch shrinks to 1) ran their MLPs fused, unless under PDL.
+    one_token_layer_steps = 2 * sum(1 for step in range(decode_steps) if sum(n - 1 > step for n in MAX_TOKENS) == 1)
+    assert spy.mlp_rows == ([] if pdl else [1] * one_token_layer_steps)
     unfused = generate(cpu_engine(path, "cublas"), PROMPTS, MAX_TOKENS)
     assert spy.calls == 2 * decode_steps, "the cublas engine took the fused path"
     for i, (p, n) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
@@ -266,7 +276,10 @@ def test_worker_flags_reach_the_engine_config(tmp_path, capsys, monkeypatch) -> 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets EngineConfig accept a fused setting on the CPU
     monkeypatch.setattr(stoker.engine, "LLMEngine", built.append)  # the config build_engine makes, no engine
     worker_main.build_engine(cfg)
-    assert (built[0].decode_kernels, built[0].decode_pdl) == ("fused-folded", True)
+    assert (built[0].decode_kernels, built[0].decode_pdl, built[0].decode_fused_mlp) == ("fused-folded", True, True)
+    worker_main.build_engine(worker_main.parse_config(["--model", path, "--no-decode-fused-mlp", "--no-warmup",
+                                                       "--device", "cpu"], {}))
+    assert built[1].decode_fused_mlp is False
     env = {"STOKER_DECODE_KERNELS": "cublas", "STOKER_DECODE_PDL": "1"}
     assert (worker_main.parse_config(["--model", path], env).decode_kernels,
             worker_main.parse_config(["--model", path], env).decode_pdl) == ("cublas", True)

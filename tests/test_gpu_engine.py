@@ -133,20 +133,32 @@ def test_fast_load_matches_reference_loader(llama, device: str, dtype: torch.dty
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_fast_load_behind_a_busy_compute_stream(llama) -> None:
+def test_fast_load_behind_a_busy_compute_stream(llama, monkeypatch) -> None:
     """The loader's casts run on the compute stream, its copies on a copy stream that does not wait for it. With the
     compute stream held back (a GPU busy with another process or another model's steps; here a sleep kernel ahead
-    of the casts), no group's buffer may be overwritten by the next group's copies before its casts ran: every
+    of every cast), no group's buffer may be overwritten by the next group's copies before its casts ran: every
     parameter equals the reference loader's. Before the fix (fast_load._group_buffer) the buffers came from the
-    compute stream's pool and this failed."""
+    compute stream's pool, and every engine built while another process kept the GPU busy had corrupt weights."""
+    from stoker.engine import fast_load
+
     path, _ = llama
     ref, fast = _fresh_model(path, "cuda", torch.float32), _fresh_model(path, "cuda", torch.float32)
     load_weights(ref, path)
     for p in fast.parameters():
         p.data.fill_(float("nan"))
+    place = fast_load._place
+
+    def late_place(*args, **kwargs):
+        torch.cuda._sleep(20_000_000)  # ~10 ms of GPU cycles ahead of this tensor's cast, on the compute stream
+        return place(*args, **kwargs)
+
+    monkeypatch.setattr(fast_load, "_place", late_place)
     torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU cycles ahead of every cast
-    stats = load_weights_fast(fast, path, "cuda", threads=4, chunk_bytes=65536, group_bytes=200_000, progress=False)
+    # A cached segment on the compute stream, so no cudaMalloc (which may synchronize the device) happens mid-load
+    # and the groups' buffers would come from it, the freed ones coalescing back, as in a long-running process.
+    warm = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    del warm
+    stats = load_weights_fast(fast, path, "cuda", threads=4, chunk_bytes=65536, progress=False)
     assert stats["files"] > 1
     for (name, a), (_, b) in zip(ref.named_parameters(), fast.named_parameters(), strict=True):
         if not name.endswith(("k_scale", "v_scale")):

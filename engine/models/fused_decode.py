@@ -43,6 +43,7 @@ from stoker.engine.config import EngineConfig
 from stoker.engine.kernels import gemv
 from stoker.engine.kernels._triton import HAS_TRITON
 from stoker.engine.kernels.fp8_linear import fp8_gemv_config
+from stoker.engine.kernels.fused_mlp import MLP_MAX_M, fused_mlp_triton
 from stoker.engine.kernels.gemv import (
     GEMV_MAX_M,
     GemvConfig,
@@ -103,6 +104,7 @@ class FusedDecode:
     """A decoder layer's fused decode: how, and the layer's own modules it reads (no weight is copied)."""
 
     folded: bool  # the RMSNorm weights are folded into qkv / gate_up (the norms run in their prologues)
+    mlp_max_m: int  # steps of up to this many tokens run the MLP as kernels/fused_mlp.py's two launches (0: never)
     prologue_norm: bool  # the norms run in the qkv / gate_up prologues: folded, or (FP8) g applied to x there
     pdl: bool  # launch the GEMVs with programmatic dependent launch
     input_norm: RMSNorm
@@ -135,12 +137,13 @@ def resolve_decode_kernels(config: EngineConfig) -> str:
 
 
 def bind_fused_decode(
-    mode: str, pdl: bool, kv_dtype: torch.dtype, *, input_norm: RMSNorm, qkv: nn.Module, q_norm: RMSNorm | None,
+    mode: str, pdl: bool, kv_dtype: torch.dtype, *, fused_mlp: bool = True, input_norm: RMSNorm, qkv: nn.Module, q_norm: RMSNorm | None,
     k_norm: RMSNorm | None, rotary: RotaryEmbedding, attention: PagedAttention, o_proj: nn.Module,
     post_norm: RMSNorm, gate_up: nn.Module, down: nn.Module,
 ) -> FusedDecode | str:
     """A layer's FusedDecode for `mode` ("fused" or "fused-folded"; called once the weights are in, and
-    folding them for fused-folded), or why the layer must keep the unfused decode path."""
+    folding them for fused-folded), or why the layer must keep the unfused decode path. fused_mlp: one-token steps
+    of 16-bit (or float32) weights run the MLP through kernels/fused_mlp.py (EngineConfig.decode_fused_mlp)."""
     # Exact types: the tensor-parallel twins are subclasses of the plain linears.
     kinds = (type(qkv), type(o_proj), type(gate_up), type(down))
     fp8 = kinds == _FP8_KINDS
@@ -163,7 +166,9 @@ def bind_fused_decode(
     if folded:  # again after a first fold: W' * 1 is W' exactly, so planning twice changes nothing
         _fold_norm_into(linears[0], input_norm)
         _fold_norm_into(linears[2], post_norm)
-    return FusedDecode(folded, prologue, pdl, input_norm, linears[0], q_norm, k_norm, rotary, attention, linears[1],
+    # FP8 weights keep the two GEMVs (the fused MLP has no row-scale path yet); PDL chains have no partials stage.
+    mlp_max_m = MLP_MAX_M if fused_mlp and not fp8 and not pdl else 0
+    return FusedDecode(folded, mlp_max_m, prologue, pdl, input_norm, linears[0], q_norm, k_norm, rotary, attention, linears[1],
                        post_norm, linears[2], linears[3])
 
 
@@ -256,6 +261,9 @@ def fused_decode_layer(
     out = fd.attention(q, k_cache, v_cache, meta, pdl=fd.pdl).reshape(num_tokens, num_heads * head_dim)
     stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=fd.pdl, **_fp8_args(fd.o_proj, "add", num_tokens))
     x = stream if fd.prologue_norm else fd.post_norm(stream)[0]
+    if num_tokens <= fd.mlp_max_m:  # gate_up + SiLU-mul + down + residual: one streaming kernel and a small reduce
+        return fused_mlp_triton(x, fd.gate_up.weight, fd.down.weight, stream, eps=fd.post_norm.eps,
+                                norm_folded=fd.folded), None
     act, _ = gemv_triton(x, fd.gate_up.weight, silu_mul=True, norm_folded=fd.folded, eps=fd.post_norm.eps,
                          pdl=fd.pdl, **_fp8_args(fd.gate_up, "silu", num_tokens),
                          **_unfolded_norm(fd, fd.post_norm))

@@ -1,0 +1,177 @@
+"""A Llama MLP block at decode as two launches (issue 13): out = residual + down(silu(gate(h)) * up(h)), h =
+rms_norm(x) folded into gate_up, for M = 1..MLP_MAX_M tokens.
+
+Why: at batch 1 every kernel boundary costs ~3 us of ramp and tail (BENCHMARKS.md, the 21:07 chain table: gate_up
+58.3 us and down 30.7 us against 55.1 and 27.6 at copy bandwidth). Here one kernel streams both: program p owns BI
+intermediate rows, streams their gate and up rows (the folded norm's rms pass first, as gemv.py's prologue), makes
+h = silu(g) * u for them in registers, then streams the same BI columns of down_proj and writes its partial sums
+of all H outputs, float32, into its own slot of `partials` [P, M, H]. A second, small kernel adds the P slots in a
+fixed order, rounds like the unfused path (the projection to the model dtype, then the residual add) and writes
+the new residual stream. No atomics: the result does not depend on which program finishes first (bitwise
+repeatable), and the H200 prototype measured plain stores ~2 us a layer cheaper than float32 atomics.
+
+down_proj is read as it is stored, [H, I] (I contiguous): a program's BI columns are one BI * 2-byte run per
+output row (256 bytes at BI = 128), whole cache lines, so no transposed copy is needed.
+
+The partials cost P * M * H * 4 bytes of traffic (1.8 MB at the 8B shape, M = 1, through L2), which is why M is
+bounded: from M = 4 on the two GEMVs' own tails are cheaper than the reduce (gemv.py keeps those).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from stoker.engine.kernels._triton import check_launchable, tl, triton
+from stoker.engine.kernels.gemv import _row_sumsq, gemv_ref, norm_chunk
+
+MLP_MAX_M = 1  # tokens per step that take the fused MLP (fused_decode.py); more go through the two GEMVs
+
+
+def fused_mlp_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, residual: torch.Tensor, *,
+                  eps: float, norm_folded: bool = True) -> torch.Tensor:
+    """The two fused-decode GEMVs this replaces: act = silu-mul(gate_up(rms_norm(x))) (norm folded into gate_up:
+    a unit-weight norm), out = down(act) + residual. norm_folded=False: no norm at all (h = x)."""
+    act, _ = gemv_ref(x, gate_up, silu_mul=True, norm_folded=norm_folded, eps=eps)
+    return gemv_ref(act, down, add=residual)[0]
+
+
+@triton.jit
+def _mlp_partials_kernel(
+    x_ptr, wgu_ptr, wd_ptr, part_ptr,
+    M, K, INTER, H, eps, x_stride, wgu_stride, wd_stride,
+    BLOCK_M: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
+    NORM: tl.constexpr, NORM_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BI + tl.arange(0, BI)  # this program's intermediate rows (gate row n, up row INTER + n)
+    row_mask = rows < INTER
+    m = tl.arange(0, BLOCK_M)
+    m_mask = m < M
+    ks = tl.arange(0, BK)
+    g_ptrs = wgu_ptr + rows.to(tl.int64)[:, None] * wgu_stride + ks[None, :]
+    u_ptrs = wgu_ptr + (rows + INTER).to(tl.int64)[:, None] * wgu_stride + ks[None, :]
+    acc_g = tl.zeros([BLOCK_M, BI], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BI], dtype=tl.float32)
+    if NORM:
+        sumsq = _row_sumsq(x_ptr, x_stride, M, K, BLOCK_M, NORM_CHUNK)
+    for k0 in range(0, K, BK):
+        k_mask = k0 + ks < K
+        x = tl.load(x_ptr + m[:, None] * x_stride + k0 + ks[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        w_mask = row_mask[:, None] & k_mask[None, :]
+        wg = tl.load(g_ptrs + k0, mask=w_mask, other=0.0)
+        wu = tl.load(u_ptrs + k0, mask=w_mask, other=0.0)
+        acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+    if NORM:
+        inv_rms = tl.rsqrt(sumsq / K + eps)[:, None]
+        acc_g = acc_g * inv_rms
+        acc_u = acc_u * inv_rms
+    dtype = x_ptr.dtype.element_ty
+    g = acc_g.to(dtype).to(tl.float32)  # rounded like the unfused projection, then SiLU-and-mul as gemv.py
+    u = acc_u.to(dtype).to(tl.float32)
+    act = tl.where(row_mask[None, :], g * tl.sigmoid(g) * u, 0.0).to(dtype)  # [BLOCK_M, BI]; padding rows 0
+    hs = tl.arange(0, BH)
+    d_ptrs = wd_ptr + hs.to(tl.int64)[:, None] * wd_stride + rows[None, :]  # down's [BH, BI] tile, BI contiguous
+    out_ptrs = part_ptr + pid.to(tl.int64) * M * H + m[:, None] * H + hs[None, :]
+    for h0 in range(0, H, BH):
+        h_mask = h0 + hs < H
+        wd = tl.load(d_ptrs + h0 * wd_stride, mask=h_mask[:, None] & row_mask[None, :], other=0.0)
+        part = tl.dot(act, tl.trans(wd), input_precision=DOT_PRECISION)  # [BLOCK_M, BH]
+        tl.store(out_ptrs + h0, part, mask=m_mask[:, None] & h_mask[None, :])
+
+
+@triton.jit
+def _mlp_reduce_kernel(
+    part_ptr, res_ptr, out_ptr, P, M, H, res_stride, out_stride,
+    BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    # Program (column block, token): the P partials of BLOCK_H outputs summed in slot order, BLOCK_P at a time.
+    cols = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    row = tl.program_id(1)
+    col_mask = cols < H
+    ps = tl.arange(0, BLOCK_P)
+    acc = tl.zeros([BLOCK_P, BLOCK_H], dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + ps
+        acc += tl.load(part_ptr + p.to(tl.int64)[:, None] * M * H + row * H + cols[None, :],
+                       mask=(p < P)[:, None] & col_mask[None, :], other=0.0)
+    dtype = out_ptr.dtype.element_ty
+    y = tl.sum(acc, axis=0).to(dtype).to(tl.float32)  # down's output rounded, then the residual add (gemv.py ADD)
+    r = tl.load(res_ptr + row * res_stride + cols, mask=col_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * out_stride + cols, (y + r).to(dtype), mask=col_mask)
+
+
+@dataclass(frozen=True, slots=True)
+class MlpConfig:
+    """Intermediate rows per program (bi), K slice of the gate/up stream (bk), output columns per down step (bh),
+    warps and pipeline stages of the partials kernel."""
+
+    bi: int = 128
+    bk: int = 128
+    bh: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def label(self) -> str:
+        return f"bi{self.bi} bk{self.bk} bh{self.bh} w{self.num_warps} s{self.num_stages}"
+
+
+# The H200 prototype (session 12, .dev-only script, 8B shape, M = 1, us per layer in an 8-layer CUDA-graph chain,
+# each layer its own weights): gate_up + down as two GEMVs 89.3; fused with float32 atomics and a finalize kernel:
+# bi128 bk128 bh128 w8 s3 86.8, bi64 bk128 bh128 w4 s4 88.7, bi32 .. 93.9-104.6 (more programs, more partials).
+MLP_CONFIG = MlpConfig()
+
+
+def mlp_config(on_gpu: bool) -> MlpConfig:
+    if not on_gpu:  # the interpreter pays per program and numpy op: small tiles, a few of each
+        return MlpConfig(bi=16, bk=32, bh=32, num_warps=4, num_stages=1)
+    return MLP_CONFIG
+
+
+def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, residual: torch.Tensor, *,
+                     eps: float, norm_folded: bool = True, config: MlpConfig | None = None,
+                     partials: torch.Tensor | None = None) -> torch.Tensor:
+    """fused_mlp_ref in two launches. x, residual: [M, H]; gate_up [2I, H] ([gate; up] rows, the norm weight folded
+    in when norm_folded); down [H, I]; all the model dtype. partials: float32 scratch of at least P * M * H
+    elements (CUDA graphs pass a static one; None allocates)."""
+    if x.dim() != 2 or gate_up.dim() != 2 or down.dim() != 2:
+        raise ValueError(f"fused_mlp: x [M, H], gate_up [2I, H], down [H, I] expected, got "
+                         f"{tuple(x.shape)}, {tuple(gate_up.shape)}, {tuple(down.shape)}")
+    num_rows, hidden = x.shape
+    inter = gate_up.shape[0] // 2
+    if gate_up.shape != (2 * inter, hidden) or down.shape != (hidden, inter) or residual.shape != x.shape:
+        raise ValueError(f"fused_mlp: shapes disagree: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, down "
+                         f"{tuple(down.shape)}, residual {tuple(residual.shape)}")
+    if not (x.dtype == gate_up.dtype == down.dtype == residual.dtype):
+        raise ValueError(f"fused_mlp: one dtype expected, got x {x.dtype}, gate_up {gate_up.dtype}, down "
+                         f"{down.dtype}, residual {residual.dtype}")
+    if not 1 <= num_rows <= 16:
+        raise ValueError(f"fused_mlp: 1..16 tokens (the dot tile), got {num_rows}")
+    for name, t in (("x", x), ("gate_up", gate_up), ("down", down), ("residual", residual)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"fused_mlp: {name} must be contiguous along its last dimension")
+    check_launchable(x, gate_up, down, residual)
+    cfg = config or mlp_config(x.is_cuda)
+    programs = triton.cdiv(inter, cfg.bi)
+    need = programs * num_rows * hidden
+    if partials is None:
+        partials = torch.empty(need, dtype=torch.float32, device=x.device)
+    elif partials.dtype != torch.float32 or partials.numel() < need or not partials.is_contiguous():
+        raise ValueError(f"fused_mlp: partials must be contiguous float32 of >= {need} elements, got "
+                         f"{partials.dtype} {tuple(partials.shape)}")
+    out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (tf32 is ignored for 16-bit operands)
+    _mlp_partials_kernel[(programs,)](
+        x, gate_up, down, partials, num_rows, hidden, inter, hidden, eps,
+        x.stride(0), gate_up.stride(0), down.stride(0),
+        BLOCK_M=16, BI=cfg.bi, BK=cfg.bk, BH=cfg.bh, NORM=norm_folded,
+        NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda), DOT_PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    block_h = 64 if x.is_cuda else 32
+    _mlp_reduce_kernel[(triton.cdiv(hidden, block_h), num_rows)](
+        partials, residual, out, programs, num_rows, hidden, residual.stride(0), out.stride(0),
+        BLOCK_H=block_h, BLOCK_P=16 if x.is_cuda else 8, num_warps=4,
+    )
+    return out
