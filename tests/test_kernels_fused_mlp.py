@@ -7,12 +7,14 @@ CPU, re-run in an interpreter subprocess by the driver at the bottom.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
 from kernel_harness import GPU, INTERPRET, NO_CUDA, TOLERANCE, cases, run_under_interpreter  # noqa: E402
-from stoker.engine.kernels.fused_mlp import MlpConfig, fused_mlp_ref, fused_mlp_triton  # noqa: E402
+from stoker.engine.kernels.fused_mlp import MlpConfig, fused_mlp_ref, fused_mlp_triton, mlp_config  # noqa: E402
 from stoker.engine.kernels.gemv import fold_norm_weight, gemv_ref  # noqa: E402
 
 CASES = cases()
@@ -40,14 +42,20 @@ def _close_to_truth(out: torch.Tensor, ref: torch.Tensor, truth: torch.Tensor, d
     torch.testing.assert_close(out.double(), truth, atol=TOLERANCE[dtype] + 2 * ref_err, rtol=TOLERANCE[dtype])
 
 
+def _config(device: str, dtype: torch.dtype, atomic: bool) -> MlpConfig:
+    return dataclasses.replace(mlp_config(device == "cuda", dtype.itemsize), atomic=atomic)
+
+
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("num_rows", [1, 3])
 @pytest.mark.parametrize("norm", ["folded", "none"])
-def test_fused_mlp_matches_the_two_gemvs(device: str, dtype: torch.dtype, num_rows: int, norm: str) -> None:
+@pytest.mark.parametrize("atomic", [False, True], ids=["slots", "atomic"])
+def test_fused_mlp_matches_the_two_gemvs(device: str, dtype: torch.dtype, num_rows: int, norm: str,
+                                         atomic: bool) -> None:
     x, gate_up, down, residual, g = _inputs(num_rows, device, dtype)
     folded = norm == "folded"
     out = fused_mlp_triton(x, fold_norm_weight(gate_up, g) if folded else gate_up, down, residual, eps=1e-5,
-                           norm_folded=folded)
+                           norm_folded=folded, config=_config(device, dtype, atomic))
     assert out.shape == residual.shape and out.dtype == dtype
     # The reference: the norm with its weight g (unfolded), silu-mul, down, residual add: what the model computes.
     act, _ = gemv_ref(x, gate_up, silu_mul=True, norm_weight=g if folded else None, eps=1e-5)
@@ -87,6 +95,22 @@ def test_fused_mlp_is_repeatable_and_uses_given_partials(device: str, dtype: tor
         fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, config=cfg, partials=scratch[:10])
 
 
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_fused_mlp_atomic_leaves_its_accumulator_zero(device: str, dtype: torch.dtype) -> None:
+    """The atomic form adds every program's partials into one [M, H] float32 buffer that the reduce reads and zeroes:
+    a layer after a layer (or a step after a step) finds it zero again, so the static buffer is reused as is."""
+    x, gate_up, down, residual, _ = _inputs(3, device, dtype)
+    cfg = _config(device, dtype, atomic=True)
+    acc = torch.zeros(3 * HIDDEN, device=device)
+    first = fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, config=cfg, partials=acc)
+    assert torch.count_nonzero(acc) == 0
+    second = fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, config=cfg, partials=acc)
+    slots = fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, config=dataclasses.replace(cfg, atomic=False))
+    tol = TOLERANCE[dtype]  # the atomic order may differ from run to run: equal within rounding, not bitwise
+    torch.testing.assert_close(second.float(), first.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(slots.float(), first.float(), atol=tol, rtol=tol)
+
+
 def test_fused_mlp_rejects_bad_arguments() -> None:
     x, gate_up, down, residual, _ = _inputs(1, "cpu", torch.float32)
     with pytest.raises(ValueError, match="shapes disagree"):
@@ -100,18 +124,20 @@ def test_fused_mlp_rejects_bad_arguments() -> None:
 
 @GPU
 @NO_CUDA
-def test_fused_mlp_8b_shape_bf16_in_a_cuda_graph() -> None:
+@pytest.mark.parametrize("atomic", [False, True], ids=["slots", "atomic"])
+def test_fused_mlp_8b_shape_bf16_in_a_cuda_graph(atomic: bool) -> None:
     """The engine's launch at the 8B shape (bi 128: 112 programs), replayed from a CUDA graph with a static
     scratch, against the two GEMVs it replaces (bf16: both within the dtype's tolerance of each other)."""
     from stoker.engine.kernels.gemv import gemv_triton
 
     torch.manual_seed(0)
     x, gate_up, down, residual, _ = _inputs(1, "cuda", torch.bfloat16, hidden=4096, inter=14336)
-    scratch = torch.empty(triton.cdiv(14336, 128) * 4096, device="cuda")
-    fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, partials=scratch)
+    cfg = _config("cuda", torch.bfloat16, atomic)
+    scratch = torch.zeros((1 if atomic else triton.cdiv(14336, cfg.bi)) * 4096, device="cuda")
+    fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, partials=scratch, config=cfg)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, partials=scratch)
+        out = fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, partials=scratch, config=cfg)
     x.copy_(rand(1, 4096, device="cuda", dtype=torch.bfloat16, scale=3.0))
     graph.replay()
     act, _ = gemv_triton(x, gate_up, silu_mul=True, norm_folded=True, eps=1e-5)

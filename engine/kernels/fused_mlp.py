@@ -40,7 +40,7 @@ def _mlp_partials_kernel(
     x_ptr, wgu_ptr, wd_ptr, part_ptr,
     M, K, INTER, H, eps, x_stride, wgu_stride, wd_stride,
     BLOCK_M: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
-    NORM: tl.constexpr, NORM_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NORM: tl.constexpr, NORM_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BI + tl.arange(0, BI)  # this program's intermediate rows (gate row n, up row INTER + n)
@@ -73,20 +73,26 @@ def _mlp_partials_kernel(
     act = tl.where(row_mask[None, :], g * tl.sigmoid(g) * u, 0.0).to(dtype)  # [BLOCK_M, BI]; padding rows 0
     hs = tl.arange(0, BH)
     d_ptrs = wd_ptr + hs.to(tl.int64)[:, None] * wd_stride + rows[None, :]  # down's [BH, BI] tile, BI contiguous
-    out_ptrs = part_ptr + pid.to(tl.int64) * M * H + m[:, None] * H + hs[None, :]
+    slot = 0 if ATOMIC else pid.to(tl.int64)  # ATOMIC: every program adds into one zeroed [M, H] accumulator
+    out_ptrs = part_ptr + slot * M * H + m[:, None] * H + hs[None, :]
     for h0 in range(0, H, BH):
         h_mask = h0 + hs < H
         wd = tl.load(d_ptrs + h0 * wd_stride, mask=h_mask[:, None] & row_mask[None, :], other=0.0)
         part = tl.dot(act, tl.trans(wd), input_precision=DOT_PRECISION)  # [BLOCK_M, BH]
-        tl.store(out_ptrs + h0, part, mask=m_mask[:, None] & h_mask[None, :])
+        if ATOMIC:
+            tl.atomic_add(out_ptrs + h0, part, mask=m_mask[:, None] & h_mask[None, :], sem="relaxed")
+        else:
+            tl.store(out_ptrs + h0, part, mask=m_mask[:, None] & h_mask[None, :])
 
 
 @triton.jit
 def _mlp_reduce_kernel(
     part_ptr, res_ptr, out_ptr, P, M, H, res_stride, out_stride,
-    BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, ZERO: tl.constexpr,
 ):
-    # Program (column block, token): the P partials of BLOCK_H outputs summed in slot order, BLOCK_P at a time.
+    # Program (column block, token): the P partials of BLOCK_H outputs summed in slot order, BLOCK_P slots a load
+    # (all of them at once when P <= BLOCK_P: one round trip). ZERO (the atomic accumulator, P = 1): leave it zeroed
+    # for the next launch.
     cols = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     row = tl.program_id(1)
     col_mask = cols < H
@@ -94,8 +100,11 @@ def _mlp_reduce_kernel(
     acc = tl.zeros([BLOCK_P, BLOCK_H], dtype=tl.float32)
     for p0 in range(0, P, BLOCK_P):
         p = p0 + ps
-        acc += tl.load(part_ptr + p.to(tl.int64)[:, None] * M * H + row * H + cols[None, :],
-                       mask=(p < P)[:, None] & col_mask[None, :], other=0.0)
+        ptrs = part_ptr + p.to(tl.int64)[:, None] * M * H + row * H + cols[None, :]
+        mask = (p < P)[:, None] & col_mask[None, :]
+        acc += tl.load(ptrs, mask=mask, other=0.0)
+        if ZERO:
+            tl.store(ptrs, tl.zeros([BLOCK_P, BLOCK_H], dtype=tl.float32), mask=mask)
     dtype = out_ptr.dtype.element_ty
     y = tl.sum(acc, axis=0).to(dtype).to(tl.float32)  # down's output rounded, then the residual add (gemv.py ADD)
     r = tl.load(res_ptr + row * res_stride + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -112,9 +121,10 @@ class MlpConfig:
     bh: int = 128
     num_warps: int = 8
     num_stages: int = 3
+    atomic: bool = False  # float32 atomic adds into one zeroed accumulator instead of a slot per program
 
     def label(self) -> str:
-        return f"bi{self.bi} bk{self.bk} bh{self.bh} w{self.num_warps} s{self.num_stages}"
+        return f"bi{self.bi} bk{self.bk} bh{self.bh} w{self.num_warps} s{self.num_stages}" + (" atomic" if self.atomic else "")
 
 
 # The H200 prototype (session 12, .dev-only script, 8B shape, M = 1, us per layer in an 8-layer CUDA-graph chain,
@@ -123,9 +133,11 @@ class MlpConfig:
 MLP_CONFIG = MlpConfig()
 
 
-def mlp_config(on_gpu: bool) -> MlpConfig:
+def mlp_config(on_gpu: bool, elem_bytes: int = 2) -> MlpConfig:
     if not on_gpu:  # the interpreter pays per program and numpy op: small tiles, a few of each
-        return MlpConfig(bi=16, bk=32, bh=32, num_warps=4, num_stages=1)
+        return MlpConfig(bi=16, bk=32, bh=32, num_warps=4, num_stages=1, atomic=MLP_CONFIG.atomic)
+    if elem_bytes > 2:  # float32 (tests): the 16-bit tiles' pipeline stages would need 272 KB of shared memory
+        return MlpConfig(bi=64, bk=32, bh=64, num_warps=4, num_stages=3, atomic=MLP_CONFIG.atomic)
     return MLP_CONFIG
 
 
@@ -133,8 +145,9 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                      eps: float, norm_folded: bool = True, config: MlpConfig | None = None,
                      partials: torch.Tensor | None = None) -> torch.Tensor:
     """fused_mlp_ref in two launches. x, residual: [M, H]; gate_up [2I, H] ([gate; up] rows, the norm weight folded
-    in when norm_folded); down [H, I]; all the model dtype. partials: float32 scratch of at least P * M * H
-    elements (CUDA graphs pass a static one; None allocates)."""
+    in when norm_folded); down [H, I]; all the model dtype. partials: float32 scratch of at least P * M * H elements,
+    or M * H all zero for an atomic config (which leaves it zero again); CUDA graphs pass a static one, None
+    allocates one."""
     if x.dim() != 2 or gate_up.dim() != 2 or down.dim() != 2:
         raise ValueError(f"fused_mlp: x [M, H], gate_up [2I, H], down [H, I] expected, got "
                          f"{tuple(x.shape)}, {tuple(gate_up.shape)}, {tuple(down.shape)}")
@@ -152,11 +165,12 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         if t.stride(-1) != 1:
             raise ValueError(f"fused_mlp: {name} must be contiguous along its last dimension")
     check_launchable(x, gate_up, down, residual)
-    cfg = config or mlp_config(x.is_cuda)
+    cfg = config or mlp_config(x.is_cuda, x.element_size())
     programs = triton.cdiv(inter, cfg.bi)
-    need = programs * num_rows * hidden
+    slots = 1 if cfg.atomic else programs
+    need = slots * num_rows * hidden
     if partials is None:
-        partials = torch.empty(need, dtype=torch.float32, device=x.device)
+        partials = (torch.zeros if cfg.atomic else torch.empty)(need, dtype=torch.float32, device=x.device)
     elif partials.dtype != torch.float32 or partials.numel() < need or not partials.is_contiguous():
         raise ValueError(f"fused_mlp: partials must be contiguous float32 of >= {need} elements, got "
                          f"{partials.dtype} {tuple(partials.shape)}")
@@ -166,12 +180,14 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         x, gate_up, down, partials, num_rows, hidden, inter, hidden, eps,
         x.stride(0), gate_up.stride(0), down.stride(0),
         BLOCK_M=16, BI=cfg.bi, BK=cfg.bk, BH=cfg.bh, NORM=norm_folded,
-        NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda), DOT_PRECISION=precision,
+        NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda), DOT_PRECISION=precision, ATOMIC=cfg.atomic,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    block_h = 64 if x.is_cuda else 32
+    # One round trip a program: all slots of a BLOCK_H-wide column strip at once (128 x 32 floats at the 8B shape).
+    block_p = min(triton.next_power_of_2(slots), 128 if x.is_cuda else 8)
+    block_h = (32 if slots > 1 else 256) if x.is_cuda else 32
     _mlp_reduce_kernel[(triton.cdiv(hidden, block_h), num_rows)](
-        partials, residual, out, programs, num_rows, hidden, residual.stride(0), out.stride(0),
-        BLOCK_H=block_h, BLOCK_P=16 if x.is_cuda else 8, num_warps=4,
+        partials, residual, out, slots, num_rows, hidden, residual.stride(0), out.stride(0),
+        BLOCK_H=block_h, BLOCK_P=block_p, ZERO=cfg.atomic, num_warps=4,
     )
     return out
