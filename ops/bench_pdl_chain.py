@@ -7,7 +7,7 @@ One layer = qkv GEMV (folded-norm prologue, rotary, KV write) -> decode attentio
 residual -> gate_up GEMV (folded-norm prologue, SiLU-mul) -> down GEMV + residual, as engine/models/fused_decode.py
 launches them for bf16 "fused-folded" (weights the 8B shape's, random; every layer its own copy, so each streams
 from HBM). Per variant (plain; pdl: EngineConfig.decode_pdl's form, the attention in the chain; mlp: gate_up + down
-as engine/kernels/fused_mlp.py's partials and reduce kernels, EngineConfig.decode_fused_mlp): us per layer over the
+as engine/kernels/fused_mlp.py's two kernels, EngineConfig.decode_fused_mlp): us per layer over the
 graph's replays (CUDA events), and from one profiled replay (torch.profiler, CUPTI) the median gap between each
 kernel's end and the next one's start (negative: the next kernel was already running, i.e. PDL overlapped them)
 and each kernel's median duration. Table to stdout, $OUT/pdl_chain.json when OUT is set. --dry-run: the tiny
@@ -61,6 +61,7 @@ class Layer:
         last = self.block_tables[0, (context - 1) // block_size].long()
         self.slots = (last * block_size + (context - 1) % block_size).view(1)
         self.counters = decode_combine_counters(1, kv_heads, device)
+        self.mlp_acc = torch.zeros(hidden, dtype=torch.float32, device=device)  # the fused MLP's (left zero)
 
     def forward(self, stream: torch.Tensor, pdl: bool, mlp: bool = False) -> torch.Tensor:
         from stoker.engine.kernels.attention import paged_decode_attention_triton
@@ -76,13 +77,13 @@ class Layer:
                                              self.head_dim**-0.5, counters=self.counters, pdl=pdl)
         stream, _ = gemv_triton(attn.reshape(1, -1), self.w_o, add=stream, pdl=pdl)
         if mlp:  # EngineConfig.decode_fused_mlp: one streaming kernel and a reduce (engine/kernels/fused_mlp.py)
-            return fused_mlp_triton(stream, self.w_gu, self.w_d, stream, eps=1e-5)
+            return fused_mlp_triton(stream, self.w_gu, self.w_d, stream, eps=1e-5, accumulator=self.mlp_acc)
         act, _ = gemv_triton(stream, self.w_gu, silu_mul=True, norm_folded=True, eps=1e-5, pdl=pdl)
         return gemv_triton(act, self.w_d, add=stream, pdl=pdl)[0]
 
 
 VARIANTS = {"plain": (False, False), "pdl": (True, False), "mlp": (False, True)}  # variant -> (pdl, fused MLP)
-MLP_STAGES = ("qkv", "attention", "o_proj", "mlp", "reduce")
+MLP_STAGES = ("qkv", "attention", "o_proj", "mlp", "mlp_finish")
 
 
 def run_chain(layers: list[Layer], x: torch.Tensor, pdl: bool, mlp: bool = False) -> torch.Tensor:

@@ -4,17 +4,20 @@ rms_norm(x) folded into gate_up, for M = 1..MLP_MAX_M tokens.
 Why: at batch 1 every kernel boundary costs ~3 us of ramp and tail (BENCHMARKS.md, the 21:07 chain table: gate_up
 58.3 us and down 30.7 us against 55.1 and 27.6 at copy bandwidth). Here one kernel streams both: program p owns BI
 intermediate rows, streams their gate and up rows (the folded norm's rms pass first, as gemv.py's prologue), makes
-h = silu(g) * u for them in registers, then streams the same BI columns of down_proj and writes its partial sums
-of all H outputs, float32, into its own slot of `partials` [P, M, H]. A second, small kernel adds the P slots in a
-fixed order, rounds like the unfused path (the projection to the model dtype, then the residual add) and writes
-the new residual stream. No atomics: the result does not depend on which program finishes first (bitwise
-repeatable), and the H200 prototype measured plain stores ~2 us a layer cheaper than float32 atomics.
+h = silu(g) * u for them in registers, then streams the same BI columns of down_proj and adds its partial sums of
+all H outputs into one zeroed float32 accumulator [M, H] (relaxed atomic adds). A second, small kernel reads the
+accumulator, zeroes it for the next launch, rounds like the unfused path (the projection to the model dtype, then
+the residual add) and writes the new residual stream. On the H200 (session 12, 8B shape, M = 1, 8-layer CUDA-graph
+chains): 86.1 us a layer against 89.2 for the two GEMVs, W1 4.196-4.198 ms against 4.289 (BENCHMARKS.md).
+
+Not bitwise repeatable: the atomic adds land in whatever order the programs finish, so a bf16 output can differ
+in its last bit from one run to the next (the float32 sums differ by rounding only). A slot per program summed in a
+fixed order by the second kernel instead (tried: 1.8 MB of partials at the 8B shape) cost more than the kernel
+boundary it saves (89.2-91.8 us a layer); EngineConfig.decode_fused_mlp=False (worker --no-decode-fused-mlp) keeps
+the two GEMVs for a repeatable batch-1 decode.
 
 down_proj is read as it is stored, [H, I] (I contiguous): a program's BI columns are one BI * 2-byte run per
 output row (256 bytes at BI = 128), whole cache lines, so no transposed copy is needed.
-
-The partials cost P * M * H * 4 bytes of traffic (1.8 MB at the 8B shape, M = 1, through L2), which is why M is
-bounded: from M = 4 on the two GEMVs' own tails are cheaper than the reduce (gemv.py keeps those).
 """
 from __future__ import annotations
 
@@ -36,11 +39,11 @@ def fused_mlp_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, re
 
 
 @triton.jit
-def _mlp_partials_kernel(
-    x_ptr, wgu_ptr, wd_ptr, part_ptr,
+def _mlp_kernel(
+    x_ptr, wgu_ptr, wd_ptr, acc_ptr,
     M, K, INTER, H, eps, x_stride, wgu_stride, wd_stride,
     BLOCK_M: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
-    NORM: tl.constexpr, NORM_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC: tl.constexpr,
+    NORM: tl.constexpr, NORM_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BI + tl.arange(0, BI)  # this program's intermediate rows (gate row n, up row INTER + n)
@@ -73,40 +76,25 @@ def _mlp_partials_kernel(
     act = tl.where(row_mask[None, :], g * tl.sigmoid(g) * u, 0.0).to(dtype)  # [BLOCK_M, BI]; padding rows 0
     hs = tl.arange(0, BH)
     d_ptrs = wd_ptr + hs.to(tl.int64)[:, None] * wd_stride + rows[None, :]  # down's [BH, BI] tile, BI contiguous
-    slot = 0 if ATOMIC else pid.to(tl.int64)  # ATOMIC: every program adds into one zeroed [M, H] accumulator
-    out_ptrs = part_ptr + slot * M * H + m[:, None] * H + hs[None, :]
+    out_ptrs = acc_ptr + m[:, None] * H + hs[None, :]  # every program adds into the one zeroed [M, H] accumulator
     for h0 in range(0, H, BH):
         h_mask = h0 + hs < H
         wd = tl.load(d_ptrs + h0 * wd_stride, mask=h_mask[:, None] & row_mask[None, :], other=0.0)
         part = tl.dot(act, tl.trans(wd), input_precision=DOT_PRECISION)  # [BLOCK_M, BH]
-        if ATOMIC:
-            tl.atomic_add(out_ptrs + h0, part, mask=m_mask[:, None] & h_mask[None, :], sem="relaxed")
-        else:
-            tl.store(out_ptrs + h0, part, mask=m_mask[:, None] & h_mask[None, :])
+        tl.atomic_add(out_ptrs + h0, part, mask=m_mask[:, None] & h_mask[None, :], sem="relaxed")
 
 
 @triton.jit
-def _mlp_reduce_kernel(
-    part_ptr, res_ptr, out_ptr, P, M, H, res_stride, out_stride,
-    BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, ZERO: tl.constexpr,
-):
-    # Program (column block, token): the P partials of BLOCK_H outputs summed in slot order, BLOCK_P slots a load
-    # (all of them at once when P <= BLOCK_P: one round trip). ZERO (the atomic accumulator, P = 1): leave it zeroed
-    # for the next launch.
+def _mlp_finish_kernel(acc_ptr, res_ptr, out_ptr, H, res_stride, out_stride, BLOCK_H: tl.constexpr):
+    # Program (column block, token): the accumulated down projection, rounded, plus the residual; the accumulator
+    # zeroed behind it for the next launch.
     cols = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     row = tl.program_id(1)
     col_mask = cols < H
-    ps = tl.arange(0, BLOCK_P)
-    acc = tl.zeros([BLOCK_P, BLOCK_H], dtype=tl.float32)
-    for p0 in range(0, P, BLOCK_P):
-        p = p0 + ps
-        ptrs = part_ptr + p.to(tl.int64)[:, None] * M * H + row * H + cols[None, :]
-        mask = (p < P)[:, None] & col_mask[None, :]
-        acc += tl.load(ptrs, mask=mask, other=0.0)
-        if ZERO:
-            tl.store(ptrs, tl.zeros([BLOCK_P, BLOCK_H], dtype=tl.float32), mask=mask)
+    acc = tl.load(acc_ptr + row * H + cols, mask=col_mask, other=0.0)
+    tl.store(acc_ptr + row * H + cols, tl.zeros([BLOCK_H], dtype=tl.float32), mask=col_mask)
     dtype = out_ptr.dtype.element_ty
-    y = tl.sum(acc, axis=0).to(dtype).to(tl.float32)  # down's output rounded, then the residual add (gemv.py ADD)
+    y = acc.to(dtype).to(tl.float32)  # down's output rounded, then the residual add (gemv.py's ADD epilogue)
     r = tl.load(res_ptr + row * res_stride + cols, mask=col_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * out_stride + cols, (y + r).to(dtype), mask=col_mask)
 
@@ -114,40 +102,38 @@ def _mlp_reduce_kernel(
 @dataclass(frozen=True, slots=True)
 class MlpConfig:
     """Intermediate rows per program (bi), K slice of the gate/up stream (bk), output columns per down step (bh),
-    warps and pipeline stages of the partials kernel."""
+    warps and pipeline stages of the streaming kernel."""
 
-    bi: int = 128
+    bi: int
     bk: int = 128
-    bh: int = 128
-    num_warps: int = 8
+    bh: int = 256
+    num_warps: int = 4
     num_stages: int = 3
-    atomic: bool = False  # float32 atomic adds into one zeroed accumulator instead of a slot per program
 
     def label(self) -> str:
-        return f"bi{self.bi} bk{self.bk} bh{self.bh} w{self.num_warps} s{self.num_stages}" + (" atomic" if self.atomic else "")
+        return f"bi{self.bi} bk{self.bk} bh{self.bh} w{self.num_warps} s{self.num_stages}"
 
 
-# The H200 prototype (session 12, .dev-only script, 8B shape, M = 1, us per layer in an 8-layer CUDA-graph chain,
-# each layer its own weights): gate_up + down as two GEMVs 89.3; fused with float32 atomics and a finalize kernel:
-# bi128 bk128 bh128 w8 s3 86.8, bi64 bk128 bh128 w4 s4 88.7, bi32 .. 93.9-104.6 (more programs, more partials).
-MLP_CONFIG = MlpConfig()
-
-
-def mlp_config(on_gpu: bool, elem_bytes: int = 2) -> MlpConfig:
+def mlp_config(on_gpu: bool, elem_bytes: int, inter: int) -> MlpConfig:
+    """From the H200 sweep (session 12, bf16, M = 1, us a layer in 8-layer CUDA-graph chains, two GEMVs 89.2 at 8B
+    and 31.5 at 1B): bi 128 (112 programs at 8B's 14,336) bk 128 bh 256 w4 s3 86.1, w8 86.4, bh 128 86.6, bi 64 89.8;
+    at 1B (8,192) bi 64 (128 programs) bh 256 w4 s4 30.0, bi 128 31.4-33.3. So: at least ~100 programs."""
     if not on_gpu:  # the interpreter pays per program and numpy op: small tiles, a few of each
-        return MlpConfig(bi=16, bk=32, bh=32, num_warps=4, num_stages=1, atomic=MLP_CONFIG.atomic)
-    if elem_bytes > 2:  # float32 (tests): the 16-bit tiles' pipeline stages would need 272 KB of shared memory
-        return MlpConfig(bi=64, bk=32, bh=64, num_warps=4, num_stages=3, atomic=MLP_CONFIG.atomic)
-    return MLP_CONFIG
+        return MlpConfig(bi=16, bk=32, bh=32, num_warps=4, num_stages=1)
+    if elem_bytes > 2:  # float32 (tests): the 16-bit tiles' pipeline stages would overflow shared memory
+        return MlpConfig(bi=64, bk=32, bh=64, num_warps=4, num_stages=3)
+    if inter >= 100 * 128:
+        return MlpConfig(bi=128, num_stages=3)
+    return MlpConfig(bi=64, num_stages=4)
 
 
 def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, residual: torch.Tensor, *,
                      eps: float, norm_folded: bool = True, config: MlpConfig | None = None,
-                     partials: torch.Tensor | None = None) -> torch.Tensor:
+                     accumulator: torch.Tensor | None = None) -> torch.Tensor:
     """fused_mlp_ref in two launches. x, residual: [M, H]; gate_up [2I, H] ([gate; up] rows, the norm weight folded
-    in when norm_folded); down [H, I]; all the model dtype. partials: float32 scratch of at least P * M * H elements,
-    or M * H all zero for an atomic config (which leaves it zero again); CUDA graphs pass a static one, None
-    allocates one."""
+    in when norm_folded); down [H, I]; all the model dtype. accumulator: contiguous float32 of >= M * H elements,
+    all zero (the second launch leaves it zero again, so a static one serves every layer and step); None allocates
+    one."""
     if x.dim() != 2 or gate_up.dim() != 2 or down.dim() != 2:
         raise ValueError(f"fused_mlp: x [M, H], gate_up [2I, H], down [H, I] expected, got "
                          f"{tuple(x.shape)}, {tuple(gate_up.shape)}, {tuple(down.shape)}")
@@ -165,29 +151,24 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         if t.stride(-1) != 1:
             raise ValueError(f"fused_mlp: {name} must be contiguous along its last dimension")
     check_launchable(x, gate_up, down, residual)
-    cfg = config or mlp_config(x.is_cuda, x.element_size())
-    programs = triton.cdiv(inter, cfg.bi)
-    slots = 1 if cfg.atomic else programs
-    need = slots * num_rows * hidden
-    if partials is None:
-        partials = (torch.zeros if cfg.atomic else torch.empty)(need, dtype=torch.float32, device=x.device)
-    elif partials.dtype != torch.float32 or partials.numel() < need or not partials.is_contiguous():
-        raise ValueError(f"fused_mlp: partials must be contiguous float32 of >= {need} elements, got "
-                         f"{partials.dtype} {tuple(partials.shape)}")
+    cfg = config or mlp_config(x.is_cuda, x.element_size(), inter)
+    need = num_rows * hidden
+    if accumulator is None:
+        accumulator = torch.zeros(need, dtype=torch.float32, device=x.device)
+    elif accumulator.dtype != torch.float32 or accumulator.numel() < need or not accumulator.is_contiguous():
+        raise ValueError(f"fused_mlp: the accumulator must be contiguous float32 of >= {need} elements, got "
+                         f"{accumulator.dtype} {tuple(accumulator.shape)}")
     out = torch.empty_like(residual, memory_format=torch.contiguous_format)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (tf32 is ignored for 16-bit operands)
-    _mlp_partials_kernel[(programs,)](
-        x, gate_up, down, partials, num_rows, hidden, inter, hidden, eps,
+    _mlp_kernel[(triton.cdiv(inter, cfg.bi),)](
+        x, gate_up, down, accumulator, num_rows, hidden, inter, hidden, eps,
         x.stride(0), gate_up.stride(0), down.stride(0),
         BLOCK_M=16, BI=cfg.bi, BK=cfg.bk, BH=cfg.bh, NORM=norm_folded,
-        NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda), DOT_PRECISION=precision, ATOMIC=cfg.atomic,
+        NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda), DOT_PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    # One round trip a program: all slots of a BLOCK_H-wide column strip at once (128 x 32 floats at the 8B shape).
-    block_p = min(triton.next_power_of_2(slots), 128 if x.is_cuda else 8)
-    block_h = (32 if slots > 1 else 256) if x.is_cuda else 32
-    _mlp_reduce_kernel[(triton.cdiv(hidden, block_h), num_rows)](
-        partials, residual, out, slots, num_rows, hidden, residual.stride(0), out.stride(0),
-        BLOCK_H=block_h, BLOCK_P=block_p, ZERO=cfg.atomic, num_warps=4,
+    block_h = 256 if x.is_cuda else 32
+    _mlp_finish_kernel[(triton.cdiv(hidden, block_h), num_rows)](
+        accumulator, residual, out, hidden, residual.stride(0), out.stride(0), BLOCK_H=block_h, num_warps=4,
     )
     return out

@@ -43,7 +43,7 @@ from stoker.engine.config import EngineConfig
 from stoker.engine.kernels import gemv
 from stoker.engine.kernels._triton import HAS_TRITON
 from stoker.engine.kernels.fp8_linear import fp8_gemv_config
-from stoker.engine.kernels.fused_mlp import MLP_CONFIG, MLP_MAX_M, fused_mlp_triton
+from stoker.engine.kernels.fused_mlp import MLP_MAX_M, fused_mlp_triton
 from stoker.engine.kernels.gemv import (
     GEMV_MAX_M,
     GemvConfig,
@@ -105,7 +105,7 @@ class FusedDecode:
 
     folded: bool  # the RMSNorm weights are folded into qkv / gate_up (the norms run in their prologues)
     mlp_max_m: int  # steps of up to this many tokens run the MLP as kernels/fused_mlp.py's two launches (0: never)
-    mlp_scratch: torch.Tensor | None  # its zeroed float32 accumulator when MLP_CONFIG is atomic (else per launch)
+    mlp_accumulator: torch.Tensor | None  # the fused MLP's zeroed float32 [mlp_max_m * H] (left zero by each launch)
     prologue_norm: bool  # the norms run in the qkv / gate_up prologues: folded, or (FP8) g applied to x there
     pdl: bool  # launch the GEMVs with programmatic dependent launch
     input_norm: RMSNorm
@@ -167,13 +167,13 @@ def bind_fused_decode(
     if folded:  # again after a first fold: W' * 1 is W' exactly, so planning twice changes nothing
         _fold_norm_into(linears[0], input_norm)
         _fold_norm_into(linears[2], post_norm)
-    # FP8 weights keep the two GEMVs (the fused MLP has no row-scale path yet); PDL chains have no partials stage.
+    # FP8 weights keep the two GEMVs (the fused MLP has no row-scale path yet), as does PDL (it has no PDL form).
     mlp_max_m = MLP_MAX_M if fused_mlp and not fp8 and not pdl else 0
-    scratch = None
-    if mlp_max_m and MLP_CONFIG.atomic:  # left zero by every launch; layers run one after another, so one each
-        scratch = torch.zeros(mlp_max_m * input_norm.weight.shape[0], dtype=torch.float32,
-                              device=input_norm.weight.device)
-    return FusedDecode(folded, mlp_max_m, scratch, prologue, pdl, input_norm, linears[0], q_norm, k_norm, rotary, attention, linears[1],
+    accumulator = None  # one a layer (16 KB at the 8B shape), allocated outside any graph capture
+    if mlp_max_m:
+        accumulator = torch.zeros(mlp_max_m * input_norm.weight.shape[0], dtype=torch.float32,
+                                  device=input_norm.weight.device)
+    return FusedDecode(folded, mlp_max_m, accumulator, prologue, pdl, input_norm, linears[0], q_norm, k_norm, rotary, attention, linears[1],
                        post_norm, linears[2], linears[3])
 
 
@@ -268,7 +268,7 @@ def fused_decode_layer(
     x = stream if fd.prologue_norm else fd.post_norm(stream)[0]
     if num_tokens <= fd.mlp_max_m:  # gate_up + SiLU-mul + down + residual: one streaming kernel and a small reduce
         return fused_mlp_triton(x, fd.gate_up.weight, fd.down.weight, stream, eps=fd.post_norm.eps,
-                                norm_folded=fd.folded, partials=fd.mlp_scratch), None
+                                norm_folded=fd.folded, accumulator=fd.mlp_accumulator), None
     act, _ = gemv_triton(x, fd.gate_up.weight, silu_mul=True, norm_folded=fd.folded, eps=fd.post_norm.eps,
                          pdl=fd.pdl, **_fp8_args(fd.gate_up, "silu", num_tokens),
                          **_unfolded_norm(fd, fd.post_norm))
