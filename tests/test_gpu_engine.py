@@ -322,6 +322,58 @@ def test_fp32_greedy_tokens_match_transformers(llama, cuda_graphs: bool) -> None
         assert engine.runner.graphs is None
 
 
+_GPU_HOG = """
+import sys, time, torch
+a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+print("ready", flush=True)
+end = time.time() + float(sys.argv[1])
+while time.time() < end:
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_engines_built_while_another_process_keeps_the_gpu_busy(llama) -> None:
+    """A worker may start (or load a second model) on a GPU another process or model is using: its CUDA work then
+    waits for time slices while the host runs ahead. Engines built and stepped then must still load the right
+    weights and give transformers' greedy tokens (float32). Before fast_load._group_buffer every engine built
+    under such a load in a session-12 stress run had corrupt weights (wrong tokens from the first one)."""
+    import subprocess
+    import sys
+
+    from stoker.engine import EngineRequest, SamplingParams
+
+    path, hf = llama
+    hf = hf.to("cuda")
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, VOCAB, (n,), generator=gen).tolist() for n in (3, 6, 2, 9, 45)]
+    with torch.no_grad():
+        want = [hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=8, do_sample=False)[0, len(p) :].tolist()
+                for p in prompts]
+    hog = subprocess.Popen([sys.executable, "-c", _GPU_HOG, "90"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert hog.stdout is not None and hog.stdout.readline().strip() == "ready"
+        for build in range(2):
+            engine = _engine(path, "float32", max_num_batched_tokens=24)
+            for i, p in enumerate(prompts):
+                engine.add_request(EngineRequest(f"b{build}-{i}", prompt_token_ids=p,
+                                                 params=SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)))
+            got: dict[str, list[int]] = {}
+            while engine.has_unfinished():
+                for out in engine.step():
+                    assert out.error_code is None, out.error_message
+                    got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            assert [got[f"b{build}-{i}"] for i in range(len(prompts))] == want, f"engine {build}"
+            assert hog.poll() is None, "the competing process ended before the engine did: the GPU was not shared"
+            engine.close()
+    finally:
+        hog.kill()
+        hog.wait()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_mixed_steps_compile_no_new_triton_variants_and_waits_sleep(llama) -> None:
