@@ -108,8 +108,13 @@ class ModelConfig:
         gen_path = os.path.join(path, "generation_config.json")
         if os.path.isfile(gen_path):
             eos += [e for e in _as_id_list(read_json(gen_path).get("eos_token_id")) if e not in eos]
-        if arch != "Qwen2ForCausalLM" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
-            raise ValueError(f"{cfg_path}: attention_bias/mlp_bias is not supported for {arch}")
+        if arch != "Qwen2ForCausalLM" and cfg.get("attention_bias"):
+            raise ValueError(f"{cfg_path}: attention_bias is not supported for {arch}")
+        if cfg.get("mlp_bias"):  # every MLP kernel (the GEMMs, the fused decode GEMVs and MLP) has no bias
+            raise ValueError(f"{cfg_path}: mlp_bias is not supported (gate/up/down projections without bias only)")
+        act = cfg.get("hidden_act", "silu")  # the MLP is SiLU-gated in every path: another activation would run as SiLU
+        if act not in ("silu", "swish"):
+            raise ValueError(f"{cfg_path}: hidden_act {act!r} is not supported (the gated MLP runs silu only)")
         sliding = cfg.get("sliding_window")
         if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
             sliding = None

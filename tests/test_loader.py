@@ -120,6 +120,31 @@ def test_unknown_architecture(llama_dir, tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh' is not supported"),
+        ({"mlp_bias": True}, "mlp_bias is not supported"),
+        ({"attention_bias": True}, "attention_bias is not supported for LlamaForCausalLM"),
+    ],
+)
+def test_config_features_we_do_not_run_are_refused(llama_dir, tmp_path, change, match):
+    """A checkpoint whose MLP or attention the engine would compute differently (another activation, biases where
+    the kernels take none) is refused at load, naming the key, not served wrong."""
+    def edit(path: str) -> None:
+        file = os.path.join(path, "config.json")
+        with open(file) as f:
+            cfg = json.load(f)
+        cfg.update(change)
+        with open(file, "w") as f:
+            json.dump(cfg, f)
+
+    path = broken_copy(llama_dir, tmp_path / "m", edit)
+    with pytest.raises(ValueError, match=match):
+        LLMEngine(EngineConfig(path, device="cpu", num_kv_blocks=8))
+    assert ModelConfig.from_folder(llama_dir).architecture == "LlamaForCausalLM"  # the unedited model loads
+
+
+@pytest.mark.parametrize(
     ("remove", "error", "match"),
     [
         ("config.json", FileNotFoundError, "no config.json"),
