@@ -97,7 +97,14 @@ class ModelConfig:
         ]
         if missing:
             raise ValueError(f"{cfg_path} lacks required keys: {', '.join(missing)}")
+        sizes = {k: cfg[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                     "num_attention_heads")}
+        sizes |= {k: cfg[k] for k in ("num_key_value_heads", "head_dim") if cfg.get(k) is not None}
+        bad = [f"{k}={v!r}" for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+        if bad:
+            raise ValueError(f"{cfg_path}: sizes must be positive integers, got {', '.join(bad)}")
         num_heads = int(cfg["num_attention_heads"])
+        num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         # transformers 5.x folds rope_theta and rope_scaling into rope_parameters.
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or None
@@ -115,6 +122,9 @@ class ModelConfig:
         act = cfg.get("hidden_act", "silu")  # the MLP is SiLU-gated in every path: another activation would run as SiLU
         if act not in ("silu", "swish"):
             raise ValueError(f"{cfg_path}: hidden_act {act!r} is not supported (the gated MLP runs silu only)")
+        if num_heads % num_kv_heads:  # grouped-query attention: each kv head serves a whole group of q heads
+            raise ValueError(f"{cfg_path}: num_attention_heads ({num_heads}) is not a multiple of "
+                             f"num_key_value_heads ({num_kv_heads})")
         sliding = cfg.get("sliding_window")
         if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
             sliding = None
@@ -125,7 +135,7 @@ class ModelConfig:
             intermediate_size=int(cfg["intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            num_kv_heads=num_kv_heads,
             head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,

@@ -125,6 +125,9 @@ def test_unknown_architecture(llama_dir, tmp_path):
         ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh' is not supported"),
         ({"mlp_bias": True}, "mlp_bias is not supported"),
         ({"attention_bias": True}, "attention_bias is not supported for LlamaForCausalLM"),
+        ({"num_key_value_heads": 3}, r"num_attention_heads \(\d+\) is not a multiple of num_key_value_heads \(3\)"),
+        ({"intermediate_size": 0}, "sizes must be positive integers, got intermediate_size=0"),
+        ({"hidden_size": "64"}, "sizes must be positive integers, got hidden_size='64'"),
     ],
 )
 def test_config_features_we_do_not_run_are_refused(llama_dir, tmp_path, change, match):
