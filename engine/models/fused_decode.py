@@ -8,7 +8,9 @@ tokens runs, per layer,
 kernels). The residual add sits in the o_proj and down epilogues, so the layer's output is already the new
 residual stream: it returns (stream, None) and the next RMSNorm has nothing to add. With "fused-folded" the
 RMSNorm weight lives in qkv_proj / gate_up_proj and both norms run in the GEMV prologues (6 launches): what "auto"
-picks (resolve_decode_kernels says why).
+picks (resolve_decode_kernels says why). At one token (EngineConfig.decode_fused_mlp) gate_up, SiLU-mul, down and the
+residual add are engine/kernels/fused_mlp.py's two launches instead of two GEMVs: the fused-folded layer at batch 1
+is qkv, attention, o_proj, the MLP's streaming kernel and its small finishing kernel.
 
 Weights: the kernels read the nn.Linear layout [N, K] as it is (16-byte loads along K; gemv.py says why no
 re-layout pays), so the fused path multiplies the very parameters the unfused one does: no second copy. Folding
