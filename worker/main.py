@@ -49,7 +49,8 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
     ("--decode-pdl", "STOKER_DECODE_PDL", bool, False,
      "launch the fused decode GEMVs with programmatic dependent launch (A/B)"),
     ("--no-decode-fused-mlp", "STOKER_NO_DECODE_FUSED_MLP", bool, False,
-     "batch-1 decode steps run each MLP as two GEMVs, not one streaming kernel plus a small reduce (A/B)"),
+     "batch-1 decode steps run each MLP as two GEMVs (bit-for-bit repeatable), not one streaming kernel with atomic "
+     "adds plus a small finishing kernel"),
     ("--prefill-graph-tokens", "STOKER_PREFILL_GRAPH_TOKENS", int, 1024,
      "a step that is one prompt chunk alone (a request at an idle engine) of <= this many tokens replays a CUDA "
      "graph captured at startup instead of launching ~300 kernels (0: eager)"),
@@ -282,7 +283,8 @@ def _build_one(cfg: WorkerConfig, spec: ModelSpec | None) -> Any:
         "async_scheduling": False if cfg.no_async_scheduling else None, "use_triton": not cfg.no_triton,
         "blocking_sync": not cfg.no_blocking_sync, "quantization": cfg.quantization,
         "tensor_parallel_size": cfg.tensor_parallel, "kv_cache_dtype": cfg.kv_cache_dtype,
-        "decode_kernels": cfg.decode_kernels, "decode_pdl": cfg.decode_pdl, "decode_fused_mlp": not cfg.no_decode_fused_mlp,
+        "decode_kernels": cfg.decode_kernels, "decode_pdl": cfg.decode_pdl,
+        "decode_fused_mlp": not cfg.no_decode_fused_mlp,
         "prefill_graph_tokens": cfg.prefill_graph_tokens, "piecewise_graph_tokens": cfg.piecewise_graph_tokens,
     }
     if cfg.served_model_name:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 from stoker.engine.kernels._triton import check_launchable, tl, triton
-from stoker.engine.kernels.gemv import _row_sumsq, gemv_ref, norm_chunk
+from stoker.engine.kernels.gemv import _dot_precision, _row_sumsq, gemv_ref, norm_chunk
 
 MLP_MAX_M = 1  # tokens per step that take the fused MLP (fused_decode.py); more go through the two GEMVs
 
@@ -110,9 +110,6 @@ class MlpConfig:
     num_warps: int = 4
     num_stages: int = 3
 
-    def label(self) -> str:
-        return f"bi{self.bi} bk{self.bk} bh{self.bh} w{self.num_warps} s{self.num_stages}"
-
 
 def mlp_config(on_gpu: bool, elem_bytes: int, inter: int) -> MlpConfig:
     """From the H200 sweep (session 12, bf16, M = 1, us a layer in 8-layer CUDA-graph chains, two GEMVs 89.2 at 8B
@@ -159,12 +156,11 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         raise ValueError(f"fused_mlp: the accumulator must be contiguous float32 of >= {need} elements, got "
                          f"{accumulator.dtype} {tuple(accumulator.shape)}")
     out = torch.empty_like(residual, memory_format=torch.contiguous_format)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (tf32 is ignored for 16-bit operands)
     _mlp_kernel[(triton.cdiv(inter, cfg.bi),)](
         x, gate_up, down, accumulator, num_rows, hidden, inter, hidden, eps,
         x.stride(0), gate_up.stride(0), down.stride(0),
         BLOCK_M=16, BI=cfg.bi, BK=cfg.bk, BH=cfg.bh, NORM=norm_folded,
-        NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda), DOT_PRECISION=precision,
+        NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda), DOT_PRECISION=_dot_precision(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     block_h = 256 if x.is_cuda else 32

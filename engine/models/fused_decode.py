@@ -140,8 +140,8 @@ def resolve_decode_kernels(config: EngineConfig) -> str:
 
 
 def bind_fused_decode(
-    mode: str, pdl: bool, kv_dtype: torch.dtype, *, fused_mlp: bool = True, input_norm: RMSNorm, qkv: nn.Module, q_norm: RMSNorm | None,
-    k_norm: RMSNorm | None, rotary: RotaryEmbedding, attention: PagedAttention, o_proj: nn.Module,
+    mode: str, pdl: bool, kv_dtype: torch.dtype, *, fused_mlp: bool = True, input_norm: RMSNorm, qkv: nn.Module,
+    q_norm: RMSNorm | None, k_norm: RMSNorm | None, rotary: RotaryEmbedding, attention: PagedAttention, o_proj: nn.Module,
     post_norm: RMSNorm, gate_up: nn.Module, down: nn.Module,
 ) -> FusedDecode | str:
     """A layer's FusedDecode for `mode` ("fused" or "fused-folded"; called once the weights are in, and
@@ -175,8 +175,8 @@ def bind_fused_decode(
     if mlp_max_m:
         accumulator = torch.zeros(mlp_max_m * input_norm.weight.shape[0], dtype=torch.float32,
                                   device=input_norm.weight.device)
-    return FusedDecode(folded, mlp_max_m, accumulator, prologue, pdl, input_norm, linears[0], q_norm, k_norm, rotary, attention, linears[1],
-                       post_norm, linears[2], linears[3])
+    return FusedDecode(folded, mlp_max_m, accumulator, prologue, pdl, input_norm, linears[0], q_norm, k_norm, rotary,
+                       attention, linears[1], post_norm, linears[2], linears[3])
 
 
 def _fp8_problem(linears: tuple[Fp8Linear, ...]) -> str | None:
@@ -268,7 +268,7 @@ def fused_decode_layer(
     out = fd.attention(q, k_cache, v_cache, meta, pdl=fd.pdl).reshape(num_tokens, num_heads * head_dim)
     stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=fd.pdl, **_fp8_args(fd.o_proj, "add", num_tokens))
     x = stream if fd.prologue_norm else fd.post_norm(stream)[0]
-    if num_tokens <= fd.mlp_max_m:  # gate_up + SiLU-mul + down + residual: one streaming kernel and a small reduce
+    if num_tokens <= fd.mlp_max_m:  # gate_up + SiLU-mul + down + residual: a streaming kernel, a finishing one
         return fused_mlp_triton(x, fd.gate_up.weight, fd.down.weight, stream, eps=fd.post_norm.eps,
                                 norm_folded=fd.folded, accumulator=fd.mlp_accumulator), None
     act, _ = gemv_triton(x, fd.gate_up.weight, silu_mul=True, norm_folded=fd.folded, eps=fd.post_norm.eps,

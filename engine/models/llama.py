@@ -269,18 +269,18 @@ class LlamaForCausalLM(CausalLM):
 
     def plan_decode(self, mode: str, pdl: bool, kv_dtype: torch.dtype, fused_mlp: bool = True) -> dict[str, Any]:
         reasons: list[str | None] = []
+        mlp_max_m = 0
         for layer in cast(list[LlamaDecoderLayer], list(self.model.layers)):
             attn = layer.self_attn
             planned = None if mode == "cublas" else bind_fused_decode(
-                mode, pdl, kv_dtype, fused_mlp=fused_mlp, input_norm=layer.input_layernorm, qkv=attn.qkv_proj, q_norm=attn.q_norm,
-                k_norm=attn.k_norm, rotary=attn.rotary, attention=attn.attn, o_proj=attn.o_proj,
+                mode, pdl, kv_dtype, fused_mlp=fused_mlp, input_norm=layer.input_layernorm, qkv=attn.qkv_proj,
+                q_norm=attn.q_norm, k_norm=attn.k_norm, rotary=attn.rotary, attention=attn.attn, o_proj=attn.o_proj,
                 post_norm=layer.post_attention_layernorm, gate_up=layer.mlp.gate_up_proj, down=layer.mlp.down_proj)
             layer.fused_decode = planned if isinstance(planned, FusedDecode) else None
             reasons.append(planned if isinstance(planned, str) else None)
-        report = decode_report(mode, pdl, reasons)
-        fused = [layer.fused_decode for layer in cast(list[LlamaDecoderLayer], list(self.model.layers))]
-        report["fused_mlp_max_m"] = max((fd.mlp_max_m for fd in fused if fd is not None), default=0)
-        return report
+            if layer.fused_decode is not None:
+                mlp_max_m = max(mlp_max_m, layer.fused_decode.mlp_max_m)
+        return decode_report(mode, pdl, reasons) | {"fused_mlp_max_m": mlp_max_m}
 
     def plan_nano_batches(self, plan: NanoBatchPlan | None) -> dict[str, Any]:
         self.model.nano_batches = plan
