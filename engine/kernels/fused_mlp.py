@@ -41,7 +41,7 @@ def fused_mlp_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, re
 @triton.jit
 def _mlp_kernel(
     x_ptr, wgu_ptr, wd_ptr, acc_ptr,
-    M, K, INTER, H, eps, x_stride, wgu_stride, wd_stride_h, wd_stride_i,
+    M, K, INTER, H, eps, x_stride, wgu_stride, wd_stride,
     BLOCK_M: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
     NORM: tl.constexpr, NORM_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -75,13 +75,11 @@ def _mlp_kernel(
     u = acc_u.to(dtype).to(tl.float32)
     act = tl.where(row_mask[None, :], g * tl.sigmoid(g) * u, 0.0).to(dtype)  # [BLOCK_M, BI]; padding rows 0
     hs = tl.arange(0, BH)
-    # down's [BH, BI] tile: BI contiguous as stored ([H, I]), or BH contiguous when down is a transposed view of an
-    # [I, H] tensor (this program's BI rows then one contiguous run). A stride of 1 is specialised at compile.
-    d_ptrs = wd_ptr + hs.to(tl.int64)[:, None] * wd_stride_h + rows.to(tl.int64)[None, :] * wd_stride_i
+    d_ptrs = wd_ptr + hs.to(tl.int64)[:, None] * wd_stride + rows[None, :]  # down's [BH, BI] tile, BI contiguous
     out_ptrs = acc_ptr + m[:, None] * H + hs[None, :]  # every program adds into the one zeroed [M, H] accumulator
     for h0 in range(0, H, BH):
         h_mask = h0 + hs < H
-        wd = tl.load(d_ptrs + h0 * wd_stride_h, mask=h_mask[:, None] & row_mask[None, :], other=0.0)
+        wd = tl.load(d_ptrs + h0 * wd_stride, mask=h_mask[:, None] & row_mask[None, :], other=0.0)
         part = tl.dot(act, tl.trans(wd), input_precision=DOT_PRECISION)  # [BLOCK_M, BH]
         tl.atomic_add(out_ptrs + h0, part, mask=m_mask[:, None] & h_mask[None, :], sem="relaxed")
 
@@ -146,12 +144,9 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                          f"{down.dtype}, residual {residual.dtype}")
     if not 1 <= num_rows <= 16:
         raise ValueError(f"fused_mlp: 1..16 tokens (the dot tile), got {num_rows}")
-    for name, t in (("x", x), ("gate_up", gate_up), ("residual", residual)):
+    for name, t in (("x", x), ("gate_up", gate_up), ("down", down), ("residual", residual)):
         if t.stride(-1) != 1:
             raise ValueError(f"fused_mlp: {name} must be contiguous along its last dimension")
-    if down.stride(1) != 1 and down.stride(0) != 1:
-        raise ValueError("fused_mlp: down must be contiguous along one of its dimensions ([H, I], or the transposed "
-                         "view of an [I, H] tensor)")
     check_launchable(x, gate_up, down, residual)
     cfg = config or mlp_config(x.is_cuda, x.element_size(), inter)
     need = num_rows * hidden
@@ -163,7 +158,7 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     out = torch.empty_like(residual, memory_format=torch.contiguous_format)
     _mlp_kernel[(triton.cdiv(inter, cfg.bi),)](
         x, gate_up, down, accumulator, num_rows, hidden, inter, hidden, eps,
-        x.stride(0), gate_up.stride(0), down.stride(0), down.stride(1),
+        x.stride(0), gate_up.stride(0), down.stride(0),
         BLOCK_M=16, BI=cfg.bi, BK=cfg.bk, BH=cfg.bh, NORM=norm_folded,
         NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda), DOT_PRECISION=_dot_precision(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
