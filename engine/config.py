@@ -57,10 +57,10 @@ class EngineConfig:
     # kernel's successor let in early (gemv.py PDL_*): off, as it measured slower at 8B bf16 batch 1 (H200 21:07 UTC:
     # W1 4.46 vs 4.26 ms; the graph's plain chain has no launch gap left to hide; BENCHMARKS.md).
     decode_pdl: bool = False
-    # With decode_kernels fused / fused-folded, one-token decode steps (batch 1) run each layer's MLP as one kernel
+    # With decode_kernels fused / fused-folded, the fused decode steps (1-16 tokens) run each layer's MLP as one kernel
     # streaming gate_up and down into a float32 accumulator (atomic adds), plus a small finishing kernel
-    # (engine/kernels/fused_mlp.py), instead of two GEMVs: one kernel boundary less a layer (W1 -2.2 % at 8B, H200),
-    # repeatable up to rounding only. False: the two GEMVs, bit for bit. FP8 weights and PDL keep the two GEMVs.
+    # (engine/kernels/fused_mlp.py), instead of two GEMVs: W1 -2.2 % at 8B (H200), and 11-53 us less a layer at 2-16
+    # tokens; repeatable up to rounding only. False: the two GEMVs, bit for bit. FP8 weights and PDL keep the GEMVs.
     decode_fused_mlp: bool = True
     # Two-nano-batch decode (engine/models/nano_batches.py): decode-only steps of >= decode_overlap_min_rows
     # sequences run as two halves whose GEMMs and attention interleave on two CUDA streams (in the graphs).

@@ -11,6 +11,8 @@ Writes random bf16 weights once (safetensors, 4 shards) under --model-dir, then:
           weights-on-GPU time and graph-capture time from the engine's startup report;
   W1      1 request, 512 prompt tokens, 256 new (greedy, ignore_eos): TPOT and tok/s; with several
           --decode-kernels settings, W1 again on a fresh engine for each setting after the first (A/B);
+          --w1-batch N: N such requests at once (TPOT = time per decode step of N tokens; the floor reads the
+          weights once and N contexts);
   W2      N requests x 512 random prompt tokens x 256 new, all added at once: output tok/s and total time,
           process CPU seconds / wall, GPU idle share between decode steps (CUDA events);
   peer    transformers generate on the same folder: W1, and W2 at batch --hf-w2-requests.
@@ -502,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-w2-requests", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--w1-batch", type=int, default=1, help="W1's requests at once (decode steps of that many tokens; the peer's W1 stays one)")
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-cold", action="store_true", help="no cold start (page cache drop + first engine)")
@@ -614,7 +617,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.skip_w1:
         run_requests(eng, random_prompts(1, args.prompt, vocab, 1), 16, "warm")  # W1's warm run: the prefill path
     else:
-        r["w1"], r["w1_gpu"] = measure_w1(eng, args, vocab, (weight_bytes + avg_ctx * kv_per_token) / bw * 1e3)
+        w1_bytes = weight_bytes + args.w1_batch * avg_ctx * kv_per_token
+        r["w1"], r["w1_gpu"] = measure_w1(eng, args, vocab, w1_bytes / bw * 1e3)
         r["w1_by_decode"] = {decodes[0]: w1_summary(r["w1"], r["warm_startup"])}
         log(f"W1 {r['w1']}")
     if args.skip_w2:
@@ -699,9 +703,9 @@ def mixed_split_summary(w2: dict[str, Any]) -> dict[str, Any]:
 
 def measure_w1(eng, args: argparse.Namespace, vocab: int, floor_ms: float) -> tuple[dict[str, Any], dict[str, Any]]:
     """W1 on `eng` -> (TPOT, TTFT, tok/s, wall and floor; the GPU idle probe's figures)."""
-    run_requests(eng, random_prompts(1, args.prompt, vocab, 1), 16, "warm")  # compile prefill shapes
+    run_requests(eng, random_prompts(args.w1_batch, args.prompt, vocab, 1), 16, "warm")  # compile prefill shapes
     probe = StepProbe(eng)
-    w1 = run_requests(eng, random_prompts(1, args.prompt, vocab, 2), args.new, "w1")
+    w1 = run_requests(eng, random_prompts(args.w1_batch, args.prompt, vocab, 2), args.new, "w1")
     gpu = probe.close()
     st = w1.pop("stamps")
     return {
@@ -710,6 +714,7 @@ def measure_w1(eng, args: argparse.Namespace, vocab: int, floor_ms: float) -> tu
         "tok_s": w1["tok_s"],
         "wall_s": w1["wall_s"],
         "floor_ms": floor_ms,
+        "batch": args.w1_batch,
     }, gpu
 
 
@@ -851,7 +856,7 @@ def w1_rows(r: dict[str, Any], hf: dict[str, Any]) -> list[tuple[str, ...]]:
     w1 = r["w1"]
     return [
         (
-            "W1 TPOT (bs 1, 512+256)",
+            f"W1 TPOT (bs {w1.get('batch', 1)}, 512+256)",
             f"{w1['tpot_ms']:.2f} ms",
             f"{w1['floor_ms']:.2f} ms",
             f"{hf.get('w1_tpot_ms', float('nan')):.2f} ms",

@@ -120,9 +120,10 @@ def test_fused_decode_greedy_matches_transformers_and_unfused(arch, mode: str, m
     got = generate(fused, PROMPTS, MAX_TOKENS)
     decode_steps = max(MAX_TOKENS) - 1
     assert spy.calls == 2 * decode_steps, "the fused path did not make every decode step"
-    # The one-token steps (the last ones: the batch shrinks to 1) ran their MLPs fused, unless under PDL.
-    one_token_layer_steps = 2 * sum(1 for step in range(decode_steps) if sum(n - 1 > step for n in MAX_TOKENS) == 1)
-    assert spy.mlp_rows == ([] if pdl else [1] * one_token_layer_steps)
+    # Every decode step ran its MLPs fused (two layers, the step's live sequences as rows), unless under PDL.
+    live = [sum(n - 1 > step for n in MAX_TOKENS) for step in range(decode_steps)]
+    assert max(live) > 1 and min(live) == 1  # steps of several tokens and of one
+    assert spy.mlp_rows == ([] if pdl else [rows for rows in live for _ in range(2)])
     unfused = generate(cpu_engine(path, "cublas"), PROMPTS, MAX_TOKENS)
     assert spy.calls == 2 * decode_steps, "the cublas engine took the fused path"
     for i, (p, n) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):

@@ -48,7 +48,7 @@ class WorkerConfig:
     kv_cache_dtype: str = "auto"  # "fp8": the FP8 KV cache (EngineConfig.kv_cache_dtype)
     decode_kernels: str = "auto"  # auto | fused | fused-folded | cublas (EngineConfig.decode_kernels)
     decode_pdl: bool = False  # the fused decode GEMVs with programmatic dependent launch (EngineConfig.decode_pdl)
-    no_decode_fused_mlp: bool = False  # batch-1 decode MLPs as two GEMVs (EngineConfig.decode_fused_mlp off)
+    no_decode_fused_mlp: bool = False  # small-batch decode MLPs as two GEMVs (EngineConfig.decode_fused_mlp off)
     prefill_graph_tokens: int = 1024  # a lone prompt chunk of <= this many tokens as a CUDA graph (EngineConfig's)
     piecewise_graph_tokens: int = 8192  # other prompt steps: per-layer CUDA graphs up to this many tokens
     block_size: int = 16  # tokens per KV block (a power of two)

@@ -49,8 +49,8 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
     ("--decode-pdl", "STOKER_DECODE_PDL", bool, False,
      "launch the fused decode GEMVs with programmatic dependent launch (A/B)"),
     ("--no-decode-fused-mlp", "STOKER_NO_DECODE_FUSED_MLP", bool, False,
-     "batch-1 decode steps run each MLP as two GEMVs (bit-for-bit repeatable), not one streaming kernel with atomic "
-     "adds plus a small finishing kernel"),
+     "small-batch (1-16 token) decode steps run each MLP as two GEMVs (bit-for-bit repeatable), not one streaming "
+     "kernel with atomic adds plus a small finishing kernel"),
     ("--prefill-graph-tokens", "STOKER_PREFILL_GRAPH_TOKENS", int, 1024,
      "a step that is one prompt chunk alone (a request at an idle engine) of <= this many tokens replays a CUDA "
      "graph captured at startup instead of launching ~300 kernels (0: eager)"),

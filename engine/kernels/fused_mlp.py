@@ -8,13 +8,14 @@ h = silu(g) * u for them in registers, then streams the same BI columns of down_
 all H outputs into one zeroed float32 accumulator [M, H] (relaxed atomic adds). A second, small kernel reads the
 accumulator, zeroes it for the next launch, rounds like the unfused path (the projection to the model dtype, then
 the residual add) and writes the new residual stream. On the H200 (session 12, 8B shape, M = 1, 8-layer CUDA-graph
-chains): 86.1 us a layer against 89.2 for the two GEMVs, W1 4.196-4.198 ms against 4.289 (BENCHMARKS.md).
+chains): 86.1 us a layer against 89.2 for the two GEMVs, W1 4.196-4.198 ms against 4.289 (BENCHMARKS.md); at 2-16
+tokens the gap widens (MLP_MAX_M says by how much).
 
 Not bitwise repeatable: the atomic adds land in whatever order the programs finish, so a bf16 output can differ
 in its last bit from one run to the next (the float32 sums differ by rounding only). A slot per program summed in a
 fixed order by the second kernel instead (tried: 1.8 MB of partials at the 8B shape) cost more than the kernel
 boundary it saves (89.2-91.8 us a layer); EngineConfig.decode_fused_mlp=False (worker --no-decode-fused-mlp) keeps
-the two GEMVs for a repeatable batch-1 decode.
+the two GEMVs for a repeatable small-batch decode.
 
 down_proj is read as it is stored, [H, I] (I contiguous): a program's BI columns are one BI * 2-byte run per
 output row (256 bytes at BI = 128), whole cache lines, so no transposed copy is needed.
@@ -27,7 +28,11 @@ import torch
 from stoker.engine.kernels._triton import check_launchable, tl, triton
 from stoker.engine.kernels.gemv import _dot_precision, _row_sumsq, gemv_ref, norm_chunk
 
-MLP_MAX_M = 1  # tokens per step that take the fused MLP (fused_decode.py); more go through the two GEMVs
+# Tokens per step that take the fused MLP (fused_decode.py): every fused decode step (gemv.GEMV_MAX_M). On the H200
+# (session 13, 8B bf16, us a layer, 4 layer copies in a CUDA graph) it beats the two GEMVs at every M measured:
+# M = 1 86.9 vs 90.9, 2 89.0 vs 100.5, 4 92.3 vs 111.9, 8 98.1 vs 129.0, 16 107.6 vs 160.5 (the GEMVs' dot path
+# re-reads nothing but pays its 16-row tile's K loop twice; the fused kernel's down stream is the same at any M).
+MLP_MAX_M = 16
 
 
 def fused_mlp_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, residual: torch.Tensor, *,

@@ -8,8 +8,8 @@ tokens runs, per layer,
 kernels). The residual add sits in the o_proj and down epilogues, so the layer's output is already the new
 residual stream: it returns (stream, None) and the next RMSNorm has nothing to add. With "fused-folded" the
 RMSNorm weight lives in qkv_proj / gate_up_proj and both norms run in the GEMV prologues (6 launches): what "auto"
-picks (resolve_decode_kernels says why). At one token (EngineConfig.decode_fused_mlp) gate_up, SiLU-mul, down and the
-residual add are engine/kernels/fused_mlp.py's two launches instead of two GEMVs: the fused-folded layer at batch 1
+picks (resolve_decode_kernels says why). With EngineConfig.decode_fused_mlp gate_up, SiLU-mul, down and the residual
+add are engine/kernels/fused_mlp.py's two launches instead of two GEMVs (at every M <= 16): the fused-folded layer
 is qkv, attention, o_proj, the MLP's streaming kernel and its small finishing kernel.
 
 Weights: the kernels read the nn.Linear layout [N, K] as it is (16-byte loads along K; gemv.py says why no
@@ -145,7 +145,7 @@ def bind_fused_decode(
     post_norm: RMSNorm, gate_up: nn.Module, down: nn.Module,
 ) -> FusedDecode | str:
     """A layer's FusedDecode for `mode` ("fused" or "fused-folded"; called once the weights are in, and
-    folding them for fused-folded), or why the layer must keep the unfused decode path. fused_mlp: one-token steps
+    folding them for fused-folded), or why the layer must keep the unfused decode path. fused_mlp: the fused steps
     of 16-bit (or float32) weights run the MLP through kernels/fused_mlp.py (EngineConfig.decode_fused_mlp)."""
     # Exact types: the tensor-parallel twins are subclasses of the plain linears.
     kinds = (type(qkv), type(o_proj), type(gate_up), type(down))
