@@ -299,41 +299,47 @@ def _hf_llama_gpu(path: str, init_std: float) -> Any:
     return build_hf_model("llama", path, shape=shape)
 
 
-def _gpu_engine(path: str, dtype: str, decode_kernels: str, pdl: bool = False) -> LLMEngine:
+def _gpu_engine(path: str, dtype: str, decode_kernels: str, pdl: bool = False, fused_mlp: bool = True) -> LLMEngine:
     return LLMEngine(EngineConfig(model_path=path, device="cuda", dtype=dtype, max_num_seqs=8, max_model_len=256,
-                                  num_kv_blocks=128, decode_kernels=decode_kernels, decode_pdl=pdl))
+                                  num_kv_blocks=128, decode_kernels=decode_kernels, decode_pdl=pdl,
+                                  decode_fused_mlp=fused_mlp))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_bf16_fused_decode_matches_cublas_with_cuda_graphs(tmp_path) -> None:
-    """Decode logprobs of the fused paths (plain and folded; graph buckets 1..8) against the cublas path's, all
-    bf16, and against transformers float32: the fused paths no further off than cublas (x1.25 + 2e-2). Greedy tokens
-    equal to cublas's up to a near-tie (top two logprobs within 0.05, where two bf16 roundings may pick
-    differently) and for at least 3 steps; PDL changes no token."""
+    """Decode logprobs of the fused paths (plain and folded, with the fused MLP and with its two GEMVs; graph buckets
+    1..8) against the cublas path's, all bf16, and against transformers float32: the fused paths no further off than
+    cublas (x1.25 + 2e-2). Greedy tokens equal to cublas's up to a near-tie (top two logprobs within 0.05, where two
+    bf16 roundings may pick differently) and for at least 3 steps. PDL (which keeps the two GEMVs) changes no token,
+    and folded no bit, against the two-GEMV path without it (the fused MLP's atomic adds may change bits: that path is
+    held to the bounds only)."""
     hf = _hf_llama_gpu(str(tmp_path), 0.015).to("cuda")
     ids = prompts(7, [5, 37, 70, 12])
     max_tokens = [8, 8, 6, 4]
     runs = {}
-    for mode, pdl in (("cublas", False), ("fused", False), ("fused", True), ("fused-folded", False),
-                      ("fused-folded", True)):
-        engine = _gpu_engine(str(tmp_path), "bfloat16", mode, pdl)
+    for mode, pdl, mlp in (("cublas", False, True), ("fused", False, False), ("fused", True, True),
+                           ("fused-folded", False, False), ("fused-folded", True, True), ("fused-folded", False, True)):
+        engine = _gpu_engine(str(tmp_path), "bfloat16", mode, pdl, fused_mlp=mlp)
         assert engine.runner.graphs is not None
         report = engine.runner.startup["decode_kernels"]
         assert report["fused_layers"] == (0 if mode == "cublas" else 4), report
+        assert report["fused_mlp_max_m"] == (16 if mode != "cublas" and mlp and not pdl else 0), report
         before = engine.runner.graphs.replays
-        runs[mode, pdl] = generate(engine, ids, max_tokens)
+        runs[mode, pdl, mlp] = generate(engine, ids, max_tokens)
         assert engine.runner.graphs.replays - before >= max(max_tokens) - 1
         engine.close()
     for i, (p, n) in enumerate(zip(ids, max_tokens, strict=True)):
         rid = f"r{i}"
-        cublas, pdl_run = runs["cublas", False][rid], runs["fused", True][rid]
-        assert pdl_run[0] == runs["fused", False][rid][0]  # PDL changes when a kernel starts, not what it computes
-        torch.testing.assert_close(pdl_run[1], runs["fused", False][rid][1], atol=1e-3, rtol=0)
+        cublas, pdl_run = runs["cublas", False, True][rid], runs["fused", True, True][rid]
+        # PDL changes when a kernel starts, not what it computes (against the two-GEMV path without it)
+        assert pdl_run[0] == runs["fused", False, False][rid][0]
+        torch.testing.assert_close(pdl_run[1], runs["fused", False, False][rid][1], atol=1e-3, rtol=0)
         # The whole chain under PDL (the attention included, gemv's PDL_* variants as they are): the same bits.
-        assert runs["fused-folded", True][rid][:2] == runs["fused-folded", False][rid][:2], rid
-        for mode in ("fused", "fused-folded"):  # the folded weights (W diag(g) rounded) held to the same bounds
-            _check_against_cublas_and_hf(hf, p, n, i, runs[mode, False][rid], cublas)
+        assert runs["fused-folded", True, True][rid][:2] == runs["fused-folded", False, False][rid][:2], rid
+        # the folded weights (W diag(g) rounded) and the fused MLP (the default path) held to the same bounds
+        for key in (("fused", False, False), ("fused-folded", False, False), ("fused-folded", False, True)):
+            _check_against_cublas_and_hf(hf, p, n, i, runs[key][rid], cublas)
 
 
 def _check_against_cublas_and_hf(hf: Any, p: list[int], n: int, i: int, fused: Any, cublas: Any) -> None:
