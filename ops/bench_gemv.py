@@ -310,11 +310,13 @@ def _dot(bn: int, bk: int, warps: int, stages: int) -> GemvConfig:
 # that pick itself, config=None). CUDA cores: 1-row programs, weights in registers; tl.dot: the 16-row tile.
 FUSED_SWEEP: dict[str, list[GemvConfig]] = {
     "rope": [_cores(2, 1024), _cores(4, 512), _cores(4, 1024), _cores(8, 512), _cores(4, 512, 2),
-             _cores(4, 256, 4, 4), _dot(16, 256, 1, 4), _dot(16, 128, 1, 5)],
+             _cores(4, 256, 4, 4), _dot(16, 256, 1, 4), _dot(16, 128, 1, 5),
+             _dot(32, 128, 2, 4), _dot(64, 128, 4, 4), _dot(32, 256, 2, 3)],  # wider programs for M = 2..16
     "silu": [_dot(32, 128, 2, 5), _dot(16, 128, 1, 5), _dot(16, 256, 1, 4), _dot(32, 128, 1, 5),
              _dot(32, 256, 2, 4), _dot(64, 128, 4, 4), _cores(4, 512), _cores(8, 512)],
     "add": [_dot(16, 256, 1, 4), _dot(16, 128, 1, 5), _dot(16, 512, 1, 3), _dot(32, 256, 2, 4),
-            _dot(32, 128, 1, 5), _cores(4, 1024), _cores(8, 512), _cores(2, 1024)],
+            _dot(32, 128, 1, 5), _cores(4, 1024), _cores(8, 512), _cores(2, 1024),
+            _dot(64, 128, 4, 4), _dot(64, 256, 4, 3), _dot(128, 128, 4, 3)],  # wider programs for M = 2..16
 }
 FUSED_TASKS = [("qkv", "rope"), ("qkv", "rope+fold"), ("gate_up", "silu"), ("gate_up", "silu+fold"),
                ("o", "add"), ("down", "add")]
