@@ -504,7 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-w2-requests", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--w1-batch", type=int, default=1, help="W1's requests at once (decode steps of that many tokens; the peer's W1 stays one)")
+    ap.add_argument("--w1-batch", type=int, default=1,
+                    help="W1's requests at once (decode steps of that many tokens; the peer's W1 stays one)")
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-cold", action="store_true", help="no cold start (page cache drop + first engine)")

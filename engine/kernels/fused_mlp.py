@@ -30,8 +30,9 @@ from stoker.engine.kernels.gemv import _dot_precision, _row_sumsq, gemv_ref, nor
 
 # Tokens per step that take the fused MLP (fused_decode.py): every fused decode step (gemv.GEMV_MAX_M). On the H200
 # (session 13, 8B bf16, us a layer, 4 layer copies in a CUDA graph) it beats the two GEMVs at every M measured:
-# M = 1 86.9 vs 90.9, 2 89.0 vs 100.5, 4 92.3 vs 111.9, 8 98.1 vs 129.0, 16 107.6 vs 160.5 (the GEMVs' dot path
-# re-reads nothing but pays its 16-row tile's K loop twice; the fused kernel's down stream is the same at any M).
+# M = 1 86.9 vs 90.9, 2 89.0 vs 100.5, 4 92.3 vs 111.9, 8 98.1 vs 129.0, 16 107.6 vs 160.5; at the 1B shape 30.1 vs
+# 30.1 at M = 1 and 42.7 vs 51.5 at 16 (BENCHMARKS.md). Why the GEMVs' time grows with M so much faster was not
+# measured (both read the same weights once).
 MLP_MAX_M = 16
 
 
