@@ -62,6 +62,10 @@ class EngineConfig:
     # (engine/kernels/fused_mlp.py), instead of two GEMVs: W1 -2.2 % at 8B (H200), and 11-53 us less a layer at 2-16
     # tokens; repeatable up to rounding only. False: the two GEMVs, bit for bit. FP8 weights and PDL keep the GEMVs.
     decode_fused_mlp: bool = True
+    # Fused decode steps of up to this many tokens run the RMSNorms in the qkv / MLP prologues (fused-folded, and
+    # FP8 under it); larger ones run the norm kernel first, as the prologue's rms pass reads x a row at a time
+    # (models/fused_decode.py PROLOGUE_NORM_MAX_M: measured at 1 and 16 tokens on the H200, the cut-over estimated).
+    decode_prologue_norm_max_m: int = 2
     # Two-nano-batch decode (engine/models/nano_batches.py): decode-only steps of >= decode_overlap_min_rows
     # sequences run as two halves whose GEMMs and attention interleave on two CUDA streams (in the graphs).
     # Off: measured 3.7 % slower at batch 1,024 and 13 % at 512 (8B, H200; BENCHMARKS.md, 14:44 UTC).
@@ -131,6 +135,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             problems.append(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         problems += self._decode_kernel_problems()
+        if not 0 <= self.decode_prologue_norm_max_m <= 16:
+            problems.append(f"decode_prologue_norm_max_m must be 0..16 (the fused decode steps' token counts), "
+                            f"got {self.decode_prologue_norm_max_m}")
         if self.decode_overlap_min_rows < 2:
             problems.append(f"decode_overlap_min_rows must be >= 2 (two non-empty halves), "
                             f"got {self.decode_overlap_min_rows}")

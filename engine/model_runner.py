@@ -66,7 +66,8 @@ class ModelRunner:
         self.model.eval()
         # Decode steps of <= 16 sequences: the fused GEMVs or the unfused kernels (models/fused_decode.py).
         self.startup["decode_kernels"] = self.model.plan_decode(
-            resolve_decode_kernels(config), config.decode_pdl, kv_cache_dtype(config), config.decode_fused_mlp)
+            resolve_decode_kernels(config), config.decode_pdl, kv_cache_dtype(config), config.decode_fused_mlp,
+            config.decode_prologue_norm_max_m)
         self.startup["decode_overlap"] = self.model.plan_nano_batches(
             make_plan(config.decode_overlap, config.decode_overlap_min_rows, self.device, config.decode_overlap_sms))
         self.weights_bytes = weights_bytes(self.model)

@@ -214,7 +214,8 @@ def decode_setting(text: str) -> dict[str, Any]:
     """"fused+pdl" -> {"decode_kernels": "fused", "decode_pdl": True}: one --decode-kernels item ("+nopdl": False;
     neither: EngineConfig's default); "+nomlp" / "+mlp" sets decode_fused_mlp. "+overlap"
     adds decode_overlap (two-nano-batch decode steps, engine/models/nano_batches.py), "+overlapN" with N rows
-    as its threshold (decode_overlap_min_rows), "+smsK" K SMs for its attention lane (decode_overlap_sms)."""
+    as its threshold (decode_overlap_min_rows), "+smsK" K SMs for its attention lane (decode_overlap_sms); "+proN"
+    normalises in the GEMV prologues up to N tokens a step (decode_prologue_norm_max_m)."""
     kernels, *flags = text.split("+")
     setting: dict[str, Any] = {"decode_kernels": kernels}  # decode_pdl: EngineConfig's default unless +pdl / +nopdl
     for flag in flags:
@@ -228,9 +229,11 @@ def decode_setting(text: str) -> dict[str, Any]:
             setting |= {"decode_overlap_min_rows": int(rows)} if rows else {}
         elif flag.startswith("sms") and flag[3:].isdigit():
             setting["decode_overlap_sms"] = int(flag[3:])
+        elif flag.startswith("pro") and flag[3:].isdigit():
+            setting["decode_prologue_norm_max_m"] = int(flag[3:])
         else:
             raise ValueError(f"--decode-kernels item {text!r}: a decode_kernels value, optionally with '+pdl', "
-                             "'+nopdl', '+mlp', '+nomlp', '+overlap[N]' and '+smsK'")
+                             "'+nopdl', '+mlp', '+nomlp', '+overlap[N]', '+smsK' and '+proN'")
     return setting
 
 

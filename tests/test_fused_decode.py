@@ -23,6 +23,7 @@ from kernel_harness import INTERPRET, run_under_interpreter  # noqa: E402
 from stoker.engine import EngineRequest, SamplingParams  # noqa: E402
 from stoker.engine.config import EngineConfig  # noqa: E402
 from stoker.engine.engine import LLMEngine  # noqa: E402
+from stoker.engine.layers import RMSNorm  # noqa: E402
 from stoker.engine.models import fused_decode  # noqa: E402
 
 interpreted = pytest.mark.skipif(not INTERPRET, reason="runs in the interpreter subprocess (the driver below)")
@@ -78,19 +79,19 @@ class SpyCalls:
         monkeypatch.setattr(fused_decode, "fused_mlp_triton", spy_mlp)
 
 
-def count_norm_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Counts the fused qkv and gate_up GEMV launches with and without a prologue norm weight (norm_weight)."""
-    counts = {"with_norm": 0, "without": 0}
+def count_norm_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
+    """Records each fused qkv and gate_up GEMV launch as (its token count, whether it took a prologue norm weight)."""
+    calls: list[tuple[int, bool]] = []
     for name in ("gemv_triton", "gemv_rotary_cache_triton"):
         original = getattr(fused_decode, name)
 
-        def spy(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+        def spy(x: torch.Tensor, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
             if kwargs.get("silu_mul") or "cos_sin" in kwargs:  # gate_up and qkv: the two after a norm
-                counts["with_norm" if kwargs.get("norm_weight") is not None else "without"] += 1
-            return _original(*args, **kwargs)
+                calls.append((x.shape[0], kwargs.get("norm_weight") is not None))
+            return _original(x, *args, **kwargs)
 
         monkeypatch.setattr(fused_decode, name, spy)
-    return counts
+    return calls
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
@@ -103,20 +104,44 @@ def arch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 # ------------------------------------------------------------- CPU, interpreter: against HF and the unfused path
 @interpreted
-@pytest.mark.parametrize("mode", ["fused", "fused-folded", "fused-folded+pdl"])
+@pytest.mark.parametrize("mode", ["fused", "fused-folded", "fused-folded+pdl", "fused-folded+pro0",
+                                  "fused-folded+pro16"])
 def test_fused_decode_greedy_matches_transformers_and_unfused(arch, mode: str, monkeypatch) -> None:
     """+pdl: decode_pdl on. On the CPU that checks the setting's way through the engine only (the report, the
     pdl arguments of every launch): the interpreter drops the launch attribute and the attention is the torch
-    reference there; the PDL kernels themselves are tests/test_kernels_decode_pdl.py's and the GPU cases below."""
+    reference there; the PDL kernels themselves are tests/test_kernels_decode_pdl.py's and the GPU cases below.
+    +proN: decode_prologue_norm_max_m N (0: the norm kernel at every step; 16: the prologues at every step; the
+    default 2 splits this test's steps of 5, 3 and 1 tokens between the two)."""
     name, path, hf = arch
     if mode != "fused" and name != "llama":
         pytest.skip("the folded variants once (llama) keep the interpreter run short")
-    mode, pdl = mode.removesuffix("+pdl"), mode.endswith("+pdl")
+    mode, _, flag = mode.partition("+")
+    pdl = flag == "pdl"
+    prologue_max_m = int(flag[3:]) if flag.startswith("pro") else 2
     spy = SpyCalls(monkeypatch)
-    fused = cpu_engine(path, mode, decode_pdl=pdl)
+    fused = cpu_engine(path, mode, decode_pdl=pdl, decode_prologue_norm_max_m=prologue_max_m)
     report = fused.runner.startup["decode_kernels"]
     assert report["mode"] == mode and report["fused_layers"] == 2 and "fallback" not in report
     assert report["pdl"] == pdl
+    assert report["prologue_norm_max_m"] == (prologue_max_m if mode == "fused-folded" else 0)
+    import stoker.engine.models.llama as llama
+
+    norms = {"calls": 0, "inside": False}  # RMSNorm calls made inside the fused decode layers
+    original_norm, fused_layer = RMSNorm.forward, llama.fused_decode_layer
+
+    def count_norm(module: Any, *args: Any, **kwargs: Any) -> Any:
+        norms["calls"] += norms["inside"]
+        return original_norm(module, *args, **kwargs)
+
+    def inside(*args: Any, **kwargs: Any) -> Any:
+        norms["inside"] = True
+        try:
+            return fused_layer(*args, **kwargs)
+        finally:
+            norms["inside"] = False
+
+    monkeypatch.setattr(RMSNorm, "forward", count_norm)
+    monkeypatch.setattr(llama, "fused_decode_layer", inside)
     got = generate(fused, PROMPTS, MAX_TOKENS)
     decode_steps = max(MAX_TOKENS) - 1
     assert spy.calls == 2 * decode_steps, "the fused path did not make every decode step"
@@ -124,6 +149,11 @@ def test_fused_decode_greedy_matches_transformers_and_unfused(arch, mode: str, m
     live = [sum(n - 1 > step for n in MAX_TOKENS) for step in range(decode_steps)]
     assert max(live) > 1 and min(live) == 1  # steps of several tokens and of one
     assert spy.mlp_rows == ([] if pdl else [rows for rows in live for _ in range(2)])
+    # the norm kernels the decode steps ran: two a layer where a step does not normalise in the prologues
+    kernel_steps = [rows for rows in live if mode == "fused" or rows > prologue_max_m]
+    assert norms["calls"] == 2 * 2 * len(kernel_steps)
+    if mode == "fused-folded" and prologue_max_m == 2:
+        assert 0 < len(kernel_steps) < len(live)  # both kinds of step
     unfused = generate(cpu_engine(path, "cublas"), PROMPTS, MAX_TOKENS)
     assert spy.calls == 2 * decode_steps, "the cublas engine took the fused path"
     for i, (p, n) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
@@ -187,10 +217,16 @@ def test_fp8_weights_take_the_fused_path(arch, mode: str, monkeypatch) -> None:
     assert not layer.fused_decode.folded and layer.input_layernorm.weight.ne(1).any()
     got = generate(engine, PROMPTS[:3], MAX_TOKENS[:3])
     assert spy.calls == 2 * (max(MAX_TOKENS[:3]) - 1), "the fused path did not make every decode step"
-    # each fused layer call: qkv and gate_up take the norm weight themselves ("fused-folded") or none ("fused")
+    # each fused layer call: qkv and gate_up take the norm weight themselves ("fused-folded", steps of up to
+    # PROLOGUE_NORM_MAX_M tokens; the larger ones run the norm kernel first) or none ("fused")
     prologue = mode == "fused-folded"
     assert layer.fused_decode.prologue_norm == prologue
-    assert norm_calls == {"with_norm": 2 * spy.calls if prologue else 0, "without": 0 if prologue else 2 * spy.calls}
+    assert len(norm_calls) == 2 * spy.calls
+    if prologue:
+        assert all(has_norm == (rows <= fused_decode.PROLOGUE_NORM_MAX_M) for rows, has_norm in norm_calls), norm_calls
+        assert {has_norm for _, has_norm in norm_calls} == {True, False}, "steps on both sides of the cut-over"
+    else:
+        assert not any(has_norm for _, has_norm in norm_calls)
     unfused = generate(cpu_engine(path, "cublas", quantization="fp8"), PROMPTS[:3], MAX_TOKENS[:3])
     for rid, (tokens, logprobs, _) in got.items():
         assert tokens == unfused[rid][0], f"{rid}: fused FP8 tokens differ from the unfused FP8 engine"
@@ -279,8 +315,11 @@ def test_worker_flags_reach_the_engine_config(tmp_path, capsys, monkeypatch) -> 
     worker_main.build_engine(cfg)
     assert (built[0].decode_kernels, built[0].decode_pdl, built[0].decode_fused_mlp) == ("fused-folded", True, True)
     worker_main.build_engine(worker_main.parse_config(["--model", path, "--no-decode-fused-mlp", "--no-warmup",
-                                                       "--device", "cpu"], {}))
-    assert built[1].decode_fused_mlp is False
+                                                       "--device", "cpu", "--decode-prologue-norm-max-m", "5"], {}))
+    assert built[1].decode_fused_mlp is False and built[1].decode_prologue_norm_max_m == 5
+    assert built[0].decode_prologue_norm_max_m == 2
+    assert worker_main.parse_config(["--model", path], {"STOKER_DECODE_PROLOGUE_NORM_MAX_M": "0"}
+                                    ).decode_prologue_norm_max_m == 0
     env = {"STOKER_DECODE_KERNELS": "cublas", "STOKER_DECODE_PDL": "1"}
     assert (worker_main.parse_config(["--model", path], env).decode_kernels,
             worker_main.parse_config(["--model", path], env).decode_pdl) == ("cublas", True)
@@ -289,6 +328,13 @@ def test_worker_flags_reach_the_engine_config(tmp_path, capsys, monkeypatch) -> 
         worker_main.parse_config(["--model", path, "--decode-kernels", "gemv"], {})
     assert exit_.value.code == 2
     assert "--decode-kernels must be auto, fused, fused-folded or cublas, got 'gemv'" in capsys.readouterr().err
+
+
+def test_config_refuses_a_prologue_norm_cap_outside_the_fused_steps(tmp_path) -> None:
+    for bad in (-1, 17):
+        with pytest.raises(ValueError, match="decode_prologue_norm_max_m must be 0..16"):
+            EngineConfig(model_path=str(tmp_path), device="cpu", decode_prologue_norm_max_m=bad)
+    assert EngineConfig(model_path=str(tmp_path), device="cpu").decode_prologue_norm_max_m == 2
 
 
 # ------------------------------------------------------------------------------------------- GPU, bf16

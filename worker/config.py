@@ -49,6 +49,7 @@ class WorkerConfig:
     decode_kernels: str = "auto"  # auto | fused | fused-folded | cublas (EngineConfig.decode_kernels)
     decode_pdl: bool = False  # the fused decode GEMVs with programmatic dependent launch (EngineConfig.decode_pdl)
     no_decode_fused_mlp: bool = False  # small-batch decode MLPs as two GEMVs (EngineConfig.decode_fused_mlp off)
+    decode_prologue_norm_max_m: int = 2  # steps normalising in the GEMV prologues (EngineConfig's field)
     prefill_graph_tokens: int = 1024  # a lone prompt chunk of <= this many tokens as a CUDA graph (EngineConfig's)
     piecewise_graph_tokens: int = 8192  # other prompt steps: per-layer CUDA graphs up to this many tokens
     block_size: int = 16  # tokens per KV block (a power of two)

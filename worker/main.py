@@ -51,6 +51,9 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
     ("--no-decode-fused-mlp", "STOKER_NO_DECODE_FUSED_MLP", bool, False,
      "small-batch (1-16 token) decode steps run each MLP as two GEMVs (bit-for-bit repeatable), not one streaming "
      "kernel with atomic adds plus a small finishing kernel"),
+    ("--decode-prologue-norm-max-m", "STOKER_DECODE_PROLOGUE_NORM_MAX_M", int, 2,
+     "fused decode steps of up to this many tokens normalise in the GEMV prologues, larger ones run the norm kernel "
+     "first (0..16)"),
     ("--prefill-graph-tokens", "STOKER_PREFILL_GRAPH_TOKENS", int, 1024,
      "a step that is one prompt chunk alone (a request at an idle engine) of <= this many tokens replays a CUDA "
      "graph captured at startup instead of launching ~300 kernels (0: eager)"),
@@ -284,7 +287,7 @@ def _build_one(cfg: WorkerConfig, spec: ModelSpec | None) -> Any:
         "blocking_sync": not cfg.no_blocking_sync, "quantization": cfg.quantization,
         "tensor_parallel_size": cfg.tensor_parallel, "kv_cache_dtype": cfg.kv_cache_dtype,
         "decode_kernels": cfg.decode_kernels, "decode_pdl": cfg.decode_pdl,
-        "decode_fused_mlp": not cfg.no_decode_fused_mlp,
+        "decode_fused_mlp": not cfg.no_decode_fused_mlp, "decode_prologue_norm_max_m": cfg.decode_prologue_norm_max_m,
         "prefill_graph_tokens": cfg.prefill_graph_tokens, "piecewise_graph_tokens": cfg.piecewise_graph_tokens,
     }
     if cfg.served_model_name:

@@ -77,6 +77,14 @@ FP8_WEIGHT_CONVERT: dict[str, str] = {"rope": "cast", "silu": "asm-join", "add":
 # FP8 under "fused-folded": the two RMSNorms run in the qkv / gate_up prologues with g unfolded (x * g in the K
 # loop, which the one-token CUDA-core loop pays on [1, BK] only), so a layer is 4 launches instead of 6.
 FP8_PROLOGUE_NORM = True
+# Steps of up to this many tokens normalise in the qkv / MLP prologues; larger ones run the norm kernel first (the
+# RMSNorm modules: unit gains where g is folded in). The prologue's rms pass (gemv._row_sumsq) reads x one row at a
+# time, an L2 round trip and a block reduction each, in every program: on the H200 (session 13, 8B, M = 16, us a
+# call) qkv + rotary took 35.0 with the pass against 15.9 without it, and the fused MLP 108.0 at M = 16 against
+# 86.8 at M = 1, where a norm kernel costs ~2.8 us with its boundary (session 5) and the pass ~1.2 us a row. So the
+# pass pays at 1-2 tokens (the graph buckets 1 and 2) and the norm kernel from 4 (the 3-8 token cut-over itself is
+# estimated from those figures, not measured). EngineConfig.decode_prologue_norm_max_m sets it (bench: "+proN").
+PROLOGUE_NORM_MAX_M = 2
 # One token on the GPU: (kernel, weight rows, K) -> (launch shape, conversion), the fastest of ops/bench_fp8_fused.py
 # --row-grid --pick (H200, 2026-12-01 18:25 UTC, 8B shapes, us per call in CUDA-graph chains, 36 launch shapes x
 # cast / asm-join; "row": gemv.py's one-token [BN, BK] accumulator, W_VEC; "3d": what ran before, 17:56 UTC);
@@ -109,6 +117,7 @@ class FusedDecode:
     mlp_max_m: int  # steps of up to this many tokens run the MLP as kernels/fused_mlp.py's two launches (0: never)
     mlp_accumulator: torch.Tensor | None  # the fused MLP's zeroed float32 [mlp_max_m * H] (left zero by each launch)
     prologue_norm: bool  # the norms run in the qkv / gate_up prologues: folded, or (FP8) g applied to x there
+    prologue_max_m: int  # ... in steps of up to this many tokens (0 without prologue_norm); larger: the norm kernel
     pdl: bool  # launch the GEMVs with programmatic dependent launch
     input_norm: RMSNorm
     qkv: QKVLinear | Fp8QKVLinear
@@ -140,13 +149,15 @@ def resolve_decode_kernels(config: EngineConfig) -> str:
 
 
 def bind_fused_decode(
-    mode: str, pdl: bool, kv_dtype: torch.dtype, *, fused_mlp: bool = True, input_norm: RMSNorm, qkv: nn.Module,
+    mode: str, pdl: bool, kv_dtype: torch.dtype, *, fused_mlp: bool = True, prologue_max_m: int = PROLOGUE_NORM_MAX_M,
+    input_norm: RMSNorm, qkv: nn.Module,
     q_norm: RMSNorm | None, k_norm: RMSNorm | None, rotary: RotaryEmbedding, attention: PagedAttention, o_proj: nn.Module,
     post_norm: RMSNorm, gate_up: nn.Module, down: nn.Module,
 ) -> FusedDecode | str:
     """A layer's FusedDecode for `mode` ("fused" or "fused-folded"; called once the weights are in, and
     folding them for fused-folded), or why the layer must keep the unfused decode path. fused_mlp: the fused steps
-    of 16-bit (or float32) weights run the MLP through kernels/fused_mlp.py (EngineConfig.decode_fused_mlp)."""
+    of 16-bit (or float32) weights run the MLP through kernels/fused_mlp.py (EngineConfig.decode_fused_mlp).
+    prologue_max_m: the largest step that normalises in the prologues (EngineConfig.decode_prologue_norm_max_m)."""
     # Exact types: the tensor-parallel twins are subclasses of the plain linears.
     kinds = (type(qkv), type(o_proj), type(gate_up), type(down))
     fp8 = kinds == _FP8_KINDS
@@ -175,8 +186,8 @@ def bind_fused_decode(
     if mlp_max_m:
         accumulator = torch.zeros(mlp_max_m * input_norm.weight.shape[0], dtype=torch.float32,
                                   device=input_norm.weight.device)
-    return FusedDecode(folded, mlp_max_m, accumulator, prologue, pdl, input_norm, linears[0], q_norm, k_norm, rotary,
-                       attention, linears[1], post_norm, linears[2], linears[3])
+    return FusedDecode(folded, mlp_max_m, accumulator, prologue, prologue_max_m if prologue else 0, pdl, input_norm,
+                       linears[0], q_norm, k_norm, rotary, attention, linears[1], post_norm, linears[2], linears[3])
 
 
 def _fp8_problem(linears: tuple[Fp8Linear, ...]) -> str | None:
@@ -214,10 +225,10 @@ def _fp8_args(linear: nn.Module, kernel: str, num_tokens: int) -> dict[str, Any]
     return {"weight_scale": linear.weight_scale, "weight_convert": convert, "config": config}
 
 
-def _unfolded_norm(fd: FusedDecode, norm: RMSNorm) -> dict[str, Any]:
+def _unfolded_norm(fd: FusedDecode, norm: RMSNorm, prologue: bool) -> dict[str, Any]:
     """The prologue norm's weight where it is not folded into W (FP8 under "fused-folded"): the GEMV scales x by
-    it in its K loop (APPLY_G) after the rms pass."""
-    return {"norm_weight": norm.weight} if fd.prologue_norm and not fd.folded else {}
+    it in its K loop (APPLY_G) after the rms pass. None where the step normalises x first (not `prologue`)."""
+    return {"norm_weight": norm.weight} if prologue and not fd.folded else {}
 
 
 def decode_report(mode: str, pdl: bool, reasons: list[str | None]) -> dict[str, Any]:
@@ -257,23 +268,25 @@ def fused_decode_layer(
     v_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, None]:
     """LlamaDecoderLayer.forward's semantics for a decode step -> (the new residual stream [M, H], None)."""
-    if fd.prologue_norm:  # the qkv GEMV normalises the stream itself
+    num_tokens = hidden.shape[0]
+    prologue = num_tokens <= fd.prologue_max_m
+    if prologue:  # the qkv GEMV normalises the stream itself
         stream = hidden if residual is None else hidden + residual
         x = stream
-    else:
+    else:  # the norm kernel; a unit gain where g is folded into the weights (fused-folded)
         x, stream = fd.input_norm(hidden, residual)
-    qkv = _qkv_rotary_cache(fd, x, positions, meta, k_cache, v_cache)
-    num_tokens, num_heads, head_dim = x.shape[0], fd.attention.num_heads, fd.attention.head_dim
+    qkv = _qkv_rotary_cache(fd, x, positions, meta, k_cache, v_cache, prologue)
+    num_heads, head_dim = fd.attention.num_heads, fd.attention.head_dim
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     out = fd.attention(q, k_cache, v_cache, meta, pdl=fd.pdl).reshape(num_tokens, num_heads * head_dim)
     stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=fd.pdl, **_fp8_args(fd.o_proj, "add", num_tokens))
-    x = stream if fd.prologue_norm else fd.post_norm(stream)[0]
+    x = stream if prologue else fd.post_norm(stream)[0]
     if num_tokens <= fd.mlp_max_m:  # gate_up + SiLU-mul + down + residual: a streaming kernel, a finishing one
         return fused_mlp_triton(x, fd.gate_up.weight, fd.down.weight, stream, eps=fd.post_norm.eps,
-                                norm_folded=fd.folded, accumulator=fd.mlp_accumulator), None
-    act, _ = gemv_triton(x, fd.gate_up.weight, silu_mul=True, norm_folded=fd.folded, eps=fd.post_norm.eps,
-                         pdl=fd.pdl, **_fp8_args(fd.gate_up, "silu", num_tokens),
-                         **_unfolded_norm(fd, fd.post_norm))
+                                norm_folded=fd.folded and prologue, accumulator=fd.mlp_accumulator), None
+    act, _ = gemv_triton(x, fd.gate_up.weight, silu_mul=True, norm_folded=fd.folded and prologue,
+                         eps=fd.post_norm.eps, pdl=fd.pdl, **_fp8_args(fd.gate_up, "silu", num_tokens),
+                         **_unfolded_norm(fd, fd.post_norm, prologue))
     stream, _ = gemv_triton(act, fd.down.weight, add=stream, pdl=fd.pdl, **_fp8_args(fd.down, "add", num_tokens))
     return stream, None
 
@@ -285,19 +298,21 @@ def _qkv_rotary_cache(
     meta: AttentionMetadata,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    prologue: bool,
 ) -> torch.Tensor:
-    """qkv [M, (Hq + 2 Hkv) D] with q and k rotated; k and v written to the caches (slot -1: padding)."""
+    """qkv [M, (Hq + 2 Hkv) D] with q and k rotated; k and v written to the caches (slot -1: padding). prologue: x is
+    the stream, normalised in the GEMV's prologue; else x is already normalised."""
     q_norm = fd.q_norm.weight if fd.q_norm is not None else None
     k_norm = fd.k_norm.weight if fd.k_norm is not None else None
     # One eps serves the prologue norm and Qwen3's q/k norm: the model builds all of them from rms_norm_eps.
-    eps = fd.input_norm.eps if fd.prologue_norm or fd.q_norm is None else fd.q_norm.eps
+    eps = fd.input_norm.eps if prologue or fd.q_norm is None else fd.q_norm.eps
     fp8 = _fp8_args(fd.qkv, "rope", x.shape[0])
     if q_norm is not None and fp8.get("weight_convert", "cast") != "cast" and gemv.REFUSE_WORDS_WITH_QK_NORM:
         fp8["weight_convert"] = "cast"  # refused with the q/k norm on CUDA (see gemv_rotary_cache_triton)
     qkv, _ = gemv_rotary_cache_triton(
         x, fd.qkv.weight, fd.qkv.bias, num_heads=fd.attention.num_heads, num_kv_heads=fd.attention.num_kv_heads,
         positions=positions, cos_sin=fd.rotary.cos_sin, k_cache=k_cache, v_cache=v_cache,
-        slot_mapping=meta.slot_mapping, eps=eps, q_norm=q_norm, k_norm=k_norm, pdl=fd.pdl, norm_folded=fd.folded,
-        **fp8, **_unfolded_norm(fd, fd.input_norm),
+        slot_mapping=meta.slot_mapping, eps=eps, q_norm=q_norm, k_norm=k_norm, pdl=fd.pdl,
+        norm_folded=fd.folded and prologue, **fp8, **_unfolded_norm(fd, fd.input_norm, prologue),
     )
     return qkv

@@ -27,6 +27,7 @@ from stoker.engine.layers import (
 from stoker.engine.model_config import ModelConfig
 from stoker.engine.models.base import CausalLM
 from stoker.engine.models.fused_decode import (
+    PROLOGUE_NORM_MAX_M,
     FusedDecode,
     bind_fused_decode,
     decode_report,
@@ -267,20 +268,23 @@ class LlamaForCausalLM(CausalLM):
                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor) -> torch.Tensor:
         return self.model.attend(i, q, meta, kv_caches, out)
 
-    def plan_decode(self, mode: str, pdl: bool, kv_dtype: torch.dtype, fused_mlp: bool = True) -> dict[str, Any]:
+    def plan_decode(self, mode: str, pdl: bool, kv_dtype: torch.dtype, fused_mlp: bool = True,
+                    prologue_max_m: int = PROLOGUE_NORM_MAX_M) -> dict[str, Any]:
         reasons: list[str | None] = []
-        mlp_max_m = 0
+        mlp_max_m = prologue = 0
         for layer in cast(list[LlamaDecoderLayer], list(self.model.layers)):
             attn = layer.self_attn
             planned = None if mode == "cublas" else bind_fused_decode(
-                mode, pdl, kv_dtype, fused_mlp=fused_mlp, input_norm=layer.input_layernorm, qkv=attn.qkv_proj,
+                mode, pdl, kv_dtype, fused_mlp=fused_mlp, prologue_max_m=prologue_max_m,
+                input_norm=layer.input_layernorm, qkv=attn.qkv_proj,
                 q_norm=attn.q_norm, k_norm=attn.k_norm, rotary=attn.rotary, attention=attn.attn, o_proj=attn.o_proj,
                 post_norm=layer.post_attention_layernorm, gate_up=layer.mlp.gate_up_proj, down=layer.mlp.down_proj)
             layer.fused_decode = planned if isinstance(planned, FusedDecode) else None
             reasons.append(planned if isinstance(planned, str) else None)
             if layer.fused_decode is not None:
                 mlp_max_m = max(mlp_max_m, layer.fused_decode.mlp_max_m)
-        return decode_report(mode, pdl, reasons) | {"fused_mlp_max_m": mlp_max_m}
+                prologue = max(prologue, layer.fused_decode.prologue_max_m)
+        return decode_report(mode, pdl, reasons) | {"fused_mlp_max_m": mlp_max_m, "prologue_norm_max_m": prologue}
 
     def plan_nano_batches(self, plan: NanoBatchPlan | None) -> dict[str, Any]:
         self.model.nano_batches = plan
