@@ -7,8 +7,9 @@ tokens runs, per layer,
 (engine/kernels/gemv.py's kernels: 8 launches where the unfused path has 12: no rotary, SiLU or split-K reduce
 kernels). The residual add sits in the o_proj and down epilogues, so the layer's output is already the new
 residual stream: it returns (stream, None) and the next RMSNorm has nothing to add. With "fused-folded" the
-RMSNorm weight lives in qkv_proj / gate_up_proj and both norms run in the GEMV prologues (6 launches): what "auto"
-picks (resolve_decode_kernels says why). With EngineConfig.decode_fused_mlp gate_up, SiLU-mul, down and the residual
+RMSNorm weight lives in qkv_proj / gate_up_proj and both norms run in the GEMV prologues (6 launches) at steps of up
+to PROLOGUE_NORM_MAX_M tokens (larger ones run the norm kernel on unit gains first): what "auto" picks
+(resolve_decode_kernels says why). With EngineConfig.decode_fused_mlp gate_up, SiLU-mul, down and the residual
 add are engine/kernels/fused_mlp.py's two launches instead of two GEMVs (at every M <= 16): the fused-folded layer
 is qkv, attention, o_proj, the MLP's streaming kernel and its small finishing kernel.
 
