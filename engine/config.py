@@ -63,8 +63,13 @@ class EngineConfig:
     # tokens; repeatable up to rounding only. False: the two GEMVs, bit for bit. FP8 weights and PDL keep the GEMVs.
     decode_fused_mlp: bool = True
     # Fused decode steps of up to this many tokens run the RMSNorms in the qkv / MLP prologues (fused-folded, and
-    # FP8 under it); larger ones run the norm kernel first, as the prologue's rms pass reads x a row at a time
-    # (models/fused_decode.py PROLOGUE_NORM_MAX_M: measured at 1 and 16 tokens on the H200, the cut-over estimated).
+    # FP8 under it); larger ones run the norm kernel first (the RMSNorm modules: unit gains where g is folded in).
+    # The prologue's rms pass (kernels/gemv._row_sumsq) reads x one row at a time, an L2 round trip and a block
+    # reduction each, in every program: on the H200 (session 13, 8B, M = 16, us a call) qkv + rotary took 35.0 with
+    # the pass against 15.9 without it, and the fused MLP 108.0 at M = 16 against 86.8 at M = 1, where a norm kernel
+    # costs ~2.8 us with its boundary (session 5) and the pass ~1.2 us a row. So the pass pays at 1-2 tokens (the
+    # graph buckets 1 and 2) and the norm kernel from 4; the 3-8 token cut-over is estimated from those figures, not
+    # measured (ops/bench.py --decode-kernels auto+proN measures it).
     decode_prologue_norm_max_m: int = 2
     # Two-nano-batch decode (engine/models/nano_batches.py): decode-only steps of >= decode_overlap_min_rows
     # sequences run as two halves whose GEMMs and attention interleave on two CUDA streams (in the graphs).

@@ -181,7 +181,7 @@ def test_folding_rewrites_the_weights_in_place(arch) -> None:
     storage = {n: p.data_ptr() for n, p in model.named_parameters()}
     size = weights_bytes(model)
     for _ in range(2):
-        assert model.plan_decode("fused-folded", False, torch.float32)["fused_layers"] == 2
+        assert model.plan_decode("fused-folded", False, torch.float32, True, 2)["fused_layers"] == 2
         assert {n: p.data_ptr() for n, p in model.named_parameters()} == storage and weights_bytes(model) == size
         folded = {}
         for i in range(2):
@@ -218,12 +218,13 @@ def test_fp8_weights_take_the_fused_path(arch, mode: str, monkeypatch) -> None:
     got = generate(engine, PROMPTS[:3], MAX_TOKENS[:3])
     assert spy.calls == 2 * (max(MAX_TOKENS[:3]) - 1), "the fused path did not make every decode step"
     # each fused layer call: qkv and gate_up take the norm weight themselves ("fused-folded", steps of up to
-    # PROLOGUE_NORM_MAX_M tokens; the larger ones run the norm kernel first) or none ("fused")
+    # decode_prologue_norm_max_m tokens; the larger ones run the norm kernel first) or none ("fused")
     prologue = mode == "fused-folded"
     assert layer.fused_decode.prologue_norm == prologue
     assert len(norm_calls) == 2 * spy.calls
     if prologue:
-        assert all(has_norm == (rows <= fused_decode.PROLOGUE_NORM_MAX_M) for rows, has_norm in norm_calls), norm_calls
+        cap = engine.config.decode_prologue_norm_max_m
+        assert all(has_norm == (rows <= cap) for rows, has_norm in norm_calls), norm_calls
         assert {has_norm for _, has_norm in norm_calls} == {True, False}, "steps on both sides of the cut-over"
     else:
         assert not any(has_norm for _, has_norm in norm_calls)

@@ -46,11 +46,12 @@ class CausalLM(nn.Module):
                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def plan_decode(self, mode: str, pdl: bool, kv_dtype: torch.dtype, fused_mlp: bool = True,
-                    prologue_max_m: int = 2) -> dict[str, Any]:
+    def plan_decode(self, mode: str, pdl: bool, kv_dtype: torch.dtype, fused_mlp: bool,
+                    prologue_max_m: int) -> dict[str, Any]:
         """Called once after loading: pick each layer's decode path for `mode` (a resolved
         EngineConfig.decode_kernels: "fused", "fused-folded" or "cublas"; engine/models/fused_decode.py) and
-        re-lay weights it needs re-laid. Returns the startup report's entry. This default has no fused path."""
+        re-lay weights it needs re-laid; fused_mlp and prologue_max_m are EngineConfig.decode_fused_mlp and
+        decode_prologue_norm_max_m. Returns the startup report's entry. This default has no fused path."""
         return {"mode": "cublas", "fused_layers": 0, "fallback": f"{type(self).__name__} has no fused decode path"}
 
     def plan_nano_batches(self, plan: Any) -> dict[str, Any]:

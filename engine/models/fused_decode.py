@@ -8,7 +8,7 @@ tokens runs, per layer,
 kernels). The residual add sits in the o_proj and down epilogues, so the layer's output is already the new
 residual stream: it returns (stream, None) and the next RMSNorm has nothing to add. With "fused-folded" the
 RMSNorm weight lives in qkv_proj / gate_up_proj and both norms run in the GEMV prologues (6 launches) at steps of up
-to PROLOGUE_NORM_MAX_M tokens (larger ones run the norm kernel on unit gains first): what "auto" picks
+to EngineConfig.decode_prologue_norm_max_m tokens (larger ones run the norm kernel on unit gains first): what "auto" picks
 (resolve_decode_kernels says why). With EngineConfig.decode_fused_mlp gate_up, SiLU-mul, down and the residual
 add are engine/kernels/fused_mlp.py's two launches instead of two GEMVs (at every M <= 16): the fused-folded layer
 is qkv, attention, o_proj, the MLP's streaming kernel and its small finishing kernel.
@@ -78,14 +78,6 @@ FP8_WEIGHT_CONVERT: dict[str, str] = {"rope": "cast", "silu": "asm-join", "add":
 # FP8 under "fused-folded": the two RMSNorms run in the qkv / gate_up prologues with g unfolded (x * g in the K
 # loop, which the one-token CUDA-core loop pays on [1, BK] only), so a layer is 4 launches instead of 6.
 FP8_PROLOGUE_NORM = True
-# Steps of up to this many tokens normalise in the qkv / MLP prologues; larger ones run the norm kernel first (the
-# RMSNorm modules: unit gains where g is folded in). The prologue's rms pass (gemv._row_sumsq) reads x one row at a
-# time, an L2 round trip and a block reduction each, in every program: on the H200 (session 13, 8B, M = 16, us a
-# call) qkv + rotary took 35.0 with the pass against 15.9 without it, and the fused MLP 108.0 at M = 16 against
-# 86.8 at M = 1, where a norm kernel costs ~2.8 us with its boundary (session 5) and the pass ~1.2 us a row. So the
-# pass pays at 1-2 tokens (the graph buckets 1 and 2) and the norm kernel from 4 (the 3-8 token cut-over itself is
-# estimated from those figures, not measured). EngineConfig.decode_prologue_norm_max_m sets it (bench: "+proN").
-PROLOGUE_NORM_MAX_M = 2
 # One token on the GPU: (kernel, weight rows, K) -> (launch shape, conversion), the fastest of ops/bench_fp8_fused.py
 # --row-grid --pick (H200, 2026-12-01 18:25 UTC, 8B shapes, us per call in CUDA-graph chains, 36 launch shapes x
 # cast / asm-join; "row": gemv.py's one-token [BN, BK] accumulator, W_VEC; "3d": what ran before, 17:56 UTC);
@@ -150,8 +142,8 @@ def resolve_decode_kernels(config: EngineConfig) -> str:
 
 
 def bind_fused_decode(
-    mode: str, pdl: bool, kv_dtype: torch.dtype, *, fused_mlp: bool = True, prologue_max_m: int = PROLOGUE_NORM_MAX_M,
-    input_norm: RMSNorm, qkv: nn.Module,
+    mode: str, pdl: bool, kv_dtype: torch.dtype, *, fused_mlp: bool, prologue_max_m: int, input_norm: RMSNorm,
+    qkv: nn.Module,
     q_norm: RMSNorm | None, k_norm: RMSNorm | None, rotary: RotaryEmbedding, attention: PagedAttention, o_proj: nn.Module,
     post_norm: RMSNorm, gate_up: nn.Module, down: nn.Module,
 ) -> FusedDecode | str:
@@ -271,12 +263,13 @@ def fused_decode_layer(
     """LlamaDecoderLayer.forward's semantics for a decode step -> (the new residual stream [M, H], None)."""
     num_tokens = hidden.shape[0]
     prologue = num_tokens <= fd.prologue_max_m
+    folded = fd.folded and prologue  # the GEMVs' norm_folded: their prologue normalises with g folded into W
     if prologue:  # the qkv GEMV normalises the stream itself
         stream = hidden if residual is None else hidden + residual
         x = stream
     else:  # the norm kernel; a unit gain where g is folded into the weights (fused-folded)
         x, stream = fd.input_norm(hidden, residual)
-    qkv = _qkv_rotary_cache(fd, x, positions, meta, k_cache, v_cache, prologue)
+    qkv = _qkv_rotary_cache(fd, x, positions, meta, k_cache, v_cache, prologue, folded)
     num_heads, head_dim = fd.attention.num_heads, fd.attention.head_dim
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     out = fd.attention(q, k_cache, v_cache, meta, pdl=fd.pdl).reshape(num_tokens, num_heads * head_dim)
@@ -284,8 +277,8 @@ def fused_decode_layer(
     x = stream if prologue else fd.post_norm(stream)[0]
     if num_tokens <= fd.mlp_max_m:  # gate_up + SiLU-mul + down + residual: a streaming kernel, a finishing one
         return fused_mlp_triton(x, fd.gate_up.weight, fd.down.weight, stream, eps=fd.post_norm.eps,
-                                norm_folded=fd.folded and prologue, accumulator=fd.mlp_accumulator), None
-    act, _ = gemv_triton(x, fd.gate_up.weight, silu_mul=True, norm_folded=fd.folded and prologue,
+                                norm_folded=folded, accumulator=fd.mlp_accumulator), None
+    act, _ = gemv_triton(x, fd.gate_up.weight, silu_mul=True, norm_folded=folded,
                          eps=fd.post_norm.eps, pdl=fd.pdl, **_fp8_args(fd.gate_up, "silu", num_tokens),
                          **_unfolded_norm(fd, fd.post_norm, prologue))
     stream, _ = gemv_triton(act, fd.down.weight, add=stream, pdl=fd.pdl, **_fp8_args(fd.down, "add", num_tokens))
@@ -300,9 +293,10 @@ def _qkv_rotary_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     prologue: bool,
+    folded: bool,
 ) -> torch.Tensor:
     """qkv [M, (Hq + 2 Hkv) D] with q and k rotated; k and v written to the caches (slot -1: padding). prologue: x is
-    the stream, normalised in the GEMV's prologue; else x is already normalised."""
+    the stream, normalised in the GEMV's prologue (folded: with g in the weights); else x is already normalised."""
     q_norm = fd.q_norm.weight if fd.q_norm is not None else None
     k_norm = fd.k_norm.weight if fd.k_norm is not None else None
     # One eps serves the prologue norm and Qwen3's q/k norm: the model builds all of them from rms_norm_eps.
@@ -314,6 +308,6 @@ def _qkv_rotary_cache(
         x, fd.qkv.weight, fd.qkv.bias, num_heads=fd.attention.num_heads, num_kv_heads=fd.attention.num_kv_heads,
         positions=positions, cos_sin=fd.rotary.cos_sin, k_cache=k_cache, v_cache=v_cache,
         slot_mapping=meta.slot_mapping, eps=eps, q_norm=q_norm, k_norm=k_norm, pdl=fd.pdl,
-        norm_folded=fd.folded and prologue, **fp8, **_unfolded_norm(fd, fd.input_norm, prologue),
+        norm_folded=folded, **fp8, **_unfolded_norm(fd, fd.input_norm, prologue),
     )
     return qkv

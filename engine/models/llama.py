@@ -27,7 +27,6 @@ from stoker.engine.layers import (
 from stoker.engine.model_config import ModelConfig
 from stoker.engine.models.base import CausalLM
 from stoker.engine.models.fused_decode import (
-    PROLOGUE_NORM_MAX_M,
     FusedDecode,
     bind_fused_decode,
     decode_report,
@@ -268,8 +267,8 @@ class LlamaForCausalLM(CausalLM):
                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor) -> torch.Tensor:
         return self.model.attend(i, q, meta, kv_caches, out)
 
-    def plan_decode(self, mode: str, pdl: bool, kv_dtype: torch.dtype, fused_mlp: bool = True,
-                    prologue_max_m: int = PROLOGUE_NORM_MAX_M) -> dict[str, Any]:
+    def plan_decode(self, mode: str, pdl: bool, kv_dtype: torch.dtype, fused_mlp: bool,
+                    prologue_max_m: int) -> dict[str, Any]:
         reasons: list[str | None] = []
         mlp_max_m = prologue = 0
         for layer in cast(list[LlamaDecoderLayer], list(self.model.layers)):
