@@ -68,8 +68,10 @@ class EngineConfig:
     # reduction each, in every program: on the H200 (session 13, 8B, M = 16, us a call) qkv + rotary took 35.0 with
     # the pass against 15.9 without it, and the fused MLP 108.0 at M = 16 against 86.8 at M = 1, where a norm kernel
     # costs ~2.8 us with its boundary (session 5) and the pass ~1.2 us a row. So the pass pays at 1-2 tokens (the
-    # graph buckets 1 and 2) and the norm kernel from 4; the 3-8 token cut-over is estimated from those figures, not
-    # measured (ops/bench.py --decode-kernels auto+proN measures it).
+    # graph buckets 1 and 2) and the norm kernel from 4. W1 at N requests (8B, ms a step, this cap against the other
+    # side; H200, session 14, ops/bench.py --w1-batch N --decode-kernels auto,auto+proN): N = 2 4.471 vs 4.496 with
+    # the norm kernel (pro0); N = 4 4.684 vs 4.755 with the prologues (pro16); N = 8 5.073 vs 5.377; N = 16 5.728
+    # vs 6.440.
     decode_prologue_norm_max_m: int = 2
     # Two-nano-batch decode (engine/models/nano_batches.py): decode-only steps of >= decode_overlap_min_rows
     # sequences run as two halves whose GEMMs and attention interleave on two CUDA streams (in the graphs).
