@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from stoker.engine.kernels._triton import check_launchable, interpreting, tl, triton
 from stoker.engine.kernels.decode_pdl import pdl_first_tile, pdl_first_tile_early
+from stoker.engine.kernels.fp8_quant import quantize_rows_e4m3
 from stoker.engine.kernels.kv_fp8_tiles import (
     DEFAULT_DECODE,
     DEFAULT_PREFILL,
@@ -216,11 +217,8 @@ def _decode_split_kernel(
         q = q_for_dots(q, DOT_FP16)
     if FP8_MODE == 4:  # kv_fp8_tiles.py: Q8X2, each query row as two e4m3 terms with a scale each
         q32 = q.to(tl.float32)
-        q_hi_scale = tl.maximum(tl.max(tl.abs(q32), axis=1), 1e-30) / 448.0
-        q_hi = (q32 / q_hi_scale[:, None]).to(tl.float8e4nv)
-        q_rest = q32 - q_hi.to(tl.float32) * q_hi_scale[:, None]
-        q_lo_scale = tl.maximum(tl.max(tl.abs(q_rest), axis=1), 1e-30) / 448.0
-        q_lo = (q_rest / q_lo_scale[:, None]).to(tl.float8e4nv)
+        q_hi, q_hi_scale = quantize_rows_e4m3(q32, FP8_PTX)
+        q_lo, q_lo_scale = quantize_rows_e4m3(q32 - q_hi.to(tl.float32) * q_hi_scale[:, None], FP8_PTX)
     running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)

@@ -26,9 +26,10 @@ bandwidth-bound. The modes (a constexpr, so the interpreter only meets what it c
   words joined into an fp16 tile cannot be sunk, and a 16-bit tile is read transposed with ldmatrix. The
   interpreter cannot run PTX: tests check it on the GPU, and its sm_90 compile on the CPU.
 - Q8X2 (4, decode kernel only; NOT the default, not yet timed on a GPU): K is never converted. Each query row is
-  written as two e4m3 terms with scales of their own (q ~ hi * s1 + lo * s2: hi = e4m3(q / s1), s1 = max|q| /
-  448, lo the remainder's e4m3 the same way; one term alone left errors of 0.17 in the outputs of
-  ops/bench_decode_attention_fp8.py --tiny, two 6.8e-3, below a bf16 output's rounding there), and the scores
+  written as two e4m3 terms with scales of their own (q ~ hi * s1 + lo * s2: hi and s1 fp8_quant's dynamic
+  per-row quantization of q, lo and s2 the same of the remainder q - hi * s1; one term alone left errors of
+  0.17 in the outputs of ops/bench_decode_attention_fp8.py --tiny, two 3.4e-3, below a bf16 output's rounding
+  there), and the scores
   are taken transposed, scores^T = K . hi^T * s1 + K . lo^T * s2, so the keys are the MMA's M: compiled for
   sm_90 (triton 3.6, n128 w4) both are `wgmma m64n16k32 e4m3.e4m3` on the FP8 tile as it came from memory,
   where the 16 query rows as M made Triton upcast both operands to fp16. V as in F16_VWORDS. Why: W2's FP8
