@@ -220,7 +220,7 @@ def test_fp8_weights_take_the_fused_path(arch, mode: str, monkeypatch) -> None:
     # each fused layer call: qkv and gate_up take the norm weight themselves ("fused-folded", steps of up to
     # decode_prologue_norm_max_m tokens; the larger ones run the norm kernel first) or none ("fused")
     prologue = mode == "fused-folded"
-    assert layer.fused_decode.prologue_norm == prologue
+    assert layer.fused_decode.prologue_max_m == (engine.config.decode_prologue_norm_max_m if prologue else 0)
     assert len(norm_calls) == 2 * spy.calls
     if prologue:
         cap = engine.config.decode_prologue_norm_max_m

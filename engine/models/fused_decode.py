@@ -109,8 +109,9 @@ class FusedDecode:
     folded: bool  # the RMSNorm weights are folded into qkv / gate_up (the norms run in their prologues)
     mlp_max_m: int  # steps of up to this many tokens run the MLP as kernels/fused_mlp.py's two launches (0: never)
     mlp_accumulator: torch.Tensor | None  # the fused MLP's zeroed float32 [mlp_max_m * H] (left zero by each launch)
-    prologue_norm: bool  # the norms run in the qkv / gate_up prologues: folded, or (FP8) g applied to x there
-    prologue_max_m: int  # ... in steps of up to this many tokens (0 without prologue_norm); larger: the norm kernel
+    # Steps of up to this many tokens run the norms in the qkv / gate_up prologues (folded, or under FP8 with g
+    # applied to x there); larger steps, and every step of "fused" (0), run the norm kernel first.
+    prologue_max_m: int
     pdl: bool  # launch the GEMVs with programmatic dependent launch
     input_norm: RMSNorm
     qkv: QKVLinear | Fp8QKVLinear
@@ -179,7 +180,7 @@ def bind_fused_decode(
     if mlp_max_m:
         accumulator = torch.zeros(mlp_max_m * input_norm.weight.shape[0], dtype=torch.float32,
                                   device=input_norm.weight.device)
-    return FusedDecode(folded, mlp_max_m, accumulator, prologue, prologue_max_m if prologue else 0, pdl, input_norm,
+    return FusedDecode(folded, mlp_max_m, accumulator, prologue_max_m if prologue else 0, pdl, input_norm,
                        linears[0], q_norm, k_norm, rotary, attention, linears[1], post_norm, linears[2], linears[3])
 
 
