@@ -111,15 +111,16 @@ def test_fused_decode_greedy_matches_transformers_and_unfused(arch, mode: str, m
     pdl arguments of every launch): the interpreter drops the launch attribute and the attention is the torch
     reference there; the PDL kernels themselves are tests/test_kernels_decode_pdl.py's and the GPU cases below.
     +proN: decode_prologue_norm_max_m N (0: the norm kernel at every step; 16: the prologues at every step; the
-    default 2 splits this test's steps of 5, 3 and 1 tokens between the two)."""
+    default (2) splits this test's steps of 5, 3 and 1 tokens between the two)."""
     name, path, hf = arch
     if mode != "fused" and name != "llama":
         pytest.skip("the folded variants once (llama) keep the interpreter run short")
     mode, _, flag = mode.partition("+")
     pdl = flag == "pdl"
-    prologue_max_m = int(flag[3:]) if flag.startswith("pro") else 2
+    cap = {"decode_prologue_norm_max_m": int(flag[3:])} if flag.startswith("pro") else {}  # else the default
     spy = SpyCalls(monkeypatch)
-    fused = cpu_engine(path, mode, decode_pdl=pdl, decode_prologue_norm_max_m=prologue_max_m)
+    fused = cpu_engine(path, mode, decode_pdl=pdl, **cap)
+    prologue_max_m = fused.config.decode_prologue_norm_max_m
     report = fused.runner.startup["decode_kernels"]
     assert report["mode"] == mode and report["fused_layers"] == 2 and "fallback" not in report
     assert report["pdl"] == pdl
@@ -152,8 +153,8 @@ def test_fused_decode_greedy_matches_transformers_and_unfused(arch, mode: str, m
     # the norm kernels the decode steps ran: two a layer where a step does not normalise in the prologues
     kernel_steps = [rows for rows in live if mode == "fused" or rows > prologue_max_m]
     assert norms["calls"] == 2 * 2 * len(kernel_steps)
-    if mode == "fused-folded" and prologue_max_m == 2:
-        assert 0 < len(kernel_steps) < len(live)  # both kinds of step
+    if mode == "fused-folded" and not flag:
+        assert 0 < len(kernel_steps) < len(live)  # the default cap: both kinds of step
     unfused = generate(cpu_engine(path, "cublas"), PROMPTS, MAX_TOKENS)
     assert spy.calls == 2 * decode_steps, "the cublas engine took the fused path"
     for i, (p, n) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
