@@ -119,36 +119,6 @@ def test_fp8_fused_gemv_compiles_for_sm90(w_convert: int, kind: str, rows: int) 
         assert "cvt.rn.f16x2.e4m3x2" in kernel.asm["ptx"]
 
 
-@pytest.mark.parametrize("inter", [14336, 8192], ids=["8b", "1b"])
-def test_fp8_terms_mlp_compiles_for_sm90_with_fp8_warpgroup_mmas(inter: int) -> None:
-    """kernels/fused_mlp_fp8.py at the engine's 8B / 1B configs: it fits a block's shared memory, its weight tiles
-    reach the FP8 warpgroup MMA unconverted (two MMAs per term pair and 64 x 32 weight block, in both loops), and
-    they arrive by cp.async (pipelined through shared memory, not byte-wise register loads)."""
-    import re
-
-    from stoker.engine.kernels import fused_mlp_fp8
-
-    cfg = fused_mlp_fp8.fp8_mlp_config(True, inter)
-    names = list(inspect.signature(fused_mlp_fp8._mlp_fp8_kernel.fn).parameters)
-    types = {"x_ptr": "*bf16", "g_ptr": "*bf16", "wgu_ptr": "*fp8e4nv", "wd_ptr": "*fp8e4nv", "eps": "fp32"}
-    signature = {name: types.get(name, "*fp32" if name.endswith("_ptr") else
-                                 "constexpr" if name.isupper() and name not in ("M", "K", "INTER", "H") else "i32")
-                 for name in names}  # in the kernel's order: `aligned` below counts positions
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
-               if name.endswith(("_ptr", "_stride")) or name in ("K", "INTER", "H")}
-    constexprs = dict(BLOCK_M=16, BI=cfg.bi, BK=cfg.bk, BH=cfg.bh, NORM=True, APPLY_G=True,
-                      NORM_CHUNK=1024, HW_CAST=True)
-    kernel = triton.compile(ASTSource(fused_mlp_fp8._mlp_fp8_kernel, signature, constexprs=constexprs, attrs=aligned),
-                            target=H200, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)
-    ptx = kernel.asm["ptx"]
-    mmas = len(re.findall(r"wgmma\.mma_async\S*m64n16k32\.f32\.e4m3\.e4m3", ptx))
-    gate_up = 2 * 2 * (cfg.bi // 64) * (cfg.bk // 32)  # gate and up, two terms
-    down = 2 * (cfg.bh // 64) * (cfg.bi // 32)
-    assert mmas == gate_up + down, (cfg, mmas)
-    assert "cp.async" in ptx and "ld.global.b8" not in ptx
-
-
 def test_fp8_gemv_word_conversions_compile_for_sm90() -> None:
     """ops/bench_fp8_gemv.py --converts's kernels: each conversion at the M = 1 CUDA-core config."""
     import importlib

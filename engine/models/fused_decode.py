@@ -47,7 +47,6 @@ from stoker.engine.kernels import gemv
 from stoker.engine.kernels._triton import HAS_TRITON
 from stoker.engine.kernels.fp8_linear import fp8_gemv_config
 from stoker.engine.kernels.fused_mlp import MLP_MAX_M, fused_mlp_triton
-from stoker.engine.kernels.fused_mlp_fp8 import FP8_MLP_MAX_M, fused_mlp_fp8_triton
 from stoker.engine.kernels.gemv import (
     GEMV_MAX_M,
     GemvConfig,
@@ -79,9 +78,6 @@ FP8_WEIGHT_CONVERT: dict[str, str] = {"rope": "cast", "silu": "asm-join", "add":
 # FP8 under "fused-folded": the two RMSNorms run in the qkv / gate_up prologues with g unfolded (x * g in the K
 # loop, which the one-token CUDA-core loop pays on [1, BK] only), so a layer is 4 launches instead of 6.
 FP8_PROLOGUE_NORM = True
-# FP8 layers of a bf16 model run the fused MLP on E4M3 activation terms (kernels/fused_mlp_fp8.py) for steps of
-# up to FP8_MLP_MAX_M tokens under EngineConfig.decode_fused_mlp, instead of the gate_up and down GEMVs.
-FP8_TERMS_MLP = True
 # One token on the GPU: (kernel, weight rows, K) -> (launch shape, conversion), the fastest of ops/bench_fp8_fused.py
 # --row-grid --pick (H200, 2026-12-01 18:25 UTC, 8B shapes, us per call in CUDA-graph chains, 36 launch shapes x
 # cast / asm-join; "row": gemv.py's one-token [BN, BK] accumulator, W_VEC; "3d": what ran before, 17:56 UTC);
@@ -178,10 +174,8 @@ def bind_fused_decode(
     if folded:  # again after a first fold: W' * 1 is W' exactly, so planning twice changes nothing
         _fold_norm_into(linears[0], input_norm)
         _fold_norm_into(linears[2], post_norm)
-    # FP8 weights in a bf16 model take fused_mlp_fp8.py (the activations as two E4M3 terms: ~2^-8 of each element,
-    # within bf16's rounding but not fp16's or float32's, whose models keep the two GEMVs); PDL keeps them too.
-    fp8_mlp = fp8 and FP8_TERMS_MLP and dtype == torch.bfloat16
-    mlp_max_m = (FP8_MLP_MAX_M if fp8 else MLP_MAX_M) if fused_mlp and (fp8_mlp or not fp8) and not pdl else 0
+    # FP8 weights keep the two GEMVs (the fused MLP has no row-scale path yet), as does PDL (it has no PDL form).
+    mlp_max_m = MLP_MAX_M if fused_mlp and not fp8 and not pdl else 0
     accumulator = None  # one a layer (16 KB at the 8B shape), allocated outside any graph capture
     if mlp_max_m:
         accumulator = torch.zeros(mlp_max_m * input_norm.weight.shape[0], dtype=torch.float32,
@@ -282,11 +276,6 @@ def fused_decode_layer(
     out = fd.attention(q, k_cache, v_cache, meta, pdl=fd.pdl).reshape(num_tokens, num_heads * head_dim)
     stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=fd.pdl, **_fp8_args(fd.o_proj, "add", num_tokens))
     x = stream if prologue else fd.post_norm(stream)[0]
-    if num_tokens <= fd.mlp_max_m and isinstance(fd.gate_up, Fp8GateUpLinear):  # the same on E4M3 terms
-        down = cast(Fp8Linear, fd.down)
-        return fused_mlp_fp8_triton(x, fd.gate_up.weight, fd.gate_up.weight_scale, down.weight, down.weight_scale, stream, eps=fd.post_norm.eps, norm=prologue,
-                                    norm_weight=fd.post_norm.weight if prologue else None,
-                                    accumulator=fd.mlp_accumulator), None
     if num_tokens <= fd.mlp_max_m:  # gate_up + SiLU-mul + down + residual: a streaming kernel, a finishing one
         return fused_mlp_triton(x, fd.gate_up.weight, fd.down.weight, stream, eps=fd.post_norm.eps,
                                 norm_folded=folded, accumulator=fd.mlp_accumulator), None
