@@ -42,14 +42,14 @@ K_SCALE, V_SCALE = torch.tensor([0.02]), torch.tensor([0.01])  # |k| ~ 2-8 and |
 DECODE_VARIANTS = [Fp8AttentionConfig("cast", 64, 4, 3), Fp8AttentionConfig("f16", 64, 4, 3),
                    Fp8AttentionConfig("f16-vwords", 64, 4, 3), Fp8AttentionConfig("f16-vwords", 128, 4, 3),
                    Fp8AttentionConfig("f16-vwords", 128, 8, 3), Fp8AttentionConfig("bits", 64, 4, 3),
-                   Fp8AttentionConfig("f16", 128, 8, 3), Fp8AttentionConfig("q8x2", 128, 4, 3)]
+                   Fp8AttentionConfig("f16", 128, 8, 3)]
 # --w2: W2's decode shape only, the default against tile and stage choices and two splits per sequence (None:
 # the launcher's count). The grid-order and V-prefetch variants of 21:09 UTC are gone (kv_fp8_tiles.py).
 V = Fp8AttentionConfig
 W2_VARIANTS: list[tuple[Fp8AttentionConfig, int | None]] = [  # the likeliest first: a cut run keeps them
-    (V("f16-vwords", 128), None), (V("q8x2", 128), None), (V("q8x2", 64, 4, 3), None), (V("q8x2", 128, 4, 2), None),
-    (V("f16-vwords", 64, 4, 3), None), (V("f16-vwords", 128, 4, 2), None),
+    (V("f16-vwords", 128), None), (V("f16-vwords", 64, 4, 3), None), (V("f16-vwords", 128, 4, 2), None),
     (V("f16-vwords", 128), 2), (V("f16-vwords", 128, 4, 4), None), (V("f16-vwords", 32, 2, 4), None),
+    (V("f16-vwords", 256, 8, 2), None), (V("f16-vwords", 256, 4, 2), None), (V("f16-vwords", 256, 8, 3), None),
 ]
 PREFILL_VARIANTS = [Fp8AttentionConfig("cast", 64, 4, 3), Fp8AttentionConfig("f16", 64, 4, 3),
                     Fp8AttentionConfig("bits", 64, 4, 3), Fp8AttentionConfig("f16", 32, 4, 3)]
@@ -153,8 +153,7 @@ def bench_prefill(rows: list[dict], num_seqs: int, prompt: int, device: str, dty
 def ptx_table() -> None:
     """No GPU needed: each decode variant (and the bf16 cache) compiled for sm_90 by Triton and ptxas here, with
     the PTX counts that explain its speed (the bf16 cache's loop is the bar): instructions, pipelined copies,
-    byte-wide shared-memory loads, per-element fp16 -> bf16 conversions, ldmatrix, FP8 warpgroup MMAs (q8x2),
-    shared memory."""
+    byte-wide shared-memory loads, per-element fp16 -> bf16 conversions, ldmatrix, shared memory."""
     import inspect
     import re
 
@@ -165,9 +164,8 @@ def ptx_table() -> None:
 
     fn = attention._decode_split_kernel
     names = list(inspect.signature(fn.fn).parameters)
-    print("| decode kernel, sm_90 PTX | instructions | cp.async* | ld.shared.b8 | cvt.bf16.f16 | ldmatrix | FP8 wgmma |"
-          " shared B |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| decode kernel, sm_90 PTX | instructions | cp.async* | ld.shared.b8 | cvt.bf16.f16 | ldmatrix | shared B |")
+    print("|---|---|---|---|---|---|---|")
     for label, config in [("bf16 cache", None)] + [("fp8 " + c.label(), c) for c in DECODE_VARIANTS]:
         cache = "bf16" if config is None else "fp8e4nv"
         types = {"k_cache_ptr": "*" + cache, "v_cache_ptr": "*" + cache, "block_tables_ptr": "*i32",
@@ -180,7 +178,7 @@ def ptx_table() -> None:
         constexprs = dict(NUM_KV_HEADS=HKV, GROUP=HQ // HKV, BLOCK_G=16, HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM,
                           BLOCK_SIZE=BLOCK, TILE_N=64 if config is None else config.tile_n, NUM_SPLITS=1,
                           DOT_PRECISION="tf32", FP8_CACHE=config is not None, FP8_MODE=mode, DOT_FP16=mode != 0,
-                          FP8_PTX=mode in (3, 4))
+                          FP8_PTX=mode == 3)
         options = {"num_warps": 4} if config is None else {"num_warps": config.num_warps,
                                                            "num_stages": config.num_stages}
         kernel = compile(ASTSource(fn, signature, constexprs=constexprs, attrs=aligned),
@@ -189,7 +187,7 @@ def ptx_table() -> None:
         instructions = len(re.findall(r"^\s+[a-z@]", ptx, re.M))  # PTX lines of the whole kernel, not directives
         print(f"| {label} | {instructions} | {ptx.count('cp.async')} | "
               f"{ptx.count('ld.shared.b8')} | {ptx.count('cvt.bf16.f16')} | {ptx.count('ldmatrix')} | "
-              f"{ptx.count('e4m3.e4m3')} | {kernel.metadata.shared} |", flush=True)
+              f"{kernel.metadata.shared} |", flush=True)
 
 
 def main() -> None:

@@ -27,7 +27,6 @@ from stoker.engine.kernels import (  # noqa: E402  (after the interpreter fix ab
     rotary_and_cache_triton,
 )
 from stoker.engine.kernels._triton import tl  # noqa: E402
-from stoker.engine.kernels.fp8_quant import quantize_activations_ref  # noqa: E402
 from stoker.engine.kernels.kv_fp8_tiles import BITS_UNIT, Fp8AttentionConfig, e4m3_bits_to_f16  # noqa: E402
 from stoker.engine.kernels.kv_quant import FP8_KV_DTYPE, quantize_kv  # noqa: E402
 from test_kernels import ATTN_SHAPES, paged_batch  # noqa: E402
@@ -96,38 +95,6 @@ def test_fp8_decode_attention_modes(device: str, dtype: torch.dtype, config: Fp8
         out = paged_decode_attention_triton(q, k8, v8, block_tables, context_lens, 0.1, num_splits,
                                             k_scale=k_scale, v_scale=v_scale, fp8_config=config)
         close(out, paged_decode_attention_ref(q, k8, v8, block_tables, context_lens, 0.1, k_scale, v_scale), dtype)
-
-
-def _q8x2_terms(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the Q8X2 mode makes of q (kv_fp8_tiles.py), in float32: (both e4m3 terms summed, the first alone),
-    each term fp8_quant's per-row quantization. On 16-bit models the kernel quantizes q as the fp16 dots see it."""
-    qf = (q.float() if q.dtype == torch.float32 else q.to(torch.float16).float()).reshape(-1, q.shape[-1])
-    codes, s1 = quantize_activations_ref(qf, None)
-    hi = codes.float() * s1
-    codes, s2 = quantize_activations_ref(qf - hi, None)
-    return (hi + codes.float() * s2).view(q.shape), hi.view(q.shape)
-
-
-@pytest.mark.parametrize("device,dtype", CASES)
-def test_fp8_decode_attention_q8x2(device: str, dtype: torch.dtype) -> None:
-    """Q8X2 (q as two e4m3 terms, QK^T on the FP8 MMA): the attention of exactly those two terms (the reference fed
-    fp8_quant's quantization of q and of its remainder), as close to the exact attention as they allow, and far
-    closer than one term would be (one term: ~0.08-0.10 here, two: ~3e-3 against outputs up to ~3)."""
-    lens = [1, 17, 100, 33]
-    k8, v8, block_tables, k_scale, v_scale = fp8_batch(lens, 2, 40, 8, device)
-    context_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-    q = (torch.randn(len(lens), 6, 40, device=device) * 2).to(dtype)
-    args = (k8, v8, block_tables, context_lens, 0.1)
-    exact = paged_decode_attention_ref(q.float(), *args, k_scale, v_scale)
-    two, one = _q8x2_terms(q)
-    one_term_error = (paged_decode_attention_ref(one, *args, k_scale, v_scale) - exact).abs().max().item()
-    assert one_term_error > 0.03  # the case is one where a term more matters
-    for num_splits in (1, 3):
-        out = paged_decode_attention_triton(q, *args, num_splits, k_scale=k_scale, v_scale=v_scale,
-                                            fp8_config=Fp8AttentionConfig("q8x2"))
-        error = (out.float() - exact).abs().max().item()
-        assert error < min(1e-2, one_term_error / 8), (num_splits, error, one_term_error)
-        close(out, paged_decode_attention_ref(two, *args, k_scale, v_scale), dtype)
 
 
 @pytest.mark.parametrize("device,dtype", CASES)

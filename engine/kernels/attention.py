@@ -11,14 +11,12 @@ from dataclasses import dataclass
 import torch
 from stoker.engine.kernels._triton import check_launchable, interpreting, tl, triton
 from stoker.engine.kernels.decode_pdl import pdl_first_tile, pdl_first_tile_early
-from stoker.engine.kernels.fp8_quant import quantize_rows_e4m3
 from stoker.engine.kernels.kv_fp8_tiles import (
     DEFAULT_DECODE,
     DEFAULT_PREFILL,
     FP8_F16,
     FP8_F16_VWORDS,
     FP8_MODES,
-    FP8_Q8X2,
     Fp8AttentionConfig,
     fp8_dot_fp16,
     fp8_unit,
@@ -164,10 +162,10 @@ def _fp8_launch(fp8: bool, config: Fp8AttentionConfig, q: torch.Tensor, decode: 
     if not fp8:
         return {}, {"num_warps": 4}
     mode = FP8_MODES[config.mode]
-    if mode in (FP8_F16_VWORDS, FP8_Q8X2) and (q.shape[2] % 4 or not decode):
+    if mode == FP8_F16_VWORDS and (q.shape[2] % 4 or not decode):
         mode = FP8_F16  # the words need head_dim % 4 == 0; the prefill kernel has no word path (nor FP8_PTX)
     constexprs = {"FP8_MODE": mode, "DOT_FP16": fp8_dot_fp16(config.mode, q.dtype == torch.float32)}
-    if mode in (FP8_F16_VWORDS, FP8_Q8X2):
+    if mode == FP8_F16_VWORDS:
         constexprs["FP8_PTX"] = q.is_cuda  # the interpreter runs no PTX: a cast per byte there (kv_fp8_tiles.py)
     return constexprs, {"num_warps": config.num_warps, "num_stages": config.num_stages}
 
@@ -215,10 +213,6 @@ def _decode_split_kernel(
     if FP8_CACHE:  # kv_fp8_tiles.py: the dots' dtype and the scales' unit follow FP8_MODE
         qk_scale = qk_scale * tl.load(k_scale_ptr) * fp8_unit(FP8_MODE)
         q = q_for_dots(q, DOT_FP16)
-    if FP8_MODE == 4:  # kv_fp8_tiles.py: Q8X2, each query row as two e4m3 terms with a scale each
-        q32 = q.to(tl.float32)
-        q_hi, q_hi_scale = quantize_rows_e4m3(q32, FP8_PTX)
-        q_lo, q_lo_scale = quantize_rows_e4m3(q32 - q_hi.to(tl.float32) * q_hi_scale[:, None], FP8_PTX)
     running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -235,19 +229,14 @@ def _decode_split_kernel(
         slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         kv_offset = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
         kv_mask = key_mask[:, None] & dim_mask[None, :]
-        if FP8_MODE == 4:  # Q8X2: scores^T [TILE_N, BLOCK_G] = K . q^T (the keys as M: the FP8 warpgroup MMA)
-            k8 = tl.load(k_cache_ptr + kv_offset, mask=kv_mask, other=0.0)
-            scores = (tl.trans(tl.dot(k8, tl.trans(q_hi))) * q_hi_scale[:, None]
-                      + tl.trans(tl.dot(k8, tl.trans(q_lo))) * q_lo_scale[:, None]) * qk_scale
-        else:
-            k = kv_for_dots(tl.load(k_cache_ptr + kv_offset, mask=kv_mask, other=0.0), q.dtype, FP8_MODE)
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        k = kv_for_dots(tl.load(k_cache_ptr + kv_offset, mask=kv_mask, other=0.0), q.dtype, FP8_MODE)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         scores = tl.where(key_mask[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         correction = tl.exp2(running_max - new_max)
         probs = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * correction + tl.sum(probs, axis=1)
-        if FP8_MODE == 3 or FP8_MODE == 4:  # kv_fp8_tiles.py: F16_VWORDS (Q8X2 reads V the same way)
+        if FP8_MODE == 3:  # kv_fp8_tiles.py: F16_VWORDS
             v = v_words_f16(v_cache_ptr, slot, kv_head, key_mask, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, FP8_PTX).to(q.dtype)
         else:
             v = kv_for_dots(tl.load(v_cache_ptr + kv_offset, mask=kv_mask, other=0.0), q.dtype, FP8_MODE)

@@ -96,17 +96,6 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
-def quantize_rows_e4m3(x32, HW_CAST: tl.constexpr):
-    """float32 [R, K] -> (E4M3 [R, K], float32 [R] scales): quantize_activations_ref per row (dynamic), inside
-    another kernel (attention.py's Q8X2 query terms). HW_CAST False: the interpreter's rounding fix."""
-    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x32), axis=1), _FP8_MAX_C), _MIN_SCALE_C)
-    q = tl.minimum(tl.maximum(x32 * tl.div_rn(1.0, scale)[:, None], -_FP8_MAX_C), _FP8_MAX_C)
-    if not HW_CAST:
-        q = _round_to_e4m3(q)
-    return q.to(tl.float8e4nv), scale
-
-
-@triton.jit
 def _quant_fp8_kernel(
     x_ptr, residual_ptr, norm_ptr, sum_ptr, xq_ptr, scale_ptr, static_scale_ptr,
     x_stride, residual_stride, sum_stride, xq_stride, K, eps,

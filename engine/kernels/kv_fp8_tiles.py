@@ -25,15 +25,6 @@ bandwidth-bound. The modes (a constexpr, so the interpreter only meets what it c
   time (64 ld.shared.b8 per thread and tile), since Triton sinks the conversion past the shared-memory trip;
   words joined into an fp16 tile cannot be sunk, and a 16-bit tile is read transposed with ldmatrix. The
   interpreter cannot run PTX: tests check it on the GPU, and its sm_90 compile on the CPU.
-- Q8X2 (4, decode kernel only; NOT the default, not yet timed on a GPU): K is never converted. Each query row is
-  written as two e4m3 terms with scales of their own (q ~ hi * s1 + lo * s2: hi and s1 fp8_quant's dynamic
-  per-row quantization of q, lo and s2 the same of the remainder q - hi * s1; one term alone left errors of
-  0.17 in the outputs of ops/bench_decode_attention_fp8.py --tiny, two 3.4e-3, below a bf16 output's rounding
-  there), and the scores
-  are taken transposed, scores^T = K . hi^T * s1 + K . lo^T * s2, so the keys are the MMA's M: compiled for
-  sm_90 (triton 3.6, n128 w4) both are `wgmma m64n16k32 e4m3.e4m3` on the FP8 tile as it came from memory,
-  where the 16 query rows as M made Triton upcast both operands to fp16. V as in F16_VWORDS. Why: W2's FP8
-  decode attention costs per key tile (the conversions), not per byte (BENCHMARKS.md, 2026-12-01 21:09).
 """
 from __future__ import annotations
 
@@ -41,8 +32,8 @@ from dataclasses import dataclass
 
 from stoker.engine.kernels._triton import tl, triton
 
-FP8_CAST, FP8_F16, FP8_BITS, FP8_F16_VWORDS, FP8_Q8X2 = 0, 1, 2, 3, 4
-FP8_MODES = {"cast": FP8_CAST, "f16": FP8_F16, "bits": FP8_BITS, "f16-vwords": FP8_F16_VWORDS, "q8x2": FP8_Q8X2}
+FP8_CAST, FP8_F16, FP8_BITS, FP8_F16_VWORDS = 0, 1, 2, 3
+FP8_MODES = {"cast": FP8_CAST, "f16": FP8_F16, "bits": FP8_BITS, "f16-vwords": FP8_F16_VWORDS}
 BITS_UNIT = 256.0  # BITS mode reads e4m3 value v as the fp16 v * 2^-8; the kernels multiply 2^8 back in float32
 FP16_MAX = 65504.0
 
