@@ -54,9 +54,11 @@ class EngineConfig:
     # "fused-folded" on CUDA with Triton, "cublas" otherwise. FP8 and tensor-parallel linears keep their path.
     decode_kernels: str = "auto"
     # The fused decode chain (GEMVs and the decode attention) launched with programmatic dependent launch, each
-    # kernel's successor let in early (gemv.py PDL_*): off, as it measured slower at 8B bf16 batch 1 (H200 21:07 UTC:
-    # W1 4.46 vs 4.26 ms; the graph's plain chain has no launch gap left to hide; BENCHMARKS.md).
-    decode_pdl: bool = False
+    # kernel's successor let in early (gemv.py PDL_*). None: on for layers with FP8 weights, off for the others. On
+    # the H200 (8B, W1, BENCHMARKS.md): FP8 2.722 vs 2.810 ms (session 15, two interleaved runs a side); bf16 4.46
+    # vs 4.26 ms (2026-12-01 21:07 UTC: the graph's plain chain has no launch gap left to hide), and PDL would cost
+    # the bf16 layers their fused MLP (it has no PDL form), which FP8 layers do not take. True / False: every layer.
+    decode_pdl: bool | None = None
     # With decode_kernels fused / fused-folded, the fused decode steps (1-16 tokens) run each layer's MLP as one kernel
     # streaming gate_up and down into a float32 accumulator (atomic adds), plus a small finishing kernel
     # (engine/kernels/fused_mlp.py), instead of two GEMVs: W1 -2.2 % at 8B (H200), and 11-53 us less a layer at 2-16

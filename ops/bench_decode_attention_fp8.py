@@ -44,12 +44,12 @@ DECODE_VARIANTS = [Fp8AttentionConfig("cast", 64, 4, 3), Fp8AttentionConfig("f16
                    Fp8AttentionConfig("f16-vwords", 128, 8, 3), Fp8AttentionConfig("bits", 64, 4, 3),
                    Fp8AttentionConfig("f16", 128, 8, 3)]
 # --w2: W2's decode shape only, the default against tile and stage choices and two splits per sequence (None:
-# the launcher's count). The grid-order and V-prefetch variants of 21:09 UTC are gone (kv_fp8_tiles.py).
+# the launcher's count). The grid-order and V-prefetch variants of 21:09 UTC are gone (kv_fp8_tiles.py), as are
+# q8x2 and tile_n 256 (session 15: 595-607 and 827-861 us against the default's 468, BENCHMARKS.md).
 V = Fp8AttentionConfig
 W2_VARIANTS: list[tuple[Fp8AttentionConfig, int | None]] = [  # the likeliest first: a cut run keeps them
     (V("f16-vwords", 128), None), (V("f16-vwords", 64, 4, 3), None), (V("f16-vwords", 128, 4, 2), None),
     (V("f16-vwords", 128), 2), (V("f16-vwords", 128, 4, 4), None), (V("f16-vwords", 32, 2, 4), None),
-    (V("f16-vwords", 256, 8, 2), None), (V("f16-vwords", 256, 4, 2), None), (V("f16-vwords", 256, 8, 3), None),
 ]
 PREFILL_VARIANTS = [Fp8AttentionConfig("cast", 64, 4, 3), Fp8AttentionConfig("f16", 64, 4, 3),
                     Fp8AttentionConfig("bits", 64, 4, 3), Fp8AttentionConfig("f16", 32, 4, 3)]

@@ -74,7 +74,7 @@ WORKER_ENV: dict[str, tuple[str, Callable[[Any], str]]] = {
     "use_triton": ("STOKER_NO_TRITON", _off),
     "blocking_sync": ("STOKER_NO_BLOCKING_SYNC", _off),
     "decode_kernels": ("STOKER_DECODE_KERNELS", str),
-    "decode_pdl": ("STOKER_DECODE_PDL", lambda v: "1" if v else "0"),
+    "decode_pdl": ("STOKER_DECODE_PDL", lambda v: "1"),  # True; False is STOKER_NO_DECODE_PDL (worker_env), None neither
     "quantization": ("STOKER_QUANTIZATION", str),
     "kv_cache_dtype": ("STOKER_KV_CACHE_DTYPE", str),
     "prefill_graph_tokens": ("STOKER_PREFILL_GRAPH_TOKENS", str),
@@ -282,6 +282,8 @@ def worker_env(settings: Any, defaults: Any, accepted: set[str]) -> tuple[dict[s
         value = getattr(settings, field)
         if value is None:
             continue
+        if field == "decode_pdl" and value is False:  # the worker's off switch is a flag of its own
+            var = "STOKER_NO_DECODE_PDL"
         env[var] = spell(value)
         if var not in accepted and getattr(defaults, field) != value:
             differ.append(f"{field}: bench {value}, worker {getattr(defaults, field)} ({var} not accepted)")

@@ -216,6 +216,8 @@ def test_fp8_weights_take_the_fused_path(arch, mode: str, monkeypatch) -> None:
     assert report["fused_layers"] == 2 and "fallback" not in report, report
     layer = engine.runner.model.model.layers[0]
     assert not layer.fused_decode.folded and layer.input_layernorm.weight.ne(1).any()
+    # EngineConfig.decode_pdl None: FP8 layers launch with PDL (the interpreter drops the launch attribute)
+    assert engine.config.decode_pdl is None and layer.fused_decode.pdl and report["pdl"]
     got = generate(engine, PROMPTS[:3], MAX_TOKENS[:3])
     assert spy.calls == 2 * (max(MAX_TOKENS[:3]) - 1), "the fused path did not make every decode step"
     # each fused layer call: qkv and gate_up take the norm weight themselves ("fused-folded", steps of up to
@@ -325,6 +327,14 @@ def test_worker_flags_reach_the_engine_config(tmp_path, capsys, monkeypatch) -> 
     env = {"STOKER_DECODE_KERNELS": "cublas", "STOKER_DECODE_PDL": "1"}
     assert (worker_main.parse_config(["--model", path], env).decode_kernels,
             worker_main.parse_config(["--model", path], env).decode_pdl) == ("cublas", True)
+    # PDL: --decode-pdl every layer, --no-decode-pdl none, neither the engine's default (None: FP8 layers only)
+    worker_main.build_engine(worker_main.parse_config(["--model", path, "--no-decode-pdl", "--no-warmup", "--device", "cpu"], {}))
+    worker_main.build_engine(worker_main.parse_config(["--model", path, "--no-warmup", "--device", "cpu"], {}))
+    assert (built[2].decode_pdl, built[3].decode_pdl) == (False, None)
+    with pytest.raises(SystemExit) as exit_:
+        worker_main.parse_config(["--model", path, "--decode-pdl", "--no-decode-pdl"], {})
+    assert exit_.value.code == 2
+    assert "contradict" in capsys.readouterr().err
     assert worker_main.parse_config(["--model", path], {}).decode_kernels == "auto"
     with pytest.raises(SystemExit) as exit_:
         worker_main.parse_config(["--model", path, "--decode-kernels", "gemv"], {})

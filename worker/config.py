@@ -47,7 +47,8 @@ class WorkerConfig:
     tensor_parallel: int = 1  # GPUs (ranks) the model is split over (EngineConfig.tensor_parallel_size)
     kv_cache_dtype: str = "auto"  # "fp8": the FP8 KV cache (EngineConfig.kv_cache_dtype)
     decode_kernels: str = "auto"  # auto | fused | fused-folded | cublas (EngineConfig.decode_kernels)
-    decode_pdl: bool = False  # the fused decode GEMVs with programmatic dependent launch (EngineConfig.decode_pdl)
+    decode_pdl: bool = False  # the fused decode kernels with programmatic dependent launch in every layer
+    no_decode_pdl: bool = False  # ... in none (neither: FP8-weight layers only, EngineConfig.decode_pdl None)
     no_decode_fused_mlp: bool = False  # small-batch decode MLPs as two GEMVs (EngineConfig.decode_fused_mlp off)
     decode_prologue_norm_max_m: int = 2  # steps normalising in the GEMV prologues (EngineConfig's field)
     prefill_graph_tokens: int = 1024  # a lone prompt chunk of <= this many tokens as a CUDA graph (EngineConfig's)
@@ -138,6 +139,8 @@ class WorkerConfig:
         problems += self._model_set_problems()
         if self.max_num_seqs < 1:
             problems.append(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.decode_pdl and self.no_decode_pdl:
+            problems.append("--decode-pdl and --no-decode-pdl contradict each other: give one or neither")
         # The engine checks its settings again (EngineConfig); these fail before the model loads.
         if self.tensor_parallel < 1:
             problems.append(f"--tensor-parallel must be >= 1, got {self.tensor_parallel}")

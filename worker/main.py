@@ -47,7 +47,9 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
      "decode steps of <= 16 sequences: auto (fused on CUDA), fused (Triton GEMVs with the rotary/KV-write, "
      "SiLU and residual epilogues), fused-folded (also the RMSNorm in the GEMV prologue) or cublas (A/B)"),
     ("--decode-pdl", "STOKER_DECODE_PDL", bool, False,
-     "launch the fused decode GEMVs with programmatic dependent launch (A/B)"),
+     "launch the fused decode kernels of every layer with programmatic dependent launch (default: FP8 layers only)"),
+    ("--no-decode-pdl", "STOKER_NO_DECODE_PDL", bool, False,
+     "no programmatic dependent launch in any layer, FP8 ones included (A/B)"),
     ("--no-decode-fused-mlp", "STOKER_NO_DECODE_FUSED_MLP", bool, False,
      "small-batch (1-16 token) decode steps run each MLP as two GEMVs (bit-for-bit repeatable), not one streaming "
      "kernel with atomic adds plus a small finishing kernel"),
@@ -286,7 +288,7 @@ def _build_one(cfg: WorkerConfig, spec: ModelSpec | None) -> Any:
         "async_scheduling": False if cfg.no_async_scheduling else None, "use_triton": not cfg.no_triton,
         "blocking_sync": not cfg.no_blocking_sync, "quantization": cfg.quantization,
         "tensor_parallel_size": cfg.tensor_parallel, "kv_cache_dtype": cfg.kv_cache_dtype,
-        "decode_kernels": cfg.decode_kernels, "decode_pdl": cfg.decode_pdl,
+        "decode_kernels": cfg.decode_kernels, "decode_pdl": True if cfg.decode_pdl else False if cfg.no_decode_pdl else None,
         "decode_fused_mlp": not cfg.no_decode_fused_mlp, "decode_prologue_norm_max_m": cfg.decode_prologue_norm_max_m,
         "prefill_graph_tokens": cfg.prefill_graph_tokens, "piecewise_graph_tokens": cfg.piecewise_graph_tokens,
     }

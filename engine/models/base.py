@@ -46,7 +46,7 @@ class CausalLM(nn.Module):
                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def plan_decode(self, mode: str, pdl: bool, kv_dtype: torch.dtype, fused_mlp: bool,
+    def plan_decode(self, mode: str, pdl: bool | None, kv_dtype: torch.dtype, fused_mlp: bool,
                     prologue_max_m: int) -> dict[str, Any]:
         """Called once after loading: pick each layer's decode path for `mode` (a resolved
         EngineConfig.decode_kernels: "fused", "fused-folded" or "cublas"; engine/models/fused_decode.py) and

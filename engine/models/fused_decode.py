@@ -143,7 +143,7 @@ def resolve_decode_kernels(config: EngineConfig) -> str:
 
 
 def bind_fused_decode(
-    mode: str, pdl: bool, kv_dtype: torch.dtype, *, fused_mlp: bool, prologue_max_m: int, input_norm: RMSNorm,
+    mode: str, pdl: bool | None, kv_dtype: torch.dtype, *, fused_mlp: bool, prologue_max_m: int, input_norm: RMSNorm,
     qkv: nn.Module,
     q_norm: RMSNorm | None, k_norm: RMSNorm | None, rotary: RotaryEmbedding, attention: PagedAttention, o_proj: nn.Module,
     post_norm: RMSNorm, gate_up: nn.Module, down: nn.Module,
@@ -151,10 +151,12 @@ def bind_fused_decode(
     """A layer's FusedDecode for `mode` ("fused" or "fused-folded"; called once the weights are in, and
     folding them for fused-folded), or why the layer must keep the unfused decode path. fused_mlp: the fused steps
     of 16-bit (or float32) weights run the MLP through kernels/fused_mlp.py (EngineConfig.decode_fused_mlp).
-    prologue_max_m: the largest step that normalises in the prologues (EngineConfig.decode_prologue_norm_max_m)."""
+    prologue_max_m: the largest step that normalises in the prologues (EngineConfig.decode_prologue_norm_max_m).
+    pdl None: PDL for FP8 weights only (EngineConfig.decode_pdl)."""
     # Exact types: the tensor-parallel twins are subclasses of the plain linears.
     kinds = (type(qkv), type(o_proj), type(gate_up), type(down))
     fp8 = kinds == _FP8_KINDS
+    pdl = fp8 if pdl is None else pdl
     if kinds != _PLAIN_KINDS and not fp8:
         return ("tensor-parallel (or partly FP8) linears keep their own GEMV / all-reduce path: "
                 + ", ".join(k.__name__ for k in kinds))

@@ -267,7 +267,7 @@ class LlamaForCausalLM(CausalLM):
                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor) -> torch.Tensor:
         return self.model.attend(i, q, meta, kv_caches, out)
 
-    def plan_decode(self, mode: str, pdl: bool, kv_dtype: torch.dtype, fused_mlp: bool,
+    def plan_decode(self, mode: str, pdl: bool | None, kv_dtype: torch.dtype, fused_mlp: bool,
                     prologue_max_m: int) -> dict[str, Any]:
         reasons: list[str | None] = []
         mlp_max_m = prologue = 0
@@ -283,7 +283,9 @@ class LlamaForCausalLM(CausalLM):
             if layer.fused_decode is not None:
                 mlp_max_m = max(mlp_max_m, layer.fused_decode.mlp_max_m)
                 prologue = max(prologue, layer.fused_decode.prologue_max_m)
-        return decode_report(mode, pdl, reasons) | {"fused_mlp_max_m": mlp_max_m, "prologue_norm_max_m": prologue}
+        pdl_used = any(layer.fused_decode is not None and layer.fused_decode.pdl
+                       for layer in cast(list[LlamaDecoderLayer], list(self.model.layers)))
+        return decode_report(mode, pdl_used, reasons) | {"fused_mlp_max_m": mlp_max_m, "prologue_norm_max_m": prologue}
 
     def plan_nano_batches(self, plan: NanoBatchPlan | None) -> dict[str, Any]:
         self.model.nano_batches = plan
