@@ -28,7 +28,8 @@ Which layers take it (`bind_fused_decode`'s reasons; the answer is the same for 
   gate_up prologues with g applied to x in the K loop instead (FP8_PROLOGUE_NORM), "fused" apart. Launch
   shapes and conversions: FP8_FUSED_M1 per 8B shape at one token, FP8_FUSED_DOT at 2-16 (fp8_launch); other
   one-token shapes take fp8_linear.FP8_GEMV_CONFIGS for o_proj / down and the bf16 sweep's configs for the
-  SiLU / rotary kernels. Block-scaled FP8 (128 x 128) keeps the unfused path, as do
+  SiLU / rotary kernels. They launch with programmatic dependent launch unless EngineConfig.decode_pdl says
+  otherwise (FP8 W1 at 8B 2.72 vs 2.81 ms). Block-scaled FP8 (128 x 128) keeps the unfused path, as do
   tensor-parallel linears (F.linear and their all-reduce: a residual add cannot precede the row-parallel sum).
 - The FP8 KV cache falls back: the rotary epilogue writes the model dtype, without kv_quant's scaling.
 - The LM head (tied or not) stays on F.linear in every mode: its float32 logits are issue 13 item 2's, and a
