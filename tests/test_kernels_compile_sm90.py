@@ -299,14 +299,14 @@ def test_fp8_fused_m1_table_compiles_for_sm90(kernel: str, n: int, k: int, cfg: 
 
 
 def test_fp8_cast_dot_tile_runs_an_fp16_mma_on_sm90() -> None:
-    """gemv.FP8_DOT_F16: FP8 weights cast on a tl.dot tile in a bf16 model take the fp16 MMA, one paired E4M3 ->
+    """gemv.FP8_DOT_F16 (when on): FP8 weights cast on a tl.dot tile in a bf16 model take the fp16 MMA, one paired E4M3 ->
     fp16 conversion per two weight codes and no fp16 -> bf16 one (the bf16 MMA's 2 a code); float32 and fp16
     models, the word conversions and the CUDA-core loop keep their own path."""
     import torch
     from stoker.engine.kernels import gemv
 
     dot, row = gemv.GemvConfig(16, 32, 128, True, 2, 5), gemv.GemvConfig(1, 4, 1024, False, 4, 3)
-    assert gemv.fp8_dot_f16(dot, True, 0, torch.bfloat16)
+    assert gemv.fp8_dot_f16(dot, True, 0, torch.bfloat16) == gemv.FP8_DOT_F16
     assert not gemv.fp8_dot_f16(dot, True, 0, torch.float16) and not gemv.fp8_dot_f16(dot, True, 0, torch.float32)
     assert not gemv.fp8_dot_f16(dot, True, 4, torch.bfloat16) and not gemv.fp8_dot_f16(row, True, 0, torch.bfloat16)
     assert not gemv.fp8_dot_f16(dot, False, 0, torch.bfloat16)
