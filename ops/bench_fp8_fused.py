@@ -59,8 +59,8 @@ def kind_shape(model: tuple[int, int, int, int, int], kind: str) -> tuple[int, i
 # --grid: tl.dot launch shapes beside the engine's (rows per program, K step, warps, stages). The 14:45 UTC run
 # had gate_up + SiLU at 84 % of copy bandwidth on the dot tile 16x32x128 w2 s5 with "asm-join", the CUDA-core
 # configs of the others at 45-59 %: do the tensor-core shapes carry over to qkv, o and down?
-# Session 15: with "cast" a bf16 tl.dot tile runs gemv.FP8_DOT_F16's fp16 MMA, so --grid --converts cast,asm-join
-# times it beside the bf16 MMA on the same shapes (two more shapes a kind for its cheaper conversion).
+# Session 15 added two shapes a kind for an fp16-MMA form of "cast" (gemv.FP8_DOT_F16), removed in session 16:
+# no faster than asm-join on gate_up (33.8 vs 33.9 us) and slower on the others (down 16x256 40.3 vs 25.8).
 DOT_GRID = {
     "add": [(16, 128, 1, 5), (32, 128, 2, 5), (16, 256, 2, 4), (64, 128, 4, 4), (32, 256, 4, 3)],
     "gate_up+silu": [(16, 128, 1, 5), (64, 128, 4, 5), (32, 256, 2, 4), (32, 128, 2, 5), (64, 128, 4, 3)],

@@ -72,7 +72,7 @@ def _gemv_signature(dtype: str) -> dict[str, str]:
     signature.update({name: "i32" for name in _GEMV_INTS})
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_DOT", "DOT_PRECISION", "NORM", "PRO_RESIDUAL", "APPLY_G",
                  "HAS_BIAS", "SILU_MUL", "ADD", "ROTARY", "QK_NORM", "HALF", "SPLITS_PER_HEAD", "PAIRED", "USE_PDL",
-                 "NORM_CHUNK", "W_SCALED", "W_CONVERT", "W_VEC", "W_PREFETCH", "DOT_F16"):
+                 "NORM_CHUNK", "W_SCALED", "W_CONVERT", "W_VEC", "W_PREFETCH"):
         signature[name] = "constexpr"
     return signature
 
@@ -296,34 +296,3 @@ def test_fp8_fused_m1_table_compiles_for_sm90(kernel: str, n: int, k: int, cfg: 
         assert weight_loops, "no loop converts the FP8 weights"
         assert all("bar.sync" not in body and "st.shared" not in body for body in weight_loops), \
             "a layout conversion through shared memory inside the K loop"
-
-
-def test_fp8_cast_dot_tile_runs_an_fp16_mma_on_sm90() -> None:
-    """gemv.FP8_DOT_F16 (when on): FP8 weights cast on a tl.dot tile in a bf16 model take the fp16 MMA, one paired E4M3 ->
-    fp16 conversion per two weight codes and no fp16 -> bf16 one (the bf16 MMA's 2 a code); float32 and fp16
-    models, the word conversions and the CUDA-core loop keep their own path."""
-    import torch
-    from stoker.engine.kernels import gemv
-
-    dot, row = gemv.GemvConfig(16, 32, 128, True, 2, 5), gemv.GemvConfig(1, 4, 1024, False, 4, 3)
-    assert gemv.fp8_dot_f16(dot, True, 0, torch.bfloat16) == gemv.FP8_DOT_F16
-    assert not gemv.fp8_dot_f16(dot, True, 0, torch.float16) and not gemv.fp8_dot_f16(dot, True, 0, torch.float32)
-    assert not gemv.fp8_dot_f16(dot, True, 4, torch.bfloat16) and not gemv.fp8_dot_f16(row, True, 0, torch.bfloat16)
-    assert not gemv.fp8_dot_f16(dot, False, 0, torch.bfloat16)
-    names = list(inspect.signature(gemv._gemv_kernel.fn).parameters)
-    signature = _gemv_signature("bf16")
-    signature["w_ptr"] = "*fp8e4nv"
-    signature = {name: signature[name] for name in names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
-               if name.endswith("_ptr") or name in ("K", "x_stride", "w_stride", "out_stride", "add_stride")}
-    constexprs = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, USE_DOT=True, DOT_PRECISION="tf32", NORM=True,
-                      PRO_RESIDUAL=False, APPLY_G=True, HAS_BIAS=False, SILU_MUL=True, ADD=False, ROTARY=False,
-                      QK_NORM=False, HALF=64, SPLITS_PER_HEAD=1, PAIRED=True, USE_PDL=False, W_SCALED=True, W_CONVERT=0,
-                      NORM_CHUNK=gemv.norm_chunk(4096, 2, True), W_VEC=0, W_PREFETCH=False, DOT_F16=True)
-    kernel = triton.compile(ASTSource(gemv._gemv_kernel, signature, constexprs=constexprs, attrs=aligned),
-                            target=H200, options={"num_warps": 2, "num_stages": 5})
-    loops = [part.split("bra", 1)[0] for part in kernel.asm["ptx"].split("Loop Header")[1:]]
-    body = next(b for b in loops if "mma.sync" in b)
-    assert "f32.f16.f16.f32" in body and "bf16.bf16" not in body
-    assert body.count("cvt.rn.f16x2.e4m3x2") == 32 * 2 * 128 // (2 * 64)  # rows x (gate, up) x K / (2 x threads)
-    assert "cvt.bf16.f16" not in body and "cvt.rn.bf16x2.f32" not in body

@@ -217,9 +217,7 @@ def _load_w(wa_ptrs, wb_ptrs, k0, w_mask_rows, ks, K, PAIRED: tl.constexpr, W_CO
 
 @triton.jit
 def _accumulate(acc, x, w, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, W_CONVERT: tl.constexpr,
-                W_VEC: tl.constexpr, DOT_F16: tl.constexpr = False):
-    if DOT_F16:  # FP8 tile -> fp16 (one paired conversion per two codes) against x already in fp16: an fp16 MMA
-        return tl.dot(x, tl.trans(w.to(tl.float16)), acc)
+                W_VEC: tl.constexpr):
     if W_CONVERT != 0:  # FP8 words -> the float32 [BN, BK] tile (fp8_convert.py; "bits": times 2^-8)
         w = e4m3_words_to_tile(w, W_CONVERT, w.shape[0], 4 * w.shape[1])
     if USE_DOT:  # x [BM, BK] (model dtype) . w^T [BK, BN] on the tensor cores -> [BM, BN]
@@ -238,7 +236,6 @@ def _gemv_step(
     m, m_mask, ks, K, write_residual,
     PRO_RESIDUAL: tl.constexpr, APPLY_G: tl.constexpr, PAIRED: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, W_CONVERT: tl.constexpr, W_VEC: tl.constexpr,
-    DOT_F16: tl.constexpr = False,
 ):
     """One BLOCK_K slice: load (and norm-prepare) the x slice of every token, multiply-accumulate."""
     k = k0 + ks
@@ -258,11 +255,9 @@ def _gemv_step(
         xo = x32.to(x_ptr.dtype.element_ty) if USE_DOT else x32  # the dot's operands in the model dtype
     else:
         xo = x  # straight from the pipelined load into the dot: the fast path
-    if DOT_F16:  # FP8 weights, bf16 x: x into fp16's range and precision for the fp16 MMA (see _launch)
-        xo = tl.clamp(xo.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-    acc_a = _accumulate(acc_a, xo, wa, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC, DOT_F16)
+    acc_a = _accumulate(acc_a, xo, wa, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC)
     if PAIRED:
-        acc_b = _accumulate(acc_b, xo, wb, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC, DOT_F16)
+        acc_b = _accumulate(acc_b, xo, wb, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC)
     return acc_a, acc_b, sumsq
 
 
@@ -297,7 +292,7 @@ def _gemv_kernel(
     SILU_MUL: tl.constexpr, ADD: tl.constexpr,
     ROTARY: tl.constexpr, QK_NORM: tl.constexpr, HALF: tl.constexpr, SPLITS_PER_HEAD: tl.constexpr,
     PAIRED: tl.constexpr, USE_PDL: tl.constexpr, NORM_CHUNK: tl.constexpr, W_SCALED: tl.constexpr,
-    W_CONVERT: tl.constexpr, W_VEC: tl.constexpr, W_PREFETCH: tl.constexpr, DOT_F16: tl.constexpr = False,
+    W_CONVERT: tl.constexpr, W_VEC: tl.constexpr, W_PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     j = tl.arange(0, BLOCK_N)
@@ -348,7 +343,7 @@ def _gemv_kernel(
         acc_a, acc_b, sumsq = _gemv_step(
             0, wa, wb, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
             res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
-            PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC, DOT_F16)
+            PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         if W_PREFETCH:  # the next step's weights in flight during this step's math (past K: all masked off)
@@ -358,7 +353,7 @@ def _gemv_kernel(
         acc_a, acc_b, sumsq = _gemv_step(
             k0, wa, wb, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
             res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
-            PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC, DOT_F16)
+            PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC)
         if W_PREFETCH:
             wa, wb = next_a, next_b
     if W_VEC != 0:  # [BN, BK] -> [1, BN]
@@ -544,13 +539,6 @@ ROW_ACC_BF16 = False
 # UTC, 8B, M = 1, cast, us: down 1x8x1024 w4 17.5 without -> 26.1 with, qkv 1x4x512 w4 10.1 -> 14.8, o 7.1 ->
 # 10.3), so off; kept for the sweep (ops/bench_fp8_fused.py --row-grid).
 ROW_PREFETCH = False
-# FP8 weights on the tl.dot tile with Triton's cast ("cast") in a bf16 model: the E4M3 tile becomes fp16 and x is
-# cast to fp16 (clamped to its range) for an fp16 MMA, one paired conversion per two weight codes, where the bf16
-# MMA needed E4M3 -> fp16 -> float32 -> bf16 (asm-join on sm_90: 2 conversions an element). x in fp16 keeps 3 more
-# mantissa bits than bf16 down to 2^-14 (fewer below; kv_fp8_tiles.py's F16 mode makes the same trade for q).
-# Off until a GPU run has timed it and run its GPU tests (ops/bench_fp8_fused.py --grid --converts cast,asm-join
-# with it on): the sm_90 compile is all that is checked so far.
-FP8_DOT_F16 = False
 
 
 # Programmatic dependent launch (pdl=True, EngineConfig.decode_pdl: by default FP8 layers only): the first weight
@@ -560,11 +548,6 @@ FP8_DOT_F16 = False
 # before its predecessor ends slows it. The other forms measured there (bulk L2 prefetches before the wait, the
 # trigger after all or part of the weight loop, the next projection's rows prefetched into L2 after the stores)
 # all lost too and were removed; the record is BENCHMARKS.md and the git history.
-
-
-def fp8_dot_f16(cfg: GemvConfig, fp8: bool, w_convert: int, dtype: torch.dtype) -> bool:
-    """Whether a launch runs FP8_DOT_F16's fp16 MMA: FP8 weights with Triton's cast on a tl.dot tile, bf16 x."""
-    return FP8_DOT_F16 and cfg.use_dot and fp8 and w_convert == 0 and dtype == torch.bfloat16
 
 
 def _row_vec(cfg: GemvConfig, elem_bytes: int, fp8: bool) -> int:
@@ -646,7 +629,6 @@ def _launch(
         PAIRED=paired, USE_PDL=use_pdl, NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda),
         W_SCALED=weight_scale is not None, W_CONVERT=w_convert, W_VEC=w_vec,
         W_PREFETCH=w_vec != 0 and ROW_PREFETCH,
-        DOT_F16=fp8_dot_f16(cfg, weight_scale is not None, w_convert, x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
     )
