@@ -68,29 +68,31 @@ DOT_GRID = {
 }
 
 
-# --row-grid: one-token CUDA-core launch shapes (rows per program, K step, warps) for the [BN, BK] accumulator in
-# the weight load's layout (gemv.ROW_ACC_FP8; its sm_90 PTX has no shared-memory round trip per K step, the 3-D
-# accumulator's had an 8 KB one). For rope, rows are the half-heads' pairs (two weight streams). 17:56 UTC's grid
-# (with the register prefetch, which lost everywhere) had the engine's shapes best without it; this one is
-# around them without it.
+# --row-grid: one-token CUDA-core launch shapes (rows per program, K step, warps) of gemv.py's W_VEC loop with
+# the in-register run sums (gemv.ROW_SUM_FP8, W_SUM), and the engine's FP8_FUSED_M1 shapes with and without them.
+# For gate_up and rope, rows are pairs (gate and up rows, a half-head's d and d + D/2): two weight streams. The
+# shapes are around session 16's probe's best (one plain GEMV per 8B projection: 4-8 rows, K steps of 1024-4096,
+# 4 warps); a K step of 2048 at 4 warps gives each thread 16 codes (16-byte weight loads).
 ROW_GRID = {
-    "add": [(8, 1024, 4), (4, 1024, 4), (16, 1024, 8), (8, 2048, 8), (16, 512, 4), (8, 512, 2), (4, 2048, 4),
-            (2, 2048, 2), (8, 1024, 8), (4, 512, 1)],
-    "gate_up+silu": [(4, 1024, 4), (2, 1024, 4), (8, 1024, 8), (4, 512, 2), (8, 512, 4), (2, 2048, 4), (4, 2048, 8)],
-    "qkv+rope": [(4, 512, 4), (2, 512, 2), (4, 512, 2), (8, 512, 8), (2, 1024, 4), (4, 256, 1), (8, 256, 2),
-                 (4, 1024, 8)],
+    "add": [(4, 1024, 4), (4, 2048, 4), (8, 2048, 4), (8, 2048, 8), (4, 4096, 4), (2, 1024, 4), (8, 1024, 4)],
+    "gate_up+silu": [(2, 2048, 4), (2, 4096, 4), (4, 2048, 4), (4, 1024, 4), (2, 1024, 4), (4, 2048, 8)],
+    "qkv+rope": [(2, 1024, 4), (2, 2048, 4), (2, 4096, 4), (4, 1024, 4), (4, 2048, 8), (1, 1024, 4), (2, 512, 2)],
 }
 
 
-def row_configs(kind: str, dry_run: bool) -> dict[str, tuple[GemvConfig | None, bool, bool]]:
-    """label -> (launch shape, gemv.ROW_ACC_FP8, gemv.ROW_PREFETCH) for --row-grid: the grid with the new
-    accumulator, without the register prefetch (gate_up also on its tl.dot tile, which the engine runs)."""
+def row_configs(kind: str, n: int, k: int, dry_run: bool) -> dict[str, tuple[GemvConfig | None, bool, bool]]:
+    """label -> (launch shape, gemv.ROW_ACC_FP8, gemv.ROW_SUM_FP8) for --row-grid: the grid with the run sums, the
+    engine's one-token shape without and with them (gate_up also on its tl.dot tile when that is the engine's)."""
     key = "add" if kind.endswith("add") else kind
     grid = [(2, 64, 1), (4, 32, 1)] if dry_run else ROW_GRID[key]
     out: dict[str, tuple[GemvConfig | None, bool, bool]] = {
-        f"row {bn}x{bk} w{w}": (GemvConfig(1, bn, bk, False, w, 3), True, False) for bn, bk, w in grid}
-    if kind == "gate_up+silu" and not dry_run:
-        out["dot engine"] = (None, True, False)  # gemv_config's tl.dot tile (84 % with asm-join at 14:45)
+        f"row {bn}x{bk} w{w}": (GemvConfig(1, bn, bk, False, w, 3), True, True) for bn, bk, w in grid}
+    kernel = {"qkv+rope": "rope", "gate_up+silu": "silu"}.get(kind, "add")
+    engine, _ = fp8_launch(kernel, n, k, 1, not dry_run)
+    if engine is not None:
+        out["engine"] = (engine, True, False)
+        if not engine.use_dot:
+            out["engine + sums"] = (engine, True, True)
     return out
 
 
@@ -99,6 +101,8 @@ def pick(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     (kernel, weight rows n, K) -> ([block_m, block_n, block_k, use_dot, warps, stages], conversion)."""
     best: dict[str, dict[str, Any]] = {}
     for row in rows:
+        if not row.get("row_sum", True):  # timed without the engine's run sums: a comparison, not a pick
+            continue
         for conv, us in row["us"].items():
             if us is not None and row["config"] is not None and (row["kind"] not in best or us < best[row["kind"]]["us"]):
                 kernel = {"qkv+rope": "rope", "gate_up+silu": "silu"}.get(row["kind"], "add")
@@ -196,7 +200,7 @@ def measure(proj: Proj, cfg: GemvConfig | None, convert: str, timer: Callable[[l
         return None
 
 
-Launch = tuple[GemvConfig | None, bool, bool, bool, list[str]]  # shape, ROW_ACC_FP8, ROW_PREFETCH, norm, converts
+Launch = tuple[GemvConfig | None, bool, bool, bool, list[str]]  # shape, ROW_ACC_FP8, ROW_SUM_FP8, norm, converts
 
 
 def resolved_config(kind: str, m: int, proj: Proj) -> GemvConfig | None:
@@ -212,12 +216,12 @@ def launch_set(opts: argparse.Namespace, kind: str, m: int, proj: Proj, on_gpu: 
                converts: list[str]) -> dict[str, Launch]:
     """label -> Launch for the mode the command line asked for."""
     if opts.engine:
-        return {label: (cfg, gemv_mod.ROW_ACC_FP8, gemv_mod.ROW_PREFETCH, norm, [conv])
+        return {label: (cfg, gemv_mod.ROW_ACC_FP8, gemv_mod.ROW_SUM_FP8, norm, [conv])
                 for label, (cfg, conv, norm) in engine_launches(kind, m, proj.n, proj.k, on_gpu).items()}
     if opts.row_grid:
-        return {label: (cfg, row_acc, prefetch, False, converts)
-                for label, (cfg, row_acc, prefetch) in row_configs(kind, opts.dry_run).items()}
-    return {label: (cfg, gemv_mod.ROW_ACC_FP8, gemv_mod.ROW_PREFETCH, False, converts)
+        return {label: (cfg, row_acc, row_sum, False, converts)
+                for label, (cfg, row_acc, row_sum) in row_configs(kind, proj.n, proj.k, opts.dry_run).items()}
+    return {label: (cfg, gemv_mod.ROW_ACC_FP8, gemv_mod.ROW_SUM_FP8, False, converts)
             for label, cfg in configs(kind, m, proj.n, proj.k, on_gpu, opts.grid).items()}
 
 
@@ -227,8 +231,8 @@ def main() -> None:
     parser.add_argument("--converts", default="cast,bits-join,asm-join")
     parser.add_argument("--budget-s", type=float, default=30.0, help="start no projection after this long")
     parser.add_argument("--grid", action="store_true", help="also the tl.dot launch shapes of DOT_GRID")
-    parser.add_argument("--row-grid", action="store_true", help="M = 1 CUDA-core shapes of ROW_GRID, old and new "
-                        "accumulator (instead of the engine / --grid launches)")
+    parser.add_argument("--row-grid", action="store_true", help="M = 1 CUDA-core shapes of ROW_GRID with the run "
+                        "sums, and the engine's shape without them (instead of the engine / --grid launches)")
     parser.add_argument("--pick", default=None, help="write the fastest launch per kind here as JSON, the "
                         "FP8_FUSED_M1 entries ops/bench.py --fp8-m1-table applies")
     parser.add_argument("--engine", action="store_true", help="what the engine launches at each M (its conversion "
@@ -264,8 +268,8 @@ def main() -> None:
                 continue
             proj = Proj(model, kind, m, dtype, device, copies)
             launches = launch_set(opts, kind, m, proj, device == "cuda", converts)
-            for label, (cfg, row_acc, prefetch, norm, conv_set) in launches.items():
-                gemv_mod.ROW_ACC_FP8, gemv_mod.ROW_PREFETCH, proj.norm = row_acc, prefetch, norm
+            for label, (cfg, row_acc, row_sum, norm, conv_set) in launches.items():
+                gemv_mod.ROW_ACC_FP8, gemv_mod.ROW_SUM_FP8, proj.norm = row_acc, row_sum, norm
                 us = {conv: measure(proj, cfg, conv, timer) if conv in conv_set else None for conv in converts}
                 timed = [v for v in us.values() if v is not None]
                 best = min(timed) if timed else None
@@ -276,7 +280,8 @@ def main() -> None:
                 print(f"| {kind} | {m} | {name} | {cells} | {tbs:.2f} | {pct} |", flush=True)
                 shape = cfg or resolved_config(kind, m, proj)
                 rows.append({"kind": kind, "m": m, "launch": name, "us": us, "bytes": proj.nbytes(), "n": proj.n,
-                             "k": proj.k, "config": None if shape is None else list(dataclasses.astuple(shape))})
+                             "k": proj.k, "config": None if shape is None else list(dataclasses.astuple(shape)),
+                             "row_sum": row_sum})
             if opts.pick:  # after every projection: a call cut by its timeout still leaves the picks so far
                 Path(opts.pick).write_text(json.dumps(pick([r for r in rows if r["m"] == 1]), indent=1))
             del proj

@@ -56,7 +56,7 @@ def _gemv_ptx(kind: str, pdl: bool) -> list[str]:
                       HAS_BIAS=False, SILU_MUL=kind == "silu", ADD=kind == "plain", ROTARY=kind == "rope",
                       QK_NORM=False, HALF=64, SPLITS_PER_HEAD=64 // cfg.block_n if kind == "rope" else 1,
                       PAIRED=kind != "plain", USE_PDL=pdl, NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True),
-                      W_SCALED=False, W_CONVERT=0, W_VEC=0, W_PREFETCH=False)
+                      W_SCALED=False, W_CONVERT=0, W_VEC=0, W_SUM=False)
     names = list(inspect.signature(gemv._gemv_kernel.fn).parameters)
     signature = {name: signature[name] for name in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -72,7 +76,7 @@ def _gemv_signature(dtype: str) -> dict[str, str]:
     signature.update({name: "i32" for name in _GEMV_INTS})
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_DOT", "DOT_PRECISION", "NORM", "PRO_RESIDUAL", "APPLY_G",
                  "HAS_BIAS", "SILU_MUL", "ADD", "ROTARY", "QK_NORM", "HALF", "SPLITS_PER_HEAD", "PAIRED", "USE_PDL",
-                 "NORM_CHUNK", "W_SCALED", "W_CONVERT", "W_VEC", "W_PREFETCH"):
+                 "NORM_CHUNK", "W_SCALED", "W_CONVERT", "W_VEC", "W_SUM"):
         signature[name] = "constexpr"
     return signature
 
@@ -92,7 +96,7 @@ def test_gemv_configs_fit_the_h200s_shared_memory(dtype: str, elem_bytes: int, k
                       APPLY_G=False, HAS_BIAS=False, SILU_MUL=kind == "silu", ADD=False, ROTARY=kind == "rope",
                       QK_NORM=False, HALF=64, SPLITS_PER_HEAD=2, PAIRED=kind in ("silu", "rope"), USE_PDL=False,
                       NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True), W_SCALED=False, W_CONVERT=0,
-                      W_VEC=0, W_PREFETCH=False)
+                      W_VEC=0, W_SUM=False)
     kernel = _compile(gemv._gemv_kernel, _gemv_signature(dtype), constexprs, cfg.num_warps, cfg.num_stages)
     assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)
 
@@ -112,7 +116,7 @@ def test_fp8_fused_gemv_compiles_for_sm90(w_convert: int, kind: str, rows: int) 
                       SILU_MUL=kind == "silu", ADD=kind == "plain", ROTARY=kind == "rope", QK_NORM=False, HALF=64,
                       SPLITS_PER_HEAD=2, PAIRED=kind in ("silu", "rope"), USE_PDL=False, W_SCALED=True,
                       W_CONVERT=w_convert, NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True),
-                      W_VEC=gemv._row_vec(cfg, 2, True), W_PREFETCH=gemv._row_vec(cfg, 2, True) != 0)
+                      W_VEC=gemv._row_vec(cfg, 2, True), W_SUM=gemv.row_sum(gemv._row_vec(cfg, 2, True), True))
     kernel = _compile(gemv._gemv_kernel, signature, constexprs, cfg.num_warps, cfg.num_stages)
     assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)
     if w_convert == 2:
@@ -250,7 +254,7 @@ def test_tuned_m1_configs_fit_the_h200s_shared_memory_in_fp32(kind: str, n_out: 
                       HAS_BIAS=False, SILU_MUL=base == "silu", ADD=base == "plain", ROTARY=base == "rope",
                       QK_NORM=False, HALF=64, SPLITS_PER_HEAD=8, PAIRED=base in ("silu", "rope"), USE_PDL=False,
                       NORM_CHUNK=gemv.norm_chunk(hidden, cfg.num_warps, True), W_SCALED=False, W_CONVERT=0,
-                      W_VEC=0, W_PREFETCH=False)
+                      W_VEC=0, W_SUM=False)
     kernel = _compile(gemv._gemv_kernel, _gemv_signature("fp32"), constexprs, cfg.num_warps, cfg.num_stages)
     assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)
 
@@ -286,7 +290,7 @@ def test_fp8_fused_m1_table_compiles_for_sm90(kernel: str, n: int, k: int, cfg: 
                       HAS_BIAS=False, SILU_MUL=kernel == "silu", ADD=kernel == "add", ROTARY=kernel == "rope",
                       QK_NORM=False, HALF=64, SPLITS_PER_HEAD=1, PAIRED=kernel != "add", USE_PDL=False, W_SCALED=True,
                       W_CONVERT=w_convert, NORM_CHUNK=gemv.norm_chunk(k, cfg.num_warps, True), W_VEC=w_vec,
-                      W_PREFETCH=w_vec != 0 and gemv.ROW_PREFETCH)
+                      W_SUM=gemv.row_sum(w_vec, True))
     kernel_bin = triton.compile(ASTSource(gemv._gemv_kernel, signature, constexprs=constexprs, attrs=aligned),
                                 target=H200, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     assert kernel_bin.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel_bin.metadata.shared)
@@ -296,3 +300,47 @@ def test_fp8_fused_m1_table_compiles_for_sm90(kernel: str, n: int, k: int, cfg: 
         assert weight_loops, "no loop converts the FP8 weights"
         assert all("bar.sync" not in body and "st.shared" not in body for body in weight_loops), \
             "a layout conversion through shared memory inside the K loop"
+
+
+def _registers(kernel: Any) -> int:
+    """Registers a thread of the compiled kernel (cuobjdump -res-usage on its cubin; the tool ships with triton)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        pytest.skip(f"no {tool}")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"REG:(\d+)", usage)
+    assert found, usage
+    return int(found.group(1))
+
+
+@pytest.mark.parametrize("w_convert", [0, 2], ids=["cast", "asm-join"])
+def test_fp8_one_token_loop_sums_its_runs_in_registers_on_sm90(w_convert: int) -> None:
+    """gemv.ROW_SUM_FP8 (W_SUM): the one-token FP8 loop sums each thread's run of W_VEC products every K step, so
+    the 8B down config 1x8x1024 w4 holds 8 float32 sums a thread instead of 64: its registers drop from ~118 to
+    ~70 (more blocks an SM, more weight loads in flight; 33.8 -> 28.5 us on gate_up in session 16's probe). And a
+    K step of 2048 at 4 warps reads 16 codes a thread."""
+    from stoker.engine.kernels import gemv
+
+    cfg = gemv.GemvConfig(1, 8, 1024, False, 4, 3)
+    w_vec = gemv._row_vec(cfg, 2, True)
+    assert w_vec == 8 and gemv.row_sum(w_vec, True) == gemv.ROW_SUM_FP8 and not gemv.row_sum(w_vec, False)
+    assert gemv._row_vec(gemv.GemvConfig(1, 4, 2048, False, 4, 3), 2, True) == (16 if gemv.ROW_SUM_FP8 else 8)
+    names = list(inspect.signature(gemv._gemv_kernel.fn).parameters)
+    signature = _gemv_signature("bf16")
+    signature["w_ptr"] = "*fp8e4nv" if w_convert == 0 else "*i32"
+    signature = {name: signature[name] for name in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
+               if name.endswith("_ptr") or name in ("K", "x_stride", "w_stride", "out_stride", "add_stride")}
+    registers = {}
+    for w_sum in (False, True):
+        constexprs = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, USE_DOT=False, DOT_PRECISION="tf32", NORM=False,
+                          PRO_RESIDUAL=False, APPLY_G=False, HAS_BIAS=False, SILU_MUL=False, ADD=True, ROTARY=False,
+                          QK_NORM=False, HALF=64, SPLITS_PER_HEAD=1, PAIRED=False, USE_PDL=False, W_SCALED=True,
+                          W_CONVERT=w_convert, NORM_CHUNK=gemv.norm_chunk(14336, 4, True), W_VEC=w_vec, W_SUM=w_sum)
+        kernel = triton.compile(ASTSource(gemv._gemv_kernel, signature, constexprs=constexprs, attrs=aligned),
+                                target=H200, options={"num_warps": 4, "num_stages": 3})
+        registers[w_sum] = _registers(kernel)
+    assert registers[True] <= 80 and registers[False] - registers[True] >= 32, registers

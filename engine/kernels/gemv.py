@@ -217,11 +217,13 @@ def _load_w(wa_ptrs, wb_ptrs, k0, w_mask_rows, ks, K, PAIRED: tl.constexpr, W_CO
 
 @triton.jit
 def _accumulate(acc, x, w, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, W_CONVERT: tl.constexpr,
-                W_VEC: tl.constexpr):
+                W_VEC: tl.constexpr, W_SUM: tl.constexpr):
     if W_CONVERT != 0:  # FP8 words -> the float32 [BN, BK] tile (fp8_convert.py; "bits": times 2^-8)
         w = e4m3_words_to_tile(w, W_CONVERT, w.shape[0], 4 * w.shape[1])
     if USE_DOT:  # x [BM, BK] (model dtype) . w^T [BK, BN] on the tensor cores -> [BM, BN]
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)  # FP8 w: to x's dtype
+    elif W_SUM:  # one token, each thread's runs of W_VEC products summed in registers into [BN, BK / W_VEC]
+        acc += tl.sum(tl.reshape(x * w.to(tl.float32), [w.shape[0], w.shape[1] // W_VEC, W_VEC]), axis=2)
     elif W_VEC != 0:  # one token: x [1, BK] * w [BN, BK] into a [BN, BK] tile in the weight load's layout
         acc += x * w.to(tl.float32)
     else:  # [BM, 1, BK] * [1, BN, BK] on the CUDA cores, summed over K once after the loop
@@ -236,6 +238,7 @@ def _gemv_step(
     m, m_mask, ks, K, write_residual,
     PRO_RESIDUAL: tl.constexpr, APPLY_G: tl.constexpr, PAIRED: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, W_CONVERT: tl.constexpr, W_VEC: tl.constexpr,
+    W_SUM: tl.constexpr,
 ):
     """One BLOCK_K slice: load (and norm-prepare) the x slice of every token, multiply-accumulate."""
     k = k0 + ks
@@ -255,9 +258,9 @@ def _gemv_step(
         xo = x32.to(x_ptr.dtype.element_ty) if USE_DOT else x32  # the dot's operands in the model dtype
     else:
         xo = x  # straight from the pipelined load into the dot: the fast path
-    acc_a = _accumulate(acc_a, xo, wa, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC)
+    acc_a = _accumulate(acc_a, xo, wa, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC, W_SUM)
     if PAIRED:
-        acc_b = _accumulate(acc_b, xo, wb, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC)
+        acc_b = _accumulate(acc_b, xo, wb, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC, W_SUM)
     return acc_a, acc_b, sumsq
 
 
@@ -292,7 +295,7 @@ def _gemv_kernel(
     SILU_MUL: tl.constexpr, ADD: tl.constexpr,
     ROTARY: tl.constexpr, QK_NORM: tl.constexpr, HALF: tl.constexpr, SPLITS_PER_HEAD: tl.constexpr,
     PAIRED: tl.constexpr, USE_PDL: tl.constexpr, NORM_CHUNK: tl.constexpr, W_SCALED: tl.constexpr,
-    W_CONVERT: tl.constexpr, W_VEC: tl.constexpr, W_PREFETCH: tl.constexpr,
+    W_CONVERT: tl.constexpr, W_VEC: tl.constexpr, W_SUM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     j = tl.arange(0, BLOCK_N)
@@ -317,6 +320,8 @@ def _gemv_kernel(
     wb_ptrs = w_ptr + rows_b.to(tl.int64)[:, None] * w_stride + kw[None, :]
     if USE_DOT:
         acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    elif W_SUM:
+        acc_a = tl.zeros([BLOCK_N, BLOCK_K // W_VEC], dtype=tl.float32)
     elif W_VEC != 0:
         acc_a = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
@@ -327,7 +332,7 @@ def _gemv_kernel(
     k_start = 0
     # FP8 with the prologue norm (unfolded g, the FP8 "fused-folded"): the first weight tile is in flight during
     # the rms pass's L2 round trips, as under PDL while the previous kernel drains.
-    if USE_PDL or (NORM and W_SCALED and not PRO_RESIDUAL) or W_PREFETCH:
+    if USE_PDL or (NORM and W_SCALED and not PRO_RESIDUAL):
         wa, wb = _load_w(wa_ptrs, wb_ptrs, 0, col_mask, kw, K, PAIRED, W_CONVERT)
     if USE_PDL:
         # Weights never depend on the previous kernel: load the first tile while it drains, then wait for its
@@ -339,24 +344,19 @@ def _gemv_kernel(
         # so that the weight loop below stays a plain pipelined GEMV: normalising x inside the loop took
         # the 8B qkv GEMV from 15 to 35-57 us at M = 8 on the tl.dot path (H200, ops/bench_gemv.py --ablate).
         sumsq = _row_sumsq(x_ptr, x_stride, M, K, BLOCK_M, NORM_CHUNK)
-    if (USE_PDL or (NORM and W_SCALED and not PRO_RESIDUAL)) and not W_PREFETCH:
+    if USE_PDL or (NORM and W_SCALED and not PRO_RESIDUAL):
         acc_a, acc_b, sumsq = _gemv_step(
             0, wa, wb, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
             res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
-            PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC)
+            PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC, W_SUM)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
-        if W_PREFETCH:  # the next step's weights in flight during this step's math (past K: all masked off)
-            next_a, next_b = _load_w(wa_ptrs, wb_ptrs, k0 + BLOCK_K, col_mask, kw, K, PAIRED, W_CONVERT)
-        else:
-            wa, wb = _load_w(wa_ptrs, wb_ptrs, k0, col_mask, kw, K, PAIRED, W_CONVERT)
+        wa, wb = _load_w(wa_ptrs, wb_ptrs, k0, col_mask, kw, K, PAIRED, W_CONVERT)
         acc_a, acc_b, sumsq = _gemv_step(
             k0, wa, wb, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
             res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
-            PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC)
-        if W_PREFETCH:
-            wa, wb = next_a, next_b
-    if W_VEC != 0:  # [BN, BK] -> [1, BN]
+            PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC, W_SUM)
+    if W_VEC != 0:  # [BN, BK] (or [BN, BK / W_VEC]) -> [1, BN]
         acc_a = tl.sum(acc_a, axis=1)[None, :]
         if PAIRED:
             acc_b = tl.sum(acc_b, axis=1)[None, :]
@@ -534,11 +534,16 @@ ROW_ACC_FP8 = True
 # bits-join, head_dim 40 and 128, M = 1 and 5, relative error 3.4e-3 to 5.0e-3), so no longer refused.
 REFUSE_WORDS_WITH_QK_NORM = False
 ROW_ACC_BF16 = False
-# That loop with the next K step's weight tile loaded into registers before this step's math (W_PREFETCH; the
-# CUDA-core loads are not pipelined through shared memory as the tl.dot path's are): slower on the H200 (17:56
-# UTC, 8B, M = 1, cast, us: down 1x8x1024 w4 17.5 without -> 26.1 with, qkv 1x4x512 w4 10.1 -> 14.8, o 7.1 ->
-# 10.3), so off; kept for the sweep (ops/bench_fp8_fused.py --row-grid).
-ROW_PREFETCH = False
+# FP8 in that loop with each thread's W_VEC products summed in registers every K step, so the accumulator is
+# [BN, BK / W_VEC] instead of [BN, BK] (W_SUM): the 8B down config 1x8x1024 w4 needed 118 registers a thread for
+# its 64 float32 sums (4 blocks an SM, too few weight loads in flight), 62 this way. And with it W_VEC may reach 16
+# codes (16-byte weight loads, x read 32 bytes a thread). H200 probe (session 16, one-token FP8 GEMVs alone, us):
+# 8B gate_up as one 28672-row GEMV 33.8 -> 28.5 (82 -> 97 % of copy; int32 loads with no math: 28.0), down 16.7 ->
+# 16.1 (load-only 15.0), qkv 10.2 -> 8.1, o 6.7 -> 6.2. What the fused kernels gain is ops/bench_fp8_fused.py's.
+ROW_SUM_FP8 = True
+# (The next K step's weight tile loaded into registers before this step's math, W_PREFETCH, was slower on the H200,
+# 8B down 17.5 -> 26.1 us, and is gone: sm_90 SASS shows why, a loop-carried 8-bit tile is held a code a register
+# and repacked byte by byte every step. Carried as int32 words it is clean but no faster: session 16's probe.)
 
 
 # Programmatic dependent launch (pdl=True, EngineConfig.decode_pdl: by default FP8 layers only): the first weight
@@ -553,10 +558,17 @@ ROW_PREFETCH = False
 def _row_vec(cfg: GemvConfig, elem_bytes: int, fp8: bool) -> int:
     """W_VEC: 0 for the [BM, BN, BK] accumulator, else the K elements per thread of x's [1, BK] load (16 bytes,
     fewer when BK does not cover the block's threads); the weight's loads are held to the same run so the
-    product needs no layout conversion (FP8: 8-byte loads of 8 codes instead of 16)."""
+    product needs no layout conversion (FP8: 8-byte loads of 8 codes instead of 16). FP8 under ROW_SUM_FP8: up
+    to 32 bytes of x (16 codes, 16-byte weight loads) where BK gives each thread that many."""
     if cfg.use_dot or cfg.block_m != 1 or not (ROW_ACC_FP8 if fp8 else ROW_ACC_BF16):
         return 0
-    return max(1, min(16 // elem_bytes, cfg.block_k // (32 * cfg.num_warps)))
+    widest = 16 // elem_bytes * (2 if fp8 and ROW_SUM_FP8 else 1)
+    return max(1, min(widest, cfg.block_k // (32 * cfg.num_warps)))
+
+
+def row_sum(w_vec: int, fp8: bool) -> bool:
+    """W_SUM: the one-token loop (W_VEC) with FP8 weights sums each thread's run in registers (ROW_SUM_FP8)."""
+    return w_vec != 0 and fp8 and ROW_SUM_FP8
 
 
 def _check_weight_convert(weight_convert: str, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> int:
@@ -628,7 +640,7 @@ def _launch(
         ROTARY=rotary is not None, QK_NORM=qk_norm is not None, HALF=half, SPLITS_PER_HEAD=splits,
         PAIRED=paired, USE_PDL=use_pdl, NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda),
         W_SCALED=weight_scale is not None, W_CONVERT=w_convert, W_VEC=w_vec,
-        W_PREFETCH=w_vec != 0 and ROW_PREFETCH,
+        W_SUM=row_sum(w_vec, weight_scale is not None),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
     )
