@@ -320,14 +320,12 @@ def _registers(kernel: Any) -> int:
 def test_fp8_one_token_loop_sums_its_runs_in_registers_on_sm90(w_convert: int) -> None:
     """gemv.ROW_SUM_FP8 (W_SUM): the one-token FP8 loop sums each thread's run of W_VEC products every K step, so
     the 8B down config 1x8x1024 w4 holds 8 float32 sums a thread instead of 64: its registers drop from ~118 to
-    ~70 (more blocks an SM, more weight loads in flight; 33.8 -> 28.5 us on gate_up in session 16's probe). And a
-    K step of 2048 at 4 warps reads 16 codes a thread."""
+    ~70 (more blocks an SM, more weight loads in flight; 33.8 -> 28.5 us on gate_up in session 16's probe)."""
     from stoker.engine.kernels import gemv
 
     cfg = gemv.GemvConfig(1, 8, 1024, False, 4, 3)
     w_vec = gemv._row_vec(cfg, 2, True)
     assert w_vec == 8 and gemv.row_sum(w_vec, True) == gemv.ROW_SUM_FP8 and not gemv.row_sum(w_vec, False)
-    assert gemv._row_vec(gemv.GemvConfig(1, 4, 2048, False, 4, 3), 2, True) == (16 if gemv.ROW_SUM_FP8 else 8)
     names = list(inspect.signature(gemv._gemv_kernel.fn).parameters)
     signature = _gemv_signature("bf16")
     signature["w_ptr"] = "*fp8e4nv" if w_convert == 0 else "*i32"

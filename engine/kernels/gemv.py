@@ -536,8 +536,8 @@ REFUSE_WORDS_WITH_QK_NORM = False
 ROW_ACC_BF16 = False
 # FP8 in that loop with each thread's W_VEC products summed in registers every K step, so the accumulator is
 # [BN, BK / W_VEC] instead of [BN, BK] (W_SUM): the 8B down config 1x8x1024 w4 needed 118 registers a thread for
-# its 64 float32 sums (4 blocks an SM, too few weight loads in flight), 62 this way. And with it W_VEC may reach 16
-# codes (16-byte weight loads, x read 32 bytes a thread). H200 probe (session 16, one-token FP8 GEMVs alone, us):
+# its 64 float32 sums (4 blocks an SM, too few weight loads in flight), ~70 this way. H200 probe (session 16, one-
+# token FP8 GEMVs alone, us; some shapes with 16 codes a thread):
 # 8B gate_up as one 28672-row GEMV 33.8 -> 28.5 (82 -> 97 % of copy; int32 loads with no math: 28.0), down 16.7 ->
 # 16.1 (load-only 15.0), qkv 10.2 -> 8.1, o 6.7 -> 6.2. What the fused kernels gain is ops/bench_fp8_fused.py's.
 ROW_SUM_FP8 = True
@@ -558,12 +558,12 @@ ROW_SUM_FP8 = True
 def _row_vec(cfg: GemvConfig, elem_bytes: int, fp8: bool) -> int:
     """W_VEC: 0 for the [BM, BN, BK] accumulator, else the K elements per thread of x's [1, BK] load (16 bytes,
     fewer when BK does not cover the block's threads); the weight's loads are held to the same run so the
-    product needs no layout conversion (FP8: 8-byte loads of 8 codes instead of 16). FP8 under ROW_SUM_FP8: up
-    to 32 bytes of x (16 codes, 16-byte weight loads) where BK gives each thread that many."""
+    product needs no layout conversion (FP8: 8-byte loads of 8 codes instead of 16; runs of 16 codes, 16-byte
+    weight loads, put x through shared memory every K step on sm_90: 16.2 against 16.4 us on the 8B down with the
+    run sums, session 16, not worth the round trip)."""
     if cfg.use_dot or cfg.block_m != 1 or not (ROW_ACC_FP8 if fp8 else ROW_ACC_BF16):
         return 0
-    widest = 16 // elem_bytes * (2 if fp8 and ROW_SUM_FP8 else 1)
-    return max(1, min(widest, cfg.block_k // (32 * cfg.num_warps)))
+    return max(1, min(16 // elem_bytes, cfg.block_k // (32 * cfg.num_warps)))
 
 
 def row_sum(w_vec: int, fp8: bool) -> bool:

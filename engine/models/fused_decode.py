@@ -80,16 +80,18 @@ FP8_WEIGHT_CONVERT: dict[str, str] = {"rope": "cast", "silu": "asm-join", "add":
 # loop, which the one-token CUDA-core loop pays on [1, BK] only), so a layer is 4 launches instead of 6.
 FP8_PROLOGUE_NORM = True
 # One token on the GPU: (kernel, weight rows, K) -> (launch shape, conversion), the fastest of ops/bench_fp8_fused.py
-# --row-grid --pick (H200, 2026-12-01 18:25 UTC, 8B shapes, us per call in CUDA-graph chains, 36 launch shapes x
-# cast / asm-join; "row": gemv.py's one-token [BN, BK] accumulator, W_VEC; "3d": what ran before, 17:56 UTC);
-# shapes it does not list take FP8_WEIGHT_CONVERT and the launchers' own configs. W1 FP8 with it: 2.77 ms (3.20
-# before; 18:25 UTC, ops/bench.py --dtype fp8).
+# --row-grid --pick with gemv.ROW_SUM_FP8's in-register run sums (H200, 2026-12-03 06:35 UTC, 8B shapes, us per
+# call in CUDA-graph chains; the table before it in brackets, same run); shapes it does not list take
+# FP8_WEIGHT_CONVERT and the launchers' own configs. W1 FP8 (ops/bench.py --dtype fp8, same machine, 06:45 UTC): 2.67
+# ms with this table and the run sums, 2.72 with the table before without them, 2.93 with the table before and the
+# run sums, 2.83 with this table without them (BENCHMARKS.md, 2026-12-03).
 FP8_FUSED_M1: dict[tuple[str, int, int], tuple[GemvConfig, str]] = {
-    ("rope", 6144, 4096): (GemvConfig(1, 2, 512, False, 2, 3), "asm-join"),  # qkv: 3d 13.6 -> 9.2 (64 % of copy)
-    ("add", 4096, 4096): (GemvConfig(1, 4, 1024, False, 4, 3), "cast"),  # o: 3d 8.8 -> 6.8 (58 %)
-    ("add", 4096, 14336): (GemvConfig(1, 4, 1024, False, 4, 3), "cast"),  # down: 3d 23.4 -> 16.4 (84 %)
-    # gate_up: the tl.dot tile 16x32x128 w2 s5 with asm-join stays (32.8, 84 %); the row path's best 33.9 (1x2x1024)
-    ("silu", 28672, 4096): (GemvConfig(16, 32, 128, True, 2, 5), "asm-join"),
+    ("rope", 6144, 4096): (GemvConfig(1, 2, 1024, False, 4, 3), "cast"),  # qkv: 8.7 (1x2x512 w2 asm-join 9.3)
+    ("add", 4096, 4096): (GemvConfig(1, 4, 1024, False, 4, 3), "asm-join"),  # o: 6.7 (cast 6.8)
+    # down: 16.4 (1x4x1024 w4 before, without the sums: 16.7). The pick was 1x4x2048 (16 codes a thread) at 16.2, but
+    # its x goes through shared memory every K step (the sm_90 compile test refuses that): not worth 0.2 us.
+    ("add", 4096, 14336): (GemvConfig(1, 4, 1024, False, 4, 3), "cast"),
+    ("silu", 28672, 4096): (GemvConfig(1, 4, 1024, False, 4, 3), "cast"),  # gate_up: 30.8 (dot 16x32x128 asm-join 32.7)
 }
 # 2-16 tokens on the GPU: the 16-row tl.dot tile, whose cost does not depend on how many of its rows are live, so
 # the one-token figures of the same tile stand for these (H200 15:50 UTC, 8B, us): o + add 16x16x256 w2 s4
