@@ -72,8 +72,7 @@ DOT_GRID = {
 # the in-register run sums (gemv.ROW_SUM_FP8, W_SUM), and the engine's FP8_FUSED_M1 shapes with and without them.
 # For gate_up and rope, rows are pairs (gate and up rows, a half-head's d and d + D/2): two weight streams. The
 # shapes are around session 16's probe's best (one plain GEMV per 8B projection: 4-8 rows, K steps of 1024-4096,
-# 4 warps). Session 16 ran it with runs of up to 16 codes a thread (a K step of 2048 at 4 warps); gemv._row_vec
-# now holds them to 8 (16 put x through shared memory every K step), so those shapes take two runs of 8.
+# 4 warps); a K step of 2048 at 4 warps gives each thread 16 codes (16-byte weight loads).
 ROW_GRID = {
     "add": [(4, 1024, 4), (4, 2048, 4), (8, 2048, 4), (8, 2048, 8), (4, 4096, 4), (2, 1024, 4), (8, 1024, 4)],
     "gate_up+silu": [(2, 2048, 4), (2, 4096, 4), (4, 2048, 4), (4, 1024, 4), (2, 1024, 4), (4, 2048, 8)],

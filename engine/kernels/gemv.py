@@ -558,12 +558,14 @@ ROW_SUM_FP8 = True
 def _row_vec(cfg: GemvConfig, elem_bytes: int, fp8: bool) -> int:
     """W_VEC: 0 for the [BM, BN, BK] accumulator, else the K elements per thread of x's [1, BK] load (16 bytes,
     fewer when BK does not cover the block's threads); the weight's loads are held to the same run so the
-    product needs no layout conversion (FP8: 8-byte loads of 8 codes instead of 16; runs of 16 codes, 16-byte
-    weight loads, put x through shared memory every K step on sm_90: 16.2 against 16.4 us on the 8B down with the
-    run sums, session 16, not worth the round trip)."""
+    product needs no layout conversion (FP8: 8-byte loads of 8 codes instead of 16). FP8 under ROW_SUM_FP8 takes
+    runs of up to 16 codes where BK gives each thread that many: 16-byte weight loads, but on sm_90 the weight tile
+    then goes through shared memory into x's layout every K step, and still the 8B down was faster that way (16.2
+    against 16.4 us, W1 2.65-2.67 against 2.78 ms; session 16, BENCHMARKS.md)."""
     if cfg.use_dot or cfg.block_m != 1 or not (ROW_ACC_FP8 if fp8 else ROW_ACC_BF16):
         return 0
-    return max(1, min(16 // elem_bytes, cfg.block_k // (32 * cfg.num_warps)))
+    widest = 16 // elem_bytes * (2 if fp8 and ROW_SUM_FP8 else 1)
+    return max(1, min(widest, cfg.block_k // (32 * cfg.num_warps)))
 
 
 def row_sum(w_vec: int, fp8: bool) -> bool:

@@ -29,8 +29,9 @@ Which layers take it (`bind_fused_decode`'s reasons; the answer is the same for 
   shapes and conversions: FP8_FUSED_M1 per 8B shape at one token, FP8_FUSED_DOT at 2-16 (fp8_launch); other
   one-token shapes take fp8_linear.FP8_GEMV_CONFIGS for o_proj / down and the bf16 sweep's configs for the
   SiLU / rotary kernels. They launch with programmatic dependent launch unless EngineConfig.decode_pdl says
-  otherwise (FP8 W1 at 8B 2.72 vs 2.81 ms). Block-scaled FP8 (128 x 128) keeps the unfused path, as do
-  tensor-parallel linears (F.linear and their all-reduce: a residual add cannot precede the row-parallel sum).
+  otherwise (FP8 W1 at 8B 2.72 vs 2.81 ms in session 15; 2.78 vs 2.80 in session 16). Block-scaled FP8
+  (128 x 128) keeps the unfused path, as do tensor-parallel linears (F.linear and their all-reduce: a residual
+  add cannot precede the row-parallel sum).
 - The FP8 KV cache falls back: the rotary epilogue writes the model dtype, without kv_quant's scaling.
 - The LM head (tied or not) stays on F.linear in every mode: its float32 logits are issue 13 item 2's, and a
   tied head is the embedding, so the final norm is never folded into it.
@@ -82,15 +83,15 @@ FP8_PROLOGUE_NORM = True
 # One token on the GPU: (kernel, weight rows, K) -> (launch shape, conversion), the fastest of ops/bench_fp8_fused.py
 # --row-grid --pick with gemv.ROW_SUM_FP8's in-register run sums (H200, 2026-12-03 06:35 UTC, 8B shapes, us per
 # call in CUDA-graph chains; the table before it in brackets, same run); shapes it does not list take
-# FP8_WEIGHT_CONVERT and the launchers' own configs. W1 FP8 (ops/bench.py --dtype fp8, same machine, 06:45 UTC): 2.67
-# ms with this table and the run sums, 2.72 with the table before without them, 2.93 with the table before and the
-# run sums, 2.83 with this table without them (BENCHMARKS.md, 2026-12-03).
+# FP8_WEIGHT_CONVERT and the launchers' own configs. W1 FP8 (ops/bench.py --dtype fp8; BENCHMARKS.md, 2026-12-03):
+# 2.65 and 2.67 ms with this table and the run sums (two machines), 2.72 with the table before without them, 2.88 /
+# 2.93 with the table before and the run sums, 2.83 with this table without them; 2.78 on a third machine with down
+# at 1x4x1024.
 FP8_FUSED_M1: dict[tuple[str, int, int], tuple[GemvConfig, str]] = {
     ("rope", 6144, 4096): (GemvConfig(1, 2, 1024, False, 4, 3), "cast"),  # qkv: 8.7 (1x2x512 w2 asm-join 9.3)
     ("add", 4096, 4096): (GemvConfig(1, 4, 1024, False, 4, 3), "asm-join"),  # o: 6.7 (cast 6.8)
-    # down: 16.4 (1x4x1024 w4 before, without the sums: 16.7). The pick was 1x4x2048 (16 codes a thread) at 16.2, but
-    # its x goes through shared memory every K step (the sm_90 compile test refuses that): not worth 0.2 us.
-    ("add", 4096, 14336): (GemvConfig(1, 4, 1024, False, 4, 3), "cast"),
+    # down: 16.2 with 16 codes a thread (1x4x1024: 16.4; the table's before, without the sums: 16.7)
+    ("add", 4096, 14336): (GemvConfig(1, 4, 2048, False, 4, 3), "cast"),
     ("silu", 28672, 4096): (GemvConfig(1, 4, 1024, False, 4, 3), "cast"),  # gate_up: 30.8 (dot 16x32x128 asm-join 32.7)
 }
 # 2-16 tokens on the GPU: the 16-row tl.dot tile, whose cost does not depend on how many of its rows are live, so
