@@ -210,9 +210,30 @@ def engine_config(path: str, max_num_seqs: int, device: str = "cuda", quantizati
     )
 
 
+# Kernel-module switches a --decode-kernels item may set for its own engine (an A/B of kernel forms, not engine
+# settings): "+nosums" / "+sums" turn gemv.ROW_SUM_FP8 (the one-token FP8 loop's in-register run sums) off / on.
+KERNEL_FLAGS = {"sums": ("ROW_SUM_FP8", True), "nosums": ("ROW_SUM_FP8", False)}
+_KERNEL_DEFAULTS: dict[str, Any] = {}
+
+
+def apply_kernel_flags(text: str) -> None:
+    """Set the gemv module switches of one --decode-kernels item before its engine is built (its CUDA graphs are
+    captured then); an item without them gets the module's own values back."""
+    from stoker.engine.kernels import gemv
+
+    for name, _ in KERNEL_FLAGS.values():
+        _KERNEL_DEFAULTS.setdefault(name, getattr(gemv, name))
+        setattr(gemv, name, _KERNEL_DEFAULTS[name])
+    for flag in text.split("+")[1:]:
+        if flag in KERNEL_FLAGS:
+            name, value = KERNEL_FLAGS[flag]
+            setattr(gemv, name, value)
+
+
 def decode_setting(text: str) -> dict[str, Any]:
     """"fused+pdl" -> {"decode_kernels": "fused", "decode_pdl": True}: one --decode-kernels item ("+nopdl": False;
-    neither: EngineConfig's default); "+nomlp" / "+mlp" sets decode_fused_mlp. "+overlap"
+    neither: EngineConfig's default); "+nomlp" / "+mlp" sets decode_fused_mlp; "+sums" / "+nosums" are
+    KERNEL_FLAGS (apply_kernel_flags), no engine setting. "+overlap"
     adds decode_overlap (two-nano-batch decode steps, engine/models/nano_batches.py), "+overlapN" with N rows
     as its threshold (decode_overlap_min_rows), "+smsK" K SMs for its attention lane (decode_overlap_sms); "+proN"
     normalises in the GEMV prologues up to N tokens a step (decode_prologue_norm_max_m)."""
@@ -220,6 +241,8 @@ def decode_setting(text: str) -> dict[str, Any]:
     setting: dict[str, Any] = {"decode_kernels": kernels}  # decode_pdl: EngineConfig's default unless +pdl / +nopdl
     for flag in flags:
         rows = flag.removeprefix("overlap")
+        if flag in KERNEL_FLAGS:
+            continue
         if flag in ("pdl", "nopdl"):
             setting["decode_pdl"] = flag == "pdl"
         elif flag in ("mlp", "nomlp"):
@@ -233,7 +256,7 @@ def decode_setting(text: str) -> dict[str, Any]:
             setting["decode_prologue_norm_max_m"] = int(flag[3:])
         else:
             raise ValueError(f"--decode-kernels item {text!r}: a decode_kernels value, optionally with '+pdl', "
-                             "'+nopdl', '+mlp', '+nomlp', '+overlap[N]', '+smsK' and '+proN'")
+                             "'+nopdl', '+mlp', '+nomlp', '+overlap[N]', '+smsK', '+proN', '+sums' and '+nosums'")
     return setting
 
 
@@ -244,6 +267,7 @@ def start_engine(path: str, max_num_seqs: int, device: str = "cuda", quantizatio
     from stoker.engine import LLMEngine
 
     t0 = time.perf_counter()
+    apply_kernel_flags(decode)
     if config is None:
         config = engine_config(path, max_num_seqs, device, quantization, tensor_parallel_size=tensor_parallel_size,
                                kv_cache_dtype=kv_cache_dtype, decode=decode,
@@ -517,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="no W1 (its one-request warm run still compiles the prefill path before W2)")
     ap.add_argument("--decode-kernels", default="auto",
                     help="comma-separated EngineConfig.decode_kernels settings (auto|fused|fused-folded|cublas, each "
-                         "optionally +pdl, +overlap[N] (decode_overlap, N its min rows), +smsK (decode_overlap_sms)): the first runs "
+                         "optionally +pdl / +nopdl, +overlap[N] (decode_overlap, N its min rows), +smsK (decode_overlap_sms), "
+                         "+nosums (gemv.ROW_SUM_FP8 off for that engine)): the first runs "
                          "everything; each other one runs W1 on a fresh engine")
     ap.add_argument("--profile", action="store_true",
                     help="W1 kernel table, W2 decode/prefill step kernel tables (ops/step_profile.py) "
