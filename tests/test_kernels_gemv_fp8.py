@@ -54,16 +54,17 @@ def close_to_truth(actual: torch.Tensor, ref: torch.Tensor, truth: torch.Tensor,
 # only) on every case on the GPU, on the two epilogue shapes (one and two weight streams) in the interpreter,
 # which pays per program and op (the file's interpreter run must stay well inside its driver's timeout).
 WORD_CONVERTS = ["bits-join"] if INTERPRET else ["bits-join", "asm-join"]
-# CUDA cores (the launcher's shape; 4 codes a thread summed in registers, gemv.W_SUM, over a masked tail), tl.dot,
-# tl.dot
-M_PATHS = [(1, None), (1, GemvConfig(1, 4, 128, False, 1, 1)), (1, GemvConfig(16, 16, 64, True, 4, 2)), (5, None)]
+# CUDA cores (the launcher's shape; runs of 4 and of 16 codes a thread summed in registers, gemv.W_SUM, over a
+# masked tail), tl.dot, tl.dot
+M_PATHS = [(1, None), (1, GemvConfig(1, 4, 128, False, 1, 1)), (1, GemvConfig(1, 2, 512, False, 1, 2)),
+           (1, GemvConfig(16, 16, 64, True, 4, 2)), (5, None)]
 FUSIONS = ["plain_bias", "add", "silu_mul", "norm_residual_silu_mul_add"]
 FUSION_CONVERTS = [(f, "cast") for f in FUSIONS] + [
     (f, c) for c in WORD_CONVERTS for f in (FUSIONS if not INTERPRET else ["add", "silu_mul"])]
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
-@pytest.mark.parametrize("num_rows,cfg", M_PATHS, ids=["m1", "m1-runs", "m1-dot", "m5"])
+@pytest.mark.parametrize("num_rows,cfg", M_PATHS, ids=["m1", "m1-runs", "m1-runs16", "m1-dot", "m5"])
 @pytest.mark.parametrize("fusion,convert", FUSION_CONVERTS)
 def test_fp8_gemv_fusion(device: str, dtype: torch.dtype, num_rows: int, cfg: GemvConfig | None, fusion: str,
                          convert: str) -> None:

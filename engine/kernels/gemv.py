@@ -561,7 +561,7 @@ def _row_vec(cfg: GemvConfig, elem_bytes: int, fp8: bool) -> int:
     product needs no layout conversion (FP8: 8-byte loads of 8 codes instead of 16). FP8 under ROW_SUM_FP8 takes
     runs of up to 16 codes where BK gives each thread that many: 16-byte weight loads, but on sm_90 the weight tile
     then goes through shared memory into x's layout every K step, and still the 8B down was faster that way (16.2
-    against 16.4 us, W1 2.65-2.67 against 2.78 ms; session 16, BENCHMARKS.md)."""
+    against 16.4 us; W1 2.65-2.67 ms with it on two machines, 2.78 without on a third: session 16, BENCHMARKS.md)."""
     if cfg.use_dot or cfg.block_m != 1 or not (ROW_ACC_FP8 if fp8 else ROW_ACC_BF16):
         return 0
     widest = 16 // elem_bytes * (2 if fp8 and ROW_SUM_FP8 else 1)
