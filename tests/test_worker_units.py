@@ -246,6 +246,25 @@ def test_every_engine_setting_reaches_the_engine_config(tmp_path, monkeypatch):
     assert defaults.use_triton and defaults.blocking_sync and defaults.block_size == 16
 
 
+def test_the_workers_engine_defaults_are_the_engines():
+    """A worker started with no engine options builds the EngineConfig that EngineConfig's own defaults give: every
+    setting it has an option for is passed explicitly (worker/main.engine_settings), from the option table's
+    defaults or WorkerConfig's, so a default changed in one of the three places only (a measured engine default the
+    worker kept at its old value) fails here."""
+    import dataclasses
+
+    from stoker.engine import EngineConfig
+    from stoker.worker.main import engine_settings
+
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    # the option table's defaults (parse_config) and WorkerConfig's own (a WorkerConfig built in code)
+    for cfg in (parse_config([], {"STOKER_MODEL": "/models/m"}), WorkerConfig(model="/models/m")):
+        settings = engine_settings(cfg, None)
+        assert settings.pop("model_path") == "/models/m"
+        assert len(settings) >= 20, sorted(settings)
+        assert {name: value for name, value in settings.items() if value != defaults[name]} == {}
+
+
 def test_a_model_reloaded_in_the_same_process_gets_the_light_warm_up(tmp_path, monkeypatch):
     """The idle-unload reload path: the first build of a model warms it up in full, a later build of the same
     served name (its kernels compiled in this process) runs the light warm-up; another model its own full one."""

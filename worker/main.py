@@ -270,16 +270,10 @@ def _graphs_on_cuda(cfg: WorkerConfig) -> bool:
     return torch.cuda.is_available()
 
 
-def _build_one(cfg: WorkerConfig, spec: ModelSpec | None) -> Any:
-    """One engine: the worker's engine settings, with a model spec's own path, name and memory over them."""
-    if cfg.fake_engine:
-        from stoker.worker.fake_engine import FakeEngine
-
-        name = spec.served_name if spec is not None else cfg.served_model_name or "fake"
-        return FakeEngine(name, max_num_seqs=cfg.max_num_seqs,
-                          max_model_len=cfg.max_model_len or 4096, step_delay_s=cfg.fake_step_delay_s)
-    from stoker.engine import EngineConfig, LLMEngine
-
+def engine_settings(cfg: WorkerConfig, spec: ModelSpec | None) -> dict[str, Any]:
+    """EngineConfig's keywords for one engine: the worker's settings, a model spec's own path, name and memory over
+    them. Every engine setting the worker has an option for is passed, so the worker's defaults must be the
+    engine's (tests/test_worker_units.py holds the two to each other)."""
     kwargs: dict[str, Any] = {
         "model_path": cfg.model, "max_num_seqs": cfg.max_num_seqs, "dtype": cfg.dtype, "block_size": cfg.block_size,
         "num_kv_blocks": cfg.num_kv_blocks, "gpu_memory_utilization": cfg.gpu_memory_utilization,
@@ -302,7 +296,20 @@ def _build_one(cfg: WorkerConfig, spec: ModelSpec | None) -> Any:
         kwargs["max_model_len"] = cfg.max_model_len
     if spec is not None:
         kwargs |= spec.engine_overrides()
-    engine = LLMEngine(EngineConfig(**kwargs))
+    return kwargs
+
+
+def _build_one(cfg: WorkerConfig, spec: ModelSpec | None) -> Any:
+    """One engine: the worker's engine settings, with a model spec's own path, name and memory over them."""
+    if cfg.fake_engine:
+        from stoker.worker.fake_engine import FakeEngine
+
+        name = spec.served_name if spec is not None else cfg.served_model_name or "fake"
+        return FakeEngine(name, max_num_seqs=cfg.max_num_seqs,
+                          max_model_len=cfg.max_model_len or 4096, step_delay_s=cfg.fake_step_delay_s)
+    from stoker.engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(**engine_settings(cfg, spec)))
     if not cfg.no_warmup:
         from stoker.engine import warm_up
 
