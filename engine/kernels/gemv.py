@@ -28,7 +28,9 @@ constexpr flags of one kernel:
 - FP8 weights (`weight_scale`, issue 14): E4M3 [N, K] with a float32 scale per output row, converted in
   registers (`weight_convert`: Triton's cast of the float8 tile, or int32-word loads through fp8_convert.py's
   bit trick / inline cvt.rn.f16x2.e4m3x2, joined back into the tile), the scale applied to the float32 sums
-  before every epilogue above; what each costs is in engine/models/fused_decode.py (FP8_WEIGHT_CONVERT);
+  before every epilogue above; what each costs is in engine/models/fused_decode.py (FP8_WEIGHT_CONVERT). At one
+  token on the CUDA cores each thread sums its run of products in registers every K step (ROW_SUM_FP8): the
+  accumulator's registers, not the arithmetic, were what held these GEMVs below the copy bandwidth;
 - programmatic dependent launch (`pdl`): the kernel may start while the previous one drains; before
   `griddepcontrol.wait` it touches only weights (the first tile, into registers), and it lets the next kernel
   launch right after the wait. Every kernel of the chain must wait before reading its predecessor's outputs and
