@@ -56,6 +56,11 @@ def kind_shape(model: tuple[int, int, int, int, int], kind: str) -> tuple[int, i
             "gate_up+silu": (hidden, 2 * inter), "down+add": (inter, hidden)}[kind]
 
 
+def fused_kernel(kind: str) -> str:
+    """fused_decode's kernel name (FP8_FUSED_M1's first key, fp8_launch's argument) of a bench kind."""
+    return {"qkv+rope": "rope", "gate_up+silu": "silu"}.get(kind, "add")
+
+
 # --grid: tl.dot launch shapes beside the engine's (rows per program, K step, warps, stages). The 14:45 UTC run
 # had gate_up + SiLU at 84 % of copy bandwidth on the dot tile 16x32x128 w2 s5 with "asm-join", the CUDA-core
 # configs of the others at 45-59 %: do the tensor-core shapes carry over to qkv, o and down?
@@ -87,8 +92,7 @@ def row_configs(kind: str, n: int, k: int, dry_run: bool) -> dict[str, tuple[Gem
     grid = [(2, 64, 1), (4, 32, 1)] if dry_run else ROW_GRID[key]
     out: dict[str, tuple[GemvConfig | None, bool, bool]] = {
         f"row {bn}x{bk} w{w}": (GemvConfig(1, bn, bk, False, w, 3), True, True) for bn, bk, w in grid}
-    kernel = {"qkv+rope": "rope", "gate_up+silu": "silu"}.get(kind, "add")
-    engine, _ = fp8_launch(kernel, n, k, 1, not dry_run)
+    engine, _ = fp8_launch(fused_kernel(kind), n, k, 1, not dry_run)
     if engine is not None:
         out["engine"] = (engine, True, False)
         if not engine.use_dot:
@@ -105,16 +109,15 @@ def pick(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         for conv, us in row["us"].items():
             if us is not None and row["config"] is not None and (row["kind"] not in best or us < best[row["kind"]]["us"]):
-                kernel = {"qkv+rope": "rope", "gate_up+silu": "silu"}.get(row["kind"], "add")
-                best[row["kind"]] = {"kernel": kernel, "n": row["n"], "k": row["k"], "config": row["config"],
-                                     "convert": conv, "us": us, "launch": row["launch"]}
+                best[row["kind"]] = {"kernel": fused_kernel(row["kind"]), "n": row["n"], "k": row["k"],
+                                     "config": row["config"], "convert": conv, "us": us, "launch": row["launch"]}
     return list(best.values())
 
 
 def engine_launches(kind: str, m: int, n: int, k: int, on_gpu: bool) -> dict[str, tuple[GemvConfig | None, str, bool]]:
     """--engine: label -> (launch shape, conversion, prologue norm) as engine/models/fused_decode.py launches the
     kind at M tokens (fused_decode.fp8_launch), without and (qkv, gate_up) with the unfolded prologue norm."""
-    kernel = {"qkv+rope": "rope", "gate_up+silu": "silu"}.get(kind, "add")
+    kernel = fused_kernel(kind)
     cfg, convert = fp8_launch(kernel, n, k, m, on_gpu)
     out = {"engine": (cfg, convert, False)}
     if kernel != "add":
