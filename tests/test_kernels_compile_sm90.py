@@ -259,6 +259,20 @@ def test_tuned_m1_configs_fit_the_h200s_shared_memory_in_fp32(kind: str, n_out: 
     assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)
 
 
+def _fp8_gemv_signature(w_convert: int) -> tuple[dict[str, str], dict[tuple[int, ...], Any]]:
+    """The fused GEMV's bf16 signature with FP8 weights (float8 tiles for the cast, int32 words for the word
+    conversions) in the kernel's own parameter order, and the 16-divisibility a real launch specialises on (attrs
+    index that order)."""
+    from stoker.engine.kernels import gemv
+
+    names = list(inspect.signature(gemv._gemv_kernel.fn).parameters)
+    signature = _gemv_signature("bf16")
+    signature["w_ptr"] = "*fp8e4nv" if w_convert == 0 else "*i32"
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
+               if name.endswith("_ptr") or name in ("K", "x_stride", "w_stride", "out_stride", "add_stride")}
+    return {name: signature[name] for name in names}, aligned
+
+
 def _fp8_m1_entries() -> list[Any]:
     """fused_decode's FP8 launch tables: one token per shape (FP8_FUSED_M1), 2-16 tokens per kernel (FP8_FUSED_DOT,
     compiled at the 8B K)."""
@@ -281,12 +295,7 @@ def test_fp8_fused_m1_table_compiles_for_sm90(kernel: str, n: int, k: int, cfg: 
 
     w_convert = 0 if convert == "cast" else CONVERT_CODE[convert] - 2
     w_vec = gemv._row_vec(cfg, 2, True)
-    signature = _gemv_signature("bf16")
-    signature["w_ptr"] = "*fp8e4nv" if w_convert == 0 else "*i32"
-    names = list(inspect.signature(gemv._gemv_kernel.fn).parameters)  # attrs index the kernel's own order
-    signature = {name: signature[name] for name in names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
-               if name.endswith("_ptr") or name in ("K", "x_stride", "w_stride", "out_stride", "add_stride")}
+    signature, aligned = _fp8_gemv_signature(w_convert)
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
                       DOT_PRECISION="tf32", NORM=kernel != "add", PRO_RESIDUAL=False, APPLY_G=kernel != "add",
                       HAS_BIAS=False, SILU_MUL=kernel == "silu", ADD=kernel == "add", ROTARY=kernel == "rope",
@@ -336,12 +345,7 @@ def test_fp8_one_token_loop_sums_its_runs_in_registers_on_sm90(w_convert: int) -
     w_vec = gemv._row_vec(cfg, 2, True)
     assert w_vec == 8 and gemv.row_sum(w_vec, True) == gemv.ROW_SUM_FP8 and not gemv.row_sum(w_vec, False)
     assert gemv._row_vec(gemv.GemvConfig(1, 4, 2048, False, 4, 3), 2, True) == (16 if gemv.ROW_SUM_FP8 else 8)
-    names = list(inspect.signature(gemv._gemv_kernel.fn).parameters)
-    signature = _gemv_signature("bf16")
-    signature["w_ptr"] = "*fp8e4nv" if w_convert == 0 else "*i32"
-    signature = {name: signature[name] for name in names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
-               if name.endswith("_ptr") or name in ("K", "x_stride", "w_stride", "out_stride", "add_stride")}
+    signature, aligned = _fp8_gemv_signature(w_convert)
     registers = {}
     for w_sum in (False, True):
         constexprs = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, USE_DOT=False, DOT_PRECISION="tf32", NORM=False,
