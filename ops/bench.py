@@ -25,6 +25,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import resource
 import sys
 import threading
@@ -211,29 +212,81 @@ def engine_config(path: str, max_num_seqs: int, device: str = "cuda", quantizati
 
 
 # Kernel-module switches a --decode-kernels item may set for its own engine (an A/B of kernel forms, not engine
-# settings): "+nosums" / "+sums" turn gemv.ROW_SUM_FP8 (the one-token FP8 loop's in-register run sums) off / on.
-KERNEL_FLAGS = {"sums": ("ROW_SUM_FP8", True), "nosums": ("ROW_SUM_FP8", False)}
-_KERNEL_DEFAULTS: dict[str, Any] = {}
+# settings): "+nosums" / "+sums" turn gemv.ROW_SUM_FP8 (the one-token FP8 loop's in-register run sums) off / on;
+# "+rowbf16" / "+sumbf16" put 16-bit weights on that loop (gemv.ROW_ACC_BF16) with the run sums (ROW_SUM_BF16);
+# "+opdl" launches the attention and o_proj of a chain without PDL with it (fused_decode.O_PROJ_PDL).
+KERNEL_FLAGS = {
+    "sums": ("gemv", "ROW_SUM_FP8", True), "nosums": ("gemv", "ROW_SUM_FP8", False),
+    "rowbf16": ("gemv", "ROW_ACC_BF16", True), "sumbf16": ("gemv", "ROW_SUM_BF16", True),
+    "opdl": ("fused_decode", "O_PROJ_PDL", True),
+}
+# Launch-table entries an item may replace for its own engine: "+m1=KERNEL:N:K:SHAPE:CONVERT" one
+# fused_decode.FP8_FUSED_M1 entry (e.g. m1=add:4096:4096:1x4x4096w4s3:asm-join), "+tune=KIND:N:K:SHAPE" one
+# gemv._TUNED_M1 entry (bf16 one-token shapes; e.g. tune=plain:4096:4096:1x4x2048w4s3); SHAPE is
+# BMxBNxBKwWARPSsSTAGES, then pTILES for GemvConfig.pdl_tiles, and a trailing "dot" for the tensor-core tile.
+KERNEL_TABLES = {"m1": ("fused_decode", "FP8_FUSED_M1"), "tune": ("gemv", "_TUNED_M1")}
+_KERNEL_DEFAULTS: dict[tuple[str, str], Any] = {}
+
+
+def _kernel_module(name: str):
+    from stoker.engine.kernels import gemv
+    from stoker.engine.models import fused_decode
+
+    return {"gemv": gemv, "fused_decode": fused_decode}[name]
+
+
+def parse_gemv_shape(text: str):
+    """"1x4x2048w4s3" -> GemvConfig(1, 4, 2048, False, 4, 3); "p4" after it: pdl_tiles 4; "dot" last: the
+    tensor-core tile."""
+    from stoker.engine.kernels.gemv import GemvConfig
+
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)(?:s(\d+))?(?:p(\d+))?(dot)?", text)
+    if m is None:
+        raise ValueError(f"a GEMV launch shape like 1x4x2048w4s3 (or 1x4x1024w4s3p4, 16x16x256w1s4dot) expected, "
+                         f"got {text!r}")
+    bm, bn, bk, warps, stages, tiles, dot = m.groups()
+    return GemvConfig(int(bm), int(bn), int(bk), dot is not None, int(warps), int(stages or 3), int(tiles or 1))
+
+
+def _table_entry(table: str, text: str) -> tuple[tuple[str, int, int], Any]:
+    parts = text.split(":")
+    if table == "m1" and len(parts) == 5:
+        return (parts[0], int(parts[1]), int(parts[2])), (parse_gemv_shape(parts[3]), parts[4])
+    if table == "tune" and len(parts) == 4:
+        return (parts[0], int(parts[1]), int(parts[2])), parse_gemv_shape(parts[3])
+    raise ValueError(f"--decode-kernels '+{table}=...': KERNEL:N:K:SHAPE{':CONVERT' if table == 'm1' else ''} "
+                     f"expected, got {text!r}")
 
 
 def apply_kernel_flags(text: str) -> None:
-    """Set the gemv module switches of one --decode-kernels item before its engine is built (its CUDA graphs are
-    captured then); an item without them gets the module's own values back."""
-    from stoker.engine.kernels import gemv
-
-    for name, _ in KERNEL_FLAGS.values():
-        _KERNEL_DEFAULTS.setdefault(name, getattr(gemv, name))
-        setattr(gemv, name, _KERNEL_DEFAULTS[name])
+    """Set the kernel-module switches and launch-table entries of one --decode-kernels item before its engine is
+    built (its CUDA graphs are captured then); an item without them gets the modules' own values back (the
+    tables as they were when the first item ran, i.e. after --fp8-m1-table)."""
+    for module, name, _ in KERNEL_FLAGS.values():
+        key = (module, name)
+        _KERNEL_DEFAULTS.setdefault(key, getattr(_kernel_module(module), name))
+        setattr(_kernel_module(module), name, _KERNEL_DEFAULTS[key])
+    for module, name in KERNEL_TABLES.values():
+        key = (module, name)
+        _KERNEL_DEFAULTS.setdefault(key, dict(getattr(_kernel_module(module), name)))
+        table = getattr(_kernel_module(module), name)
+        table.clear()
+        table.update(_KERNEL_DEFAULTS[key])
     for flag in text.split("+")[1:]:
         if flag in KERNEL_FLAGS:
-            name, value = KERNEL_FLAGS[flag]
-            setattr(gemv, name, value)
+            module, name, value = KERNEL_FLAGS[flag]
+            setattr(_kernel_module(module), name, value)
+        elif flag.split("=", 1)[0] in KERNEL_TABLES:
+            table, entry = flag.split("=", 1)
+            key, value = _table_entry(table, entry)
+            module, name = KERNEL_TABLES[table]
+            getattr(_kernel_module(module), name)[key] = value
 
 
 def decode_setting(text: str) -> dict[str, Any]:
     """"fused+pdl" -> {"decode_kernels": "fused", "decode_pdl": True}: one --decode-kernels item ("+nopdl": False;
-    neither: EngineConfig's default); "+nomlp" / "+mlp" sets decode_fused_mlp; "+sums" / "+nosums" are
-    KERNEL_FLAGS (apply_kernel_flags), no engine setting. "+overlap"
+    neither: EngineConfig's default); "+nomlp" / "+mlp" sets decode_fused_mlp; KERNEL_FLAGS ("+sums", "+opdl", ...)
+    and KERNEL_TABLES ("+m1=...", "+tune=...") are kernel-module settings (apply_kernel_flags), none of the engine. "+overlap"
     adds decode_overlap (two-nano-batch decode steps, engine/models/nano_batches.py), "+overlapN" with N rows
     as its threshold (decode_overlap_min_rows), "+smsK" K SMs for its attention lane (decode_overlap_sms); "+proN"
     normalises in the GEMV prologues up to N tokens a step (decode_prologue_norm_max_m)."""
@@ -241,7 +294,7 @@ def decode_setting(text: str) -> dict[str, Any]:
     setting: dict[str, Any] = {"decode_kernels": kernels}  # decode_pdl: EngineConfig's default unless +pdl / +nopdl
     for flag in flags:
         rows = flag.removeprefix("overlap")
-        if flag in KERNEL_FLAGS:
+        if flag in KERNEL_FLAGS or flag.split("=", 1)[0] in KERNEL_TABLES:
             continue
         if flag in ("pdl", "nopdl"):
             setting["decode_pdl"] = flag == "pdl"
@@ -256,7 +309,7 @@ def decode_setting(text: str) -> dict[str, Any]:
             setting["decode_prologue_norm_max_m"] = int(flag[3:])
         else:
             raise ValueError(f"--decode-kernels item {text!r}: a decode_kernels value, optionally with '+pdl', "
-                             "'+nopdl', '+mlp', '+nomlp', '+overlap[N]', '+smsK', '+proN', '+sums' and '+nosums'")
+                             "'+nopdl', '+mlp', '+nomlp', '+overlap[N]', '+smsK', '+proN', or KERNEL_FLAGS / KERNEL_TABLES items")
     return setting
 
 

@@ -56,7 +56,7 @@ def _gemv_ptx(kind: str, pdl: bool) -> list[str]:
                       HAS_BIAS=False, SILU_MUL=kind == "silu", ADD=kind == "plain", ROTARY=kind == "rope",
                       QK_NORM=False, HALF=64, SPLITS_PER_HEAD=64 // cfg.block_n if kind == "rope" else 1,
                       PAIRED=kind != "plain", USE_PDL=pdl, NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True),
-                      W_SCALED=False, W_CONVERT=0, W_VEC=0, W_SUM=False)
+                      W_SCALED=False, W_CONVERT=0, W_VEC=0, W_SUM=False, PDL_TILES=1, PDL_GDC=pdl)
     names = list(inspect.signature(gemv._gemv_kernel.fn).parameters)
     signature = {name: signature[name] for name in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
@@ -95,3 +95,31 @@ def test_decode_attention_pdl_reads_older_keys_before_the_wait() -> None:
     plain = _ptx(attention._decode_split_kernel, signature, {**constexprs, "USE_PDL": False, "PDL_GDC": False}, 4,
                  3, aligned)
     assert not any("griddepcontrol" in line for line in plain)
+
+
+@pytest.mark.parametrize("tiles", [2, 4])
+def test_gemv_pdl_tiles_all_load_before_the_wait(tiles: int) -> None:
+    """GemvConfig.pdl_tiles (o_proj after the attention): the first `tiles` weight tiles all load before
+    griddepcontrol.wait, `tiles` times the one tile of the default form, and none after it but x's and the
+    loop's; FP8 o_proj at the 8B shape, one token, 1 x 4 x 1024 a tile (4 tiles are its whole K)."""
+    from stoker.engine.kernels import gemv
+    from test_kernels_compile_sm90 import _fp8_gemv_signature
+
+    cfg = gemv.GemvConfig(1, 4, 1024, False, 4, 3)
+    w_vec = gemv._row_vec(cfg, 2, True)
+    signature, aligned = _fp8_gemv_signature(2)
+
+    def before_wait(pdl_tiles: int) -> tuple[int, list[str]]:
+        constexprs = dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, USE_DOT=False, DOT_PRECISION="tf32", NORM=False,
+                          PRO_RESIDUAL=False, APPLY_G=False, HAS_BIAS=False, SILU_MUL=False, ADD=True, ROTARY=False,
+                          QK_NORM=False, HALF=64, SPLITS_PER_HEAD=1, PAIRED=False, USE_PDL=True, W_SCALED=True,
+                          W_CONVERT=2, NORM_CHUNK=gemv.norm_chunk(4096, 4, True), W_VEC=w_vec,
+                          W_SUM=gemv.row_sum(w_vec, True), PDL_TILES=pdl_tiles, PDL_GDC=True)
+        lines = _ptx(gemv._gemv_kernel, signature, constexprs, 4, 3, aligned)
+        return _loads(lines[:_index(lines, "griddepcontrol.wait")]), lines
+
+    one, _ = before_wait(1)
+    many, lines = before_wait(tiles)
+    assert one > 0 and many == tiles * one, (one, many)
+    wait = _index(lines, "griddepcontrol.wait")
+    assert wait < _index(lines, "griddepcontrol.launch_dependents")

@@ -7,6 +7,7 @@ Both of the kernel's multiply paths are exercised (CUDA-core broadcast-and-sum, 
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -195,6 +196,46 @@ def test_fused_linear_dispatch_falls_back_on_cpu_and_large_m() -> None:
     ref, _ = gemv_ref(x, w, norm_weight=g, eps=1e-6, silu_mul=True, add=add)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     assert s is x
+
+
+# ------------------------------------------------------------------------- PDL: tiles before the wait
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("num_rows,block", [(1, GemvConfig(1, 8, 64, False, 4, 2)), (3, GemvConfig(16, 16, 64, True, 4, 2))],
+                         ids=["cores-m1", "dot-m3"])
+@pytest.mark.parametrize("k", [K, 150], ids=["k200", "k150"])
+@pytest.mark.parametrize("fusion", ["add", "norm_folded_silu_mul"])
+def test_gemv_pdl_tiles_before_the_wait(device: str, dtype: torch.dtype, num_rows: int, block: GemvConfig, k: int,
+                                        fusion: str) -> None:
+    """GemvConfig.pdl_tiles: under pdl the first 1-4 K tiles are loaded before griddepcontrol.wait (on the CPU the
+    same tiles are peeled without it) and summed in K order, so every count gives the loop's result bit for bit
+    and the reference's within the dtype's tolerance: K = 200 is 4 slices of 64 (the last a masked tail of 8),
+    K = 150 leaves the fourth early tile wholly past K."""
+    torch.manual_seed(3)
+    silu_mul = "silu_mul" in fusion
+    n_total = 2 * 45 if silu_mul else N
+    x = rand(num_rows, k, device=device, dtype=dtype, scale=3.0)
+    weight = rand(n_total, k, device=device, dtype=dtype, scale=k**-0.5)
+    if silu_mul:
+        g = rand(k, device=device, dtype=dtype) + 1
+        fast: dict[str, Any] = {"silu_mul": True, "norm_folded": True, "eps": 1e-5}
+        ref, _ = gemv_ref(x, weight, norm_weight=g, eps=1e-5, silu_mul=True)
+        weight = fold_norm_weight(weight, g)
+    else:
+        fast = {"add": rand(num_rows, N, device=device, dtype=dtype)}
+        ref, _ = gemv_ref(x, weight, **fast)
+    outs = [gemv_triton(x, weight, **fast, pdl=True, config=dataclasses.replace(block, pdl_tiles=t))[0]
+            for t in (1, 2, 3, 4)]
+    loop = gemv_triton(x, weight, **fast, pdl=False, config=block)[0]
+    for out in outs:
+        torch.testing.assert_close(out, loop, rtol=0, atol=0)
+    close(outs[-1], ref, dtype)
+
+
+def test_gemv_config_pdl_tiles_are_bounded() -> None:
+    assert GemvConfig(1, 4, 1024, False, 4, 3, pdl_tiles=4).label() == "cores 1x4x1024 w4 s3 p4"
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match="pdl_tiles must be 1-4"):
+            GemvConfig(1, 4, 1024, False, 4, 3, pdl_tiles=bad)
 
 
 # ------------------------------------------------------------------------------------ GPU only: PDL

@@ -60,7 +60,7 @@ from stoker.engine.kernels.fp8_convert import CONVERT_CODE, e4m3_words_to_tile
 from stoker.engine.kernels.rmsnorm import rms_norm_ref
 from stoker.engine.kernels.rotary import rotary_and_cache_ref
 
-try:  # inline PTX (griddepcontrol.*): only reached when USE_PDL is set, never under the interpreter
+try:  # inline PTX (griddepcontrol.*): only reached when PDL_GDC is set (USE_PDL on the GPU), never under the interpreter
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except Exception:  # triton missing or without the extra module: the USE_PDL=False kernels never name them
     gdc_launch_dependents = gdc_wait = None
@@ -298,6 +298,7 @@ def _gemv_kernel(
     ROTARY: tl.constexpr, QK_NORM: tl.constexpr, HALF: tl.constexpr, SPLITS_PER_HEAD: tl.constexpr,
     PAIRED: tl.constexpr, USE_PDL: tl.constexpr, NORM_CHUNK: tl.constexpr, W_SCALED: tl.constexpr,
     W_CONVERT: tl.constexpr, W_VEC: tl.constexpr, W_SUM: tl.constexpr,
+    PDL_TILES: tl.constexpr = 1, PDL_GDC: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
     j = tl.arange(0, BLOCK_N)
@@ -337,10 +338,19 @@ def _gemv_kernel(
     if USE_PDL or (NORM and W_SCALED and not PRO_RESIDUAL):
         wa, wb = _load_w(wa_ptrs, wb_ptrs, 0, col_mask, kw, K, PAIRED, W_CONVERT)
     if USE_PDL:
-        # Weights never depend on the previous kernel: load the first tile while it drains, then wait for its
-        # outputs (x, the residual) to be visible and let the next kernel launch.
-        gdc_wait()
-        gdc_launch_dependents()
+        # Weights never depend on the previous kernel: load the first PDL_TILES tiles while it drains (more than
+        # one where the predecessor leaves the memory bus idle: the attention before o_proj), then wait for its
+        # outputs (x, the residual) to be visible and let the next kernel launch. Without PDL_GDC (the
+        # interpreter) the same tiles are peeled, with no griddepcontrol.
+        if PDL_TILES > 1:
+            wa1, wb1 = _load_w(wa_ptrs, wb_ptrs, BLOCK_K, col_mask, kw, K, PAIRED, W_CONVERT)
+        if PDL_TILES > 2:
+            wa2, wb2 = _load_w(wa_ptrs, wb_ptrs, 2 * BLOCK_K, col_mask, kw, K, PAIRED, W_CONVERT)
+        if PDL_TILES > 3:
+            wa3, wb3 = _load_w(wa_ptrs, wb_ptrs, 3 * BLOCK_K, col_mask, kw, K, PAIRED, W_CONVERT)
+        if PDL_GDC:
+            gdc_wait()
+            gdc_launch_dependents()
     if NORM and not PRO_RESIDUAL:
         # The rms of each x row in a pass of its own (x is M*K elements, read from L2 by every program),
         # so that the weight loop below stays a plain pipelined GEMV: normalising x inside the loop took
@@ -352,6 +362,25 @@ def _gemv_kernel(
             res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
             PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC, W_SUM)
         k_start = BLOCK_K
+    if USE_PDL:  # the other tiles loaded before the wait, in K order (the same sums as the loop's)
+        if PDL_TILES > 1:
+            acc_a, acc_b, sumsq = _gemv_step(
+                BLOCK_K, wa1, wb1, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
+                res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
+                PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC, W_SUM)
+            k_start = 2 * BLOCK_K
+        if PDL_TILES > 2:
+            acc_a, acc_b, sumsq = _gemv_step(
+                2 * BLOCK_K, wa2, wb2, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
+                res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
+                PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC, W_SUM)
+            k_start = 3 * BLOCK_K
+        if PDL_TILES > 3:
+            acc_a, acc_b, sumsq = _gemv_step(
+                3 * BLOCK_K, wa3, wb3, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
+                res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
+                PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC, W_SUM)
+            k_start = 4 * BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         wa, wb = _load_w(wa_ptrs, wb_ptrs, k0, col_mask, kw, K, PAIRED, W_CONVERT)
         acc_a, acc_b, sumsq = _gemv_step(
@@ -441,10 +470,15 @@ class GemvConfig:
     use_dot: bool
     num_warps: int = 4
     num_stages: int = 3
+    pdl_tiles: int = 1  # under PDL: K tiles loaded before griddepcontrol.wait (1-4)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.pdl_tiles <= 4:
+            raise ValueError(f"GemvConfig: pdl_tiles must be 1-4, got {self.pdl_tiles}")
 
     def label(self) -> str:
         return (f"{'dot' if self.use_dot else 'cores'} {self.block_m}x{self.block_n}x{self.block_k} "
-                f"w{self.num_warps} s{self.num_stages}")
+                f"w{self.num_warps} s{self.num_stages}" + (f" p{self.pdl_tiles}" if self.pdl_tiles != 1 else ""))
 
 
 # M = 1 launch shapes per (kind, n_out, hidden) as gemv_config sees them, each the fastest candidate of
@@ -543,6 +577,8 @@ ROW_ACC_BF16 = False
 # 8B gate_up as one 28672-row GEMV 33.8 -> 28.5 (82 -> 97 % of copy; int32 loads with no math: 28.0), down 16.7 ->
 # 16.1 (load-only 15.0), qkv 10.2 -> 8.1, o 6.7 -> 6.2. What the fused kernels gain is ops/bench_fp8_fused.py's.
 ROW_SUM_FP8 = True
+# The same run sums for 16/32-bit weights in the one-token loop (that loop needs ROW_ACC_BF16): off until measured.
+ROW_SUM_BF16 = False
 # (The next K step's weight tile loaded into registers before this step's math, W_PREFETCH, was slower on the H200,
 # 8B down 17.5 -> 26.1 us, and is gone: sm_90 SASS shows why, a loop-carried 8-bit tile is held a code a register
 # and repacked byte by byte every step. Carried as int32 words it is clean but no faster: session 16's probe.)
@@ -571,8 +607,9 @@ def _row_vec(cfg: GemvConfig, elem_bytes: int, fp8: bool) -> int:
 
 
 def row_sum(w_vec: int, fp8: bool) -> bool:
-    """W_SUM: the one-token loop (W_VEC) with FP8 weights sums each thread's run in registers (ROW_SUM_FP8)."""
-    return w_vec != 0 and fp8 and ROW_SUM_FP8
+    """W_SUM: the one-token loop (W_VEC) sums each thread's run in registers (ROW_SUM_FP8 for FP8 weights,
+    ROW_SUM_BF16 for the others)."""
+    return w_vec != 0 and (ROW_SUM_FP8 if fp8 else ROW_SUM_BF16)
 
 
 def _check_weight_convert(weight_convert: str, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> int:
@@ -623,7 +660,7 @@ def _launch(
     hres = norm_residual if norm_residual is not None else x
     add_t = add if add is not None else x
     num_q_heads, num_kv_heads, half, splits = heads
-    use_pdl = pdl and not interpreting()
+    gdc = pdl and not interpreting()  # griddepcontrol and the launch attribute: the GPU only
     w_convert = _check_weight_convert(weight_convert, weight, weight_scale)
     w_vec = _row_vec(cfg, x.element_size(), weight_scale is not None)
     paired = silu_mul or rotary is not None
@@ -642,11 +679,11 @@ def _launch(
         APPLY_G=norm_weight is not None, HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul, ADD=add is not None,
         ROTARY=rotary is not None, QK_NORM=qk_norm is not None, HALF=half, SPLITS_PER_HEAD=splits,
-        PAIRED=paired, USE_PDL=use_pdl, NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda),
+        PAIRED=paired, USE_PDL=pdl, NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda),
         W_SCALED=weight_scale is not None, W_CONVERT=w_convert, W_VEC=w_vec,
-        W_SUM=row_sum(w_vec, weight_scale is not None),
+        W_SUM=row_sum(w_vec, weight_scale is not None), PDL_TILES=cfg.pdl_tiles, PDL_GDC=gdc,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"launch_pdl": True} if use_pdl else {}),
+        **({"launch_pdl": True} if gdc else {}),
     )
 
 

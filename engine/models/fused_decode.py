@@ -105,6 +105,11 @@ FP8_FUSED_DOT: dict[str, tuple[GemvConfig, str]] = {
     "silu": (GemvConfig(16, 32, 128, True, 2, 5), "asm-join"),
 }
 
+# PDL on the attention -> o_proj boundary alone where the layer's chain runs without it (bf16): the attention,
+# latency-bound and on few SMs, lets o_proj's programs in once qkv is done, and they load their first weight tile
+# (all of it for a one-tile config) while it runs. Off until measured (ops/bench.py "+opdl").
+O_PROJ_PDL = False
+
 
 @dataclass(frozen=True, slots=True)
 class FusedDecode:
@@ -279,8 +284,9 @@ def fused_decode_layer(
     qkv = _qkv_rotary_cache(fd, x, positions, meta, k_cache, v_cache, prologue, folded)
     num_heads, head_dim = fd.attention.num_heads, fd.attention.head_dim
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    out = fd.attention(q, k_cache, v_cache, meta, pdl=fd.pdl).reshape(num_tokens, num_heads * head_dim)
-    stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=fd.pdl, **_fp8_args(fd.o_proj, "add", num_tokens))
+    o_pdl = fd.pdl or O_PROJ_PDL  # the attention lets o_proj in early; o_proj loads its first tile before waiting
+    out = fd.attention(q, k_cache, v_cache, meta, pdl=o_pdl).reshape(num_tokens, num_heads * head_dim)
+    stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=o_pdl, **_fp8_args(fd.o_proj, "add", num_tokens))
     x = stream if prologue else fd.post_norm(stream)[0]
     if num_tokens <= fd.mlp_max_m:  # gate_up + SiLU-mul + down + residual: a streaming kernel, a finishing one
         return fused_mlp_triton(x, fd.gate_up.weight, fd.down.weight, stream, eps=fd.post_norm.eps,
