@@ -484,6 +484,7 @@ def profile_w1(eng, vocab: int, prompt: int) -> None:
     """torch.profiler over 32 batch-1 decode steps: the GPU kernel table (time per kernel), to see where a
     step's time goes against the bandwidth floor. Written to $OUT/w1_profile.txt."""
     from stoker.engine import EngineRequest, SamplingParams
+    from stoker.ops.kernel_path import critical_path, path_table, spans_from_trace
     from torch.profiler import ProfilerActivity, profile
 
     eng.add_request(EngineRequest(
@@ -501,9 +502,14 @@ def profile_w1(eng, vocab: int, prompt: int) -> None:
     while eng.has_unfinished():
         eng.step()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90)
+    # Under PDL those totals count each kernel's wait: the critical-path charges (ops/kernel_path.py) do not.
+    trace_path = _out_file("w1_trace.json")
+    prof.export_chrome_trace(trace_path)
+    path = path_table(critical_path(spans_from_trace(json.loads(Path(trace_path).read_text()))), rows=30, per=32)
     with open(_out_file("w1_profile.txt"), "w") as f:
-        f.write("32 decode steps at batch 1 (graphs on), per-kernel totals:\n" + table)
-    log("W1 profile:\n" + table)
+        f.write("32 decode steps at batch 1 (graphs on), per-kernel totals:\n" + table
+                + "\n\nWhat each kernel adds to the step's critical path, per step:\n" + path + "\n")
+    log("W1 profile:\n" + table + "\nW1 critical path, per step:\n" + path)
 
 
 def cprofile_w2(eng, vocab: int, n: int, prompt: int) -> None:
