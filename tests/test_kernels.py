@@ -53,6 +53,10 @@ def test_rms_norm(device: str, dtype: torch.dtype, rows: int, hidden: int) -> No
     ref_out, ref_summed = rms_norm_ref(x, weight, 1e-5, residual)
     close(out, ref_out, dtype)
     torch.testing.assert_close(summed, ref_summed, rtol=0, atol=0)  # the sum is rounded exactly like torch
+    # pdl (the fused decode chain's norm): the same kernel, launched with PDL on the GPU: the same bits
+    pdl_out, pdl_summed = rms_norm_triton(x, weight, 1e-5, residual, pdl=True)
+    torch.testing.assert_close(pdl_out, out, rtol=0, atol=0)
+    torch.testing.assert_close(pdl_summed, summed, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("device,dtype", CASES)

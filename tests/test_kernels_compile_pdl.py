@@ -45,7 +45,7 @@ def _loop_headers(lines: list[str]) -> list[int]:
     return [i for i, line in enumerate(lines) if "Loop Header" in line]
 
 
-def _gemv_ptx(kind: str, pdl: bool) -> list[str]:
+def _gemv_ptx(kind: str, pdl: bool, trigger_first: bool = False) -> list[str]:
     from stoker.engine.kernels import gemv
 
     n_out = {"rope": 3072, "silu": 14336, "plain": 4096}[kind]
@@ -56,7 +56,8 @@ def _gemv_ptx(kind: str, pdl: bool) -> list[str]:
                       HAS_BIAS=False, SILU_MUL=kind == "silu", ADD=kind == "plain", ROTARY=kind == "rope",
                       QK_NORM=False, HALF=64, SPLITS_PER_HEAD=64 // cfg.block_n if kind == "rope" else 1,
                       PAIRED=kind != "plain", USE_PDL=pdl, NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True),
-                      W_SCALED=False, W_CONVERT=0, W_VEC=0, W_SUM=False, PDL_TILES=1, PDL_GDC=pdl)
+                      W_SCALED=False, W_CONVERT=0, W_VEC=0, W_SUM=False, PDL_TILES=1, PDL_GDC=pdl,
+                      PDL_TRIGGER_FIRST=trigger_first)
     names = list(inspect.signature(gemv._gemv_kernel.fn).parameters)
     signature = {name: signature[name] for name in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
@@ -75,6 +76,15 @@ def test_gemv_pdl_loads_the_first_weight_tile_before_the_wait(kind: str) -> None
     assert _loads(lines[:wait]) > 0
     assert wait < trigger < _loop_headers(lines)[0] and _loads(lines[wait:trigger]) == 0
     assert not any("griddepcontrol" in line for line in _gemv_ptx(kind, pdl=False))
+
+
+def test_gemv_pdl_trigger_first_lets_the_next_kernel_in_before_anything() -> None:
+    """pdl_trigger_first (qkv before the decode attention): launch_dependents is the first griddepcontrol, before
+    any load and before the wait, which still precedes every load of x (after the first weight tile's)."""
+    lines = _gemv_ptx("rope", pdl=True, trigger_first=True)
+    trigger = _index(lines, "griddepcontrol.launch_dependents")
+    wait = _index(lines, "griddepcontrol.wait")
+    assert _loads(lines[:trigger]) == 0 and trigger < wait and _loads(lines[trigger:wait]) > 0
 
 
 def test_decode_attention_pdl_reads_older_keys_before_the_wait() -> None:
@@ -114,7 +124,8 @@ def test_gemv_pdl_tiles_all_load_before_the_wait(tiles: int) -> None:
                           PRO_RESIDUAL=False, APPLY_G=False, HAS_BIAS=False, SILU_MUL=False, ADD=True, ROTARY=False,
                           QK_NORM=False, HALF=64, SPLITS_PER_HEAD=1, PAIRED=False, USE_PDL=True, W_SCALED=True,
                           W_CONVERT=2, NORM_CHUNK=gemv.norm_chunk(4096, 4, True), W_VEC=w_vec,
-                          W_SUM=gemv.row_sum(w_vec, True), PDL_TILES=pdl_tiles, PDL_GDC=True)
+                          W_SUM=gemv.row_sum(w_vec, True), PDL_TILES=pdl_tiles, PDL_GDC=True,
+                          PDL_TRIGGER_FIRST=False)
         lines = _ptx(gemv._gemv_kernel, signature, constexprs, 4, 3, aligned)
         return _loads(lines[:_index(lines, "griddepcontrol.wait")]), lines
 
@@ -123,3 +134,23 @@ def test_gemv_pdl_tiles_all_load_before_the_wait(tiles: int) -> None:
     assert one > 0 and many == tiles * one, (one, many)
     wait = _index(lines, "griddepcontrol.wait")
     assert wait < _index(lines, "griddepcontrol.launch_dependents")
+
+
+def test_rms_norm_pdl_waits_before_reading_x() -> None:
+    """The norm between two PDL GEMVs (pdl=True): griddepcontrol.wait comes before any load (x is the previous
+    kernel's output), launch_dependents right after it, before the loads; without PDL_GDC neither appears."""
+    from stoker.engine.kernels import rmsnorm
+
+    names = list(inspect.signature(rmsnorm._rms_norm_kernel.fn).parameters)
+    signature = {name: "*bf16" for name in names if name.endswith("_ptr")}
+    signature.update({name: "i32" for name in names if name.endswith("_stride") or name == "hidden"}, eps="fp32")
+    signature.update(HAS_RESIDUAL="constexpr", BLOCK="constexpr", PDL_GDC="constexpr")
+    signature = {name: signature[name] for name in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name.endswith("_ptr")}
+    constexprs = dict(HAS_RESIDUAL=True, BLOCK=4096, PDL_GDC=True)
+    lines = _ptx(rmsnorm._rms_norm_kernel, signature, constexprs, 8, 1, aligned)
+    wait = _index(lines, "griddepcontrol.wait")
+    trigger = _index(lines, "griddepcontrol.launch_dependents")
+    assert _loads(lines[:wait]) == 0 and wait < trigger and _loads(lines[trigger:]) > 0
+    plain = _ptx(rmsnorm._rms_norm_kernel, signature, {**constexprs, "PDL_GDC": False}, 8, 1, aligned)
+    assert not any("griddepcontrol" in line for line in plain)

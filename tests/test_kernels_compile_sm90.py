@@ -76,7 +76,8 @@ def _gemv_signature(dtype: str) -> dict[str, str]:
     signature.update({name: "i32" for name in _GEMV_INTS})
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_DOT", "DOT_PRECISION", "NORM", "PRO_RESIDUAL", "APPLY_G",
                  "HAS_BIAS", "SILU_MUL", "ADD", "ROTARY", "QK_NORM", "HALF", "SPLITS_PER_HEAD", "PAIRED", "USE_PDL",
-                 "NORM_CHUNK", "W_SCALED", "W_CONVERT", "W_VEC", "W_SUM", "PDL_TILES", "PDL_GDC"):
+                 "NORM_CHUNK", "W_SCALED", "W_CONVERT", "W_VEC", "W_SUM", "PDL_TILES", "PDL_GDC",
+                 "PDL_TRIGGER_FIRST"):
         signature[name] = "constexpr"
     return signature
 
@@ -96,7 +97,8 @@ def test_gemv_configs_fit_the_h200s_shared_memory(dtype: str, elem_bytes: int, k
                       APPLY_G=False, HAS_BIAS=False, SILU_MUL=kind == "silu", ADD=False, ROTARY=kind == "rope",
                       QK_NORM=False, HALF=64, SPLITS_PER_HEAD=2, PAIRED=kind in ("silu", "rope"), USE_PDL=False,
                       NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True), W_SCALED=False, W_CONVERT=0,
-                      W_VEC=0, W_SUM=False, PDL_TILES=1, PDL_GDC=False)
+                      W_VEC=0, W_SUM=False, PDL_TILES=1, PDL_GDC=False,
+                      PDL_TRIGGER_FIRST=False)
     kernel = _compile(gemv._gemv_kernel, _gemv_signature(dtype), constexprs, cfg.num_warps, cfg.num_stages)
     assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)
 
@@ -117,7 +119,8 @@ def test_fp8_fused_gemv_compiles_for_sm90(w_convert: int, kind: str, rows: int) 
                       SPLITS_PER_HEAD=2, PAIRED=kind in ("silu", "rope"), USE_PDL=False, W_SCALED=True,
                       W_CONVERT=w_convert, NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True),
                       W_VEC=gemv._row_vec(cfg, 2, True), W_SUM=gemv.row_sum(gemv._row_vec(cfg, 2, True), True),
-                      PDL_TILES=1, PDL_GDC=False)
+                      PDL_TILES=1, PDL_GDC=False,
+                      PDL_TRIGGER_FIRST=False)
     kernel = _compile(gemv._gemv_kernel, signature, constexprs, cfg.num_warps, cfg.num_stages)
     assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)
     if w_convert == 2:
@@ -255,7 +258,8 @@ def test_tuned_m1_configs_fit_the_h200s_shared_memory_in_fp32(kind: str, n_out: 
                       HAS_BIAS=False, SILU_MUL=base == "silu", ADD=base == "plain", ROTARY=base == "rope",
                       QK_NORM=False, HALF=64, SPLITS_PER_HEAD=8, PAIRED=base in ("silu", "rope"), USE_PDL=False,
                       NORM_CHUNK=gemv.norm_chunk(hidden, cfg.num_warps, True), W_SCALED=False, W_CONVERT=0,
-                      W_VEC=0, W_SUM=False, PDL_TILES=1, PDL_GDC=False)
+                      W_VEC=0, W_SUM=False, PDL_TILES=1, PDL_GDC=False,
+                      PDL_TRIGGER_FIRST=False)
     kernel = _compile(gemv._gemv_kernel, _gemv_signature("fp32"), constexprs, cfg.num_warps, cfg.num_stages)
     assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)
 
@@ -302,7 +306,8 @@ def test_fp8_fused_m1_table_compiles_for_sm90(kernel: str, n: int, k: int, cfg: 
                       HAS_BIAS=False, SILU_MUL=kernel == "silu", ADD=kernel == "add", ROTARY=kernel == "rope",
                       QK_NORM=False, HALF=64, SPLITS_PER_HEAD=1, PAIRED=kernel != "add", USE_PDL=False, W_SCALED=True,
                       W_CONVERT=w_convert, NORM_CHUNK=gemv.norm_chunk(k, cfg.num_warps, True), W_VEC=w_vec,
-                      W_SUM=gemv.row_sum(w_vec, True), PDL_TILES=1, PDL_GDC=False)
+                      W_SUM=gemv.row_sum(w_vec, True), PDL_TILES=1, PDL_GDC=False,
+                      PDL_TRIGGER_FIRST=False)
     kernel_bin = triton.compile(ASTSource(gemv._gemv_kernel, signature, constexprs=constexprs, attrs=aligned),
                                 target=H200, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     assert kernel_bin.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel_bin.metadata.shared)
@@ -353,7 +358,8 @@ def test_fp8_one_token_loop_sums_its_runs_in_registers_on_sm90(w_convert: int) -
                           PRO_RESIDUAL=False, APPLY_G=False, HAS_BIAS=False, SILU_MUL=False, ADD=True, ROTARY=False,
                           QK_NORM=False, HALF=64, SPLITS_PER_HEAD=1, PAIRED=False, USE_PDL=False, W_SCALED=True,
                           W_CONVERT=w_convert, NORM_CHUNK=gemv.norm_chunk(14336, 4, True), W_VEC=w_vec, W_SUM=w_sum,
-                          PDL_TILES=1, PDL_GDC=False)
+                          PDL_TILES=1, PDL_GDC=False,
+                      PDL_TRIGGER_FIRST=False)
         kernel = triton.compile(ASTSource(gemv._gemv_kernel, signature, constexprs=constexprs, attrs=aligned),
                                 target=H200, options={"num_warps": 4, "num_stages": 3})
         registers[w_sum] = _registers(kernel)

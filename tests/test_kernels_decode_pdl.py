@@ -21,7 +21,8 @@ from stoker.engine.kernels.attention import (  # noqa: E402
     paged_decode_attention_ref,
     paged_decode_attention_triton,
 )
-from stoker.engine.kernels.gemv import gemv_rotary_cache_triton, gemv_triton  # noqa: E402
+from stoker.engine.kernels.gemv import GemvConfig, gemv_rotary_cache_triton, gemv_triton  # noqa: E402
+from stoker.engine.kernels.rmsnorm import rms_norm_triton  # noqa: E402
 from test_kernels import paged_batch  # noqa: E402
 
 CASES = cases()
@@ -110,43 +111,57 @@ class _Layer:
         blocks = self.block_tables.gather(1, (positions // block_size).view(-1, 1).int()).view(-1).long()
         self.slots = blocks * block_size + positions % block_size
         self.counters = decode_combine_counters(rows, kv_heads, dev)
+        self.unit = torch.ones(hidden, device=dev, dtype=dt)
 
-    def forward(self, x: torch.Tensor, pdl: bool) -> torch.Tensor:
-        """norm-folded-style qkv (prologue norm, unit gain) -> attention -> o + residual -> gate_up -> down."""
+    def forward(self, x: torch.Tensor, pdl: bool, form: str = "prologue") -> torch.Tensor:
+        """norm-folded-style qkv (prologue norm, unit gain) -> attention -> o + residual -> gate_up -> down.
+        form "norms": the FP8 chain's other form, PDL RMSNorm kernels before qkv and gate_up, qkv letting the
+        attention in before its own wait (pdl_trigger_first), o_proj with all of K loaded before its wait."""
         rows = x.shape[0]
+        norms = form == "norms"
+        h = rms_norm_triton(x, self.unit, 1e-5, pdl=pdl)[0] if norms else x
         qkv, _ = gemv_rotary_cache_triton(
-            x, self.w_qkv, None, num_heads=self.heads, num_kv_heads=self.kv_heads, positions=self.positions,
+            h, self.w_qkv, None, num_heads=self.heads, num_kv_heads=self.kv_heads, positions=self.positions,
             cos_sin=self.cos_sin, k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=self.slots,
-            norm_folded=True, eps=1e-5, pdl=pdl)
+            norm_folded=not norms, eps=1e-5, pdl=pdl, pdl_trigger_first=pdl and norms)
         q = qkv[:, : self.heads * self.head_dim].view(rows, self.heads, self.head_dim)
         attn = paged_decode_attention_triton(q, self.k_cache, self.v_cache, self.block_tables, self.context_lens,
                                              self.head_dim**-0.5, counters=self.counters, pdl=pdl)
-        stream, _ = gemv_triton(attn.reshape(rows, -1), self.w_o, add=x, pdl=pdl)
-        act, _ = gemv_triton(stream, self.w_gu, silu_mul=True, norm_folded=True, eps=1e-5, pdl=pdl)
+        early = None
+        if norms:  # hidden 512: four K tiles of 128, all of them before the wait
+            early = GemvConfig(1, 4, 128, False, 4, 3, 4) if rows == 1 else GemvConfig(16, 16, 128, True, 4, 2, 4)
+        stream, _ = gemv_triton(attn.reshape(rows, -1), self.w_o, add=x, pdl=pdl, config=early)
+        if norms:
+            act, _ = gemv_triton(rms_norm_triton(stream, self.unit, 1e-5, pdl=pdl)[0], self.w_gu, silu_mul=True,
+                                 pdl=pdl)
+        else:
+            act, _ = gemv_triton(stream, self.w_gu, silu_mul=True, norm_folded=True, eps=1e-5, pdl=pdl)
         return gemv_triton(act, self.w_d, add=stream, pdl=pdl)[0]
 
 
 @GPU
 @NO_CUDA
 @pytest.mark.parametrize("rows", [1, 4])
-def test_pdl_layer_chain_replays_in_a_cuda_graph_bitwise(rows: int) -> None:
+@pytest.mark.parametrize("form", ["prologue", "norms"])
+def test_pdl_layer_chain_replays_in_a_cuda_graph_bitwise(rows: int, form: str) -> None:
     """Two layers' chain with every kernel PDL-launched (the attention included), captured and replayed on new
     inputs, against the chain launched without PDL: outputs and the KV caches bitwise equal. The attention reads
-    the key / value the qkv kernel just wrote, so a wait placed too late shows up here as a mismatch."""
+    the key / value the qkv kernel just wrote, so a wait placed too late shows up here as a mismatch; in the
+    "norms" form the attention is let in before qkv's own wait and the norm kernels sit in the chain."""
     torch.manual_seed(2)
     layer = _Layer(rows)
     static_x = torch.randn(rows, 512, device="cuda").to(torch.bfloat16)
     for _ in range(2):  # compile outside the capture
-        layer.forward(layer.forward(static_x, True), True)
+        layer.forward(layer.forward(static_x, True, form), True, form)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        static_out = layer.forward(layer.forward(static_x, True), True)
+        static_out = layer.forward(layer.forward(static_x, True, form), True, form)
     for _ in range(3):
         static_x.copy_(torch.randn(rows, 512, device="cuda").to(torch.bfloat16))
         graph.replay()
         k_after, v_after = layer.k_cache.clone(), layer.v_cache.clone()
-        expected = layer.forward(layer.forward(static_x, False), False)
+        expected = layer.forward(layer.forward(static_x, False, form), False, form)
         torch.testing.assert_close(static_out, expected, rtol=0, atol=0)
         torch.testing.assert_close(k_after, layer.k_cache, rtol=0, atol=0)
         torch.testing.assert_close(v_after, layer.v_cache, rtol=0, atol=0)

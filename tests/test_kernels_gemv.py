@@ -272,6 +272,42 @@ def test_gemv_pdl_chain_survives_cuda_graph_capture(num_rows: int) -> None:
         torch.testing.assert_close(static_out, expected, rtol=0, atol=0)
 
 
+@GPU
+@NO_CUDA
+def test_pdl_norm_and_early_tiles_survive_cuda_graph_capture() -> None:
+    """The FP8 chain's separate-norm form: a PDL RMSNorm (it lets the next GEMV in before normalising) between
+    PDL GEMVs that load 4 tiles before their wait, captured in a CUDA graph and replayed on new inputs, equals
+    the same kernels launched one after another without PDL."""
+    from stoker.engine.kernels.rmsnorm import rms_norm_triton
+
+    torch.manual_seed(1)
+    dt, hidden, inter = torch.bfloat16, 512, 1376
+    w_o = rand(hidden, hidden, device="cuda", dtype=dt, scale=hidden**-0.5)
+    w_gu = rand(2 * inter, hidden, device="cuda", dtype=dt, scale=hidden**-0.5)
+    w_d = rand(hidden, inter, device="cuda", dtype=dt, scale=inter**-0.5)
+    g1, g2 = rand(hidden, device="cuda", dtype=dt) + 1, rand(hidden, device="cuda", dtype=dt) + 1
+    early = GemvConfig(1, 4, 128, False, 4, 3, pdl_tiles=4)  # K = 512: all of it before the wait
+    static_x = rand(1, hidden, device="cuda", dtype=dt)
+
+    def layer(x: torch.Tensor, pdl: bool) -> torch.Tensor:
+        h = rms_norm_triton(x, g1, 1e-5, pdl=pdl)[0]
+        r, _ = gemv_triton(h, w_o, add=x, pdl=pdl, config=early)
+        a, _ = gemv_triton(rms_norm_triton(r, g2, 1e-5, pdl=pdl)[0], w_gu, silu_mul=True, pdl=pdl, config=early)
+        return gemv_triton(a, w_d, add=r, pdl=pdl)[0]
+
+    for _ in range(2):
+        layer(static_x, True)
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        static_out = layer(layer(static_x, True), True)
+    for _ in range(3):
+        static_x.copy_(rand(1, hidden, device="cuda", dtype=dt))
+        graph.replay()
+        expected = layer(layer(static_x, False), False)
+        torch.testing.assert_close(static_out, expected, rtol=0, atol=0)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRET, reason="this is the interpreter run itself")
 def test_gemv_under_triton_interpreter() -> None:

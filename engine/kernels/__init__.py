@@ -57,10 +57,11 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """pdl: the Triton kernel launched with programmatic dependent launch (fused decode chains)."""
     if use_triton(x):
-        return rms_norm_triton(x, weight, eps, residual)
+        return rms_norm_triton(x, weight, eps, residual, pdl)
     return rms_norm_ref(x, weight, eps, residual)
 
 

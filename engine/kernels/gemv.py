@@ -298,7 +298,7 @@ def _gemv_kernel(
     ROTARY: tl.constexpr, QK_NORM: tl.constexpr, HALF: tl.constexpr, SPLITS_PER_HEAD: tl.constexpr,
     PAIRED: tl.constexpr, USE_PDL: tl.constexpr, NORM_CHUNK: tl.constexpr, W_SCALED: tl.constexpr,
     W_CONVERT: tl.constexpr, W_VEC: tl.constexpr, W_SUM: tl.constexpr,
-    PDL_TILES: tl.constexpr = 1, PDL_GDC: tl.constexpr = True,
+    PDL_TILES: tl.constexpr = 1, PDL_GDC: tl.constexpr = True, PDL_TRIGGER_FIRST: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     j = tl.arange(0, BLOCK_N)
@@ -335,6 +335,11 @@ def _gemv_kernel(
     k_start = 0
     # FP8 with the prologue norm (unfolded g, the FP8 "fused-folded"): the first weight tile is in flight during
     # the rms pass's L2 round trips, as under PDL while the previous kernel drains.
+    if PDL_GDC and PDL_TRIGGER_FIRST:  # (PDL_GDC: USE_PDL on the GPU)
+        # The next kernel in before this one waits: only for a successor that reads nothing before its own wait
+        # that this kernel's predecessor writes (the decode attention after qkv: see gemv_rotary_cache_triton's
+        # pdl_trigger_first).
+        gdc_launch_dependents()
     if USE_PDL or (NORM and W_SCALED and not PRO_RESIDUAL):
         wa, wb = _load_w(wa_ptrs, wb_ptrs, 0, col_mask, kw, K, PAIRED, W_CONVERT)
     if USE_PDL:
@@ -350,7 +355,8 @@ def _gemv_kernel(
             wa3, wb3 = _load_w(wa_ptrs, wb_ptrs, 3 * BLOCK_K, col_mask, kw, K, PAIRED, W_CONVERT)
         if PDL_GDC:
             gdc_wait()
-            gdc_launch_dependents()
+            if not PDL_TRIGGER_FIRST:
+                gdc_launch_dependents()
     if NORM and not PRO_RESIDUAL:
         # The rms of each x row in a pass of its own (x is M*K elements, read from L2 by every program),
         # so that the weight loop below stays a plain pipelined GEMV: normalising x inside the loop took
@@ -649,6 +655,7 @@ def _launch(
     norm_folded: bool = False,
     weight_scale: torch.Tensor | None = None,
     weight_convert: str = "cast",
+    trigger_first: bool = False,
 ) -> None:
     num_rows, hidden = x.shape
     if cfg.use_dot and cfg.block_m < 16:
@@ -682,6 +689,7 @@ def _launch(
         PAIRED=paired, USE_PDL=pdl, NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda),
         W_SCALED=weight_scale is not None, W_CONVERT=w_convert, W_VEC=w_vec,
         W_SUM=row_sum(w_vec, weight_scale is not None), PDL_TILES=cfg.pdl_tiles, PDL_GDC=gdc,
+        PDL_TRIGGER_FIRST=trigger_first,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if gdc else {}),
     )
@@ -752,10 +760,17 @@ def gemv_rotary_cache_triton(
     norm_folded: bool = False,
     weight_scale: torch.Tensor | None = None,
     weight_convert: str = "cast",
+    pdl_trigger_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv_rotary_cache_ref in one kernel. With q_norm/k_norm (Qwen3) a program must hold a whole head,
     so the grid is one program per head (fewer, longer programs: slower at batch 1 than without).
-    weight_scale: FP8 weights, as in gemv_triton (the scale before the q/k norm and the rotation)."""
+    weight_scale: FP8 weights, as in gemv_triton (the scale before the q/k norm and the rotation).
+    pdl_trigger_first (with pdl): griddepcontrol.launch_dependents before this kernel's own wait, so the decode
+    attention after it becomes resident while it streams and reads its older keys then. Sound only because what
+    the attention reads before its wait (block tables, context lengths, keys and values of earlier steps) is
+    written by no kernel of this step that could still be running: when this kernel starts, its predecessor's
+    predecessor has finished (every other kernel of the chain triggers after its wait), and the attention reads
+    this kernel's outputs (q, the newest key and value) only after its own wait, which covers this kernel."""
     check_gemv_args(x, weight, bias, norm_weight, norm_residual, False, None, norm_folded, weight_scale)
     head_dim = k_cache.shape[-1]
     num_rows, hidden = x.shape
@@ -809,12 +824,12 @@ def gemv_rotary_cache_triton(
         block_n = max(block_n, 16)
     else:  # two [BLOCK_N, BLOCK_K] float32 accumulators live in registers: keep them at <= 4096 elements
         block_k = min(block_k, max(32, 4096 // block_n))
-    cfg = GemvConfig(cfg.block_m, block_n, block_k, cfg.use_dot, cfg.num_warps, cfg.num_stages)
+    cfg = dataclasses.replace(cfg, block_n=block_n, block_k=block_k)
     splits = triton.cdiv(half, block_n)
     num_total_heads = num_heads + 2 * num_kv_heads
     qk = (q_norm, k_norm) if q_norm is not None and k_norm is not None else None
     _launch(x, weight, out, n_total, num_total_heads * splits, cfg, bias, norm_weight, eps, norm_residual, s,
             False, None, pdl, rotary=(positions, cos_sin, k_cache, v_cache, slot_mapping),
             heads=(num_heads, num_kv_heads, half, splits), qk_norm=qk, norm_folded=norm_folded,
-            weight_scale=weight_scale, weight_convert=weight_convert)
+            weight_scale=weight_scale, weight_convert=weight_convert, trigger_first=pdl_trigger_first)
     return out, s

@@ -2,7 +2,12 @@
 from __future__ import annotations
 
 import torch
-from stoker.engine.kernels._triton import check_launchable, tl, triton
+from stoker.engine.kernels._triton import check_launchable, interpreting, tl, triton
+
+try:  # inline PTX (griddepcontrol.*): only reached when PDL_GDC is set, never under the interpreter
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except Exception:  # triton missing or without the extra module: kernels with PDL_GDC=False never name them
+    gdc_launch_dependents = gdc_wait = None
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -41,8 +46,14 @@ def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr,
     x_row_stride, residual_row_stride, out_row_stride, sum_row_stride,
     hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL_GDC: tl.constexpr = False,
 ):
+    if PDL_GDC:
+        # Launched with PDL in the fused decode chain: wait for the kernel that wrote x, then let the GEMV after
+        # this one in at once, so its programs load their weight tiles while this one normalises (the GEMV
+        # waits for this kernel to finish before it reads the output).
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -60,8 +71,10 @@ def _rms_norm_kernel(
 
 
 def rms_norm_triton(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """pdl: launch with programmatic dependent launch (the fused decode chain's norm between two PDL GEMVs); the
+    interpreter runs the same kernel without it."""
     _check(x, weight, residual)
     check_launchable(x, weight, *([] if residual is None else [residual]))
     if x.stride(1) != 1 or weight.stride(0) != 1 or (residual is not None and residual.stride(1) != 1):
@@ -73,10 +86,12 @@ def rms_norm_triton(
         return out, summed
     block = triton.next_power_of_2(hidden)
     res = x if residual is None else residual  # unused pointer when HAS_RESIDUAL is False
+    gdc = pdl and not interpreting()
     _rms_norm_kernel[(num_rows,)](
         x, res, weight, out, summed,
         x.stride(0), res.stride(0), out.stride(0), summed.stride(0),
         hidden, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_num_warps(block),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_num_warps(block), PDL_GDC=gdc,
+        **({"launch_pdl": True} if gdc else {}),
     )
     return out, summed

@@ -14,7 +14,8 @@ class RMSNorm(WeightModule):
         self.weight = empty_param(hidden_size, dtype=dtype)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, pdl: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] (+ residual [T, H]) -> (normed sum, the sum: the next block's residual)."""
-        return kernels.rms_norm(x, self.weight, self.eps, residual)
+        """x [T, H] (+ residual [T, H]) -> (normed sum, the sum: the next block's residual). pdl: the kernel
+        launched with programmatic dependent launch (the fused decode chain)."""
+        return kernels.rms_norm(x, self.weight, self.eps, residual, pdl)

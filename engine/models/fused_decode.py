@@ -109,6 +109,10 @@ FP8_FUSED_DOT: dict[str, tuple[GemvConfig, str]] = {
 # latency-bound and on few SMs, lets o_proj's programs in once qkv is done, and they load their first weight tile
 # (all of it for a one-tile config) while it runs. Off until measured (ops/bench.py "+opdl").
 O_PROJ_PDL = False
+# Under PDL the qkv GEMV lets the decode attention in before its own wait (gemv_rotary_cache_triton's
+# pdl_trigger_first says why that is sound), so the attention's older keys load while qkv streams. Off until
+# measured (ops/bench.py "+qkvfirst").
+QKV_TRIGGER_FIRST = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,14 +284,14 @@ def fused_decode_layer(
         stream = hidden if residual is None else hidden + residual
         x = stream
     else:  # the norm kernel; a unit gain where g is folded into the weights (fused-folded)
-        x, stream = fd.input_norm(hidden, residual)
+        x, stream = fd.input_norm(hidden, residual, pdl=fd.pdl)
     qkv = _qkv_rotary_cache(fd, x, positions, meta, k_cache, v_cache, prologue, folded)
     num_heads, head_dim = fd.attention.num_heads, fd.attention.head_dim
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     o_pdl = fd.pdl or O_PROJ_PDL  # the attention lets o_proj in early; o_proj loads its first tile before waiting
     out = fd.attention(q, k_cache, v_cache, meta, pdl=o_pdl).reshape(num_tokens, num_heads * head_dim)
     stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=o_pdl, **_fp8_args(fd.o_proj, "add", num_tokens))
-    x = stream if prologue else fd.post_norm(stream)[0]
+    x = stream if prologue else fd.post_norm(stream, pdl=fd.pdl)[0]
     if num_tokens <= fd.mlp_max_m:  # gate_up + SiLU-mul + down + residual: a streaming kernel, a finishing one
         return fused_mlp_triton(x, fd.gate_up.weight, fd.down.weight, stream, eps=fd.post_norm.eps,
                                 norm_folded=folded, accumulator=fd.mlp_accumulator), None
@@ -321,6 +325,7 @@ def _qkv_rotary_cache(
         x, fd.qkv.weight, fd.qkv.bias, num_heads=fd.attention.num_heads, num_kv_heads=fd.attention.num_kv_heads,
         positions=positions, cos_sin=fd.rotary.cos_sin, k_cache=k_cache, v_cache=v_cache,
         slot_mapping=meta.slot_mapping, eps=eps, q_norm=q_norm, k_norm=k_norm, pdl=fd.pdl,
+        pdl_trigger_first=fd.pdl and QKV_TRIGGER_FIRST,
         norm_folded=folded, **fp8, **_unfolded_norm(fd, fd.input_norm, prologue),
     )
     return qkv
