@@ -214,12 +214,16 @@ def engine_config(path: str, max_num_seqs: int, device: str = "cuda", quantizati
 # Kernel-module switches a --decode-kernels item may set for its own engine (an A/B of kernel forms, not engine
 # settings): "+nosums" / "+sums" turn gemv.ROW_SUM_FP8 (the one-token FP8 loop's in-register run sums) off / on;
 # "+rowbf16" / "+sumbf16" put 16-bit weights on that loop (gemv.ROW_ACC_BF16) with the run sums (ROW_SUM_BF16);
-# "+opdl" launches the attention and o_proj of a chain without PDL with it (fused_decode.O_PROJ_PDL); "+qkvfirst"
-# lets the attention in before the qkv GEMV's wait (fused_decode.QKV_TRIGGER_FIRST).
+# "+opdl" / "+noopdl" launch the attention and o_proj of a chain without PDL with it or not (fused_decode.O_PROJ_PDL);
+# "+qkvfirst" lets the attention in before the qkv GEMV's wait (fused_decode.QKV_TRIGGER_FIRST); "+norowbf16" /
+# "+nosumbf16" turn ROW_ACC_BF16 / ROW_SUM_BF16 off; "+fp8pro" runs FP8's norms in the GEMV prologues again
+# (fused_decode.FP8_PROLOGUE_NORM).
 KERNEL_FLAGS = {
     "sums": ("gemv", "ROW_SUM_FP8", True), "nosums": ("gemv", "ROW_SUM_FP8", False),
     "rowbf16": ("gemv", "ROW_ACC_BF16", True), "sumbf16": ("gemv", "ROW_SUM_BF16", True),
     "opdl": ("fused_decode", "O_PROJ_PDL", True), "qkvfirst": ("fused_decode", "QKV_TRIGGER_FIRST", True),
+    "norowbf16": ("gemv", "ROW_ACC_BF16", False), "nosumbf16": ("gemv", "ROW_SUM_BF16", False),
+    "noopdl": ("fused_decode", "O_PROJ_PDL", False), "fp8pro": ("fused_decode", "FP8_PROLOGUE_NORM", True),
 }
 # Launch-table entries an item may replace for its own engine: "+m1=KERNEL:N:K:SHAPE:CONVERT" one
 # fused_decode.FP8_FUSED_M1 entry (e.g. m1=add:4096:4096:1x4x4096w4s3:asm-join), "+tune=KIND:N:K:SHAPE" one

@@ -195,18 +195,21 @@ def test_folding_rewrites_the_weights_in_place(arch) -> None:
 
 
 @interpreted
-@pytest.mark.parametrize("mode", ["fused", "fused-folded"])
+@pytest.mark.parametrize("mode", ["fused", "fused-folded", "fused-folded+prologue"])
 def test_fp8_weights_take_the_fused_path(arch, mode: str, monkeypatch) -> None:
     """FP8 weights (quantized per row at load) run the fused kernels with their row scales, unfolded even under
-    "fused-folded" (folding would requantize), which runs both RMSNorms in the qkv / gate_up prologues with the
-    norm weight applied to x (no separate norm kernel) where "fused" keeps them apart: every decode step fused,
+    "fused-folded" (folding would requantize), which keeps the RMSNorm kernels like "fused" unless
+    fused_decode.FP8_PROLOGUE_NORM is set ("+prologue"; off by default since session 17): then both run in the qkv /
+    gate_up prologues with the norm weight applied to x (no separate norm kernel): every decode step fused,
     the weights untouched by planning, and greedy tokens and logprobs equal to the unfused FP8 engine's (the
     dequantizing reference path, which tests/test_fp8.py holds to transformers on the dequantized weights). The
     folded-mode run reads the weights as int32 words through the bit trick ("bits-join") in every kernel, the
     others as the engine picks (on the CPU: Triton's cast; the PTX conversion is the GPU's)."""
     name, path, _ = arch
-    if name == "qwen3" or (mode == "fused-folded" and name != "llama"):
-        pytest.skip("llama both modes, qwen2 (bias in the FP8 qkv epilogue) once: the interpreter run stays short")
+    if name == "qwen3" or (mode != "fused" and name != "llama"):
+        pytest.skip("llama every mode, qwen2 (bias in the FP8 qkv epilogue) once: the interpreter run stays short")
+    mode, _, flag = mode.partition("+")
+    monkeypatch.setattr(fused_decode, "FP8_PROLOGUE_NORM", flag == "prologue")
     if mode == "fused-folded":
         monkeypatch.setattr(fused_decode, "FP8_WEIGHT_CONVERT", dict.fromkeys(("rope", "silu", "add"), "bits-join"))
     spy = SpyCalls(monkeypatch)
@@ -222,7 +225,7 @@ def test_fp8_weights_take_the_fused_path(arch, mode: str, monkeypatch) -> None:
     assert spy.calls == 2 * (max(MAX_TOKENS[:3]) - 1), "the fused path did not make every decode step"
     # each fused layer call: qkv and gate_up take the norm weight themselves ("fused-folded", steps of up to
     # decode_prologue_norm_max_m tokens; the larger ones run the norm kernel first) or none ("fused")
-    prologue = mode == "fused-folded"
+    prologue = mode == "fused-folded" and flag == "prologue"
     assert layer.fused_decode.prologue_max_m == (engine.config.decode_prologue_norm_max_m if prologue else 0)
     assert len(norm_calls) == 2 * spy.calls
     if prologue:
@@ -288,6 +291,31 @@ def test_fp8_launch_takes_the_one_token_table_on_the_gpu_only(monkeypatch) -> No
     assert launch("silu", 28672, 4096, 1, True) == (None, "asm-join")
     assert launch("silu", 28672, 4096, 1, False) == (None, "cast")  # no PTX off the GPU
     assert launch("add", 4096, 4098, 1, True)[1] == "cast"  # K not whole int32 words
+
+
+def test_o_proj_pdl_only_where_o_proj_loads_several_tiles_before_its_wait(monkeypatch) -> None:
+    """_o_proj_pdl: every layer of a PDL chain; without one (bf16), under O_PROJ_PDL, only where the o_proj launch
+    at that step's token count loads more than one K tile before its wait (the 8B entry at one token, on the GPU);
+    never off the GPU, at 2-16 tokens (the tensor-core tile) or for other shapes (one tile early: measured a loss)."""
+    from types import SimpleNamespace
+
+    class Weight:
+        def __init__(self, n: int, k: int, cuda: bool) -> None:
+            self.shape, self.is_cuda = (n, k), cuda
+
+        def element_size(self) -> int:
+            return 2
+
+    def fd(n: int, k: int, cuda: bool = True, pdl: bool = False) -> Any:
+        return SimpleNamespace(pdl=pdl, o_proj=SimpleNamespace(weight=Weight(n, k, cuda)))
+
+    monkeypatch.setattr(fused_decode, "O_PROJ_PDL", True)
+    o_pdl = fused_decode._o_proj_pdl
+    assert o_pdl(fd(4096, 4096), 1) and not o_pdl(fd(4096, 4096), 2) and not o_pdl(fd(4096, 4096), 16)
+    assert not o_pdl(fd(4096, 4096, cuda=False), 1) and not o_pdl(fd(2048, 2048), 1)
+    assert o_pdl(fd(2048, 2048, pdl=True), 3)
+    monkeypatch.setattr(fused_decode, "O_PROJ_PDL", False)
+    assert not o_pdl(fd(4096, 4096), 1) and o_pdl(fd(4096, 4096, pdl=True), 1)
 
 
 def test_auto_is_fused_folded_on_cuda_with_triton_only(tmp_path) -> None:

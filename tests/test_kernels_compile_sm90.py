@@ -304,10 +304,10 @@ def test_fp8_fused_m1_table_compiles_for_sm90(kernel: str, n: int, k: int, cfg: 
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
                       DOT_PRECISION="tf32", NORM=kernel != "add", PRO_RESIDUAL=False, APPLY_G=kernel != "add",
                       HAS_BIAS=False, SILU_MUL=kernel == "silu", ADD=kernel == "add", ROTARY=kernel == "rope",
-                      QK_NORM=False, HALF=64, SPLITS_PER_HEAD=1, PAIRED=kernel != "add", USE_PDL=False, W_SCALED=True,
+                      QK_NORM=False, HALF=64, SPLITS_PER_HEAD=1, PAIRED=kernel != "add", USE_PDL=True, W_SCALED=True,
                       W_CONVERT=w_convert, NORM_CHUNK=gemv.norm_chunk(k, cfg.num_warps, True), W_VEC=w_vec,
-                      W_SUM=gemv.row_sum(w_vec, True), PDL_TILES=1, PDL_GDC=False,
-                      PDL_TRIGGER_FIRST=False)
+                      W_SUM=gemv.row_sum(w_vec, True), PDL_TILES=cfg.pdl_tiles, PDL_GDC=True,
+                      PDL_TRIGGER_FIRST=False)  # FP8 layers launch with PDL (EngineConfig.decode_pdl None)
     kernel_bin = triton.compile(ASTSource(gemv._gemv_kernel, signature, constexprs=constexprs, attrs=aligned),
                                 target=H200, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     assert kernel_bin.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel_bin.metadata.shared)
@@ -349,7 +349,8 @@ def test_fp8_one_token_loop_sums_its_runs_in_registers_on_sm90(w_convert: int) -
 
     cfg = gemv.GemvConfig(1, 8, 1024, False, 4, 3)
     w_vec = gemv._row_vec(cfg, 2, True)
-    assert w_vec == 8 and gemv.row_sum(w_vec, True) == gemv.ROW_SUM_FP8 and not gemv.row_sum(w_vec, False)
+    assert w_vec == 8 and gemv.row_sum(w_vec, True) == gemv.ROW_SUM_FP8
+    assert gemv.row_sum(w_vec, False) == gemv.ROW_SUM_BF16 and not gemv.row_sum(0, True)
     assert gemv._row_vec(gemv.GemvConfig(1, 4, 2048, False, 4, 3), 2, True) == (16 if gemv.ROW_SUM_FP8 else 8)
     signature, aligned = _fp8_gemv_signature(w_convert)
     registers = {}

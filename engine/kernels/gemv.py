@@ -494,6 +494,9 @@ class GemvConfig:
 # norm's rms pass wants more rows per program than the plain kinds: fewer programs repeat it.
 _TUNED_M1: dict[tuple[str, int, int], GemvConfig] = {
     ("rope-norm", 3072, 4096): GemvConfig(1, 8, 512, False, 4, 3),  # 8B qkv, folded norm: 21.2 -> 16.1
+    # 8B o_proj: the CUDA-core loop with run sums, all of K loaded before the wait under PDL (fused_decode.O_PROJ_PDL:
+    # W1 4.15-4.19 -> 4.11-4.15 ms, session 17); without PDL as fast as the dot tile 16x16x256 w1 (4.182 vs 4.186)
+    ("plain", 4096, 4096): GemvConfig(1, 4, 1024, False, 4, 3, pdl_tiles=4),
     ("silu-norm", 14336, 4096): GemvConfig(16, 64, 128, True, 4, 4),  # 8B gate_up, folded norm: 60.3 -> 58.0
     ("rope", 1536, 2048): GemvConfig(1, 2, 1024, False, 4, 3),  # 1B qkv: 5.7 -> 5.4
     ("rope-norm", 1536, 2048): GemvConfig(1, 2, 1024, False, 4, 3),  # 1B qkv, folded norm: 6.3 -> 5.9
@@ -569,13 +572,14 @@ def _contiguous_last(name: str, t: torch.Tensor | None) -> None:
 # weights; the 3-D [1, BN, BK] product before it made Triton pick a layout of one K element per thread and
 # convert every weight tile to it through shared memory (sm_90 PTX of the 8B o_proj config 1x8x1024: an 8 KB
 # st.shared + ldmatrix round trip and 3 barriers per K step; with W_VEC none). ROW_ACC_BF16: the same loop for
-# 16/32-bit weights (shared with the bf16 path: off until measured there).
+# 16/32-bit weights (on since session 17: W1 bf16 with it and ROW_SUM_BF16 on every one-token CUDA-core GEMV, the
+# 8B qkv's included, 4.182 against 4.186 ms before; the 1B shape's measured in the same session, BENCHMARKS.md).
 ROW_ACC_FP8 = True
 # The word conversions with Qwen3's q/k norm on CUDA: refused while they gave NaN (H200 15:50 UTC); after the norm's
 # sum was held to the head's live columns, ops/probe_qk_norm_words.py found no NaN (18:25 UTC: asm-join and
 # bits-join, head_dim 40 and 128, M = 1 and 5, relative error 3.4e-3 to 5.0e-3), so no longer refused.
 REFUSE_WORDS_WITH_QK_NORM = False
-ROW_ACC_BF16 = False
+ROW_ACC_BF16 = True
 # FP8 in that loop with each thread's W_VEC products summed in registers every K step, so the accumulator is
 # [BN, BK / W_VEC] instead of [BN, BK] (W_SUM): the 8B down config 1x8x1024 w4 needed 118 registers a thread for
 # its 64 float32 sums (4 blocks an SM, too few weight loads in flight), ~70 this way. H200 probe (session 16, one-
@@ -583,8 +587,10 @@ ROW_ACC_BF16 = False
 # 8B gate_up as one 28672-row GEMV 33.8 -> 28.5 (82 -> 97 % of copy; int32 loads with no math: 28.0), down 16.7 ->
 # 16.1 (load-only 15.0), qkv 10.2 -> 8.1, o 6.7 -> 6.2. What the fused kernels gain is ops/bench_fp8_fused.py's.
 ROW_SUM_FP8 = True
-# The same run sums for 16/32-bit weights in the one-token loop (that loop needs ROW_ACC_BF16): off until measured.
-ROW_SUM_BF16 = False
+# The same run sums for 16/32-bit weights in the one-token loop (with ROW_ACC_BF16): the 8B o_proj config 1x4x1024
+# w4 with four tiles before its wait needs 128 registers a thread with them, 118 without and 52 with one tile
+# (sm_90 compile); W1 bf16 with both on and the o_proj entry above, session 17: see _TUNED_M1.
+ROW_SUM_BF16 = True
 # (The next K step's weight tile loaded into registers before this step's math, W_PREFETCH, was slower on the H200,
 # 8B down 17.5 -> 26.1 us, and is gone: sm_90 SASS shows why, a loop-carried 8-bit tile is held a code a register
 # and repacked byte by byte every step. Carried as int32 words it is clean but no faster: session 16's probe.)

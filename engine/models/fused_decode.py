@@ -77,9 +77,13 @@ _FOLD_ROWS = 1024  # rows folded per chunk: a 16 MB float32 temporary at hidden 
 # FP8 table's CUDA-core 1x8x1024: cast 8.8, asm-join 13.2; down + add: cast 23.4, asm-join 39.1; qkv + rope
 # (CUDA cores 1x4x512): cast 13.2, asm-join 13.6. Off the GPU "asm-join" becomes "cast" (no PTX there).
 FP8_WEIGHT_CONVERT: dict[str, str] = {"rope": "cast", "silu": "asm-join", "add": "cast"}
-# FP8 under "fused-folded": the two RMSNorms run in the qkv / gate_up prologues with g unfolded (x * g in the K
-# loop, which the one-token CUDA-core loop pays on [1, BK] only), so a layer is 4 launches instead of 6.
-FP8_PROLOGUE_NORM = True
+# FP8 under "fused-folded" with this set: the two RMSNorms run in the qkv / gate_up prologues with g unfolded (x * g
+# in the K loop and an rms pass over x in every program), 4 launches a layer instead of 6. Off: the norm kernels,
+# launched with PDL in the FP8 chain (each lets the next GEMV in before it normalises). Measured on the H200
+# (2026-12-03, session 17, W1 FP8 8B, ops/bench.py "+pro0" against the prologues, same machine): 2.628 -> 2.510 ms;
+# the critical path per layer (ops/kernel_path.py) had gate_up 35.1 -> 30.0 us and qkv 11.7 -> 7.3 us against
+# 2 x 2.0 us of norm kernels. So off.
+FP8_PROLOGUE_NORM = False
 # One token on the GPU: (kernel, weight rows, K) -> (launch shape, conversion), the fastest of ops/bench_fp8_fused.py
 # --row-grid --pick with gemv.ROW_SUM_FP8's in-register run sums (H200, 2026-12-03 06:35 UTC, 8B shapes, us per
 # call in CUDA-graph chains; the table before it in brackets, same run); shapes it does not list take
@@ -87,12 +91,18 @@ FP8_PROLOGUE_NORM = True
 # 2.65 and 2.67 ms with this table and the run sums (two machines), 2.72 with the table before without them, 2.88 /
 # 2.93 with the table before and the run sums, 2.83 with this table without them; 2.78 on a third machine with down
 # at 1x4x1024.
+# pdl_tiles (session 17, W1 FP8 under PDL, same machine): o_proj with all four K tiles loaded before its wait, i.e.
+# while the decode attention runs, 2.658 -> 2.631 ms (its charge on the critical path 5.8 -> 4.1 us a layer, the
+# attention's 5.5 -> 6.7: o's stream now shares the bus with it); gate_up with two, 2.509 -> 2.488-2.506 with the
+# norm kernels (four: 2.512); qkv with two or four lost (2.506 -> 2.531 / 2.556): it follows a norm kernel of 2 us.
+# down at 1x4x1024 again: 2.753 against 2.658 ms with this entry (settles session 16's open 2.65 / 2.78 question).
 FP8_FUSED_M1: dict[tuple[str, int, int], tuple[GemvConfig, str]] = {
     ("rope", 6144, 4096): (GemvConfig(1, 2, 1024, False, 4, 3), "cast"),  # qkv: 8.7 (1x2x512 w2 asm-join 9.3)
-    ("add", 4096, 4096): (GemvConfig(1, 4, 1024, False, 4, 3), "asm-join"),  # o: 6.7 (cast 6.8)
+    ("add", 4096, 4096): (GemvConfig(1, 4, 1024, False, 4, 3, pdl_tiles=4), "asm-join"),  # o: 6.7 (cast 6.8)
     # down: 16.2 with 16 codes a thread (1x4x1024: 16.4; the table's before, without the sums: 16.7)
     ("add", 4096, 14336): (GemvConfig(1, 4, 2048, False, 4, 3), "cast"),
-    ("silu", 28672, 4096): (GemvConfig(1, 4, 1024, False, 4, 3), "cast"),  # gate_up: 30.8 (dot 16x32x128 asm-join 32.7)
+    # gate_up: 30.8 (dot 16x32x128 asm-join 32.7)
+    ("silu", 28672, 4096): (GemvConfig(1, 4, 1024, False, 4, 3, pdl_tiles=2), "cast"),
 }
 # 2-16 tokens on the GPU: the 16-row tl.dot tile, whose cost does not depend on how many of its rows are live, so
 # the one-token figures of the same tile stand for these (H200 15:50 UTC, 8B, us): o + add 16x16x256 w2 s4
@@ -105,10 +115,12 @@ FP8_FUSED_DOT: dict[str, tuple[GemvConfig, str]] = {
     "silu": (GemvConfig(16, 32, 128, True, 2, 5), "asm-join"),
 }
 
-# PDL on the attention -> o_proj boundary alone where the layer's chain runs without it (bf16): the attention,
-# latency-bound and on few SMs, lets o_proj's programs in once qkv is done, and they load their first weight tile
-# (all of it for a one-tile config) while it runs. Off until measured (ops/bench.py "+opdl").
-O_PROJ_PDL = False
+# PDL on the attention -> o_proj boundary alone where the layer's chain runs without it (bf16), for an o_proj launch
+# that loads several K tiles before its wait (GemvConfig.pdl_tiles > 1: gemv._TUNED_M1's 8B entry): the attention,
+# latency-bound and on few SMs, lets o_proj's programs in once qkv is done, and they stream their tiles while it
+# runs. H200, W1 bf16 8B (session 17, three machines, same-call A/Bs): 4.186 -> 4.151, 4.154 -> 4.106, 4.192 ->
+# 4.141 ms; with the tensor-core o config (one small tile early) it lost (4.138 -> 4.253).
+O_PROJ_PDL = True
 # Under PDL the qkv GEMV lets the decode attention in before its own wait (gemv_rotary_cache_triton's
 # pdl_trigger_first says why that is sound), so the attention's older keys load while qkv streams. Off until
 # measured (ops/bench.py "+qkvfirst").
@@ -288,7 +300,7 @@ def fused_decode_layer(
     qkv = _qkv_rotary_cache(fd, x, positions, meta, k_cache, v_cache, prologue, folded)
     num_heads, head_dim = fd.attention.num_heads, fd.attention.head_dim
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    o_pdl = fd.pdl or O_PROJ_PDL  # the attention lets o_proj in early; o_proj loads its first tile before waiting
+    o_pdl = _o_proj_pdl(fd, num_tokens)  # the attention lets o_proj in early; o_proj loads tiles before its wait
     out = fd.attention(q, k_cache, v_cache, meta, pdl=o_pdl).reshape(num_tokens, num_heads * head_dim)
     stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=o_pdl, **_fp8_args(fd.o_proj, "add", num_tokens))
     x = stream if prologue else fd.post_norm(stream, pdl=fd.pdl)[0]
@@ -300,6 +312,18 @@ def fused_decode_layer(
                          **_unfolded_norm(fd, fd.post_norm, prologue))
     stream, _ = gemv_triton(act, fd.down.weight, add=stream, pdl=fd.pdl, **_fp8_args(fd.down, "add", num_tokens))
     return stream, None
+
+
+def _o_proj_pdl(fd: FusedDecode, num_tokens: int) -> bool:
+    """Whether the attention and o_proj launch with PDL: in a PDL chain, and under O_PROJ_PDL where the bf16 o_proj
+    launch at this many tokens loads more than one K tile before its wait."""
+    if fd.pdl:
+        return True
+    if not O_PROJ_PDL or isinstance(fd.o_proj, Fp8Linear):
+        return False
+    weight = fd.o_proj.weight
+    n, k = weight.shape
+    return gemv.gemv_config("plain", num_tokens, n, k, weight.is_cuda, weight.element_size()).pdl_tiles > 1
 
 
 def _qkv_rotary_cache(
