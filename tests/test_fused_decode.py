@@ -124,6 +124,7 @@ def test_fused_decode_greedy_matches_transformers_and_unfused(arch, mode: str, m
     report = fused.runner.startup["decode_kernels"]
     assert report["mode"] == mode and report["fused_layers"] == 2 and "fallback" not in report
     assert report["pdl"] == pdl
+    assert fused.runner.model.model.layers[0].fused_decode.pdl_off == (not pdl)  # decode_pdl=False given: none at all
     assert report["prologue_norm_max_m"] == (prologue_max_m if mode == "fused-folded" else 0)
     import stoker.engine.models.llama as llama
 
@@ -220,7 +221,7 @@ def test_fp8_weights_take_the_fused_path(arch, mode: str, monkeypatch) -> None:
     layer = engine.runner.model.model.layers[0]
     assert not layer.fused_decode.folded and layer.input_layernorm.weight.ne(1).any()
     # EngineConfig.decode_pdl None: FP8 layers launch with PDL (the interpreter drops the launch attribute)
-    assert engine.config.decode_pdl is None and layer.fused_decode.pdl and report["pdl"]
+    assert engine.config.decode_pdl is None and layer.fused_decode.pdl and report["pdl"] and not layer.fused_decode.pdl_off
     got = generate(engine, PROMPTS[:3], MAX_TOKENS[:3])
     assert spy.calls == 2 * (max(MAX_TOKENS[:3]) - 1), "the fused path did not make every decode step"
     # each fused layer call: qkv and gate_up take the norm weight themselves ("fused-folded", steps of up to
@@ -296,7 +297,8 @@ def test_fp8_launch_takes_the_one_token_table_on_the_gpu_only(monkeypatch) -> No
 def test_o_proj_pdl_only_where_o_proj_loads_several_tiles_before_its_wait(monkeypatch) -> None:
     """_o_proj_pdl: every layer of a PDL chain; without one (bf16), under O_PROJ_PDL, only where the o_proj launch
     at that step's token count loads more than one K tile before its wait (the 8B entry at one token, on the GPU);
-    never off the GPU, at 2-16 tokens (the tensor-core tile) or for other shapes (one tile early: measured a loss)."""
+    never off the GPU, at 2-16 tokens (the tensor-core tile), for other shapes (one tile early: measured a loss) or
+    with decode_pdl False."""
     from types import SimpleNamespace
 
     class Weight:
@@ -306,14 +308,15 @@ def test_o_proj_pdl_only_where_o_proj_loads_several_tiles_before_its_wait(monkey
         def element_size(self) -> int:
             return 2
 
-    def fd(n: int, k: int, cuda: bool = True, pdl: bool = False) -> Any:
-        return SimpleNamespace(pdl=pdl, o_proj=SimpleNamespace(weight=Weight(n, k, cuda)))
+    def fd(n: int, k: int, cuda: bool = True, pdl: bool = False, pdl_off: bool = False) -> Any:
+        return SimpleNamespace(pdl=pdl, pdl_off=pdl_off, o_proj=SimpleNamespace(weight=Weight(n, k, cuda)))
 
     monkeypatch.setattr(fused_decode, "O_PROJ_PDL", True)
     o_pdl = fused_decode._o_proj_pdl
     assert o_pdl(fd(4096, 4096), 1) and not o_pdl(fd(4096, 4096), 2) and not o_pdl(fd(4096, 4096), 16)
     assert not o_pdl(fd(4096, 4096, cuda=False), 1) and not o_pdl(fd(2048, 2048), 1)
     assert o_pdl(fd(2048, 2048, pdl=True), 3)
+    assert not o_pdl(fd(4096, 4096, pdl_off=True), 1)  # decode_pdl False: none at all
     monkeypatch.setattr(fused_decode, "O_PROJ_PDL", False)
     assert not o_pdl(fd(4096, 4096), 1) and o_pdl(fd(4096, 4096, pdl=True), 1)
 

@@ -597,9 +597,11 @@ ROW_SUM_BF16 = True
 
 
 # Programmatic dependent launch (pdl=True, EngineConfig.decode_pdl: by default FP8 layers only): the first weight
-# tile is loaded before griddepcontrol.wait, the next kernel let in right after it. It pays on FP8 weights (W1
-# 2.72 vs 2.81 ms, session 15) but not on bf16 at batch 1 (H200, 8B bf16, ops/bench_pdl_chain.py, us per layer of the fused chain in a CUDA graph: plain 121.9, this form 128.6;
-# BENCHMARKS.md 21:07 UTC): in the graph the plain kernels are already back to back, and a successor resident
+# tile (GemvConfig.pdl_tiles of them) is loaded before griddepcontrol.wait, the next kernel let in right after it.
+# It pays on FP8 weights (W1 2.72 vs 2.81 ms, session 15), and on bf16 only on the attention -> o_proj boundary
+# with all of o_proj's K early (fused_decode.O_PROJ_PDL, session 17), but not on the whole bf16 chain at batch 1
+# (H200, 8B bf16, ops/bench_pdl_chain.py, us per layer of the fused chain in a CUDA graph: plain 121.9, this form
+# 128.6; BENCHMARKS.md 21:07 UTC): in the graph the plain kernels are already back to back, and a successor resident
 # before its predecessor ends slows it. The other forms measured there (bulk L2 prefetches before the wait, the
 # trigger after all or part of the weight loop, the next projection's rows prefetched into L2 after the stores)
 # all lost too and were removed; the record is BENCHMARKS.md and the git history.

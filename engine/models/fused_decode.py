@@ -22,14 +22,17 @@ function from the same tensors.
 Which layers take it (`bind_fused_decode`'s reasons; the answer is the same for every layer of a model):
 - Qwen2's q/k/v bias: added in the qkv epilogue. Qwen3's per-head q/k RMSNorm: in the qkv epilogue too (one
   program per head, so a little slower at batch 1 than without it).
+- bf16 at one token: the attention and o_proj launch with PDL (O_PROJ_PDL) where o_proj's launch loads several
+  K tiles before its wait, the rest of the chain without (it would lose the fused MLP).
 - FP8 linears with row scales (per-channel, per-tensor, `--quantization fp8`) run the same kernels as W8A16
   (gemv.py's weight_scale: E4M3 converted in registers, the row scale on the float32 sums before each
-  epilogue); never folded (W diag(g) would need requantizing): "fused-folded" runs their norms in the qkv /
-  gate_up prologues with g applied to x in the K loop instead (FP8_PROLOGUE_NORM), "fused" apart. Launch
-  shapes and conversions: FP8_FUSED_M1 per 8B shape at one token, FP8_FUSED_DOT at 2-16 (fp8_launch); other
-  one-token shapes take fp8_linear.FP8_GEMV_CONFIGS for o_proj / down and the bf16 sweep's configs for the
-  SiLU / rotary kernels. They launch with programmatic dependent launch unless EngineConfig.decode_pdl says
-  otherwise (FP8 W1 at 8B 2.72 vs 2.81 ms in session 15; 2.78 vs 2.80 in session 16). Block-scaled FP8
+  epilogue); never folded (W diag(g) would need requantizing), so both modes run the RMSNorm kernels (with
+  FP8_PROLOGUE_NORM, "fused-folded" runs them in the qkv / gate_up prologues with g applied to x in the K loop
+  instead: slower since session 17). Launch shapes and conversions: FP8_FUSED_M1 per 8B shape at one token,
+  FP8_FUSED_DOT at 2-16 (fp8_launch); other one-token shapes take fp8_linear.FP8_GEMV_CONFIGS for o_proj / down
+  and the bf16 sweep's configs for the SiLU / rotary kernels. They launch with programmatic dependent launch
+  unless EngineConfig.decode_pdl says otherwise, the norm kernels included (FP8 W1 at 8B 2.72 vs 2.81 ms in session
+  15; with the PDL norm kernels and the early tiles of FP8_FUSED_M1 2.49-2.51 in session 17). Block-scaled FP8
   (128 x 128) keeps the unfused path, as do tensor-parallel linears (F.linear and their all-reduce: a residual
   add cannot precede the row-parallel sum).
 - The FP8 KV cache falls back: the rotary epilogue writes the model dtype, without kv_quant's scaling.
@@ -93,8 +96,8 @@ FP8_PROLOGUE_NORM = False
 # at 1x4x1024.
 # pdl_tiles (session 17, W1 FP8 under PDL, same machine): o_proj with all four K tiles loaded before its wait, i.e.
 # while the decode attention runs, 2.658 -> 2.631 ms (its charge on the critical path 5.8 -> 4.1 us a layer, the
-# attention's 5.5 -> 6.7: o's stream now shares the bus with it); gate_up with two, 2.509 -> 2.488-2.506 with the
-# norm kernels (four: 2.512); qkv with two or four lost (2.506 -> 2.531 / 2.556): it follows a norm kernel of 2 us.
+# attention's 5.5 -> 6.7: o's stream now shares the bus with it); gate_up with two, 2.510-2.521 -> 2.488-2.494 with
+# the norm kernels (four: 2.512); qkv with two or four lost (2.506 -> 2.531 / 2.556): it follows a norm kernel of 2 us.
 # down at 1x4x1024 again: 2.753 against 2.658 ms with this entry (settles session 16's open 2.65 / 2.78 question).
 FP8_FUSED_M1: dict[tuple[str, int, int], tuple[GemvConfig, str]] = {
     ("rope", 6144, 4096): (GemvConfig(1, 2, 1024, False, 4, 3), "cast"),  # qkv: 8.7 (1x2x512 w2 asm-join 9.3)
@@ -148,6 +151,7 @@ class FusedDecode:
     post_norm: RMSNorm
     gate_up: GateUpLinear | Fp8GateUpLinear
     down: Linear | Fp8Linear
+    pdl_off: bool = False  # EngineConfig.decode_pdl False: no PDL anywhere, O_PROJ_PDL's boundary included
 
 
 _PLAIN_KINDS = (QKVLinear, Linear, GateUpLinear, Linear)
@@ -181,7 +185,7 @@ def bind_fused_decode(
     # Exact types: the tensor-parallel twins are subclasses of the plain linears.
     kinds = (type(qkv), type(o_proj), type(gate_up), type(down))
     fp8 = kinds == _FP8_KINDS
-    pdl = fp8 if pdl is None else pdl
+    setting, pdl = pdl, fp8 if pdl is None else pdl
     if kinds != _PLAIN_KINDS and not fp8:
         return ("tensor-parallel (or partly FP8) linears keep their own GEMV / all-reduce path: "
                 + ", ".join(k.__name__ for k in kinds))
@@ -208,7 +212,8 @@ def bind_fused_decode(
         accumulator = torch.zeros(mlp_max_m * input_norm.weight.shape[0], dtype=torch.float32,
                                   device=input_norm.weight.device)
     return FusedDecode(folded, mlp_max_m, accumulator, prologue_max_m if prologue else 0, pdl, input_norm,
-                       linears[0], q_norm, k_norm, rotary, attention, linears[1], post_norm, linears[2], linears[3])
+                       linears[0], q_norm, k_norm, rotary, attention, linears[1], post_norm, linears[2], linears[3],
+                       pdl_off=pdl is False and setting is False)
 
 
 def _fp8_problem(linears: tuple[Fp8Linear, ...]) -> str | None:
@@ -315,11 +320,11 @@ def fused_decode_layer(
 
 
 def _o_proj_pdl(fd: FusedDecode, num_tokens: int) -> bool:
-    """Whether the attention and o_proj launch with PDL: in a PDL chain, and under O_PROJ_PDL where the bf16 o_proj
-    launch at this many tokens loads more than one K tile before its wait."""
+    """Whether the attention and o_proj launch with PDL: in a PDL chain, and under O_PROJ_PDL (unless decode_pdl is
+    False) where the bf16 o_proj launch at this many tokens loads more than one K tile before its wait."""
     if fd.pdl:
         return True
-    if not O_PROJ_PDL or isinstance(fd.o_proj, Fp8Linear):
+    if not O_PROJ_PDL or fd.pdl_off or isinstance(fd.o_proj, Fp8Linear):
         return False
     weight = fd.o_proj.weight
     n, k = weight.shape
