@@ -573,7 +573,7 @@ def _contiguous_last(name: str, t: torch.Tensor | None) -> None:
 # convert every weight tile to it through shared memory (sm_90 PTX of the 8B o_proj config 1x8x1024: an 8 KB
 # st.shared + ldmatrix round trip and 3 barriers per K step; with W_VEC none). ROW_ACC_BF16: the same loop for
 # 16/32-bit weights (on since session 17: W1 bf16 with it and ROW_SUM_BF16 on every one-token CUDA-core GEMV, the
-# 8B qkv's included, 4.182 against 4.186 ms before; the 1B shape's measured in the same session, BENCHMARKS.md).
+# 8B qkv's included, 4.182 against 4.186 ms before; 1B W1 0.952 against 0.945 ms, inside its runs' spread: unsettled).
 ROW_ACC_FP8 = True
 # The word conversions with Qwen3's q/k norm on CUDA: refused while they gave NaN (H200 15:50 UTC); after the norm's
 # sum was held to the head's live columns, ops/probe_qk_norm_words.py found no NaN (18:25 UTC: asm-join and
