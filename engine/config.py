@@ -58,8 +58,8 @@ class EngineConfig:
     # others. On the H200 (8B, W1, BENCHMARKS.md): FP8 2.722 vs 2.810 ms (session 15, two interleaved runs a side);
     # bf16 4.46 vs 4.26 ms (2026-12-01 21:07 UTC: the graph's plain chain has no launch gap left to hide; 4.39 vs 4.19
     # with session 17's norm kernels), and PDL would cost the bf16 layers their fused MLP (it has no PDL form), which
-    # FP8 layers do not take. True / False: every layer. (bf16's attention -> o_proj boundary at one token takes PDL
-    # whatever this says, False excepted: fused_decode.O_PROJ_PDL.)
+    # FP8 layers do not take. True / False: every layer. With None, bf16's attention -> o_proj boundary at one token
+    # still takes PDL (fused_decode.O_PROJ_PDL); False turns that off too.
     decode_pdl: bool | None = None
     # With decode_kernels fused / fused-folded, the fused decode steps (1-16 tokens) run each layer's MLP as one kernel
     # streaming gate_up and down into a float32 accumulator (atomic adds), plus a small finishing kernel

@@ -333,13 +333,13 @@ def _gemv_kernel(
     sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
     write_residual = pid == 0
     k_start = 0
-    # FP8 with the prologue norm (unfolded g, the FP8 "fused-folded"): the first weight tile is in flight during
-    # the rms pass's L2 round trips, as under PDL while the previous kernel drains.
     if PDL_GDC and PDL_TRIGGER_FIRST:  # (PDL_GDC: USE_PDL on the GPU)
         # The next kernel in before this one waits: only for a successor that reads nothing before its own wait
         # that this kernel's predecessor writes (the decode attention after qkv: see gemv_rotary_cache_triton's
         # pdl_trigger_first).
         gdc_launch_dependents()
+    # FP8 with the prologue norm (unfolded g, the FP8 "fused-folded"): the first weight tile is in flight during
+    # the rms pass's L2 round trips, as under PDL while the previous kernel drains.
     if USE_PDL or (NORM and W_SCALED and not PRO_RESIDUAL):
         wa, wb = _load_w(wa_ptrs, wb_ptrs, 0, col_mask, kw, K, PAIRED, W_CONVERT)
     if USE_PDL:

@@ -213,7 +213,7 @@ def bind_fused_decode(
                                   device=input_norm.weight.device)
     return FusedDecode(folded, mlp_max_m, accumulator, prologue_max_m if prologue else 0, pdl, input_norm,
                        linears[0], q_norm, k_norm, rotary, attention, linears[1], post_norm, linears[2], linears[3],
-                       pdl_off=pdl is False and setting is False)
+                       pdl_off=setting is False)
 
 
 def _fp8_problem(linears: tuple[Fp8Linear, ...]) -> str | None:
