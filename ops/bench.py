@@ -224,6 +224,7 @@ KERNEL_FLAGS = {
     "opdl": ("fused_decode", "O_PROJ_PDL", True), "qkvfirst": ("fused_decode", "QKV_TRIGGER_FIRST", True),
     "norowbf16": ("gemv", "ROW_ACC_BF16", False), "nosumbf16": ("gemv", "ROW_SUM_BF16", False),
     "noopdl": ("fused_decode", "O_PROJ_PDL", False), "fp8pro": ("fused_decode", "FP8_PROLOGUE_NORM", True),
+    "carry": ("fused_decode", "NORM_CARRY", True), "nocarry": ("fused_decode", "NORM_CARRY", False),
 }
 # Launch-table entries an item may replace for its own engine: "+m1=KERNEL:N:K:SHAPE:CONVERT" one
 # fused_decode.FP8_FUSED_M1 entry (e.g. m1=add:4096:4096:1x4x4096w4s3:asm-join), "+tune=KIND:N:K:SHAPE" one
@@ -231,13 +232,32 @@ KERNEL_FLAGS = {
 # BMxBNxBKwWARPSsSTAGES, then pTILES for GemvConfig.pdl_tiles, and a trailing "dot" for the tensor-core tile.
 KERNEL_TABLES = {"m1": ("fused_decode", "FP8_FUSED_M1"), "tune": ("gemv", "_TUNED_M1")}
 _KERNEL_DEFAULTS: dict[tuple[str, str], Any] = {}
+_SET_DEFAULTS: dict[tuple[str, str], Any] = {}  # the values "+set=" items replaced, as they were before
 
 
 def _kernel_module(name: str):
-    from stoker.engine.kernels import gemv
+    from stoker.engine.kernels import attention, gemv
     from stoker.engine.models import fused_decode
 
-    return {"gemv": gemv, "fused_decode": fused_decode}[name]
+    return {"gemv": gemv, "fused_decode": fused_decode, "attention": attention}[name]
+
+
+def _set_flag(text: str) -> tuple[str, str, Any]:
+    """"set=MODULE.NAME=VALUE" -> (module, name, value): any int / float / True / False module constant of gemv,
+    fused_decode or attention (e.g. set=attention.DECODE_TILE_N=32), for that item's engine only."""
+    m = re.fullmatch(r"set=(gemv|fused_decode|attention)\.([A-Z][A-Z0-9_]*)=(.+)", text)
+    if m is None:
+        raise ValueError(f"--decode-kernels '+set=MODULE.NAME=VALUE' expected (MODULE gemv, fused_decode or "
+                         f"attention), got {text!r}")
+    module, name, raw = m.groups()
+    current = getattr(_kernel_module(module), name)  # AttributeError for a name the module lacks
+    if isinstance(current, bool):
+        if raw not in ("True", "False"):
+            raise ValueError(f"{module}.{name} is a bool: True or False, got {raw!r}")
+        return module, name, raw == "True"
+    if not isinstance(current, int | float):
+        raise ValueError(f"{module}.{name} is not a number or a bool")
+    return module, name, type(current)(raw)
 
 
 def parse_gemv_shape(text: str):
@@ -277,8 +297,14 @@ def apply_kernel_flags(text: str) -> None:
         table = getattr(_kernel_module(module), name)
         table.clear()
         table.update(_KERNEL_DEFAULTS[key])
+    for (module, name), value in _SET_DEFAULTS.items():  # what earlier items' "set=" changed
+        setattr(_kernel_module(module), name, value)
     for flag in text.split("+")[1:]:
-        if flag in KERNEL_FLAGS:
+        if flag.startswith("set="):
+            module, name, value = _set_flag(flag)
+            _SET_DEFAULTS.setdefault((module, name), getattr(_kernel_module(module), name))
+            setattr(_kernel_module(module), name, value)
+        elif flag in KERNEL_FLAGS:
             module, name, value = KERNEL_FLAGS[flag]
             setattr(_kernel_module(module), name, value)
         elif flag.split("=", 1)[0] in KERNEL_TABLES:
@@ -299,7 +325,7 @@ def decode_setting(text: str) -> dict[str, Any]:
     setting: dict[str, Any] = {"decode_kernels": kernels}  # decode_pdl: EngineConfig's default unless +pdl / +nopdl
     for flag in flags:
         rows = flag.removeprefix("overlap")
-        if flag in KERNEL_FLAGS or flag.split("=", 1)[0] in KERNEL_TABLES:
+        if flag in KERNEL_FLAGS or flag.split("=", 1)[0] in KERNEL_TABLES or flag.startswith("set="):
             continue
         if flag in ("pdl", "nopdl"):
             setting["decode_pdl"] = flag == "pdl"

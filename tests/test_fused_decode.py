@@ -79,8 +79,9 @@ class SpyCalls:
         monkeypatch.setattr(fused_decode, "fused_mlp_triton", spy_mlp)
 
 
-def count_norm_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
-    """Records each fused qkv and gate_up GEMV launch as (its token count, whether it took a prologue norm weight)."""
+def count_norm_calls(monkeypatch: pytest.MonkeyPatch, carried: list[bool] | None = None) -> list[tuple[int, bool]]:
+    """Records each fused qkv and gate_up GEMV launch as (its token count, whether it took a prologue norm weight);
+    into `carried`, whether it took a carried norm's sums (norm_sums), in launch order."""
     calls: list[tuple[int, bool]] = []
     for name in ("gemv_triton", "gemv_rotary_cache_triton"):
         original = getattr(fused_decode, name)
@@ -88,6 +89,8 @@ def count_norm_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
         def spy(x: torch.Tensor, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
             if kwargs.get("silu_mul") or "cos_sin" in kwargs:  # gate_up and qkv: the two after a norm
                 calls.append((x.shape[0], kwargs.get("norm_weight") is not None))
+                if carried is not None:
+                    carried.append(kwargs.get("norm_sums") is not None)
             return _original(x, *args, **kwargs)
 
         monkeypatch.setattr(fused_decode, name, spy)
@@ -196,7 +199,7 @@ def test_folding_rewrites_the_weights_in_place(arch) -> None:
 
 
 @interpreted
-@pytest.mark.parametrize("mode", ["fused", "fused-folded", "fused-folded+prologue"])
+@pytest.mark.parametrize("mode", ["fused", "fused+nocarry", "fused-folded", "fused-folded+prologue"])
 def test_fp8_weights_take_the_fused_path(arch, mode: str, monkeypatch) -> None:
     """FP8 weights (quantized per row at load) run the fused kernels with their row scales, unfolded even under
     "fused-folded" (folding would requantize), which keeps the RMSNorm kernels like "fused" unless
@@ -205,19 +208,24 @@ def test_fp8_weights_take_the_fused_path(arch, mode: str, monkeypatch) -> None:
     the weights untouched by planning, and greedy tokens and logprobs equal to the unfused FP8 engine's (the
     dequantizing reference path, which tests/test_fp8.py holds to transformers on the dequantized weights). The
     folded-mode run reads the weights as int32 words through the bit trick ("bits-join") in every kernel, the
-    others as the engine picks (on the CPU: Triton's cast; the PTX conversion is the GPU's)."""
+    others as the engine picks (on the CPU: Triton's cast; the PTX conversion is the GPU's). Without the prologue
+    the norms are carried (fused_decode.NORM_CARRY) but for the first layer's input norm: gate_up and the second
+    layer's qkv take the sums o_proj / down left; "+nocarry" runs the norm kernels instead."""
     name, path, _ = arch
     if name == "qwen3" or (mode != "fused" and name != "llama"):
         pytest.skip("llama every mode, qwen2 (bias in the FP8 qkv epilogue) once: the interpreter run stays short")
     mode, _, flag = mode.partition("+")
     monkeypatch.setattr(fused_decode, "FP8_PROLOGUE_NORM", flag == "prologue")
+    monkeypatch.setattr(fused_decode, "NORM_CARRY", flag != "nocarry")
     if mode == "fused-folded":
         monkeypatch.setattr(fused_decode, "FP8_WEIGHT_CONVERT", dict.fromkeys(("rope", "silu", "add"), "bits-join"))
     spy = SpyCalls(monkeypatch)
-    norm_calls = count_norm_calls(monkeypatch)
+    carried: list[bool] = []
+    norm_calls = count_norm_calls(monkeypatch, carried)
     engine = cpu_engine(path, mode, quantization="fp8")
     report = engine.runner.startup["decode_kernels"]
     assert report["fused_layers"] == 2 and "fallback" not in report, report
+    assert report["norm_carry"] == (flag == ""), report
     layer = engine.runner.model.model.layers[0]
     assert not layer.fused_decode.folded and layer.input_layernorm.weight.ne(1).any()
     # EngineConfig.decode_pdl None: FP8 layers launch with PDL (the interpreter drops the launch attribute)
@@ -235,6 +243,8 @@ def test_fp8_weights_take_the_fused_path(arch, mode: str, monkeypatch) -> None:
         assert {has_norm for _, has_norm in norm_calls} == {True, False}, "steps on both sides of the cut-over"
     else:
         assert not any(has_norm for _, has_norm in norm_calls)
+    # per fused step: qkv, gate_up of layer 0, then of layer 1; all but layer 0's qkv carried
+    assert carried == ([False, True, True, True] if flag == "" else [False] * 4) * (spy.calls // 2), carried
     unfused = generate(cpu_engine(path, "cublas", quantization="fp8"), PROMPTS[:3], MAX_TOKENS[:3])
     for rid, (tokens, logprobs, _) in got.items():
         assert tokens == unfused[rid][0], f"{rid}: fused FP8 tokens differ from the unfused FP8 engine"

@@ -65,19 +65,21 @@ def test_token_bitmask_kernel_compiles_for_sm90(has_rows: bool) -> None:
 
 _GEMV_POINTERS = ("x_ptr", "w_ptr", "out_ptr", "bias_ptr", "norm_ptr", "hres_ptr", "res_out_ptr", "add_ptr",
                   "positions_ptr", "cos_sin_ptr", "k_cache_ptr", "v_cache_ptr", "slot_ptr", "q_norm_ptr",
-                  "k_norm_ptr", "w_scale_ptr")
+                  "k_norm_ptr", "w_scale_ptr", "sums_in_ptr", "sums_out_ptr", "sums_zero_ptr", "carry_g_ptr",
+                  "carry_out_ptr")
 _GEMV_INTS = ("M", "N_OUT", "K", "x_stride", "w_stride", "out_stride", "hres_stride", "res_out_stride",
-              "add_stride", "NUM_Q_HEADS", "NUM_KV_HEADS")
+              "add_stride", "carry_out_stride", "NUM_Q_HEADS", "NUM_KV_HEADS")
 
 
 def _gemv_signature(dtype: str) -> dict[str, str]:
     signature = {name: f"*{dtype}" for name in _GEMV_POINTERS}
-    signature.update(positions_ptr="*i64", slot_ptr="*i64", cos_sin_ptr="*fp32", w_scale_ptr="*fp32", eps="fp32")
+    signature.update(positions_ptr="*i64", slot_ptr="*i64", cos_sin_ptr="*fp32", w_scale_ptr="*fp32", eps="fp32",
+                     sums_in_ptr="*i64", sums_out_ptr="*i64", sums_zero_ptr="*i64")
     signature.update({name: "i32" for name in _GEMV_INTS})
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_DOT", "DOT_PRECISION", "NORM", "PRO_RESIDUAL", "APPLY_G",
                  "HAS_BIAS", "SILU_MUL", "ADD", "ROTARY", "QK_NORM", "HALF", "SPLITS_PER_HEAD", "PAIRED", "USE_PDL",
                  "NORM_CHUNK", "W_SCALED", "W_CONVERT", "W_VEC", "W_SUM", "PDL_TILES", "PDL_GDC",
-                 "PDL_TRIGGER_FIRST"):
+                 "PDL_TRIGGER_FIRST", "NORM_SUMS", "CARRY", "ZERO_SUMS", "NUM_SLOTS", "SUMS_ROWS", "SUM_UNIT"):
         signature[name] = "constexpr"
     return signature
 
@@ -294,7 +296,9 @@ def test_fp8_fused_m1_table_compiles_for_sm90(kernel: str, n: int, k: int, cfg: 
     """fused_decode's FP8 launches as the engine makes them (the one-token CUDA-core loop's W_VEC where the config
     is one: its loop carries no shared-memory layout conversion, the reason it exists; except with runs of 16 codes,
     whose 16-byte weight loads sm_90 relays into x's layout, once per K step and measured faster: then exactly the
-    weight tile's bytes go through shared memory, 16 a store)."""
+    weight tile's bytes go through shared memory, 16 a store). With the carried norms of the FP8 layers
+    (fused_decode.NORM_CARRY): o_proj / down add each program's share of sum(s^2) into the int64 slots (one 64-bit
+    integer atomic a token) and zero the other buffer; gate_up / qkv read the slots."""
     from stoker.engine.kernels import gemv
     from stoker.engine.kernels.fp8_convert import CONVERT_CODE
 
@@ -302,15 +306,22 @@ def test_fp8_fused_m1_table_compiles_for_sm90(kernel: str, n: int, k: int, cfg: 
     w_vec = gemv._row_vec(cfg, 2, True)
     signature, aligned = _fp8_gemv_signature(w_convert)
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
-                      DOT_PRECISION="tf32", NORM=kernel != "add", PRO_RESIDUAL=False, APPLY_G=kernel != "add",
+                      DOT_PRECISION="tf32", NORM=kernel != "add", PRO_RESIDUAL=False, APPLY_G=False,
                       HAS_BIAS=False, SILU_MUL=kernel == "silu", ADD=kernel == "add", ROTARY=kernel == "rope",
                       QK_NORM=False, HALF=64, SPLITS_PER_HEAD=1, PAIRED=kernel != "add", USE_PDL=True, W_SCALED=True,
                       W_CONVERT=w_convert, NORM_CHUNK=gemv.norm_chunk(k, cfg.num_warps, True), W_VEC=w_vec,
                       W_SUM=gemv.row_sum(w_vec, True), PDL_TILES=cfg.pdl_tiles, PDL_GDC=True,
-                      PDL_TRIGGER_FIRST=False)  # FP8 layers launch with PDL (EngineConfig.decode_pdl None)
+                      PDL_TRIGGER_FIRST=False,  # FP8 layers launch with PDL (EngineConfig.decode_pdl None)
+                      NORM_SUMS=kernel != "add", CARRY=kernel == "add", ZERO_SUMS=kernel == "add",
+                      NUM_SLOTS=gemv.NORM_SLOTS, SUMS_ROWS=gemv.GEMV_MAX_M, SUM_UNIT=gemv.NORM_SUM_UNIT)
     kernel_bin = triton.compile(ASTSource(gemv._gemv_kernel, signature, constexprs=constexprs, attrs=aligned),
                                 target=H200, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     assert kernel_bin.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel_bin.metadata.shared)
+    atomics = [line for line in kernel_bin.asm["ptx"].splitlines() if re.search(r"\b(atom|red)\.global", line)]
+    if kernel == "add":
+        assert atomics and all(".u64" in line or ".s64" in line for line in atomics), atomics
+    else:
+        assert not atomics, atomics
     if w_vec:  # the weight loop: the loop whose body converts E4M3 (the norm's rms pass has loops too)
         loops = [part.split("bra", 1)[0] for part in kernel_bin.asm["ptx"].split("Loop Header")[1:]]
         weight_loops = [body for body in loops if "e4m3x2" in body]

@@ -18,8 +18,13 @@ from kernel_harness import GPU, INTERPRET, NO_CUDA, TOLERANCE, cases, close, run
 from stoker.engine.kernels import fused_linear, rope_cos_sin  # noqa: E402
 from stoker.engine.kernels.gemv import (  # noqa: E402
     GEMV_MAX_M,
+    NORM_SLOTS,
+    NORM_SUM_UNIT,
     GemvConfig,
+    NormCarryOut,
     fold_norm_weight,
+    gemv_carried_ref,
+    gemv_config,
     gemv_ref,
     gemv_rotary_cache_ref,
     gemv_rotary_cache_triton,
@@ -118,7 +123,7 @@ ROPE_SHAPES = [(6, 2, 64, 8), (4, 2, 80, 16)]  # Hq, Hkv, D (D/2 = 40: not a pow
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("hq,hkv,head_dim,block_size", ROPE_SHAPES)
 @pytest.mark.parametrize("num_rows", [1, 7])
-@pytest.mark.parametrize("variant", ["llama", "llama_folded", "qwen2_bias_residual", "qwen3_qk_norm"])
+@pytest.mark.parametrize("variant", ["llama", "llama_folded", "qwen2_bias_residual", "qwen3_qk_norm", "qwen2_bias_carried"])
 def test_gemv_rotary_cache(
     device: str, dtype: torch.dtype, hq: int, hkv: int, head_dim: int, block_size: int,
     num_rows: int, variant: str,
@@ -153,6 +158,10 @@ def test_gemv_rotary_cache(
         folded = fold_norm_weight(weight, common["norm_weight"])
         out, s = gemv_rotary_cache_triton(x, folded, bias, k_cache=k_cache, v_cache=v_cache,
                                           **{**common, "norm_weight": None, "norm_folded": True})
+    elif variant == "qwen2_bias_carried":  # the norm carried by the producer before it: x * g and sum(x^2) slots
+        xg, sums = carried_norm(x, common["norm_weight"])
+        out, s = gemv_rotary_cache_triton(xg, weight, bias, k_cache=k_cache, v_cache=v_cache,
+                                          **{**common, "norm_weight": None, "norm_sums": sums})
     else:
         out, s = gemv_rotary_cache_triton(x, weight, bias, k_cache=k_cache, v_cache=v_cache, **common)
     ref, ref_s = gemv_rotary_cache_ref(x, weight, bias, k_cache=ref_k, v_cache=ref_v, **common)
@@ -168,6 +177,70 @@ def test_gemv_rotary_cache(
     close_to_truth(v_cache, ref_v, true_v, dtype)
     if "norm_residual" in kwargs:
         torch.testing.assert_close(s, ref_s, rtol=0, atol=0)
+
+
+def carried_norm(s: torch.Tensor, g: torch.Tensor, rows: int = GEMV_MAX_M) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a carrying producer leaves for s (NormCarryOut): x = s * g rounded to s's dtype, and each row's sum(s^2) in
+    NORM_SUM_UNIT fixed point spread over two of NORM_SLOTS int64 slots (rows past M zero)."""
+    sums = torch.zeros(rows, NORM_SLOTS, dtype=torch.int64, device=s.device)
+    total = (s.double() ** 2).sum(dim=1) * NORM_SUM_UNIT
+    sums[: s.shape[0], 0] = (total / 3).round().long()
+    sums[: s.shape[0], 5] = (total - (total / 3).round()).round().long()
+    return (s.float() * g.float()).to(s.dtype), sums
+
+
+# -------------------------------------------------------------------------------- the carried norm
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("num_rows,path", M_PATHS)
+def test_gemv_carried_norm(device: str, dtype: torch.dtype, num_rows: int, path: str) -> None:
+    """The norm carried between two GEMVs (fused_decode.NormCarry): the producer (o_proj / down: the residual add)
+    stores out as without the carry, bit for bit, x = out * g, and adds each row's sum(out^2) into the int64 slots
+    (fixed point: within a unit a program of the float64 sum), and zeroes the buffer it is given; the consumer
+    (gate_up: SiLU-and-mul) on x and those sums equals the norm-then-GEMV reference."""
+    torch.manual_seed(5)
+    cfg = config(path, num_rows)
+    x = rand(num_rows, K, device=device, dtype=dtype)
+    w_o = rand(N, K, device=device, dtype=dtype, scale=K**-0.5)
+    add = rand(num_rows, N, device=device, dtype=dtype, scale=2.0)
+    g = rand(N, device=device, dtype=dtype) + 1
+    carried_x = torch.full((num_rows, N), float("nan"), device=device, dtype=dtype)
+    sums = torch.zeros(GEMV_MAX_M, NORM_SLOTS, dtype=torch.int64, device=device)
+    stale = torch.full((GEMV_MAX_M, NORM_SLOTS), 7, dtype=torch.int64, device=device)
+    out, _ = gemv_triton(x, w_o, add=add, config=cfg, carry=NormCarryOut(g, carried_x, sums), zero_sums=stale)
+    plain, _ = gemv_triton(x, w_o, add=add, config=cfg)
+    torch.testing.assert_close(out, plain, rtol=0, atol=0)
+    torch.testing.assert_close(carried_x, (out.float() * g.float()).to(dtype), rtol=0, atol=0)
+    programs = triton.cdiv(N, (cfg or gemv_config("plain", num_rows, N, K, device == "cuda")).block_n)
+    total = sums.sum(dim=1).double() / NORM_SUM_UNIT
+    torch.testing.assert_close(total[:num_rows], (out.double() ** 2).sum(dim=1), rtol=1e-6,
+                               atol=programs / NORM_SUM_UNIT)
+    assert not sums[num_rows:].any() and not stale.any()
+    w_gu = rand(2 * 45, N, device=device, dtype=dtype, scale=N**-0.5)
+    act, _ = gemv_triton(carried_x, w_gu, silu_mul=True, norm_sums=sums, eps=1e-5, config=cfg)
+    ref, _ = gemv_ref(out, w_gu, norm_weight=g, eps=1e-5, silu_mul=True)
+    truth, _ = gemv_ref(out.double(), w_gu.double(), norm_weight=g.double(), eps=1e-5, silu_mul=True)
+    close_to_truth(act, ref, truth, dtype)
+    close(act, gemv_carried_ref(carried_x, w_gu, sums, 1e-5, silu_mul=True), dtype)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_gemv_carried_norm_rejects_bad_buffers(device: str, dtype: torch.dtype) -> None:
+    x = rand(2, K, device=device, dtype=dtype)
+    w = rand(N, K, device=device, dtype=dtype)
+    add = rand(2, N, device=device, dtype=dtype)
+    g = rand(N, device=device, dtype=dtype)
+    sums = torch.zeros(GEMV_MAX_M, NORM_SLOTS, dtype=torch.int64, device=device)
+    carried_x = torch.empty(2, N, device=device, dtype=dtype)
+    with pytest.raises(ValueError, match="int64"):
+        gemv_triton(x, w, norm_sums=sums.float())
+    with pytest.raises(ValueError, match="carried norm; pass no norm_weight"):
+        gemv_triton(x, w, norm_sums=sums, norm_weight=rand(K, device=device, dtype=dtype))
+    with pytest.raises(ValueError, match="pass add"):
+        gemv_triton(x, w, carry=NormCarryOut(g, carried_x, sums))
+    with pytest.raises(ValueError, match="carry.x must be"):
+        gemv_triton(x, w, add=add, carry=NormCarryOut(g, carried_x[:1], sums))
+    with pytest.raises(ValueError, match="carry.norm_weight must be"):
+        gemv_triton(x, w, add=add, carry=NormCarryOut(g[:5], carried_x, sums))
 
 
 # --------------------------------------------------------------------------------------- bad inputs
@@ -242,12 +315,14 @@ def test_gemv_config_pdl_tiles_are_bounded() -> None:
 @GPU
 @NO_CUDA
 @pytest.mark.parametrize("num_rows", [1, 5])
-@pytest.mark.parametrize("form", ["prologue", "norms"])
+@pytest.mark.parametrize("form", ["prologue", "norms", "carry"])
 def test_gemv_pdl_chain_survives_cuda_graph_capture(num_rows: int, form: str) -> None:
     """A decoder layer's worth of PDL launches (norm+qkv-like, residual-add, norm+gate_up+silu, down+add),
     captured in a CUDA graph and replayed on new inputs, equals the same chain launched without PDL. "norms": the
     FP8 chain's form, PDL RMSNorm kernels (each lets the next GEMV in before it normalises) and GEMVs that load all
-    four K tiles before their wait."""
+    four K tiles before their wait. "carry": the norms carried (fused_decode.NormCarry) as the FP8 layers run them,
+    the second layer's first GEMV on the first layer's down's sums: the slots one kernel zeroes and the next adds
+    into under PDL, in the graph, give what the plain launches give, bit for bit (integer sums)."""
     from stoker.engine.kernels.rmsnorm import rms_norm_triton
 
     torch.manual_seed(0)
@@ -258,8 +333,24 @@ def test_gemv_pdl_chain_survives_cuda_graph_capture(num_rows: int, form: str) ->
     g1, g2 = rand(hidden, device="cuda", dtype=dt) + 1, rand(hidden, device="cuda", dtype=dt) + 1
     static_x = rand(num_rows, hidden, device="cuda", dtype=dt)
     early = GemvConfig(1, 4, 128, False, 4, 3, 4) if num_rows == 1 else GemvConfig(16, 16, 128, True, 4, 2, 4)
+    x_post, x_next = (torch.empty(GEMV_MAX_M, hidden, device="cuda", dtype=dt) for _ in range(2))
+    sums_post, sums_next = (torch.zeros(GEMV_MAX_M, NORM_SLOTS, device="cuda", dtype=torch.int64) for _ in range(2))
 
-    def layer(x: torch.Tensor, pdl: bool) -> torch.Tensor:
+    def carried_layer(x: torch.Tensor, pdl: bool, first: bool) -> torch.Tensor:
+        m = x.shape[0]
+        if first:
+            h = rms_norm_triton(x, g1, 1e-5, pdl=pdl)[0]
+        else:
+            h, _ = gemv_triton(x_next[:m], w_o, norm_sums=sums_next, eps=1e-5, pdl=pdl)
+        r, _ = gemv_triton(h, w_o, add=x, pdl=pdl, config=early, carry=NormCarryOut(g2, x_post[:m], sums_post),
+                           zero_sums=sums_next)
+        a, _ = gemv_triton(x_post[:m], w_gu, silu_mul=True, norm_sums=sums_post, eps=1e-5, pdl=pdl)
+        nxt = {"carry": NormCarryOut(g1, x_next[:m], sums_next)} if first else {}
+        return gemv_triton(a, w_d, add=r, pdl=pdl, zero_sums=sums_post, **nxt)[0]
+
+    def layer(x: torch.Tensor, pdl: bool, first: bool = False) -> torch.Tensor:
+        if form == "carry":
+            return carried_layer(x, pdl, first)
         if form == "norms":  # K = 512: all of it before the wait
             h = rms_norm_triton(x, g1, 1e-5, pdl=pdl)[0]
             r, _ = gemv_triton(h, w_o, add=x, pdl=pdl, config=early)
@@ -272,16 +363,25 @@ def test_gemv_pdl_chain_survives_cuda_graph_capture(num_rows: int, form: str) ->
         return gemv_triton(a, w_d, add=r, pdl=pdl)[0]
 
     for _ in range(2):  # compile and warm up outside the capture
-        layer(static_x, True)
+        layer(layer(static_x, True, first=True), True)
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        static_out = layer(layer(static_x, True), True)
+        static_out = layer(layer(static_x, True, first=True), True)
     for _ in range(3):
         static_x.copy_(rand(num_rows, hidden, device="cuda", dtype=dt))
         graph.replay()
-        expected = layer(layer(static_x, False), False)
+        expected = layer(layer(static_x, False, first=True), False)
         torch.testing.assert_close(static_out, expected, rtol=0, atol=0)
+    if form == "carry":  # and every slot is back to zero after a step; the plain chain agrees with the reference
+        assert not sums_post.any() and not sums_next.any()
+        s1, _ = gemv_ref(rms_norm_triton(static_x, g1, 1e-5)[0], w_o, add=static_x)
+        a1, _ = gemv_ref(s1, w_gu, norm_weight=g2, eps=1e-5, silu_mul=True)
+        out1, _ = gemv_ref(a1, w_d, add=s1)
+        h2, _ = gemv_ref(out1, w_o, norm_weight=g1, eps=1e-5)
+        s2, _ = gemv_ref(h2, w_o, add=out1)
+        a2, _ = gemv_ref(s2, w_gu, norm_weight=g2, eps=1e-5, silu_mul=True)
+        torch.testing.assert_close(expected.float(), gemv_ref(a2, w_d, add=s2)[0].float(), rtol=0.05, atol=0.05)
 
 
 @pytest.mark.slow

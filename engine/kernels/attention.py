@@ -398,11 +398,16 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count:
     return max(1, min(wanted, triton.cdiv(max_context, tile_n), 64))
 
 
+# Keys per step of the decode kernel's loop for a cache in q's dtype on the GPU (decode_num_splits makes a split at
+# least one such tile, so at batch 1 it also sets how many programs share a short context).
+DECODE_TILE_N = 64
+
+
 def _decode_tile_n(q: torch.Tensor, k_cache: torch.Tensor, fp8_config: Fp8AttentionConfig | None) -> int:
     """Keys per step of the decode kernel's loop."""
     if not q.is_cuda:
         return 16  # the interpreter pays per element: small tiles keep tests fast
-    return (fp8_config or DEFAULT_DECODE).tile_n if is_fp8_cache(k_cache) else 64
+    return (fp8_config or DEFAULT_DECODE).tile_n if is_fp8_cache(k_cache) else DECODE_TILE_N
 
 
 def decode_splits(

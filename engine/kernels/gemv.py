@@ -160,6 +160,23 @@ def gemv_ref(
     return y, s
 
 
+def gemv_carried_ref(
+    x: torch.Tensor, weight: torch.Tensor, norm_sums: torch.Tensor, eps: float, *, silu_mul: bool = False,
+    bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """What a consumer of the carried norm computes: x = s * g (the producer's carry.x), the sums of s^2 in
+    norm_sums' slots; y = (x @ W^T) / sqrt(sum / K + eps) in float32, rounded to x's dtype, then the bias, then
+    SiLU-and-mul. Equal to F.linear(rms_norm(s) * g, W) up to where the rounding falls."""
+    if weight_scale is not None:
+        weight = (weight.float() * weight_scale[:, None]).to(x.dtype)
+    sumsq = norm_sums[: x.shape[0]].sum(dim=1).float() / NORM_SUM_UNIT
+    inv_rms = torch.rsqrt(sumsq / x.shape[1] + eps)[:, None]
+    y = (F.linear(x.float(), weight.float()) * inv_rms).to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return silu_and_mul_ref(y) if silu_mul else y
+
+
 def gemv_rotary_cache_ref(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -288,8 +305,9 @@ def _row_sumsq(x_ptr, x_stride, M, K, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, bias_ptr, norm_ptr, hres_ptr, res_out_ptr, add_ptr,
     positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_norm_ptr, k_norm_ptr, w_scale_ptr,
+    sums_in_ptr, sums_out_ptr, sums_zero_ptr, carry_g_ptr, carry_out_ptr,
     M, N_OUT, K, eps,
-    x_stride, w_stride, out_stride, hres_stride, res_out_stride, add_stride,
+    x_stride, w_stride, out_stride, hres_stride, res_out_stride, add_stride, carry_out_stride,
     NUM_Q_HEADS, NUM_KV_HEADS,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -299,6 +317,8 @@ def _gemv_kernel(
     PAIRED: tl.constexpr, USE_PDL: tl.constexpr, NORM_CHUNK: tl.constexpr, W_SCALED: tl.constexpr,
     W_CONVERT: tl.constexpr, W_VEC: tl.constexpr, W_SUM: tl.constexpr,
     PDL_TILES: tl.constexpr = 1, PDL_GDC: tl.constexpr = True, PDL_TRIGGER_FIRST: tl.constexpr = False,
+    NORM_SUMS: tl.constexpr = False, CARRY: tl.constexpr = False, ZERO_SUMS: tl.constexpr = False,
+    NUM_SLOTS: tl.constexpr = 16, SUMS_ROWS: tl.constexpr = 16, SUM_UNIT: tl.constexpr = 1048576.0,
 ):
     pid = tl.program_id(0)
     j = tl.arange(0, BLOCK_N)
@@ -357,7 +377,13 @@ def _gemv_kernel(
             gdc_wait()
             if not PDL_TRIGGER_FIRST:
                 gdc_launch_dependents()
-    if NORM and not PRO_RESIDUAL:
+    if NORM_SUMS:
+        # The carried norm (NormCarry): x is s * g, written by the producer's epilogue, which also added sum(s^2) into
+        # NUM_SLOTS int64 slots per token (fixed point, SUM_UNIT a unit); one load of them instead of the rms pass.
+        slots = tl.arange(0, NUM_SLOTS)
+        sums = tl.load(sums_in_ptr + m[:, None] * NUM_SLOTS + slots[None, :], mask=m_mask[:, None], other=0)
+        sumsq = tl.sum(sums, axis=1).to(tl.float32) * (1.0 / SUM_UNIT)
+    elif NORM and not PRO_RESIDUAL:
         # The rms of each x row in a pass of its own (x is M*K elements, read from L2 by every program),
         # so that the weight loop below stays a plain pipelined GEMV: normalising x inside the loop took
         # the 8B qkv GEMV from 15 to 35-57 us at M = 8 on the tl.dot path (H200, ops/bench_gemv.py --ablate).
@@ -425,6 +451,20 @@ def _gemv_kernel(
     if ADD:
         r = tl.load(add_ptr + m[:, None] * add_stride + rows_a[None, :], mask=out_mask, other=0.0)
         a = a.to(dtype).to(tl.float32) + r.to(tl.float32)
+        if CARRY:  # the next norm's half (NormCarry): s * g for its GEMV, and this program's share of sum(s^2)
+            s_out = tl.where(out_mask, a.to(dtype).to(tl.float32), 0.0)  # s as stored below
+            g = tl.load(carry_g_ptr + rows_a, mask=col_mask, other=0.0).to(tl.float32)
+            tl.store(carry_out_ptr + m[:, None] * carry_out_stride + rows_a[None, :], (s_out * g[None, :]).to(dtype),
+                     mask=out_mask)
+            # In fixed point: integer adds give the same total in any order (float atomics would not: the step's
+            # result would change from run to run).
+            share = (tl.sum(s_out * s_out, axis=1) * SUM_UNIT + 0.5).to(tl.int64)
+            tl.atomic_add(sums_out_ptr + m * NUM_SLOTS + pid % NUM_SLOTS, share, mask=m_mask, sem="relaxed")
+    if ZERO_SUMS:
+        # Put back to zero the slots an earlier kernel of the chain read (fused_decode.NormCarry says why they are
+        # free by now), after the wait as every store here; program 0 only, SUMS_ROWS tokens' worth.
+        slot_ids = tl.arange(0, SUMS_ROWS * NUM_SLOTS)
+        tl.store(sums_zero_ptr + slot_ids, tl.zeros([SUMS_ROWS * NUM_SLOTS], tl.int64), mask=(slot_ids >= 0) & (pid == 0))
     if ROTARY:
         b = acc_b.to(dtype).to(tl.float32)
         is_q = head < NUM_Q_HEADS
@@ -464,6 +504,60 @@ def _gemv_kernel(
 
 
 # ---------------------------------------------------------------------------------------------- launcher
+# A carried norm's sum of squares is spread over this many int64 slots a token (slot = program % NORM_SLOTS), so no
+# address takes more than grid / NORM_SLOTS of the producer's atomic adds; the consumer loads and sums them. The sums
+# are fixed point with NORM_SUM_UNIT units to 1 (each program's share rounded to a unit): integer atomics make the
+# total independent of the programs' order, so a step is reproducible. Resolution: at most 2^-21 off per producer
+# program, ~1e-7 of a mean square over a 4096 row of 1024 programs (RMSNorm adds eps >= 1e-6 to it); range: a row
+# sum up to 2^43 (an RMS of ~46,000 over 4096 elements; beyond it the int64 wraps).
+NORM_SLOTS = 16
+NORM_SUM_UNIT = 2.0**20
+
+
+@dataclass(frozen=True, slots=True)
+class NormCarryOut:
+    """An `add` GEMV's epilogue doing the next RMSNorm's first half (fused_decode.NormCarry): with s the output it
+    stores, x = s * norm_weight (rounded to the model dtype) into `x` [M, N], and each token's sum(s^2) added into
+    `sums` [>= M, NORM_SLOTS] int64 (fixed point, NORM_SUM_UNIT), which must be zero before the launch. The consumer GEMV takes x and the sums
+    (gemv_triton's norm_sums) and scales its float32 sums by 1 / rms."""
+
+    norm_weight: torch.Tensor  # [N] model dtype
+    x: torch.Tensor  # [M, N] model dtype, contiguous rows
+    sums: torch.Tensor  # [>= M, NORM_SLOTS] int64, contiguous
+
+
+def _check_norm_sums(sums: torch.Tensor, num_rows: int, device: torch.device, name: str) -> None:
+    if (sums.dtype != torch.int64 or sums.dim() != 2 or sums.shape[0] < num_rows or sums.shape[1] != NORM_SLOTS
+            or not sums.is_contiguous() or sums.device != device):
+        raise ValueError(f"gemv: {name} must be a contiguous int64 [>= {num_rows}, {NORM_SLOTS}] on {device}, got "
+                         f"{sums.dtype} {tuple(sums.shape)} on {sums.device}")
+
+
+def _check_carry(norm_sums: torch.Tensor | None, carry: NormCarryOut | None, zero_sums: torch.Tensor | None,
+                 x: torch.Tensor, n_out: int, add: torch.Tensor | None, norm: bool) -> None:
+    """The carried norm's arguments: norm_sums (a consumer; no other norm), carry (an `add` producer), zero_sums."""
+    num_rows = x.shape[0]
+    if norm_sums is not None:
+        if norm:
+            raise ValueError("gemv: norm_sums is the carried norm; pass no norm_weight, norm_folded or norm_residual")
+        _check_norm_sums(norm_sums, num_rows, x.device, "norm_sums")
+    if carry is not None:
+        if add is None:
+            raise ValueError("gemv: carry (the next norm's first half) is an epilogue of the residual add: pass add")
+        _check_norm_sums(carry.sums, num_rows, x.device, "carry.sums")
+        if carry.norm_weight.shape != (n_out,) or carry.norm_weight.dtype != x.dtype:
+            raise ValueError(f"gemv: carry.norm_weight must be [{n_out}] {x.dtype}, got "
+                             f"{tuple(carry.norm_weight.shape)} {carry.norm_weight.dtype}")
+        if (carry.x.shape != (num_rows, n_out) or carry.x.dtype != x.dtype or carry.x.stride(1) != 1
+                or carry.x.device != x.device):
+            raise ValueError(f"gemv: carry.x must be [{num_rows}, {n_out}] {x.dtype} with contiguous rows, got "
+                             f"{tuple(carry.x.shape)} {carry.x.dtype}")
+    if zero_sums is not None:
+        _check_norm_sums(zero_sums, 0, x.device, "zero_sums")
+        if zero_sums.shape[0] & (zero_sums.shape[0] - 1):
+            raise ValueError(f"gemv: zero_sums needs a power-of-two row count, got {zero_sums.shape[0]}")
+
+
 @dataclass(frozen=True, slots=True)
 class GemvConfig:
     """Launch shape of a GEMV (this module's and the W8A16 one of fp8_linear): BLOCK_M tokens x BLOCK_N weight
@@ -664,6 +758,9 @@ def _launch(
     weight_scale: torch.Tensor | None = None,
     weight_convert: str = "cast",
     trigger_first: bool = False,
+    norm_sums: torch.Tensor | None = None,
+    carry: NormCarryOut | None = None,
+    zero_sums: torch.Tensor | None = None,
 ) -> None:
     num_rows, hidden = x.shape
     if cfg.use_dot and cfg.block_m < 16:
@@ -681,23 +778,32 @@ def _launch(
     paired = silu_mul or rotary is not None
     if w_convert:
         weight = weight.view(torch.int32)  # [N, K / 4]: four E4M3 codes a word (w_stride in words)
+    placeholder = weight_scale if weight_scale is not None else x  # any tensor: its pointer is never read
+    sums_out = carry.sums if carry is not None else placeholder
+    zero = zero_sums if zero_sums is not None else placeholder
+    carry_g = carry.norm_weight if carry is not None else placeholder
+    carry_x = carry.x if carry is not None else x
     _gemv_kernel[(grid,)](
         x, weight, out, bias if bias is not None else x, norm_weight if norm_weight is not None else x,
         hres, s, add_t, positions, cos_sin, k_cache, v_cache, slots, q_norm, k_norm,
         weight_scale if weight_scale is not None else x,
+        norm_sums if norm_sums is not None else placeholder, sums_out, zero, carry_g, carry_x,
         num_rows, n_out, hidden, eps,
         x.stride(0), weight.stride(0), out.stride(0), hres.stride(0), s.stride(0), add_t.stride(0),
-        num_q_heads, num_kv_heads,
+        carry_x.stride(0), num_q_heads, num_kv_heads,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_DOT=cfg.use_dot, DOT_PRECISION=_dot_precision(x.dtype),
-        NORM=norm_weight is not None or norm_folded, PRO_RESIDUAL=norm_residual is not None,
+        NORM=norm_weight is not None or norm_folded or norm_sums is not None, PRO_RESIDUAL=norm_residual is not None,
         APPLY_G=norm_weight is not None, HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul, ADD=add is not None,
         ROTARY=rotary is not None, QK_NORM=qk_norm is not None, HALF=half, SPLITS_PER_HEAD=splits,
         PAIRED=paired, USE_PDL=pdl, NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda),
         W_SCALED=weight_scale is not None, W_CONVERT=w_convert, W_VEC=w_vec,
         W_SUM=row_sum(w_vec, weight_scale is not None), PDL_TILES=cfg.pdl_tiles, PDL_GDC=gdc,
-        PDL_TRIGGER_FIRST=trigger_first,
+        PDL_TRIGGER_FIRST=trigger_first, NORM_SUMS=norm_sums is not None, CARRY=carry is not None,
+        ZERO_SUMS=zero_sums is not None,
+        NUM_SLOTS=NORM_SLOTS, SUM_UNIT=NORM_SUM_UNIT,
+        SUMS_ROWS=zero_sums.shape[0] if zero_sums is not None else GEMV_MAX_M,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if gdc else {}),
     )
@@ -718,13 +824,23 @@ def gemv_triton(
     norm_folded: bool = False,
     weight_scale: torch.Tensor | None = None,
     weight_convert: str = "cast",
+    norm_sums: torch.Tensor | None = None,
+    carry: NormCarryOut | None = None,
+    zero_sums: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv_ref's semantics for M <= GEMV_MAX_M in one kernel. pdl: launch with programmatic dependent
     launch (the previous kernel in the stream may still be running when this one starts loading weights).
     config: override the block sizes (tests force both the CUDA-core and the tensor-core paths).
     weight_scale: FP8 weights (W8A16; converted in registers, the row scale on the float32 sums), converted by
-    `weight_convert` ("cast", "bits-join", "asm-join": fp8_convert.py)."""
+    `weight_convert` ("cast", "bits-join", "asm-join": fp8_convert.py).
+    The carried norm (fused_decode.NormCarry; gemv_carried_ref says what it computes): norm_sums [>= M, NORM_SLOTS]
+    int64, each token's sum of squares of s spread over its slots in NORM_SUM_UNIT units, where x = s * g: the sums
+    are scaled by 1 / sqrt(sum / K + eps) before the epilogue. carry (with add): the epilogue also writes carry.x =
+    out * carry.norm_weight and adds each token's sum(out^2) into carry.sums. zero_sums: a [R, NORM_SLOTS] int64
+    buffer this launch sets to zero after its PDL wait."""
     n_out = check_gemv_args(x, weight, bias, norm_weight, norm_residual, silu_mul, add, norm_folded, weight_scale)
+    _check_carry(norm_sums, carry, zero_sums, x, n_out, add,
+                 norm_weight is not None or norm_folded or norm_residual is not None)
     tensors = [t for t in (x, weight, bias, norm_weight, norm_residual, add, weight_scale) if t is not None]
     check_launchable(*tensors)
     for name, t in (("x", x), ("weight", weight), ("bias", bias), ("norm_weight", norm_weight),
@@ -742,7 +858,7 @@ def gemv_triton(
                                 x.element_size())
     _launch(x, weight, out, n_out, triton.cdiv(n_out, cfg.block_n), cfg, bias, norm_weight, eps,
             norm_residual, s, silu_mul, add, pdl, norm_folded=norm_folded, weight_scale=weight_scale,
-            weight_convert=weight_convert)
+            weight_convert=weight_convert, norm_sums=norm_sums, carry=carry, zero_sums=zero_sums)
     return out, s
 
 
@@ -769,6 +885,7 @@ def gemv_rotary_cache_triton(
     weight_scale: torch.Tensor | None = None,
     weight_convert: str = "cast",
     pdl_trigger_first: bool = False,
+    norm_sums: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv_rotary_cache_ref in one kernel. With q_norm/k_norm (Qwen3) a program must hold a whole head,
     so the grid is one program per head (fewer, longer programs: slower at batch 1 than without).
@@ -778,8 +895,11 @@ def gemv_rotary_cache_triton(
     the attention reads before its wait (block tables, context lengths, keys and values of earlier steps) is
     written by no kernel of this step that could still be running: when this kernel starts, its predecessor's
     predecessor has finished (every other kernel of the chain triggers after its wait), and the attention reads
-    this kernel's outputs (q, the newest key and value) only after its own wait, which covers this kernel."""
+    this kernel's outputs (q, the newest key and value) only after its own wait, which covers this kernel.
+    norm_sums: the carried norm, as in gemv_triton (x = s * g)."""
     check_gemv_args(x, weight, bias, norm_weight, norm_residual, False, None, norm_folded, weight_scale)
+    _check_carry(norm_sums, None, None, x, weight.shape[0], None,
+                 norm_weight is not None or norm_folded or norm_residual is not None)
     head_dim = k_cache.shape[-1]
     num_rows, hidden = x.shape
     n_total = weight.shape[0]
@@ -839,5 +959,6 @@ def gemv_rotary_cache_triton(
     _launch(x, weight, out, n_total, num_total_heads * splits, cfg, bias, norm_weight, eps, norm_residual, s,
             False, None, pdl, rotary=(positions, cos_sin, k_cache, v_cache, slot_mapping),
             heads=(num_heads, num_kv_heads, half, splits), qk_norm=qk, norm_folded=norm_folded,
-            weight_scale=weight_scale, weight_convert=weight_convert, trigger_first=pdl_trigger_first)
+            weight_scale=weight_scale, weight_convert=weight_convert, trigger_first=pdl_trigger_first,
+            norm_sums=norm_sums)
     return out, s

@@ -42,6 +42,7 @@ Which layers take it (`bind_fused_decode`'s reasons; the answer is the same for 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -54,7 +55,9 @@ from stoker.engine.kernels.fp8_linear import fp8_gemv_config
 from stoker.engine.kernels.fused_mlp import MLP_MAX_M, fused_mlp_triton
 from stoker.engine.kernels.gemv import (
     GEMV_MAX_M,
+    NORM_SLOTS,
     GemvConfig,
+    NormCarryOut,
     fold_norm_weight,
     gemv_rotary_cache_triton,
     gemv_triton,
@@ -128,6 +131,10 @@ O_PROJ_PDL = True
 # pdl_trigger_first says why that is sound), so the attention's older keys load while qkv streams. Off until
 # measured (ops/bench.py "+qkvfirst").
 QKV_TRIGGER_FIRST = False
+# FP8 layers (the ones that run RMSNorm kernels between their GEMVs): every norm but the first layer's input norm and
+# the model's final norm done by the GEMVs around it instead (NormCarry), so the norm kernels and their boundaries
+# leave the chain. Read when the model plans its decode (link_norm_carry).
+NORM_CARRY = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +159,55 @@ class FusedDecode:
     gate_up: GateUpLinear | Fp8GateUpLinear
     down: Linear | Fp8Linear
     pdl_off: bool = False  # EngineConfig.decode_pdl False: no PDL anywhere, O_PROJ_PDL's boundary included
+    carry: NormCarry | None = None  # the model's carried-norm buffers (link_norm_carry), None: the norm kernels
+    carry_in: bool = False  # the previous layer's down wrote this layer's normalised input's half (not layer 0)
+    next_norm: RMSNorm | None = None  # the next layer's input norm, for down's carry (None: the last layer)
+
+
+@dataclass(frozen=True, slots=True)
+class NormCarry:
+    """The carried norms' buffers, one set per model, shared by its fused layers (NORM_CARRY). An RMSNorm between two
+    GEMVs is split over them: the producer's epilogue (o_proj's or down's residual add) stores x = s * g and adds
+    each token's sum(s^2) into NORM_SLOTS int64 slots (fixed point), and the consumer (gate_up, the next layer's qkv) reads x and
+    the slots and scales its float32 sums by 1 / rms (gemv_carried_ref). post_*: the post-attention norm (o_proj ->
+    gate_up); next_*: the next layer's input norm (down -> qkv).
+
+    The slots must be zero when a producer adds into them, and nothing zeroes them between kernels but the kernels
+    themselves: o_proj zeroes sums_next (read by this layer's qkv, which finished before the attention o_proj waits
+    on), down zeroes sums_post (read by gate_up, its predecessor); down adds into sums_next only after its wait (by
+    then o_proj's zeroing is done), o_proj into sums_post after the previous layer's down (which zeroed them) is
+    done. Every kernel of the chain waits for its predecessor before it stores (PDL or not), so each of these
+    orders holds, and both buffers are zero again after every step (the last layer adds into neither). Each
+    buffer holds GEMV_MAX_M tokens; a step uses its first M rows."""
+
+    x_post: torch.Tensor  # [GEMV_MAX_M, H] model dtype
+    sums_post: torch.Tensor  # [GEMV_MAX_M, NORM_SLOTS] int64, zero between steps
+    x_next: torch.Tensor
+    sums_next: torch.Tensor
+
+    @classmethod
+    def allocate(cls, hidden: int, dtype: torch.dtype, device: torch.device) -> NormCarry:
+        def x() -> torch.Tensor:
+            return torch.empty(GEMV_MAX_M, hidden, dtype=dtype, device=device)
+
+        def sums() -> torch.Tensor:
+            return torch.zeros(GEMV_MAX_M, NORM_SLOTS, dtype=torch.int64, device=device)
+
+        return cls(x(), sums(), x(), sums())
+
+
+def link_norm_carry(fused: list[FusedDecode | None]) -> list[FusedDecode | None]:
+    """The layers' FusedDecode with the carried norms linked (NORM_CARRY) where every layer is fused, normalises with
+    norm kernels (no prologue norm) and runs FP8 weights; otherwise as given."""
+    if not NORM_CARRY or not fused or any(fd is None or fd.prologue_max_m or not isinstance(fd.o_proj, Fp8Linear)
+                                         for fd in fused):
+        return fused
+    layers = cast(list[FusedDecode], fused)
+    weight = layers[0].input_norm.weight
+    carry = NormCarry.allocate(weight.shape[0], weight.dtype, weight.device)
+    return [dataclasses.replace(fd, carry=carry, carry_in=i > 0,
+                                next_norm=layers[i + 1].input_norm if i + 1 < len(layers) else None)
+            for i, fd in enumerate(layers)]
 
 
 _PLAIN_KINDS = (QKVLinear, Linear, GateUpLinear, Linear)
@@ -297,17 +353,37 @@ def fused_decode_layer(
     num_tokens = hidden.shape[0]
     prologue = num_tokens <= fd.prologue_max_m
     folded = fd.folded and prologue  # the GEMVs' norm_folded: their prologue normalises with g folded into W
-    if prologue:  # the qkv GEMV normalises the stream itself
+    carry = fd.carry
+    qkv_sums = None
+    if carry is not None and fd.carry_in:  # the previous layer's down did the input norm's first half
+        if residual is not None:
+            raise ValueError("fused decode: a carried norm follows a fused layer, whose output is the stream itself")
+        x, stream, qkv_sums = carry.x_next[:num_tokens], hidden, carry.sums_next
+    elif prologue:  # the qkv GEMV normalises the stream itself
         stream = hidden if residual is None else hidden + residual
         x = stream
     else:  # the norm kernel; a unit gain where g is folded into the weights (fused-folded)
         x, stream = fd.input_norm(hidden, residual, pdl=fd.pdl)
-    qkv = _qkv_rotary_cache(fd, x, positions, meta, k_cache, v_cache, prologue, folded)
+    qkv = _qkv_rotary_cache(fd, x, positions, meta, k_cache, v_cache, prologue, folded, qkv_sums)
     num_heads, head_dim = fd.attention.num_heads, fd.attention.head_dim
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     o_pdl = _o_proj_pdl(fd, num_tokens)  # the attention lets o_proj in early; o_proj loads tiles before its wait
     out = fd.attention(q, k_cache, v_cache, meta, pdl=o_pdl).reshape(num_tokens, num_heads * head_dim)
-    stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=o_pdl, **_fp8_args(fd.o_proj, "add", num_tokens))
+    o_carry: dict[str, Any] = {}
+    if carry is not None:  # the post-attention norm's first half; the slots qkv read put back to zero
+        o_carry = {"carry": NormCarryOut(fd.post_norm.weight, carry.x_post[:num_tokens], carry.sums_post),
+                   "zero_sums": carry.sums_next}
+    stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=o_pdl, **o_carry,
+                            **_fp8_args(fd.o_proj, "add", num_tokens))
+    if carry is not None:
+        act, _ = gemv_triton(carry.x_post[:num_tokens], fd.gate_up.weight, silu_mul=True, norm_sums=carry.sums_post,
+                             eps=fd.post_norm.eps, pdl=fd.pdl, **_fp8_args(fd.gate_up, "silu", num_tokens))
+        down_carry: dict[str, Any] = {"zero_sums": carry.sums_post}
+        if fd.next_norm is not None:
+            down_carry["carry"] = NormCarryOut(fd.next_norm.weight, carry.x_next[:num_tokens], carry.sums_next)
+        stream, _ = gemv_triton(act, fd.down.weight, add=stream, pdl=fd.pdl, **down_carry,
+                                **_fp8_args(fd.down, "add", num_tokens))
+        return stream, None
     x = stream if prologue else fd.post_norm(stream, pdl=fd.pdl)[0]
     if num_tokens <= fd.mlp_max_m:  # gate_up + SiLU-mul + down + residual: a streaming kernel, a finishing one
         return fused_mlp_triton(x, fd.gate_up.weight, fd.down.weight, stream, eps=fd.post_norm.eps,
@@ -340,13 +416,15 @@ def _qkv_rotary_cache(
     v_cache: torch.Tensor,
     prologue: bool,
     folded: bool,
+    norm_sums: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """qkv [M, (Hq + 2 Hkv) D] with q and k rotated; k and v written to the caches (slot -1: padding). prologue: x is
-    the stream, normalised in the GEMV's prologue (folded: with g in the weights); else x is already normalised."""
+    the stream, normalised in the GEMV's prologue (folded: with g in the weights); norm_sums: x is s * g of a carried
+    norm (NormCarry), these its slots; else x is already normalised."""
     q_norm = fd.q_norm.weight if fd.q_norm is not None else None
     k_norm = fd.k_norm.weight if fd.k_norm is not None else None
     # One eps serves the prologue norm and Qwen3's q/k norm: the model builds all of them from rms_norm_eps.
-    eps = fd.input_norm.eps if prologue or fd.q_norm is None else fd.q_norm.eps
+    eps = fd.input_norm.eps if prologue or norm_sums is not None or fd.q_norm is None else fd.q_norm.eps
     fp8 = _fp8_args(fd.qkv, "rope", x.shape[0])
     if q_norm is not None and fp8.get("weight_convert", "cast") != "cast" and gemv.REFUSE_WORDS_WITH_QK_NORM:
         fp8["weight_convert"] = "cast"  # refused with the q/k norm on CUDA (see gemv_rotary_cache_triton)
@@ -355,6 +433,6 @@ def _qkv_rotary_cache(
         positions=positions, cos_sin=fd.rotary.cos_sin, k_cache=k_cache, v_cache=v_cache,
         slot_mapping=meta.slot_mapping, eps=eps, q_norm=q_norm, k_norm=k_norm, pdl=fd.pdl,
         pdl_trigger_first=fd.pdl and QKV_TRIGGER_FIRST,
-        norm_folded=folded, **fp8, **_unfolded_norm(fd, fd.input_norm, prologue),
+        norm_folded=folded, norm_sums=norm_sums, **fp8, **_unfolded_norm(fd, fd.input_norm, prologue),
     )
     return qkv

@@ -31,6 +31,7 @@ from stoker.engine.models.fused_decode import (
     bind_fused_decode,
     decode_report,
     fused_decode_layer,
+    link_norm_carry,
     takes_fused_decode,
 )
 from stoker.engine.models.nano_batches import NanoBatchPlan, nano_batch_layers, takes_nano_batches
@@ -283,9 +284,13 @@ class LlamaForCausalLM(CausalLM):
             if layer.fused_decode is not None:
                 mlp_max_m = max(mlp_max_m, layer.fused_decode.mlp_max_m)
                 prologue = max(prologue, layer.fused_decode.prologue_max_m)
-        pdl_used = any(layer.fused_decode is not None and layer.fused_decode.pdl
-                       for layer in cast(list[LlamaDecoderLayer], list(self.model.layers)))
-        return decode_report(mode, pdl_used, reasons) | {"fused_mlp_max_m": mlp_max_m, "prologue_norm_max_m": prologue}
+        layers = cast(list[LlamaDecoderLayer], list(self.model.layers))
+        for layer, linked in zip(layers, link_norm_carry([layer.fused_decode for layer in layers]), strict=True):
+            layer.fused_decode = linked
+        pdl_used = any(layer.fused_decode is not None and layer.fused_decode.pdl for layer in layers)
+        carried = any(layer.fused_decode is not None and layer.fused_decode.carry is not None for layer in layers)
+        return decode_report(mode, pdl_used, reasons) | {"fused_mlp_max_m": mlp_max_m, "prologue_norm_max_m": prologue,
+                                                         "norm_carry": carried}
 
     def plan_nano_batches(self, plan: NanoBatchPlan | None) -> dict[str, Any]:
         self.model.nano_batches = plan

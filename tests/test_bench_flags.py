@@ -1,0 +1,39 @@
+"""ops/bench.py's --decode-kernels items: the kernel-module switches an item sets for its own engine only."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+from stoker.engine.kernels import attention  # noqa: E402
+from stoker.engine.models import fused_decode  # noqa: E402
+from stoker.ops import bench  # noqa: E402
+
+
+def test_set_items_change_a_module_constant_for_their_item_only() -> None:
+    tile, carry, opdl = attention.DECODE_TILE_N, fused_decode.NORM_CARRY, fused_decode.O_PROJ_PDL
+    try:
+        bench.apply_kernel_flags("auto+set=attention.DECODE_TILE_N=32+nocarry")
+        assert attention.DECODE_TILE_N == 32 and fused_decode.NORM_CARRY is False
+        assert bench.decode_setting("auto+set=attention.DECODE_TILE_N=32+nocarry") == {"decode_kernels": "auto"}
+        bench.apply_kernel_flags(f"auto+set=fused_decode.O_PROJ_PDL={not opdl}")
+        assert attention.DECODE_TILE_N == tile and fused_decode.NORM_CARRY is carry
+        assert fused_decode.O_PROJ_PDL is (not opdl)
+        bench.apply_kernel_flags("auto")
+        assert fused_decode.O_PROJ_PDL is opdl and attention.DECODE_TILE_N == tile
+    finally:
+        bench.apply_kernel_flags("auto")
+
+
+@pytest.mark.parametrize("item, message", [
+    ("auto+set=attention.DECODE_TILE_N", "set=MODULE.NAME=VALUE"),
+    ("auto+set=sampler.X=1", "set=MODULE.NAME=VALUE"),
+    ("auto+set=fused_decode.O_PROJ_PDL=1", "is a bool"),
+    ("auto+set=fused_decode.FP8_FUSED_M1=1", "not a number or a bool"),
+])
+def test_set_items_refuse_what_they_cannot_set(item: str, message: str) -> None:
+    try:
+        with pytest.raises(ValueError, match=message):
+            bench.apply_kernel_flags(item)
+    finally:
+        bench.apply_kernel_flags("auto")
