@@ -229,7 +229,8 @@ KERNEL_FLAGS = {
 # Launch-table entries an item may replace for its own engine: "+m1=KERNEL:N:K:SHAPE:CONVERT" one
 # fused_decode.FP8_FUSED_M1 entry (e.g. m1=add:4096:4096:1x4x4096w4s3:asm-join), "+tune=KIND:N:K:SHAPE" one
 # gemv._TUNED_M1 entry (bf16 one-token shapes; e.g. tune=plain:4096:4096:1x4x2048w4s3); SHAPE is
-# BMxBNxBKwWARPSsSTAGES, then pTILES for GemvConfig.pdl_tiles, and a trailing "dot" for the tensor-core tile.
+# BMxBNxBKwWARPSsSTAGES, then pTILES for GemvConfig.pdl_tiles, rREGS for its maxnreg, and a trailing "dot" for the
+# tensor-core tile.
 KERNEL_TABLES = {"m1": ("fused_decode", "FP8_FUSED_M1"), "tune": ("gemv", "_TUNED_M1")}
 _KERNEL_DEFAULTS: dict[tuple[str, str], Any] = {}
 _SET_DEFAULTS: dict[tuple[str, str], Any] = {}  # the values "+set=" items replaced, as they were before
@@ -261,16 +262,17 @@ def _set_flag(text: str) -> tuple[str, str, Any]:
 
 
 def parse_gemv_shape(text: str):
-    """"1x4x2048w4s3" -> GemvConfig(1, 4, 2048, False, 4, 3); "p4" after it: pdl_tiles 4; "dot" last: the
-    tensor-core tile."""
+    """"1x4x2048w4s3" -> GemvConfig(1, 4, 2048, False, 4, 3); "p4" after it: pdl_tiles 4; "r64": maxnreg 64; "dot"
+    last: the tensor-core tile."""
     from stoker.engine.kernels.gemv import GemvConfig
 
-    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)(?:s(\d+))?(?:p(\d+))?(dot)?", text)
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)(?:s(\d+))?(?:p(\d+))?(?:r(\d+))?(dot)?", text)
     if m is None:
         raise ValueError(f"a GEMV launch shape like 1x4x2048w4s3 (or 1x4x1024w4s3p4, 16x16x256w1s4dot) expected, "
                          f"got {text!r}")
-    bm, bn, bk, warps, stages, tiles, dot = m.groups()
-    return GemvConfig(int(bm), int(bn), int(bk), dot is not None, int(warps), int(stages or 3), int(tiles or 1))
+    bm, bn, bk, warps, stages, tiles, regs, dot = m.groups()
+    return GemvConfig(int(bm), int(bn), int(bk), dot is not None, int(warps), int(stages or 3), int(tiles or 1),
+                      int(regs) if regs else None)
 
 
 def _table_entry(table: str, text: str) -> tuple[tuple[str, int, int], Any]:

@@ -17,10 +17,10 @@ def test_set_items_change_a_module_constant_for_their_item_only() -> None:
         assert attention.DECODE_TILE_N == 32 and fused_decode.NORM_CARRY is False
         assert bench.decode_setting("auto+set=attention.DECODE_TILE_N=32+nocarry") == {"decode_kernels": "auto"}
         bench.apply_kernel_flags(f"auto+set=fused_decode.O_PROJ_PDL={not opdl}")
-        assert attention.DECODE_TILE_N == tile and fused_decode.NORM_CARRY is carry
+        assert tile == attention.DECODE_TILE_N and fused_decode.NORM_CARRY is carry
         assert fused_decode.O_PROJ_PDL is (not opdl)
         bench.apply_kernel_flags("auto")
-        assert fused_decode.O_PROJ_PDL is opdl and attention.DECODE_TILE_N == tile
+        assert fused_decode.O_PROJ_PDL is opdl and tile == attention.DECODE_TILE_N
     finally:
         bench.apply_kernel_flags("auto")
 
@@ -37,3 +37,13 @@ def test_set_items_refuse_what_they_cannot_set(item: str, message: str) -> None:
             bench.apply_kernel_flags(item)
     finally:
         bench.apply_kernel_flags("auto")
+
+
+def test_gemv_shapes_parse_with_their_options() -> None:
+    from stoker.engine.kernels.gemv import GemvConfig
+
+    assert bench.parse_gemv_shape("1x4x2048w4s3p2r64") == GemvConfig(1, 4, 2048, False, 4, 3, 2, 64)
+    assert bench.parse_gemv_shape("16x16x256w1s4dot") == GemvConfig(16, 16, 256, True, 1, 4)
+    assert GemvConfig(1, 4, 2048, False, 4, 3, 2, 64).label() == "cores 1x4x2048 w4 s3 p2 r64"
+    with pytest.raises(ValueError, match="maxnreg must be 24-255"):
+        GemvConfig(1, 4, 2048, False, 4, 3, maxnreg=8)

@@ -18,7 +18,7 @@ from kernel_harness import GPU, INTERPRET, NO_CUDA, TOLERANCE, cases, close, run
 from stoker.engine.kernels import fused_linear, rope_cos_sin  # noqa: E402
 from stoker.engine.kernels.gemv import (  # noqa: E402
     GEMV_MAX_M,
-    NORM_SLOTS,
+    NORM_SLOT_STRIDE,
     NORM_SUM_UNIT,
     GemvConfig,
     NormCarryOut,
@@ -29,6 +29,7 @@ from stoker.engine.kernels.gemv import (  # noqa: E402
     gemv_rotary_cache_ref,
     gemv_rotary_cache_triton,
     gemv_triton,
+    norm_sums_buffer,
 )
 
 CASES = cases()
@@ -182,10 +183,10 @@ def test_gemv_rotary_cache(
 def carried_norm(s: torch.Tensor, g: torch.Tensor, rows: int = GEMV_MAX_M) -> tuple[torch.Tensor, torch.Tensor]:
     """What a carrying producer leaves for s (NormCarryOut): x = s * g rounded to s's dtype, and each row's sum(s^2) in
     NORM_SUM_UNIT fixed point spread over two of NORM_SLOTS int64 slots (rows past M zero)."""
-    sums = torch.zeros(rows, NORM_SLOTS, dtype=torch.int64, device=s.device)
+    sums = norm_sums_buffer(rows, s.device)
     total = (s.double() ** 2).sum(dim=1) * NORM_SUM_UNIT
     sums[: s.shape[0], 0] = (total / 3).round().long()
-    sums[: s.shape[0], 5] = (total - (total / 3).round()).round().long()
+    sums[: s.shape[0], 5 * NORM_SLOT_STRIDE] = (total - (total / 3).round()).round().long()
     return (s.float() * g.float()).to(s.dtype), sums
 
 
@@ -204,8 +205,8 @@ def test_gemv_carried_norm(device: str, dtype: torch.dtype, num_rows: int, path:
     add = rand(num_rows, N, device=device, dtype=dtype, scale=2.0)
     g = rand(N, device=device, dtype=dtype) + 1
     carried_x = torch.full((num_rows, N), float("nan"), device=device, dtype=dtype)
-    sums = torch.zeros(GEMV_MAX_M, NORM_SLOTS, dtype=torch.int64, device=device)
-    stale = torch.full((GEMV_MAX_M, NORM_SLOTS), 7, dtype=torch.int64, device=device)
+    sums = norm_sums_buffer(GEMV_MAX_M, device)
+    stale = norm_sums_buffer(GEMV_MAX_M, device) + 7
     out, _ = gemv_triton(x, w_o, add=add, config=cfg, carry=NormCarryOut(g, carried_x, sums), zero_sums=stale)
     plain, _ = gemv_triton(x, w_o, add=add, config=cfg)
     torch.testing.assert_close(out, plain, rtol=0, atol=0)
@@ -214,7 +215,7 @@ def test_gemv_carried_norm(device: str, dtype: torch.dtype, num_rows: int, path:
     total = sums.sum(dim=1).double() / NORM_SUM_UNIT
     torch.testing.assert_close(total[:num_rows], (out.double() ** 2).sum(dim=1), rtol=1e-6,
                                atol=programs / NORM_SUM_UNIT)
-    assert not sums[num_rows:].any() and not stale.any()
+    assert not sums[num_rows:].any() and not stale[:, ::NORM_SLOT_STRIDE].any()
     w_gu = rand(2 * 45, N, device=device, dtype=dtype, scale=N**-0.5)
     act, _ = gemv_triton(carried_x, w_gu, silu_mul=True, norm_sums=sums, eps=1e-5, config=cfg)
     ref, _ = gemv_ref(out, w_gu, norm_weight=g, eps=1e-5, silu_mul=True)
@@ -229,7 +230,7 @@ def test_gemv_carried_norm_rejects_bad_buffers(device: str, dtype: torch.dtype) 
     w = rand(N, K, device=device, dtype=dtype)
     add = rand(2, N, device=device, dtype=dtype)
     g = rand(N, device=device, dtype=dtype)
-    sums = torch.zeros(GEMV_MAX_M, NORM_SLOTS, dtype=torch.int64, device=device)
+    sums = norm_sums_buffer(GEMV_MAX_M, device)
     carried_x = torch.empty(2, N, device=device, dtype=dtype)
     with pytest.raises(ValueError, match="int64"):
         gemv_triton(x, w, norm_sums=sums.float())
@@ -334,7 +335,7 @@ def test_gemv_pdl_chain_survives_cuda_graph_capture(num_rows: int, form: str) ->
     static_x = rand(num_rows, hidden, device="cuda", dtype=dt)
     early = GemvConfig(1, 4, 128, False, 4, 3, 4) if num_rows == 1 else GemvConfig(16, 16, 128, True, 4, 2, 4)
     x_post, x_next = (torch.empty(GEMV_MAX_M, hidden, device="cuda", dtype=dt) for _ in range(2))
-    sums_post, sums_next = (torch.zeros(GEMV_MAX_M, NORM_SLOTS, device="cuda", dtype=torch.int64) for _ in range(2))
+    sums_post, sums_next = (norm_sums_buffer(GEMV_MAX_M, "cuda") for _ in range(2))
 
     def carried_layer(x: torch.Tensor, pdl: bool, first: bool) -> torch.Tensor:
         m = x.shape[0]

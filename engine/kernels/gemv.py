@@ -319,6 +319,7 @@ def _gemv_kernel(
     PDL_TILES: tl.constexpr = 1, PDL_GDC: tl.constexpr = True, PDL_TRIGGER_FIRST: tl.constexpr = False,
     NORM_SUMS: tl.constexpr = False, CARRY: tl.constexpr = False, ZERO_SUMS: tl.constexpr = False,
     NUM_SLOTS: tl.constexpr = 16, SUMS_ROWS: tl.constexpr = 16, SUM_UNIT: tl.constexpr = 1048576.0,
+    SLOT_STRIDE: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
     j = tl.arange(0, BLOCK_N)
@@ -380,8 +381,9 @@ def _gemv_kernel(
     if NORM_SUMS:
         # The carried norm (NormCarry): x is s * g, written by the producer's epilogue, which also added sum(s^2) into
         # NUM_SLOTS int64 slots per token (fixed point, SUM_UNIT a unit); one load of them instead of the rms pass.
-        slots = tl.arange(0, NUM_SLOTS)
-        sums = tl.load(sums_in_ptr + m[:, None] * NUM_SLOTS + slots[None, :], mask=m_mask[:, None], other=0)
+        slots = tl.arange(0, NUM_SLOTS) * SLOT_STRIDE
+        sums = tl.load(sums_in_ptr + m[:, None] * (NUM_SLOTS * SLOT_STRIDE) + slots[None, :], mask=m_mask[:, None],
+                       other=0)
         sumsq = tl.sum(sums, axis=1).to(tl.float32) * (1.0 / SUM_UNIT)
     elif NORM and not PRO_RESIDUAL:
         # The rms of each x row in a pass of its own (x is M*K elements, read from L2 by every program),
@@ -459,12 +461,14 @@ def _gemv_kernel(
             # In fixed point: integer adds give the same total in any order (float atomics would not: the step's
             # result would change from run to run).
             share = (tl.sum(s_out * s_out, axis=1) * SUM_UNIT + 0.5).to(tl.int64)
-            tl.atomic_add(sums_out_ptr + m * NUM_SLOTS + pid % NUM_SLOTS, share, mask=m_mask, sem="relaxed")
+            slot = sums_out_ptr + m * (NUM_SLOTS * SLOT_STRIDE) + (pid % NUM_SLOTS) * SLOT_STRIDE
+            tl.atomic_add(slot, share, mask=m_mask, sem="relaxed")
     if ZERO_SUMS:
         # Put back to zero the slots an earlier kernel of the chain read (fused_decode.NormCarry says why they are
         # free by now), after the wait as every store here; program 0 only, SUMS_ROWS tokens' worth.
         slot_ids = tl.arange(0, SUMS_ROWS * NUM_SLOTS)
-        tl.store(sums_zero_ptr + slot_ids, tl.zeros([SUMS_ROWS * NUM_SLOTS], tl.int64), mask=(slot_ids >= 0) & (pid == 0))
+        tl.store(sums_zero_ptr + slot_ids * SLOT_STRIDE, tl.zeros([SUMS_ROWS * NUM_SLOTS], tl.int64),
+                 mask=(slot_ids >= 0) & (pid == 0))
     if ROTARY:
         b = acc_b.to(dtype).to(tl.float32)
         is_q = head < NUM_Q_HEADS
@@ -512,24 +516,35 @@ def _gemv_kernel(
 # sum up to 2^43 (an RMS of ~46,000 over 4096 elements; beyond it the int64 wraps).
 NORM_SLOTS = 16
 NORM_SUM_UNIT = 2.0**20
+# int64 elements from one slot to the next: 16 puts each slot in a 128-byte line of its own (atomics on one line meet
+# in one L2 slice whatever their addresses). A sums buffer is [rows, NORM_SLOTS * NORM_SLOT_STRIDE] (norm_sums_buffer).
+NORM_SLOT_STRIDE = 16
+
+
+def norm_sums_buffer(rows: int, device: torch.device | str) -> torch.Tensor:
+    """A zeroed carried-norm sums buffer for up to `rows` tokens (the layout gemv_triton's norm_sums, carry.sums and
+    zero_sums take; rows a power of two for zero_sums)."""
+    return torch.zeros(rows, NORM_SLOTS * NORM_SLOT_STRIDE, dtype=torch.int64, device=device)
 
 
 @dataclass(frozen=True, slots=True)
 class NormCarryOut:
     """An `add` GEMV's epilogue doing the next RMSNorm's first half (fused_decode.NormCarry): with s the output it
     stores, x = s * norm_weight (rounded to the model dtype) into `x` [M, N], and each token's sum(s^2) added into
-    `sums` [>= M, NORM_SLOTS] int64 (fixed point, NORM_SUM_UNIT), which must be zero before the launch. The consumer GEMV takes x and the sums
+    `sums` (norm_sums_buffer: NORM_SLOTS int64 slots a token, fixed point in NORM_SUM_UNIT), zero before the launch. The consumer GEMV takes x and the sums
     (gemv_triton's norm_sums) and scales its float32 sums by 1 / rms."""
 
     norm_weight: torch.Tensor  # [N] model dtype
     x: torch.Tensor  # [M, N] model dtype, contiguous rows
-    sums: torch.Tensor  # [>= M, NORM_SLOTS] int64, contiguous
+    sums: torch.Tensor  # norm_sums_buffer(>= M)
 
 
 def _check_norm_sums(sums: torch.Tensor, num_rows: int, device: torch.device, name: str) -> None:
-    if (sums.dtype != torch.int64 or sums.dim() != 2 or sums.shape[0] < num_rows or sums.shape[1] != NORM_SLOTS
+    width = NORM_SLOTS * NORM_SLOT_STRIDE
+    if (sums.dtype != torch.int64 or sums.dim() != 2 or sums.shape[0] < num_rows or sums.shape[1] != width
             or not sums.is_contiguous() or sums.device != device):
-        raise ValueError(f"gemv: {name} must be a contiguous int64 [>= {num_rows}, {NORM_SLOTS}] on {device}, got "
+        raise ValueError(f"gemv: {name} must be a contiguous int64 [>= {num_rows}, {width}] on {device} "
+                         f"(norm_sums_buffer), got "
                          f"{sums.dtype} {tuple(sums.shape)} on {sums.device}")
 
 
@@ -571,14 +586,21 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     pdl_tiles: int = 1  # under PDL: K tiles loaded before griddepcontrol.wait (1-4)
+    # A cap on registers a thread (ptxas .maxnreg; None: the compiler's choice), where a few registers more than a
+    # power of two cost a block an SM (e.g. 68 -> 7 blocks of 128 threads instead of 8: a second wave for 1,024
+    # programs). The GPU only.
+    maxnreg: int | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.pdl_tiles <= 4:
             raise ValueError(f"GemvConfig: pdl_tiles must be 1-4, got {self.pdl_tiles}")
+        if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
+            raise ValueError(f"GemvConfig: maxnreg must be 24-255 or None, got {self.maxnreg}")
 
     def label(self) -> str:
         return (f"{'dot' if self.use_dot else 'cores'} {self.block_m}x{self.block_n}x{self.block_k} "
-                f"w{self.num_warps} s{self.num_stages}" + (f" p{self.pdl_tiles}" if self.pdl_tiles != 1 else ""))
+                f"w{self.num_warps} s{self.num_stages}" + (f" p{self.pdl_tiles}" if self.pdl_tiles != 1 else "")
+                + (f" r{self.maxnreg}" if self.maxnreg is not None else ""))
 
 
 # M = 1 launch shapes per (kind, n_out, hidden) as gemv_config sees them, each the fastest candidate of
@@ -802,10 +824,11 @@ def _launch(
         W_SUM=row_sum(w_vec, weight_scale is not None), PDL_TILES=cfg.pdl_tiles, PDL_GDC=gdc,
         PDL_TRIGGER_FIRST=trigger_first, NORM_SUMS=norm_sums is not None, CARRY=carry is not None,
         ZERO_SUMS=zero_sums is not None,
-        NUM_SLOTS=NORM_SLOTS, SUM_UNIT=NORM_SUM_UNIT,
+        NUM_SLOTS=NORM_SLOTS, SUM_UNIT=NORM_SUM_UNIT, SLOT_STRIDE=NORM_SLOT_STRIDE,
         SUMS_ROWS=zero_sums.shape[0] if zero_sums is not None else GEMV_MAX_M,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if gdc else {}),
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg is not None and not interpreting() else {}),
     )
 
 
@@ -833,11 +856,11 @@ def gemv_triton(
     config: override the block sizes (tests force both the CUDA-core and the tensor-core paths).
     weight_scale: FP8 weights (W8A16; converted in registers, the row scale on the float32 sums), converted by
     `weight_convert` ("cast", "bits-join", "asm-join": fp8_convert.py).
-    The carried norm (fused_decode.NormCarry; gemv_carried_ref says what it computes): norm_sums [>= M, NORM_SLOTS]
-    int64, each token's sum of squares of s spread over its slots in NORM_SUM_UNIT units, where x = s * g: the sums
-    are scaled by 1 / sqrt(sum / K + eps) before the epilogue. carry (with add): the epilogue also writes carry.x =
-    out * carry.norm_weight and adds each token's sum(out^2) into carry.sums. zero_sums: a [R, NORM_SLOTS] int64
-    buffer this launch sets to zero after its PDL wait."""
+    The carried norm (fused_decode.NormCarry; gemv_carried_ref says what it computes): norm_sums (norm_sums_buffer),
+    each token's sum of squares of s spread over its slots in NORM_SUM_UNIT units, where x = s * g: the sums are
+    scaled by 1 / sqrt(sum / K + eps) before the epilogue. carry (with add): the epilogue also writes carry.x = out *
+    carry.norm_weight and adds each token's sum(out^2) into carry.sums. zero_sums: a norm_sums_buffer this launch
+    sets to zero after its PDL wait."""
     n_out = check_gemv_args(x, weight, bias, norm_weight, norm_residual, silu_mul, add, norm_folded, weight_scale)
     _check_carry(norm_sums, carry, zero_sums, x, n_out, add,
                  norm_weight is not None or norm_folded or norm_residual is not None)

@@ -55,12 +55,12 @@ from stoker.engine.kernels.fp8_linear import fp8_gemv_config
 from stoker.engine.kernels.fused_mlp import MLP_MAX_M, fused_mlp_triton
 from stoker.engine.kernels.gemv import (
     GEMV_MAX_M,
-    NORM_SLOTS,
     GemvConfig,
     NormCarryOut,
     fold_norm_weight,
     gemv_rotary_cache_triton,
     gemv_triton,
+    norm_sums_buffer,
 )
 from stoker.engine.layers import (
     Fp8GateUpLinear,
@@ -181,7 +181,7 @@ class NormCarry:
     buffer holds GEMV_MAX_M tokens; a step uses its first M rows."""
 
     x_post: torch.Tensor  # [GEMV_MAX_M, H] model dtype
-    sums_post: torch.Tensor  # [GEMV_MAX_M, NORM_SLOTS] int64, zero between steps
+    sums_post: torch.Tensor  # gemv.norm_sums_buffer(GEMV_MAX_M): zero between steps
     x_next: torch.Tensor
     sums_next: torch.Tensor
 
@@ -190,10 +190,7 @@ class NormCarry:
         def x() -> torch.Tensor:
             return torch.empty(GEMV_MAX_M, hidden, dtype=dtype, device=device)
 
-        def sums() -> torch.Tensor:
-            return torch.zeros(GEMV_MAX_M, NORM_SLOTS, dtype=torch.int64, device=device)
-
-        return cls(x(), sums(), x(), sums())
+        return cls(x(), norm_sums_buffer(GEMV_MAX_M, device), x(), norm_sums_buffer(GEMV_MAX_M, device))
 
 
 def link_norm_carry(fused: list[FusedDecode | None]) -> list[FusedDecode | None]:
