@@ -79,7 +79,8 @@ def _gemv_signature(dtype: str) -> dict[str, str]:
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_DOT", "DOT_PRECISION", "NORM", "PRO_RESIDUAL", "APPLY_G",
                  "HAS_BIAS", "SILU_MUL", "ADD", "ROTARY", "QK_NORM", "HALF", "SPLITS_PER_HEAD", "PAIRED", "USE_PDL",
                  "NORM_CHUNK", "W_SCALED", "W_CONVERT", "W_VEC", "W_SUM", "PDL_TILES", "PDL_GDC",
-                 "PDL_TRIGGER_FIRST", "NORM_SUMS", "CARRY", "ZERO_SUMS", "NUM_SLOTS", "SUMS_ROWS", "SUM_UNIT", "SLOT_STRIDE"):
+                 "PDL_TRIGGER_FIRST", "NORM_SUMS", "CARRY", "ZERO_SUMS", "NUM_SLOTS", "SUMS_ROWS", "SUM_UNIT", "SLOT_STRIDE",
+                 "SUMS_AT_END"):
         signature[name] = "constexpr"
     return signature
 
@@ -313,7 +314,8 @@ def test_fp8_fused_m1_table_compiles_for_sm90(kernel: str, n: int, k: int, cfg: 
                       W_SUM=gemv.row_sum(w_vec, True), PDL_TILES=cfg.pdl_tiles, PDL_GDC=True,
                       PDL_TRIGGER_FIRST=False,  # FP8 layers launch with PDL (EngineConfig.decode_pdl None)
                       NORM_SUMS=kernel != "add", CARRY=kernel == "add", ZERO_SUMS=kernel == "add",
-                      NUM_SLOTS=gemv.NORM_SLOTS, SUMS_ROWS=gemv.GEMV_MAX_M, SUM_UNIT=gemv.NORM_SUM_UNIT, SLOT_STRIDE=gemv.NORM_SLOT_STRIDE)
+                      NUM_SLOTS=gemv.NORM_SLOTS, SUMS_ROWS=gemv.GEMV_MAX_M, SUM_UNIT=gemv.NORM_SUM_UNIT, SLOT_STRIDE=gemv.NORM_SLOT_STRIDE,
+                      SUMS_AT_END=gemv.NORM_SUMS_AT_END)
     kernel_bin = triton.compile(ASTSource(gemv._gemv_kernel, signature, constexprs=constexprs, attrs=aligned),
                                 target=H200, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     assert kernel_bin.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel_bin.metadata.shared)

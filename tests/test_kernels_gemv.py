@@ -193,11 +193,17 @@ def carried_norm(s: torch.Tensor, g: torch.Tensor, rows: int = GEMV_MAX_M) -> tu
 # -------------------------------------------------------------------------------- the carried norm
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("num_rows,path", M_PATHS)
-def test_gemv_carried_norm(device: str, dtype: torch.dtype, num_rows: int, path: str) -> None:
+@pytest.mark.parametrize("at_end", [True, False], ids=["sums-at-end", "sums-first"])
+def test_gemv_carried_norm(device: str, dtype: torch.dtype, num_rows: int, path: str, at_end: bool,
+                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The norm carried between two GEMVs (fused_decode.NormCarry): the producer (o_proj / down: the residual add)
     stores out as without the carry, bit for bit, x = out * g, and adds each row's sum(out^2) into the int64 slots
     (fixed point: within a unit a program of the float64 sum), and zeroes the buffer it is given; the consumer
-    (gate_up: SiLU-and-mul) on x and those sums equals the norm-then-GEMV reference."""
+    (gate_up: SiLU-and-mul) on x and those sums equals the norm-then-GEMV reference, whether it sums its slots in the
+    epilogue or before the weight loop (gemv.NORM_SUMS_AT_END)."""
+    from stoker.engine.kernels import gemv
+
+    monkeypatch.setattr(gemv, "NORM_SUMS_AT_END", at_end)
     torch.manual_seed(5)
     cfg = config(path, num_rows)
     x = rand(num_rows, K, device=device, dtype=dtype)

@@ -319,7 +319,7 @@ def _gemv_kernel(
     PDL_TILES: tl.constexpr = 1, PDL_GDC: tl.constexpr = True, PDL_TRIGGER_FIRST: tl.constexpr = False,
     NORM_SUMS: tl.constexpr = False, CARRY: tl.constexpr = False, ZERO_SUMS: tl.constexpr = False,
     NUM_SLOTS: tl.constexpr = 16, SUMS_ROWS: tl.constexpr = 16, SUM_UNIT: tl.constexpr = 1048576.0,
-    SLOT_STRIDE: tl.constexpr = 1,
+    SLOT_STRIDE: tl.constexpr = 1, SUMS_AT_END: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
     j = tl.arange(0, BLOCK_N)
@@ -381,10 +381,12 @@ def _gemv_kernel(
     if NORM_SUMS:
         # The carried norm (NormCarry): x is s * g, written by the producer's epilogue, which also added sum(s^2) into
         # NUM_SLOTS int64 slots per token (fixed point, SUM_UNIT a unit); one load of them instead of the rms pass.
+        # SUMS_AT_END: loaded here, summed in the epilogue, so the load's L2 round trip overlaps the weight loop.
         slots = tl.arange(0, NUM_SLOTS) * SLOT_STRIDE
         sums = tl.load(sums_in_ptr + m[:, None] * (NUM_SLOTS * SLOT_STRIDE) + slots[None, :], mask=m_mask[:, None],
                        other=0)
-        sumsq = tl.sum(sums, axis=1).to(tl.float32) * (1.0 / SUM_UNIT)
+        if not SUMS_AT_END:
+            sumsq = tl.sum(sums, axis=1).to(tl.float32) * (1.0 / SUM_UNIT)
     elif NORM and not PRO_RESIDUAL:
         # The rms of each x row in a pass of its own (x is M*K elements, read from L2 by every program),
         # so that the weight loop below stays a plain pipelined GEMV: normalising x inside the loop took
@@ -434,6 +436,8 @@ def _gemv_kernel(
         acc_a = acc_a * (tl.load(w_scale_ptr + rows_a, mask=col_mask, other=0.0) * unbias)[None, :]
         if PAIRED:
             acc_b = acc_b * (tl.load(w_scale_ptr + rows_b, mask=col_mask, other=0.0) * unbias)[None, :]
+    if NORM_SUMS and SUMS_AT_END:
+        sumsq = tl.sum(sums, axis=1).to(tl.float32) * (1.0 / SUM_UNIT)
     if NORM:
         inv_rms = tl.rsqrt(sumsq / K + eps)[:, None]
         acc_a = acc_a * inv_rms
@@ -516,9 +520,13 @@ def _gemv_kernel(
 # sum up to 2^43 (an RMS of ~46,000 over 4096 elements; beyond it the int64 wraps).
 NORM_SLOTS = 16
 NORM_SUM_UNIT = 2.0**20
-# int64 elements from one slot to the next: 16 puts each slot in a 128-byte line of its own (atomics on one line meet
-# in one L2 slice whatever their addresses). A sums buffer is [rows, NORM_SLOTS * NORM_SLOT_STRIDE] (norm_sums_buffer).
-NORM_SLOT_STRIDE = 16
+# int64 elements from one slot to the next; a sums buffer is [rows, NORM_SLOTS * NORM_SLOT_STRIDE] (norm_sums_buffer).
+# 1: a token's 16 slots share one 128-byte line. H200, W1 FP8 8B (session 18, one machine): 16 (a line each) 2.427 /
+# 2.430 ms against 2.393 with 1, and 64 slots a line each 2.627: each consumer program loads all of a token's slots,
+# and that load, not the producers' atomics (fire-and-forget REDs), is what more lines cost.
+NORM_SLOT_STRIDE = 1
+# The consumer sums its slots in the epilogue (the load issued after the PDL wait, before the weight loop).
+NORM_SUMS_AT_END = True
 
 
 def norm_sums_buffer(rows: int, device: torch.device | str) -> torch.Tensor:
@@ -824,7 +832,7 @@ def _launch(
         W_SUM=row_sum(w_vec, weight_scale is not None), PDL_TILES=cfg.pdl_tiles, PDL_GDC=gdc,
         PDL_TRIGGER_FIRST=trigger_first, NORM_SUMS=norm_sums is not None, CARRY=carry is not None,
         ZERO_SUMS=zero_sums is not None,
-        NUM_SLOTS=NORM_SLOTS, SUM_UNIT=NORM_SUM_UNIT, SLOT_STRIDE=NORM_SLOT_STRIDE,
+        NUM_SLOTS=NORM_SLOTS, SUM_UNIT=NORM_SUM_UNIT, SLOT_STRIDE=NORM_SLOT_STRIDE, SUMS_AT_END=NORM_SUMS_AT_END,
         SUMS_ROWS=zero_sums.shape[0] if zero_sums is not None else GEMV_MAX_M,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if gdc else {}),
