@@ -18,7 +18,6 @@ from kernel_harness import GPU, INTERPRET, NO_CUDA, TOLERANCE, cases, close, run
 from stoker.engine.kernels import fused_linear, rope_cos_sin  # noqa: E402
 from stoker.engine.kernels.gemv import (  # noqa: E402
     GEMV_MAX_M,
-    NORM_SLOT_STRIDE,
     NORM_SUM_UNIT,
     GemvConfig,
     NormCarryOut,
@@ -182,28 +181,38 @@ def test_gemv_rotary_cache(
 
 def carried_norm(s: torch.Tensor, g: torch.Tensor, rows: int = GEMV_MAX_M) -> tuple[torch.Tensor, torch.Tensor]:
     """What a carrying producer leaves for s (NormCarryOut): x = s * g rounded to s's dtype, and each row's sum(s^2) in
-    NORM_SUM_UNIT fixed point spread over two of NORM_SLOTS int64 slots (rows past M zero)."""
+    NORM_SUM_UNIT fixed point, spread over the first and last of NORM_SLOTS int64 slots (rows past M zero)."""
+    from stoker.engine.kernels import gemv
+
     sums = norm_sums_buffer(rows, s.device)
     total = (s.double() ** 2).sum(dim=1) * NORM_SUM_UNIT
-    sums[: s.shape[0], 0] = (total / 3).round().long()
-    sums[: s.shape[0], 5 * NORM_SLOT_STRIDE] = (total - (total / 3).round()).round().long()
+    if gemv.NORM_SLOTS == 1:
+        sums[: s.shape[0], 0] = total.round().long()
+    else:  # a third in the first slot, the rest in the last
+        sums[: s.shape[0], 0] = (total / 3).round().long()
+        last = (gemv.NORM_SLOTS - 1) * gemv.NORM_SLOT_STRIDE
+        sums[: s.shape[0], last] = (total - (total / 3).round()).round().long()
     return (s.float() * g.float()).to(s.dtype), sums
 
 
 # -------------------------------------------------------------------------------- the carried norm
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("num_rows,path", M_PATHS)
-@pytest.mark.parametrize("at_end", [True, False], ids=["sums-at-end", "sums-first"])
-def test_gemv_carried_norm(device: str, dtype: torch.dtype, num_rows: int, path: str, at_end: bool,
-                           monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("slots, stride, at_end", [(1, 1, False), (4, 16, True)],
+                         ids=["1-slot", "4-slots-lines-apart-summed-at-end"])
+def test_gemv_carried_norm(device: str, dtype: torch.dtype, num_rows: int, path: str, slots: int, stride: int,
+                           at_end: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The norm carried between two GEMVs (fused_decode.NormCarry): the producer (o_proj / down: the residual add)
     stores out as without the carry, bit for bit, x = out * g, and adds each row's sum(out^2) into the int64 slots
     (fixed point: within a unit a program of the float64 sum), and zeroes the buffer it is given; the consumer
-    (gate_up: SiLU-and-mul) on x and those sums equals the norm-then-GEMV reference, whether it sums its slots in the
-    epilogue or before the weight loop (gemv.NORM_SUMS_AT_END)."""
+    (gate_up: SiLU-and-mul) on x and those sums equals the norm-then-GEMV reference: in the default layout (one slot a
+    token, summed before the weight loop) and with programs spread over several slots a line apart, summed in the
+    epilogue (gemv.NORM_SLOTS, NORM_SLOT_STRIDE, NORM_SUMS_AT_END)."""
     from stoker.engine.kernels import gemv
 
     monkeypatch.setattr(gemv, "NORM_SUMS_AT_END", at_end)
+    monkeypatch.setattr(gemv, "NORM_SLOTS", slots)
+    monkeypatch.setattr(gemv, "NORM_SLOT_STRIDE", stride)
     torch.manual_seed(5)
     cfg = config(path, num_rows)
     x = rand(num_rows, K, device=device, dtype=dtype)
@@ -211,8 +220,8 @@ def test_gemv_carried_norm(device: str, dtype: torch.dtype, num_rows: int, path:
     add = rand(num_rows, N, device=device, dtype=dtype, scale=2.0)
     g = rand(N, device=device, dtype=dtype) + 1
     carried_x = torch.full((num_rows, N), float("nan"), device=device, dtype=dtype)
-    sums = norm_sums_buffer(GEMV_MAX_M, device)
-    stale = norm_sums_buffer(GEMV_MAX_M, device) + 7
+    sums = gemv.norm_sums_buffer(GEMV_MAX_M, device)
+    stale = gemv.norm_sums_buffer(GEMV_MAX_M, device) + 7
     out, _ = gemv_triton(x, w_o, add=add, config=cfg, carry=NormCarryOut(g, carried_x, sums), zero_sums=stale)
     plain, _ = gemv_triton(x, w_o, add=add, config=cfg)
     torch.testing.assert_close(out, plain, rtol=0, atol=0)
@@ -221,7 +230,9 @@ def test_gemv_carried_norm(device: str, dtype: torch.dtype, num_rows: int, path:
     total = sums.sum(dim=1).double() / NORM_SUM_UNIT
     torch.testing.assert_close(total[:num_rows], (out.double() ** 2).sum(dim=1), rtol=1e-6,
                                atol=programs / NORM_SUM_UNIT)
-    assert not sums[num_rows:].any() and not stale[:, ::NORM_SLOT_STRIDE].any()
+    assert not sums[num_rows:].any() and not stale[:, ::stride].any()
+    if slots > 1:  # the programs' shares went into several slots
+        assert (sums[:num_rows, ::stride] != 0).sum(dim=1).min().item() == min(slots, programs)
     w_gu = rand(2 * 45, N, device=device, dtype=dtype, scale=N**-0.5)
     act, _ = gemv_triton(carried_x, w_gu, silu_mul=True, norm_sums=sums, eps=1e-5, config=cfg)
     ref, _ = gemv_ref(out, w_gu, norm_weight=g, eps=1e-5, silu_mul=True)

@@ -512,21 +512,21 @@ def _gemv_kernel(
 
 
 # ---------------------------------------------------------------------------------------------- launcher
-# A carried norm's sum of squares is spread over this many int64 slots a token (slot = program % NORM_SLOTS), so no
-# address takes more than grid / NORM_SLOTS of the producer's atomic adds; the consumer loads and sums them. The sums
-# are fixed point with NORM_SUM_UNIT units to 1 (each program's share rounded to a unit): integer atomics make the
-# total independent of the programs' order, so a step is reproducible. Resolution: at most 2^-21 off per producer
-# program, ~1e-7 of a mean square over a 4096 row of 1024 programs (RMSNorm adds eps >= 1e-6 to it); range: a row
-# sum up to 2^43 (an RMS of ~46,000 over 4096 elements; beyond it the int64 wraps).
-NORM_SLOTS = 16
+# A carried norm's sum of squares goes into NORM_SLOTS int64 slots a token (slot = program % NORM_SLOTS) that the
+# consumer loads and sums; NORM_SLOT_STRIDE int64 elements apart. The sums are fixed point with NORM_SUM_UNIT units to
+# 1 (each program's share rounded to a unit): integer atomics make the total independent of the programs' order, so
+# a step is reproducible. Resolution: at most 2^-21 off per producer program, ~1e-7 of a mean square over a 4096
+# row of 1024 programs (RMSNorm adds eps >= 1e-6 to it); range: a row sum up to 2^43 (an RMS of ~46,000 over 4096
+# elements; beyond it the int64 wraps). H200, W1 FP8 8B, each A/B on one machine (session 18): spreading the adds
+# only cost: 16 slots a 128-byte line apart 2.427-2.430 ms against 2.393 in one line (call 2; 64 slots a line each
+# 2.627); 16 / 4 / 1 slots in one line 2.403-2.405 / 2.366 / 2.353 (call 3): the 1,024 producer programs' adds are
+# fire-and-forget (sm_90 REDG), and what the slots cost is each consumer program's load of them.
+NORM_SLOTS = 1
 NORM_SUM_UNIT = 2.0**20
-# int64 elements from one slot to the next; a sums buffer is [rows, NORM_SLOTS * NORM_SLOT_STRIDE] (norm_sums_buffer).
-# 1: a token's 16 slots share one 128-byte line. H200, W1 FP8 8B (session 18, one machine): 16 (a line each) 2.427 /
-# 2.430 ms against 2.393 with 1, and 64 slots a line each 2.627: each consumer program loads all of a token's slots,
-# and that load, not the producers' atomics (fire-and-forget REDs), is what more lines cost.
 NORM_SLOT_STRIDE = 1
-# The consumer sums its slots in the epilogue (the load issued after the PDL wait, before the weight loop).
-NORM_SUMS_AT_END = True
+# The consumer sums its slots in the epilogue (loaded after the PDL wait, before the weight loop) instead of before
+# the loop: slower (call 3: 2.403-2.405 against 2.373 ms with 16 slots).
+NORM_SUMS_AT_END = False
 
 
 def norm_sums_buffer(rows: int, device: torch.device | str) -> torch.Tensor:
@@ -539,8 +539,8 @@ def norm_sums_buffer(rows: int, device: torch.device | str) -> torch.Tensor:
 class NormCarryOut:
     """An `add` GEMV's epilogue doing the next RMSNorm's first half (fused_decode.NormCarry): with s the output it
     stores, x = s * norm_weight (rounded to the model dtype) into `x` [M, N], and each token's sum(s^2) added into
-    `sums` (norm_sums_buffer: NORM_SLOTS int64 slots a token, fixed point in NORM_SUM_UNIT), zero before the launch. The consumer GEMV takes x and the sums
-    (gemv_triton's norm_sums) and scales its float32 sums by 1 / rms."""
+    `sums` (norm_sums_buffer: NORM_SLOTS int64 slots a token, fixed point in NORM_SUM_UNIT), zero before the launch.
+    The consumer GEMV takes x and the sums (gemv_triton's norm_sums) and scales its float32 sums by 1 / rms."""
 
     norm_weight: torch.Tensor  # [N] model dtype
     x: torch.Tensor  # [M, N] model dtype, contiguous rows
