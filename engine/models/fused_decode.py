@@ -133,6 +133,12 @@ O_PROJ_PDL = True
 # pdl_trigger_first says why that is sound), so the attention's older keys load while qkv streams. Off until
 # measured (ops/bench.py "+qkvfirst").
 QKV_TRIGGER_FIRST = False
+# bf16 at one token where the attention -> o_proj boundary runs with PDL (O_PROJ_PDL): the qkv GEMV launched with PDL
+# too, so the decode attention after it becomes resident once qkv's programs are past their wait and loads its
+# older keys while qkv streams (without it the attention starts only when qkv has finished: 9.4 us a layer on the
+# critical path against 7.4 in the FP8 chain, session 18's profiles). Off until measured (ops/bench.py
+# "+set=fused_decode.QKV_PDL=True").
+QKV_PDL = False
 # FP8 layers (the ones that run RMSNorm kernels between their GEMVs): every norm but the first layer's input norm and
 # the model's final norm done by the GEMVs around it instead (NormCarry), so the norm kernels and their boundaries
 # leave the chain. Read when the model plans its decode (link_norm_carry). H200, W1 FP8 8B (session 18, ops/bench.py
@@ -366,10 +372,11 @@ def fused_decode_layer(
         x = stream
     else:  # the norm kernel; a unit gain where g is folded into the weights (fused-folded)
         x, stream = fd.input_norm(hidden, residual, pdl=fd.pdl)
-    qkv = _qkv_rotary_cache(fd, x, positions, meta, k_cache, v_cache, prologue, folded, qkv_sums)
+    o_pdl = _o_proj_pdl(fd, num_tokens)  # the attention lets o_proj in early; o_proj loads tiles before its wait
+    qkv = _qkv_rotary_cache(fd, x, positions, meta, k_cache, v_cache, prologue, folded, qkv_sums,
+                            pdl=fd.pdl or (QKV_PDL and o_pdl))
     num_heads, head_dim = fd.attention.num_heads, fd.attention.head_dim
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    o_pdl = _o_proj_pdl(fd, num_tokens)  # the attention lets o_proj in early; o_proj loads tiles before its wait
     out = fd.attention(q, k_cache, v_cache, meta, pdl=o_pdl).reshape(num_tokens, num_heads * head_dim)
     o_carry: dict[str, Any] = {}
     if carry is not None:  # the post-attention norm's first half; the slots qkv read put back to zero
@@ -419,10 +426,11 @@ def _qkv_rotary_cache(
     prologue: bool,
     folded: bool,
     norm_sums: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """qkv [M, (Hq + 2 Hkv) D] with q and k rotated; k and v written to the caches (slot -1: padding). prologue: x is
     the stream, normalised in the GEMV's prologue (folded: with g in the weights); norm_sums: x is s * g of a carried
-    norm (NormCarry), these its slots; else x is already normalised."""
+    norm (NormCarry), these its slots; else x is already normalised. pdl: launch with programmatic dependent launch."""
     q_norm = fd.q_norm.weight if fd.q_norm is not None else None
     k_norm = fd.k_norm.weight if fd.k_norm is not None else None
     # One eps serves the prologue norm and Qwen3's q/k norm: the model builds all of them from rms_norm_eps.
@@ -433,7 +441,7 @@ def _qkv_rotary_cache(
     qkv, _ = gemv_rotary_cache_triton(
         x, fd.qkv.weight, fd.qkv.bias, num_heads=fd.attention.num_heads, num_kv_heads=fd.attention.num_kv_heads,
         positions=positions, cos_sin=fd.rotary.cos_sin, k_cache=k_cache, v_cache=v_cache,
-        slot_mapping=meta.slot_mapping, eps=eps, q_norm=q_norm, k_norm=k_norm, pdl=fd.pdl,
+        slot_mapping=meta.slot_mapping, eps=eps, q_norm=q_norm, k_norm=k_norm, pdl=pdl,
         pdl_trigger_first=fd.pdl and QKV_TRIGGER_FIRST,
         norm_folded=folded, norm_sums=norm_sums, **fp8, **_unfolded_norm(fd, fd.input_norm, prologue),
     )
