@@ -331,6 +331,19 @@ def test_o_proj_pdl_only_where_o_proj_loads_several_tiles_before_its_wait(monkey
     assert not o_pdl(fd(4096, 4096), 1) and o_pdl(fd(4096, 4096, pdl=True), 1)
 
 
+def test_qkv_pdl_follows_the_chain_or_the_o_proj_boundary(monkeypatch) -> None:
+    """_qkv_pdl: qkv launches with PDL in a PDL chain (FP8), and under QKV_PDL wherever the attention -> o_proj
+    boundary does (bf16 at one token), so the attention gets in while qkv streams; otherwise not."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(fused_decode, "QKV_PDL", True)
+    qkv_pdl = fused_decode._qkv_pdl
+    assert qkv_pdl(SimpleNamespace(pdl=True), False) and qkv_pdl(SimpleNamespace(pdl=False), True)
+    assert not qkv_pdl(SimpleNamespace(pdl=False), False)
+    monkeypatch.setattr(fused_decode, "QKV_PDL", False)
+    assert not qkv_pdl(SimpleNamespace(pdl=False), True) and qkv_pdl(SimpleNamespace(pdl=True), False)
+
+
 def test_auto_is_fused_folded_on_cuda_with_triton_only(tmp_path) -> None:
     def resolve(device: str, **kw: Any) -> str:
         config = EngineConfig(model_path=str(tmp_path), device="cpu")

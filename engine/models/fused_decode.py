@@ -22,8 +22,8 @@ function from the same tensors.
 Which layers take it (`bind_fused_decode`'s reasons; the answer is the same for every layer of a model):
 - Qwen2's q/k/v bias: added in the qkv epilogue. Qwen3's per-head q/k RMSNorm: in the qkv epilogue too (one
   program per head, so a little slower at batch 1 than without it).
-- bf16 at one token: the attention and o_proj launch with PDL (O_PROJ_PDL) where o_proj's launch loads several
-  K tiles before its wait, the rest of the chain without (it would lose the fused MLP).
+- bf16 at one token: qkv, the attention and o_proj launch with PDL (QKV_PDL, O_PROJ_PDL) where o_proj's launch loads
+  several K tiles before its wait, the rest of the chain without (it would lose the fused MLP).
 - FP8 linears with row scales (per-channel, per-tensor, `--quantization fp8`) run the same kernels as W8A16
   (gemv.py's weight_scale: E4M3 converted in registers, the row scale on the float32 sums before each
   epilogue); never folded (W diag(g) would need requantizing), so both modes carry the norms across their GEMVs
@@ -135,10 +135,10 @@ O_PROJ_PDL = True
 QKV_TRIGGER_FIRST = False
 # bf16 at one token where the attention -> o_proj boundary runs with PDL (O_PROJ_PDL): the qkv GEMV launched with PDL
 # too, so the decode attention after it becomes resident once qkv's programs are past their wait and loads its
-# older keys while qkv streams (without it the attention starts only when qkv has finished: 9.4 us a layer on the
-# critical path against 7.4 in the FP8 chain, session 18's profiles). Off until measured (ops/bench.py
-# "+set=fused_decode.QKV_PDL=True").
-QKV_PDL = False
+# first key tile while qkv streams (without it the attention starts only when qkv has finished: 9.4 us a layer on
+# the critical path against 7.4 in the FP8 chain, session 18's profiles). H200, W1 bf16 8B (session 18 call 6, one
+# machine, interleaved): 4.041 / 4.045 against 4.111 / 4.103 ms.
+QKV_PDL = True
 # FP8 layers (the ones that run RMSNorm kernels between their GEMVs): every norm but the first layer's input norm and
 # the model's final norm done by the GEMVs around it instead (NormCarry), so the norm kernels and their boundaries
 # leave the chain. Read when the model plans its decode (link_norm_carry). H200, W1 FP8 8B (session 18, ops/bench.py
@@ -374,7 +374,7 @@ def fused_decode_layer(
         x, stream = fd.input_norm(hidden, residual, pdl=fd.pdl)
     o_pdl = _o_proj_pdl(fd, num_tokens)  # the attention lets o_proj in early; o_proj loads tiles before its wait
     qkv = _qkv_rotary_cache(fd, x, positions, meta, k_cache, v_cache, prologue, folded, qkv_sums,
-                            pdl=fd.pdl or (QKV_PDL and o_pdl))
+                            pdl=_qkv_pdl(fd, o_pdl))
     num_heads, head_dim = fd.attention.num_heads, fd.attention.head_dim
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     out = fd.attention(q, k_cache, v_cache, meta, pdl=o_pdl).reshape(num_tokens, num_heads * head_dim)
@@ -414,6 +414,12 @@ def _o_proj_pdl(fd: FusedDecode, num_tokens: int) -> bool:
     weight = fd.o_proj.weight
     n, k = weight.shape
     return gemv.gemv_config("plain", num_tokens, n, k, weight.is_cuda, weight.element_size()).pdl_tiles > 1
+
+
+def _qkv_pdl(fd: FusedDecode, o_pdl: bool) -> bool:
+    """Whether the qkv GEMV launches with PDL: in a PDL chain, and under QKV_PDL wherever the attention and o_proj do
+    (_o_proj_pdl: bf16 at one token on the 8B entry; never with decode_pdl False)."""
+    return fd.pdl or (QKV_PDL and o_pdl)
 
 
 def _qkv_rotary_cache(
