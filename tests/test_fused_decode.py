@@ -210,7 +210,8 @@ def test_fp8_weights_take_the_fused_path(arch, mode: str, monkeypatch) -> None:
     folded-mode run reads the weights as int32 words through the bit trick ("bits-join") in every kernel, the
     others as the engine picks (on the CPU: Triton's cast; the PTX conversion is the GPU's). Without the prologue
     the norms are carried (fused_decode.NORM_CARRY) but for the first layer's input norm: gate_up and the second
-    layer's qkv take the sums o_proj / down left; "+nocarry" runs the norm kernels instead."""
+    layer's qkv take the sums o_proj / down left (their slots poisoned first, as a step that stopped halfway leaves
+    them: the first layer's qkv and o_proj zero them); "+nocarry" runs the norm kernels instead."""
     name, path, _ = arch
     if name == "qwen3" or (mode != "fused" and name != "llama"):
         pytest.skip("llama every mode, qwen2 (bias in the FP8 qkv epilogue) once: the interpreter run stays short")
@@ -230,6 +231,9 @@ def test_fp8_weights_take_the_fused_path(arch, mode: str, monkeypatch) -> None:
     assert not layer.fused_decode.folded and layer.input_layernorm.weight.ne(1).any()
     # EngineConfig.decode_pdl None: FP8 layers launch with PDL (the interpreter drops the launch attribute)
     assert engine.config.decode_pdl is None and layer.fused_decode.pdl and report["pdl"] and not layer.fused_decode.pdl_off
+    if layer.fused_decode.carry is not None:  # as a step that stopped halfway would leave them: the next starts clean
+        layer.fused_decode.carry.sums_post.fill_(12_345_678_901)
+        layer.fused_decode.carry.sums_next.fill_(98_765_432_101)
     got = generate(engine, PROMPTS[:3], MAX_TOKENS[:3])
     assert spy.calls == 2 * (max(MAX_TOKENS[:3]) - 1), "the fused path did not make every decode step"
     # each fused layer call: qkv and gate_up take the norm weight themselves ("fused-folded", steps of up to

@@ -339,6 +339,32 @@ def test_fp8_fused_m1_table_compiles_for_sm90(kernel: str, n: int, k: int, cfg: 
                 assert stores == body.count("st.shared.v4.b32") and 16 * stores == tile_bytes, (stores, tile_bytes)
 
 
+def test_fp8_first_layer_qkv_zeroing_the_carried_sums_compiles_for_sm90() -> None:
+    """The first layer's qkv (the norm kernel before it, no carried sums in) zeroes the post-attention sums
+    (fused_decode.NormCarry's clean start): its one-token FP8 launch compiles for sm_90 with that store."""
+    from stoker.engine.kernels import gemv
+    from stoker.engine.models.fused_decode import FP8_FUSED_M1
+
+    cfg, convert = FP8_FUSED_M1[("rope", 6144, 4096)]
+    w_convert = 0 if convert == "cast" else 2
+    w_vec = gemv._row_vec(cfg, 2, True)
+    signature, aligned = _fp8_gemv_signature(w_convert)
+    constexprs = dict(BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=False, DOT_PRECISION="tf32",
+                      NORM=False, PRO_RESIDUAL=False, APPLY_G=False, HAS_BIAS=False, SILU_MUL=False, ADD=False,
+                      ROTARY=True, QK_NORM=False, HALF=64, SPLITS_PER_HEAD=64 // cfg.block_n, PAIRED=True,
+                      USE_PDL=True, W_SCALED=True, W_CONVERT=w_convert, NORM_CHUNK=gemv.norm_chunk(4096, 4, True),
+                      W_VEC=w_vec, W_SUM=gemv.row_sum(w_vec, True), PDL_TILES=cfg.pdl_tiles, PDL_GDC=True,
+                      PDL_TRIGGER_FIRST=False, NORM_SUMS=False, CARRY=False, ZERO_SUMS=True,
+                      NUM_SLOTS=gemv.NORM_SLOTS, SUMS_ROWS=gemv.GEMV_MAX_M, SUM_UNIT=gemv.NORM_SUM_UNIT,
+                      SLOT_STRIDE=gemv.NORM_SLOT_STRIDE, SUMS_AT_END=gemv.NORM_SUMS_AT_END)
+    kernel_bin = triton.compile(ASTSource(gemv._gemv_kernel, signature, constexprs=constexprs, attrs=aligned),
+                                target=H200, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    ptx = kernel_bin.asm["ptx"]
+    assert kernel_bin.metadata.shared <= H200_SHARED_BYTES
+    assert re.search(r"st\.global(\.\w+)*\.b64", ptx), "no 64-bit store: the slots are not zeroed"
+    assert not re.search(r"\b(atom|red)\.global", ptx)
+
+
 def _registers(kernel: Any) -> int:
     """Registers a thread of the compiled kernel (cuobjdump -res-usage on its cubin; the tool ships with triton)."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"

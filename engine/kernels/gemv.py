@@ -917,6 +917,7 @@ def gemv_rotary_cache_triton(
     weight_convert: str = "cast",
     pdl_trigger_first: bool = False,
     norm_sums: torch.Tensor | None = None,
+    zero_sums: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv_rotary_cache_ref in one kernel. With q_norm/k_norm (Qwen3) a program must hold a whole head,
     so the grid is one program per head (fewer, longer programs: slower at batch 1 than without).
@@ -927,9 +928,9 @@ def gemv_rotary_cache_triton(
     written by no kernel of this step that could still be running: when this kernel starts, its predecessor's
     predecessor has finished (every other kernel of the chain triggers after its wait), and the attention reads
     this kernel's outputs (q, the newest key and value) only after its own wait, which covers this kernel.
-    norm_sums: the carried norm, as in gemv_triton (x = s * g)."""
+    norm_sums, zero_sums: the carried norm, as in gemv_triton (x = s * g)."""
     check_gemv_args(x, weight, bias, norm_weight, norm_residual, False, None, norm_folded, weight_scale)
-    _check_carry(norm_sums, None, None, x, weight.shape[0], None,
+    _check_carry(norm_sums, None, zero_sums, x, weight.shape[0], None,
                  norm_weight is not None or norm_folded or norm_residual is not None)
     head_dim = k_cache.shape[-1]
     num_rows, hidden = x.shape
@@ -991,5 +992,5 @@ def gemv_rotary_cache_triton(
             False, None, pdl, rotary=(positions, cos_sin, k_cache, v_cache, slot_mapping),
             heads=(num_heads, num_kv_heads, half, splits), qk_norm=qk, norm_folded=norm_folded,
             weight_scale=weight_scale, weight_convert=weight_convert, trigger_first=pdl_trigger_first,
-            norm_sums=norm_sums)
+            norm_sums=norm_sums, zero_sums=zero_sums)
     return out, s

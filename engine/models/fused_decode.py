@@ -188,8 +188,9 @@ class NormCarry:
     on), down zeroes sums_post (read by gate_up, its predecessor); down adds into sums_next only after its wait (by
     then o_proj's zeroing is done), o_proj into sums_post after the previous layer's down (which zeroed them) is
     done. Every kernel of the chain waits for its predecessor before it stores (PDL or not), so each of these
-    orders holds, and both buffers are zero again after every step (the last layer adds into neither). Each
-    buffer holds GEMV_MAX_M tokens; a step uses its first M rows."""
+    orders holds, and both buffers are zero again after every step (the last layer adds into neither). The first
+    layer's qkv zeroes sums_post as well, so a step starts clean even after one that stopped halfway. Each buffer
+    holds GEMV_MAX_M tokens; a step uses its first M rows."""
 
     x_post: torch.Tensor  # [GEMV_MAX_M, H] model dtype
     sums_post: torch.Tensor  # gemv.norm_sums_buffer(GEMV_MAX_M): zero between steps
@@ -373,8 +374,9 @@ def fused_decode_layer(
     else:  # the norm kernel; a unit gain where g is folded into the weights (fused-folded)
         x, stream = fd.input_norm(hidden, residual, pdl=fd.pdl)
     o_pdl = _o_proj_pdl(fd, num_tokens)  # the attention lets o_proj in early; o_proj loads tiles before its wait
+    first_zero = carry.sums_post if carry is not None and not fd.carry_in else None  # NormCarry: a clean start
     qkv = _qkv_rotary_cache(fd, x, positions, meta, k_cache, v_cache, prologue, folded, qkv_sums,
-                            pdl=_qkv_pdl(fd, o_pdl))
+                            pdl=_qkv_pdl(fd, o_pdl), zero_sums=first_zero)
     num_heads, head_dim = fd.attention.num_heads, fd.attention.head_dim
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     out = fd.attention(q, k_cache, v_cache, meta, pdl=o_pdl).reshape(num_tokens, num_heads * head_dim)
@@ -433,10 +435,12 @@ def _qkv_rotary_cache(
     folded: bool,
     norm_sums: torch.Tensor | None = None,
     pdl: bool = False,
+    zero_sums: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """qkv [M, (Hq + 2 Hkv) D] with q and k rotated; k and v written to the caches (slot -1: padding). prologue: x is
     the stream, normalised in the GEMV's prologue (folded: with g in the weights); norm_sums: x is s * g of a carried
-    norm (NormCarry), these its slots; else x is already normalised. pdl: launch with programmatic dependent launch."""
+    norm (NormCarry), these its slots; else x is already normalised. pdl: launch with programmatic dependent launch.
+    zero_sums: a carried norm's slots this launch zeroes after its wait."""
     q_norm = fd.q_norm.weight if fd.q_norm is not None else None
     k_norm = fd.k_norm.weight if fd.k_norm is not None else None
     # One eps serves the prologue norm and Qwen3's q/k norm: the model builds all of them from rms_norm_eps.
@@ -449,6 +453,7 @@ def _qkv_rotary_cache(
         positions=positions, cos_sin=fd.rotary.cos_sin, k_cache=k_cache, v_cache=v_cache,
         slot_mapping=meta.slot_mapping, eps=eps, q_norm=q_norm, k_norm=k_norm, pdl=pdl,
         pdl_trigger_first=fd.pdl and QKV_TRIGGER_FIRST,
-        norm_folded=folded, norm_sums=norm_sums, **fp8, **_unfolded_norm(fd, fd.input_norm, prologue),
+        norm_folded=folded, norm_sums=norm_sums, zero_sums=zero_sums, **fp8,
+        **_unfolded_norm(fd, fd.input_norm, prologue),
     )
     return qkv
