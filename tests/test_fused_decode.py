@@ -64,6 +64,7 @@ class SpyCalls:
 
         self.calls = 0
         self.mlp_rows: list[int] = []  # the token count of every fused-MLP launch (kernels/fused_mlp.py)
+        self.mlp_args: list[tuple[bool, bool, bool]] = []  # each launch's (norm_sums, sums_out, pdl) given
         original = llama.fused_decode_layer
         original_mlp = fused_decode.fused_mlp_triton
 
@@ -73,6 +74,8 @@ class SpyCalls:
 
         def spy_mlp(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             self.mlp_rows.append(x.shape[0])
+            self.mlp_args.append((kwargs.get("norm_sums") is not None, kwargs.get("sums_out") is not None,
+                                  bool(kwargs.get("pdl"))))
             return original_mlp(x, *args, **kwargs)
 
         monkeypatch.setattr(llama, "fused_decode_layer", spy)
@@ -108,27 +111,40 @@ def arch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 # ------------------------------------------------------------- CPU, interpreter: against HF and the unfused path
 @interpreted
 @pytest.mark.parametrize("mode", ["fused", "fused-folded", "fused-folded+pdl", "fused-folded+pro0",
-                                  "fused-folded+pro16"])
+                                  "fused-folded+pro16", "fused-folded+nocarry"])
 def test_fused_decode_greedy_matches_transformers_and_unfused(arch, mode: str, monkeypatch) -> None:
     """+pdl: decode_pdl on. On the CPU that checks the setting's way through the engine only (the report, the
     pdl arguments of every launch): the interpreter drops the launch attribute and the attention is the torch
     reference there; the PDL kernels themselves are tests/test_kernels_decode_pdl.py's and the GPU cases below.
     +proN: decode_prologue_norm_max_m N (0: the norm kernel at every step; 16: the prologues at every step; the
-    default (2) splits this test's steps of 5, 3 and 1 tokens between the two)."""
+    default (2) splits this test's steps of 5, 3 and 1 tokens between the two).
+    "fused-folded" carries its norms (fused_decode.FOLDED_NORM_CARRY): every norm but the first layer's input norm
+    becomes sums added by o_proj (for the MLP) and the MLP's finishing kernel (for the next qkv), whose buffers are
+    poisoned first as a step that stopped halfway leaves them (the first layer's qkv and o_proj zero them); so
+    the cap applies to the first layer's input norm only. +nocarry: the prologues / norm kernels in every layer."""
     name, path, hf = arch
     if mode != "fused" and name != "llama":
         pytest.skip("the folded variants once (llama) keep the interpreter run short")
     mode, _, flag = mode.partition("+")
     pdl = flag == "pdl"
+    carry = mode == "fused-folded" and flag != "nocarry"
+    monkeypatch.setattr(fused_decode, "FOLDED_NORM_CARRY", flag != "nocarry")
     cap = {"decode_prologue_norm_max_m": int(flag[3:])} if flag.startswith("pro") else {}  # else the default
     spy = SpyCalls(monkeypatch)
+    qkv_carried: list[bool] = []
+    count_norm_calls(monkeypatch, qkv_carried)  # (the MLP is fused_mlp_triton: only the qkv launches land here)
     fused = cpu_engine(path, mode, decode_pdl=pdl, **cap)
     prologue_max_m = fused.config.decode_prologue_norm_max_m
     report = fused.runner.startup["decode_kernels"]
     assert report["mode"] == mode and report["fused_layers"] == 2 and "fallback" not in report
-    assert report["pdl"] == pdl
-    assert fused.runner.model.model.layers[0].fused_decode.pdl_off == (not pdl)  # decode_pdl=False given: none at all
+    assert report["pdl"] == pdl and report["norm_carry"] == carry
+    first = fused.runner.model.model.layers[0].fused_decode
+    assert first.pdl_off == (not pdl)  # decode_pdl=False given: none at all
     assert report["prologue_norm_max_m"] == (prologue_max_m if mode == "fused-folded" else 0)
+    if carry:
+        assert first.carry is not None and first.carry.x_post is None and first.carry.x_next is None  # sums only
+        first.carry.sums_post.fill_(12_345_678_901)
+        first.carry.sums_next.fill_(98_765_432_101)
     import stoker.engine.models.llama as llama
 
     norms = {"calls": 0, "inside": False}  # RMSNorm calls made inside the fused decode layers
@@ -150,13 +166,17 @@ def test_fused_decode_greedy_matches_transformers_and_unfused(arch, mode: str, m
     got = generate(fused, PROMPTS, MAX_TOKENS)
     decode_steps = max(MAX_TOKENS) - 1
     assert spy.calls == 2 * decode_steps, "the fused path did not make every decode step"
-    # Every decode step ran its MLPs fused (two layers, the step's live sequences as rows), unless under PDL.
+    # Every decode step ran its MLPs fused (two layers, the step's live sequences as rows), PDL or not.
     live = [sum(n - 1 > step for n in MAX_TOKENS) for step in range(decode_steps)]
     assert max(live) > 1 and min(live) == 1  # steps of several tokens and of one
-    assert spy.mlp_rows == ([] if pdl else [rows for rows in live for _ in range(2)])
-    # the norm kernels the decode steps ran: two a layer where a step does not normalise in the prologues
+    assert spy.mlp_rows == [rows for rows in live for _ in range(2)]
+    # carried: both MLPs read the sums o_proj added, the first also adds the second layer's; PDL as the chain's
+    assert spy.mlp_args == [(carry, carry and i == 0, pdl) for _ in live for i in range(2)], spy.mlp_args
+    assert qkv_carried == [False, carry] * decode_steps, qkv_carried
+    # the norm kernels the decode steps ran: two a layer where a step does not normalise in the prologues; carried,
+    # only the first layer's input norm
     kernel_steps = [rows for rows in live if mode == "fused" or rows > prologue_max_m]
-    assert norms["calls"] == 2 * 2 * len(kernel_steps)
+    assert norms["calls"] == (len(kernel_steps) if carry else 2 * 2 * len(kernel_steps))
     if mode == "fused-folded" and not flag:
         assert 0 < len(kernel_steps) < len(live)  # the default cap: both kinds of step
     unfused = generate(cpu_engine(path, "cublas"), PROMPTS, MAX_TOKENS)
@@ -415,7 +435,8 @@ def _hf_llama_gpu(path: str, init_std: float) -> Any:
     return build_hf_model("llama", path, shape=shape)
 
 
-def _gpu_engine(path: str, dtype: str, decode_kernels: str, pdl: bool = False, fused_mlp: bool = True) -> LLMEngine:
+def _gpu_engine(path: str, dtype: str, decode_kernels: str, pdl: bool | None = False,
+                fused_mlp: bool = True) -> LLMEngine:
     return LLMEngine(EngineConfig(model_path=path, device="cuda", dtype=dtype, max_num_seqs=8, max_model_len=256,
                                   num_kv_blocks=128, decode_kernels=decode_kernels, decode_pdl=pdl,
                                   decode_fused_mlp=fused_mlp))
@@ -427,34 +448,38 @@ def test_bf16_fused_decode_matches_cublas_with_cuda_graphs(tmp_path) -> None:
     """Decode logprobs of the fused paths (plain and folded, with the fused MLP and with its two GEMVs; graph buckets
     1..8) against the cublas path's, all bf16, and against transformers float32: the fused paths no further off than
     cublas (x1.25 + 2e-2). Greedy tokens equal to cublas's up to a near-tie (top two logprobs within 0.05, where two
-    bf16 roundings may pick differently) and for at least 3 steps. PDL (which keeps the two GEMVs) changes no token,
-    and folded no bit, against the two-GEMV path without it (the fused MLP's atomic adds may change bits: that path is
-    held to the bounds only)."""
+    bf16 roundings may pick differently) and for at least 3 steps. On the two-GEMV path PDL changes no token, and
+    folded no bit, against the same path without it; the fused MLP's atomic adds may change bits, so its runs (the
+    carried norms, PDL from decode_pdl True or, decode_pdl None, the default, fused_decode.MLP_PDL) are held to the
+    bounds only."""
     hf = _hf_llama_gpu(str(tmp_path), 0.015).to("cuda")
     ids = prompts(7, [5, 37, 70, 12])
     max_tokens = [8, 8, 6, 4]
     runs = {}
-    for mode, pdl, mlp in (("cublas", False, True), ("fused", False, False), ("fused", True, True),
-                           ("fused-folded", False, False), ("fused-folded", True, True), ("fused-folded", False, True)):
+    for mode, pdl, mlp in (("cublas", False, True), ("fused", False, False), ("fused", True, False),
+                           ("fused-folded", False, False), ("fused-folded", True, False),
+                           ("fused-folded", False, True), ("fused-folded", True, True), ("fused-folded", None, True)):
         engine = _gpu_engine(str(tmp_path), "bfloat16", mode, pdl, fused_mlp=mlp)
         assert engine.runner.graphs is not None
         report = engine.runner.startup["decode_kernels"]
         assert report["fused_layers"] == (0 if mode == "cublas" else 4), report
-        assert report["fused_mlp_max_m"] == (16 if mode != "cublas" and mlp and not pdl else 0), report
+        assert report["fused_mlp_max_m"] == (16 if mode != "cublas" and mlp else 0), report
+        assert report["norm_carry"] == (mode == "fused-folded" and mlp), report
         before = engine.runner.graphs.replays
         runs[mode, pdl, mlp] = generate(engine, ids, max_tokens)
         assert engine.runner.graphs.replays - before >= max(max_tokens) - 1
         engine.close()
     for i, (p, n) in enumerate(zip(ids, max_tokens, strict=True)):
         rid = f"r{i}"
-        cublas, pdl_run = runs["cublas", False, True][rid], runs["fused", True, True][rid]
+        cublas, pdl_run = runs["cublas", False, True][rid], runs["fused", True, False][rid]
         # PDL changes when a kernel starts, not what it computes (against the two-GEMV path without it)
         assert pdl_run[0] == runs["fused", False, False][rid][0]
         torch.testing.assert_close(pdl_run[1], runs["fused", False, False][rid][1], atol=1e-3, rtol=0)
         # The whole chain under PDL (the attention included, gemv's PDL_* variants as they are): the same bits.
-        assert runs["fused-folded", True, True][rid][:2] == runs["fused-folded", False, False][rid][:2], rid
-        # the folded weights (W diag(g) rounded) and the fused MLP (the default path) held to the same bounds
-        for key in (("fused", False, False), ("fused-folded", False, False), ("fused-folded", False, True)):
+        assert runs["fused-folded", True, False][rid][:2] == runs["fused-folded", False, False][rid][:2], rid
+        # the folded weights (W diag(g) rounded) and the fused MLP with the carried norms held to the same bounds
+        for key in (("fused", False, False), ("fused-folded", False, False), ("fused-folded", False, True),
+                    ("fused-folded", True, True), ("fused-folded", None, True)):
             _check_against_cublas_and_hf(hf, p, n, i, runs[key][rid], cublas)
 
 

@@ -79,7 +79,8 @@ def _gemv_signature(dtype: str) -> dict[str, str]:
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_DOT", "DOT_PRECISION", "NORM", "PRO_RESIDUAL", "APPLY_G",
                  "HAS_BIAS", "SILU_MUL", "ADD", "ROTARY", "QK_NORM", "HALF", "SPLITS_PER_HEAD", "PAIRED", "USE_PDL",
                  "NORM_CHUNK", "W_SCALED", "W_CONVERT", "W_VEC", "W_SUM", "PDL_TILES", "PDL_GDC",
-                 "PDL_TRIGGER_FIRST", "NORM_SUMS", "CARRY", "ZERO_SUMS", "NUM_SLOTS", "SUMS_ROWS", "SUM_UNIT", "SLOT_STRIDE",
+                 "PDL_TRIGGER_FIRST", "NORM_SUMS", "CARRY", "CARRY_X", "ZERO_SUMS", "NUM_SLOTS", "SUMS_ROWS", "SUM_UNIT",
+                 "SLOT_STRIDE",
                  "SUMS_AT_END"):
         signature[name] = "constexpr"
     return signature

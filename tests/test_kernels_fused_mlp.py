@@ -13,7 +13,13 @@ import torch
 triton = pytest.importorskip("triton")
 from kernel_harness import GPU, INTERPRET, NO_CUDA, TOLERANCE, cases, run_under_interpreter  # noqa: E402
 from stoker.engine.kernels.fused_mlp import fused_mlp_ref, fused_mlp_triton  # noqa: E402
-from stoker.engine.kernels.gemv import fold_norm_weight, gemv_ref  # noqa: E402
+from stoker.engine.kernels.gemv import (  # noqa: E402
+    GEMV_MAX_M,
+    NORM_SUM_UNIT,
+    fold_norm_weight,
+    gemv_ref,
+    norm_sums_buffer,
+)
 
 CASES = cases()
 HIDDEN, INTER = 200, 75  # 200: several bh steps and a masked tail; 75: the last program's rows partly padding
@@ -93,6 +99,61 @@ def test_fused_mlp_leaves_its_accumulator_zero(device: str, dtype: torch.dtype) 
         fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, accumulator=acc.double())
 
 
+def _sums_of(s: torch.Tensor) -> torch.Tensor:
+    """A carried norm's slots for the rows of s (one slot a token): each row's sum(s^2) in NORM_SUM_UNIT fixed point."""
+    sums = norm_sums_buffer(GEMV_MAX_M, s.device)
+    sums[: s.shape[0], 0] = ((s.double() ** 2).sum(dim=1) * NORM_SUM_UNIT).round().long()
+    return sums
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("num_rows", [1, 3])
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_fused_mlp_carried_sums(device: str, dtype: torch.dtype, num_rows: int, pdl: bool) -> None:
+    """The carried norms in their folded form (fused_decode.FOLDED_NORM_CARRY): the streaming kernel takes each
+    token's sum of squares from the slots (norm_sums) instead of its rms pass over x, and equals the folded-prologue
+    launch; the finishing kernel adds each token's sum(out^2) into sums_out (fixed point: within a unit a program of
+    the float64 sum) and zeroes zero_sums (here the slots just read, every row of them). pdl: the first gate / up
+    slice peeled before the wait (the interpreter runs the peel without griddepcontrol). Poisoned slots show in the
+    output: the kernel really reads them."""
+    x, gate_up, down, residual, g = _inputs(num_rows, device, dtype)
+    folded = fold_norm_weight(gate_up, g)
+    sums = _sums_of(x)
+    sums[num_rows:] = 99  # rows past M: never read, zeroed all the same
+    sums_next = norm_sums_buffer(GEMV_MAX_M, device)
+    out = fused_mlp_triton(x, folded, down, residual, eps=1e-5, norm_folded=False, norm_sums=sums,
+                           sums_out=sums_next, zero_sums=sums, pdl=pdl)
+    prologue = fused_mlp_triton(x, folded, down, residual, eps=1e-5, pdl=pdl)
+    tol = TOLERANCE[dtype]  # the sums' fixed point and the accumulator's order: equal within rounding
+    torch.testing.assert_close(out.float(), prologue.float(), atol=tol, rtol=tol)
+    act, _ = gemv_ref(x, gate_up, silu_mul=True, norm_weight=g, eps=1e-5)
+    wide = [t.double() for t in (x, gate_up, down, residual, g)]
+    act64, _ = gemv_ref(wide[0], wide[1], silu_mul=True, norm_weight=wide[4], eps=1e-5)
+    _close_to_truth(out, gemv_ref(act, down, add=residual)[0], gemv_ref(act64, wide[2], add=wide[3])[0], dtype)
+    assert not sums.any(), "the slots read were not zeroed"
+    programs = triton.cdiv(HIDDEN, 256 if device == "cuda" else 32)
+    torch.testing.assert_close(sums_next[:num_rows, 0].double() / NORM_SUM_UNIT, (out.double() ** 2).sum(dim=1),
+                               rtol=1e-6, atol=programs / NORM_SUM_UNIT)
+    assert not sums_next[num_rows:].any()
+    poisoned = _sums_of(x * 4)  # sums 16x too large: every output row's MLP part shrinks 4x
+    wrong = fused_mlp_triton(x, folded, down, residual, eps=1e-5, norm_folded=False, norm_sums=poisoned, pdl=pdl)
+    assert (wrong.float() - out.float()).abs().max() > 10 * tol
+    assert poisoned.any(), "no zero_sums given: the slots must stay as they were"
+
+
+def test_fused_mlp_refuses_bad_carried_sums() -> None:
+    x, gate_up, down, residual, _ = _inputs(2, "cpu", torch.float32)
+    sums = norm_sums_buffer(GEMV_MAX_M, "cpu")
+    with pytest.raises(ValueError, match="pass norm_folded=False"):
+        fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, norm_sums=sums)
+    with pytest.raises(ValueError, match="norm_sums must be a contiguous int64"):
+        fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, norm_folded=False, norm_sums=sums.float())
+    with pytest.raises(ValueError, match="sums_out must be a contiguous int64"):
+        fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, sums_out=sums[:1])
+    with pytest.raises(ValueError, match="zero_sums needs a power-of-two"):
+        fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, zero_sums=norm_sums_buffer(3, "cpu"))
+
+
 def test_fused_mlp_rejects_bad_arguments() -> None:
     x, gate_up, down, residual, _ = _inputs(1, "cpu", torch.float32)
     with pytest.raises(ValueError, match="shapes disagree"):
@@ -106,27 +167,47 @@ def test_fused_mlp_rejects_bad_arguments() -> None:
 
 @GPU
 @NO_CUDA
+@pytest.mark.parametrize("form", ["plain", "pdl", "carried-pdl"])
 @pytest.mark.parametrize("inter", [14336, 8192], ids=["8b", "1b"])
-def test_fused_mlp_bf16_engine_shapes_in_a_cuda_graph(inter: int) -> None:
+def test_fused_mlp_bf16_engine_shapes_in_a_cuda_graph(inter: int, form: str) -> None:
     """The engine's launches at the 8B and 1B MLP shapes (bi 128 and 64), replayed from a CUDA graph with a static
-    accumulator, against the two GEMVs they replace (bf16: within the dtype's tolerance of each other)."""
-    from stoker.engine.kernels.gemv import gemv_triton
+    accumulator, against the two GEMVs they replace (bf16: within the dtype's tolerance of each other). pdl: both
+    launches with programmatic dependent launch after an o_proj-like GEMV launched with it (the chain the engine
+    runs); carried-pdl: that GEMV's epilogue adds the sums the MLP reads (sums only: g folded into gate_up), and the
+    finishing kernel adds the next norm's sums and zeroes the ones read."""
+    from stoker.engine.kernels.gemv import NormCarryOut, gemv_triton
 
     torch.manual_seed(0)
     hidden = 4096 if inter == 14336 else 2048
     x, gate_up, down, residual, _ = _inputs(1, "cuda", torch.bfloat16, hidden=hidden, inter=inter)
+    w_o = rand(hidden, hidden, device="cuda", dtype=torch.bfloat16, scale=hidden**-0.5)
+    h = rand(1, hidden, device="cuda", dtype=torch.bfloat16)
     acc = torch.zeros(hidden, device="cuda")
-    fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, accumulator=acc)
+    pdl, carried = form != "plain", form == "carried-pdl"
+    sums, sums_next = norm_sums_buffer(GEMV_MAX_M, "cuda"), norm_sums_buffer(GEMV_MAX_M, "cuda")
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        carry = {"carry": NormCarryOut(None, None, sums)} if carried else {}
+        s, _ = gemv_triton(h, w_o, add=residual, pdl=pdl, **carry)
+        mlp = {"norm_folded": False, "norm_sums": sums, "sums_out": sums_next, "zero_sums": sums} if carried else {}
+        return s, fused_mlp_triton(s, gate_up, down, s, eps=1e-5, accumulator=acc, pdl=pdl, **mlp)
+
+    step()
+    sums_next.zero_()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, accumulator=acc)
-    x.copy_(rand(1, hidden, device="cuda", dtype=torch.bfloat16, scale=3.0))
+        s, out = step()
+    h.copy_(rand(1, hidden, device="cuda", dtype=torch.bfloat16, scale=3.0))
     graph.replay()
-    act, _ = gemv_triton(x, gate_up, silu_mul=True, norm_folded=True, eps=1e-5)
-    two = gemv_triton(act, down, add=residual)[0]
+    act, _ = gemv_triton(s, gate_up, silu_mul=True, norm_folded=True, eps=1e-5)
+    two = gemv_triton(act, down, add=s)[0]
     tol = TOLERANCE[torch.bfloat16]
     torch.testing.assert_close(out.float(), two.float(), atol=tol, rtol=tol)
     assert torch.count_nonzero(acc) == 0
+    assert not sums.any()
+    if carried:
+        torch.testing.assert_close(sums_next[0, 0].double() / NORM_SUM_UNIT, (out.double() ** 2).sum(),
+                                   rtol=1e-6, atol=1e-4)
 
 
 @pytest.mark.skipif(INTERPRET, reason="this is the interpreter run itself")

@@ -242,6 +242,34 @@ def test_gemv_carried_norm(device: str, dtype: torch.dtype, num_rows: int, path:
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("num_rows,path", M_PATHS)
+def test_gemv_carried_sums_only(device: str, dtype: torch.dtype, num_rows: int, path: str) -> None:
+    """The carried norm's folded form (fused_decode.FOLDED_NORM_CARRY): NormCarryOut(None, None, sums) adds only each
+    row's sum(out^2) (out bit for bit as without the carry, no x stored); a consumer whose weights hold g (folded) reads
+    out itself with those sums and equals the norm-then-GEMV reference."""
+    from stoker.engine.kernels import gemv
+
+    torch.manual_seed(6)
+    cfg = config(path, num_rows)
+    x = rand(num_rows, K, device=device, dtype=dtype)
+    w_o = rand(N, K, device=device, dtype=dtype, scale=K**-0.5)
+    add = rand(num_rows, N, device=device, dtype=dtype, scale=2.0)
+    g = rand(N, device=device, dtype=dtype) + 1
+    sums = gemv.norm_sums_buffer(GEMV_MAX_M, device)
+    out, _ = gemv_triton(x, w_o, add=add, config=cfg, carry=NormCarryOut(None, None, sums))
+    plain, _ = gemv_triton(x, w_o, add=add, config=cfg)
+    torch.testing.assert_close(out, plain, rtol=0, atol=0)
+    programs = triton.cdiv(N, (cfg or gemv_config("plain", num_rows, N, K, device == "cuda")).block_n)
+    torch.testing.assert_close(sums.sum(dim=1).double()[:num_rows] / NORM_SUM_UNIT, (out.double() ** 2).sum(dim=1),
+                               rtol=1e-6, atol=programs / NORM_SUM_UNIT)
+    w_gu = rand(2 * 45, N, device=device, dtype=dtype, scale=N**-0.5)
+    act, _ = gemv_triton(out, fold_norm_weight(w_gu, g), silu_mul=True, norm_sums=sums, eps=1e-5, config=cfg)
+    ref, _ = gemv_ref(out, w_gu, norm_weight=g, eps=1e-5, silu_mul=True)
+    truth, _ = gemv_ref(out.double(), w_gu.double(), norm_weight=g.double(), eps=1e-5, silu_mul=True)
+    close_to_truth(act, ref, truth, dtype)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
 def test_gemv_carried_norm_rejects_bad_buffers(device: str, dtype: torch.dtype) -> None:
     x = rand(2, K, device=device, dtype=dtype)
     w = rand(N, K, device=device, dtype=dtype)
@@ -259,6 +287,8 @@ def test_gemv_carried_norm_rejects_bad_buffers(device: str, dtype: torch.dtype) 
         gemv_triton(x, w, add=add, carry=NormCarryOut(g, carried_x[:1], sums))
     with pytest.raises(ValueError, match="carry.norm_weight must be"):
         gemv_triton(x, w, add=add, carry=NormCarryOut(g[:5], carried_x, sums))
+    with pytest.raises(ValueError, match="go together"):
+        gemv_triton(x, w, add=add, carry=NormCarryOut(g, None, sums))
 
 
 # --------------------------------------------------------------------------------------- bad inputs

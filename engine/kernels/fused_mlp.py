@@ -25,8 +25,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from stoker.engine.kernels._triton import check_launchable, tl, triton
-from stoker.engine.kernels.gemv import _dot_precision, _row_sumsq, gemv_ref, norm_chunk
+from stoker.engine.kernels import gemv as _gemv
+from stoker.engine.kernels._triton import check_launchable, interpreting, tl, triton
+from stoker.engine.kernels.gemv import (
+    _check_norm_sums,
+    _check_zero_sums,
+    _dot_precision,
+    _row_sumsq,
+    gdc_launch_dependents,
+    gdc_wait,
+    gemv_ref,
+    norm_chunk,
+)
 
 # Tokens per step that take the fused MLP (fused_decode.py): every fused decode step (gemv.GEMV_MAX_M). On the H200
 # (session 13, 8B bf16, us a layer, 4 layer copies in a CUDA graph) it beats the two GEMVs at every M measured:
@@ -46,10 +56,12 @@ def fused_mlp_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, re
 
 @triton.jit
 def _mlp_kernel(
-    x_ptr, wgu_ptr, wd_ptr, acc_ptr,
+    x_ptr, wgu_ptr, wd_ptr, acc_ptr, sums_ptr,
     M, K, INTER, H, eps, x_stride, wgu_stride, wd_stride,
     BLOCK_M: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
     NORM: tl.constexpr, NORM_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NORM_SUMS: tl.constexpr = False, NUM_SLOTS: tl.constexpr = 1, SLOT_STRIDE: tl.constexpr = 1,
+    SUM_UNIT: tl.constexpr = 1048576.0, USE_PDL: tl.constexpr = False, PDL_GDC: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     rows = pid * BI + tl.arange(0, BI)  # this program's intermediate rows (gate row n, up row INTER + n)
@@ -61,9 +73,31 @@ def _mlp_kernel(
     u_ptrs = wgu_ptr + (rows + INTER).to(tl.int64)[:, None] * wgu_stride + ks[None, :]
     acc_g = tl.zeros([BLOCK_M, BI], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BI], dtype=tl.float32)
-    if NORM:
+    k_start = 0
+    if USE_PDL:
+        # The weights never depend on the kernel before: the first K slice of gate and up is loaded while it drains,
+        # then the wait for x (and the carried sums) to be visible, and the finishing kernel let in. Without PDL_GDC
+        # (the interpreter) the same slice is peeled, with no griddepcontrol.
+        w0_mask = row_mask[:, None] & (ks < K)[None, :]
+        wg0 = tl.load(g_ptrs, mask=w0_mask, other=0.0)
+        wu0 = tl.load(u_ptrs, mask=w0_mask, other=0.0)
+        if PDL_GDC:
+            gdc_wait()
+            gdc_launch_dependents()
+    if NORM_SUMS:  # the carried norm: each token's sum of squares added by the o_proj epilogue (gemv's NormCarryOut)
+        slots = tl.arange(0, NUM_SLOTS) * SLOT_STRIDE
+        sums = tl.load(sums_ptr + m[:, None] * (NUM_SLOTS * SLOT_STRIDE) + slots[None, :], mask=m_mask[:, None],
+                       other=0)
+        sumsq = tl.sum(sums, axis=1).to(tl.float32) * (1.0 / SUM_UNIT)
+    elif NORM:
         sumsq = _row_sumsq(x_ptr, x_stride, M, K, BLOCK_M, NORM_CHUNK)
-    for k0 in range(0, K, BK):
+    if USE_PDL:  # the peeled slice, in K order: the same sums as the loop's
+        x0 = tl.load(x_ptr + m[:, None] * x_stride + ks[None, :], mask=m_mask[:, None] & (ks < K)[None, :],
+                     other=0.0)
+        acc_g = tl.dot(x0, tl.trans(wg0), acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(x0, tl.trans(wu0), acc_u, input_precision=DOT_PRECISION)
+        k_start = BK
+    for k0 in range(k_start, K, BK):
         k_mask = k0 + ks < K
         x = tl.load(x_ptr + m[:, None] * x_stride + k0 + ks[None, :], mask=m_mask[:, None] & k_mask[None, :],
                     other=0.0)
@@ -91,10 +125,19 @@ def _mlp_kernel(
 
 
 @triton.jit
-def _mlp_finish_kernel(acc_ptr, res_ptr, out_ptr, H, res_stride, out_stride, BLOCK_H: tl.constexpr):
+def _mlp_finish_kernel(
+    acc_ptr, res_ptr, out_ptr, sums_out_ptr, sums_zero_ptr, H, res_stride, out_stride, BLOCK_H: tl.constexpr,
+    SUMS_OUT: tl.constexpr = False, ZERO_SUMS: tl.constexpr = False, SUMS_ROWS: tl.constexpr = 16,
+    NUM_SLOTS: tl.constexpr = 1, SLOT_STRIDE: tl.constexpr = 1, SUM_UNIT: tl.constexpr = 1048576.0,
+    PDL_GDC: tl.constexpr = False,
+):
     # Program (column block, token): the accumulated down projection, rounded, plus the residual; the accumulator
     # zeroed behind it for the next launch.
-    cols = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    if PDL_GDC:  # launched while the streaming kernel runs: nothing is read before it has finished
+        gdc_wait()
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_H + tl.arange(0, BLOCK_H)
     row = tl.program_id(1)
     col_mask = cols < H
     acc = tl.load(acc_ptr + row * H + cols, mask=col_mask, other=0.0)
@@ -102,7 +145,17 @@ def _mlp_finish_kernel(acc_ptr, res_ptr, out_ptr, H, res_stride, out_stride, BLO
     dtype = out_ptr.dtype.element_ty
     y = acc.to(dtype).to(tl.float32)  # down's output rounded, then the residual add (gemv.py's ADD epilogue)
     r = tl.load(res_ptr + row * res_stride + cols, mask=col_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * out_stride + cols, (y + r).to(dtype), mask=col_mask)
+    s = (y + r).to(dtype)
+    tl.store(out_ptr + row * out_stride + cols, s, mask=col_mask)
+    if SUMS_OUT:  # the next RMSNorm's first half (its g folded into the next qkv): this program's share of sum(s^2)
+        s32 = tl.where(col_mask, s.to(tl.float32), 0.0)
+        share = (tl.sum(s32 * s32, axis=0) * SUM_UNIT + 0.5).to(tl.int64)  # fixed point, as gemv's CARRY
+        tl.atomic_add(sums_out_ptr + row * (NUM_SLOTS * SLOT_STRIDE) + (pid % NUM_SLOTS) * SLOT_STRIDE, share,
+                      sem="relaxed")
+    if ZERO_SUMS:  # the carried sums the streaming kernel read, put back to zero (program (0, 0) only)
+        slot_ids = tl.arange(0, SUMS_ROWS * NUM_SLOTS)
+        tl.store(sums_zero_ptr + slot_ids * SLOT_STRIDE, tl.zeros([SUMS_ROWS * NUM_SLOTS], tl.int64),
+                 mask=(slot_ids >= 0) & (pid == 0) & (row == 0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,11 +185,20 @@ def mlp_config(on_gpu: bool, elem_bytes: int, inter: int) -> MlpConfig:
 
 def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, residual: torch.Tensor, *,
                      eps: float, norm_folded: bool = True, config: MlpConfig | None = None,
-                     accumulator: torch.Tensor | None = None) -> torch.Tensor:
+                     accumulator: torch.Tensor | None = None, norm_sums: torch.Tensor | None = None,
+                     sums_out: torch.Tensor | None = None, zero_sums: torch.Tensor | None = None,
+                     pdl: bool = False) -> torch.Tensor:
     """fused_mlp_ref in two launches. x, residual: [M, H]; gate_up [2I, H] ([gate; up] rows, the norm weight folded
     in when norm_folded); down [H, I]; all the model dtype. accumulator: contiguous float32 of >= M * H elements,
     all zero (the second launch leaves it zero again, so a static one serves every layer and step); None allocates
-    one."""
+    one.
+
+    The carried norms (fused_decode.NormCarry in its folded form; gemv.norm_sums_buffer layouts): norm_sums (instead
+    of norm_folded) holds each token's sum of x^2, added by the o_proj epilogue, and replaces the rms pass over x;
+    sums_out: the finishing kernel adds each token's sum(out^2) into it (for the next layer's qkv, whose weights hold
+    its norm's g); zero_sums: a buffer the finishing kernel sets to zero (the norm_sums just read). pdl: both
+    launches with programmatic dependent launch (the streaming kernel loads its first weight slice before waiting
+    for the kernel before it)."""
     if x.dim() != 2 or gate_up.dim() != 2 or down.dim() != 2:
         raise ValueError(f"fused_mlp: x [M, H], gate_up [2I, H], down [H, I] expected, got "
                          f"{tuple(x.shape)}, {tuple(gate_up.shape)}, {tuple(down.shape)}")
@@ -154,6 +216,13 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         if t.stride(-1) != 1:
             raise ValueError(f"fused_mlp: {name} must be contiguous along its last dimension")
     check_launchable(x, gate_up, down, residual)
+    if norm_sums is not None:
+        if norm_folded:
+            raise ValueError("fused_mlp: norm_sums is the carried norm; pass norm_folded=False with it")
+        _check_norm_sums(norm_sums, num_rows, x.device, "norm_sums")
+    if sums_out is not None:
+        _check_norm_sums(sums_out, num_rows, x.device, "sums_out")
+    _check_zero_sums(zero_sums, x)
     cfg = config or mlp_config(x.is_cuda, x.element_size(), inter)
     need = num_rows * hidden
     if accumulator is None:
@@ -162,15 +231,23 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         raise ValueError(f"fused_mlp: the accumulator must be contiguous float32 of >= {need} elements, got "
                          f"{accumulator.dtype} {tuple(accumulator.shape)}")
     out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    gdc = pdl and not interpreting()  # griddepcontrol and the launch attribute: the GPU only
+    slots = {"NUM_SLOTS": _gemv.NORM_SLOTS, "SLOT_STRIDE": _gemv.NORM_SLOT_STRIDE, "SUM_UNIT": _gemv.NORM_SUM_UNIT}
+    placeholder = accumulator  # any tensor: its pointer is never read
     _mlp_kernel[(triton.cdiv(inter, cfg.bi),)](
-        x, gate_up, down, accumulator, num_rows, hidden, inter, hidden, eps,
-        x.stride(0), gate_up.stride(0), down.stride(0),
-        BLOCK_M=16, BI=cfg.bi, BK=cfg.bk, BH=cfg.bh, NORM=norm_folded,
+        x, gate_up, down, accumulator, norm_sums if norm_sums is not None else placeholder,
+        num_rows, hidden, inter, hidden, eps, x.stride(0), gate_up.stride(0), down.stride(0),
+        BLOCK_M=16, BI=cfg.bi, BK=cfg.bk, BH=cfg.bh, NORM=norm_folded or norm_sums is not None,
         NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda), DOT_PRECISION=_dot_precision(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        NORM_SUMS=norm_sums is not None, USE_PDL=pdl, PDL_GDC=gdc, **slots,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if gdc else {}),
     )
     block_h = 256 if x.is_cuda else 32
     _mlp_finish_kernel[(triton.cdiv(hidden, block_h), num_rows)](
-        accumulator, residual, out, hidden, residual.stride(0), out.stride(0), BLOCK_H=block_h, num_warps=4,
+        accumulator, residual, out, sums_out if sums_out is not None else placeholder,
+        zero_sums if zero_sums is not None else placeholder, hidden, residual.stride(0), out.stride(0),
+        BLOCK_H=block_h, SUMS_OUT=sums_out is not None, ZERO_SUMS=zero_sums is not None,
+        SUMS_ROWS=zero_sums.shape[0] if zero_sums is not None else 16, PDL_GDC=gdc, **slots,
+        num_warps=4, **({"launch_pdl": True} if gdc else {}),
     )
     return out

@@ -317,7 +317,8 @@ def _gemv_kernel(
     PAIRED: tl.constexpr, USE_PDL: tl.constexpr, NORM_CHUNK: tl.constexpr, W_SCALED: tl.constexpr,
     W_CONVERT: tl.constexpr, W_VEC: tl.constexpr, W_SUM: tl.constexpr,
     PDL_TILES: tl.constexpr = 1, PDL_GDC: tl.constexpr = True, PDL_TRIGGER_FIRST: tl.constexpr = False,
-    NORM_SUMS: tl.constexpr = False, CARRY: tl.constexpr = False, ZERO_SUMS: tl.constexpr = False,
+    NORM_SUMS: tl.constexpr = False, CARRY: tl.constexpr = False, CARRY_X: tl.constexpr = True,
+    ZERO_SUMS: tl.constexpr = False,
     NUM_SLOTS: tl.constexpr = 16, SUMS_ROWS: tl.constexpr = 16, SUM_UNIT: tl.constexpr = 1048576.0,
     SLOT_STRIDE: tl.constexpr = 1, SUMS_AT_END: tl.constexpr = True,
 ):
@@ -459,9 +460,10 @@ def _gemv_kernel(
         a = a.to(dtype).to(tl.float32) + r.to(tl.float32)
         if CARRY:  # the next norm's half (NormCarry): s * g for its GEMV, and this program's share of sum(s^2)
             s_out = tl.where(out_mask, a.to(dtype).to(tl.float32), 0.0)  # s as stored below
-            g = tl.load(carry_g_ptr + rows_a, mask=col_mask, other=0.0).to(tl.float32)
-            tl.store(carry_out_ptr + m[:, None] * carry_out_stride + rows_a[None, :], (s_out * g[None, :]).to(dtype),
-                     mask=out_mask)
+            if CARRY_X:  # (without: g is folded into the consumer's weights, which reads s itself)
+                g = tl.load(carry_g_ptr + rows_a, mask=col_mask, other=0.0).to(tl.float32)
+                tl.store(carry_out_ptr + m[:, None] * carry_out_stride + rows_a[None, :],
+                         (s_out * g[None, :]).to(dtype), mask=out_mask)
             # In fixed point: integer adds give the same total in any order (float atomics would not: the step's
             # result would change from run to run).
             share = (tl.sum(s_out * s_out, axis=1) * SUM_UNIT + 0.5).to(tl.int64)
@@ -540,10 +542,12 @@ class NormCarryOut:
     """An `add` GEMV's epilogue doing the next RMSNorm's first half (fused_decode.NormCarry): with s the output it
     stores, x = s * norm_weight (rounded to the model dtype) into `x` [M, N], and each token's sum(s^2) added into
     `sums` (norm_sums_buffer: NORM_SLOTS int64 slots a token, fixed point in NORM_SUM_UNIT), zero before the launch.
-    The consumer GEMV takes x and the sums (gemv_triton's norm_sums) and scales its float32 sums by 1 / rms."""
+    The consumer GEMV takes x and the sums (gemv_triton's norm_sums) and scales its float32 sums by 1 / rms. With
+    norm_weight and x None only the sums are added: where g is folded into the consumer's weights (bf16
+    "fused-folded"), its x is s, the output itself."""
 
-    norm_weight: torch.Tensor  # [N] model dtype
-    x: torch.Tensor  # [M, N] model dtype, contiguous rows
+    norm_weight: torch.Tensor | None  # [N] model dtype; None with x None: the sums only
+    x: torch.Tensor | None  # [M, N] model dtype, contiguous rows; None: the consumer reads the output itself
     sums: torch.Tensor  # norm_sums_buffer(>= M)
 
 
@@ -568,6 +572,10 @@ def _check_carry(norm_sums: torch.Tensor | None, carry: NormCarryOut | None, zer
         if add is None:
             raise ValueError("gemv: carry (the next norm's first half) is an epilogue of the residual add: pass add")
         _check_norm_sums(carry.sums, num_rows, x.device, "carry.sums")
+        if (carry.norm_weight is None) != (carry.x is None):
+            raise ValueError("gemv: carry.norm_weight and carry.x go together (both None: the sums only)")
+        if carry.norm_weight is None or carry.x is None:
+            return _check_zero_sums(zero_sums, x)
         if carry.norm_weight.shape != (n_out,) or carry.norm_weight.dtype != x.dtype:
             raise ValueError(f"gemv: carry.norm_weight must be [{n_out}] {x.dtype}, got "
                              f"{tuple(carry.norm_weight.shape)} {carry.norm_weight.dtype}")
@@ -575,6 +583,10 @@ def _check_carry(norm_sums: torch.Tensor | None, carry: NormCarryOut | None, zer
                 or carry.x.device != x.device):
             raise ValueError(f"gemv: carry.x must be [{num_rows}, {n_out}] {x.dtype} with contiguous rows, got "
                              f"{tuple(carry.x.shape)} {carry.x.dtype}")
+    _check_zero_sums(zero_sums, x)
+
+
+def _check_zero_sums(zero_sums: torch.Tensor | None, x: torch.Tensor) -> None:
     if zero_sums is not None:
         _check_norm_sums(zero_sums, 0, x.device, "zero_sums")
         if zero_sums.shape[0] & (zero_sums.shape[0] - 1):
@@ -811,8 +823,8 @@ def _launch(
     placeholder = weight_scale if weight_scale is not None else x  # any tensor: its pointer is never read
     sums_out = carry.sums if carry is not None else placeholder
     zero = zero_sums if zero_sums is not None else placeholder
-    carry_g = carry.norm_weight if carry is not None else placeholder
-    carry_x = carry.x if carry is not None else x
+    carry_g = carry.norm_weight if carry is not None and carry.norm_weight is not None else placeholder
+    carry_x = carry.x if carry is not None and carry.x is not None else x
     _gemv_kernel[(grid,)](
         x, weight, out, bias if bias is not None else x, norm_weight if norm_weight is not None else x,
         hres, s, add_t, positions, cos_sin, k_cache, v_cache, slots, q_norm, k_norm,
@@ -831,6 +843,7 @@ def _launch(
         W_SCALED=weight_scale is not None, W_CONVERT=w_convert, W_VEC=w_vec,
         W_SUM=row_sum(w_vec, weight_scale is not None), PDL_TILES=cfg.pdl_tiles, PDL_GDC=gdc,
         PDL_TRIGGER_FIRST=trigger_first, NORM_SUMS=norm_sums is not None, CARRY=carry is not None,
+        CARRY_X=carry is not None and carry.x is not None,
         ZERO_SUMS=zero_sums is not None,
         NUM_SLOTS=NORM_SLOTS, SUM_UNIT=NORM_SUM_UNIT, SLOT_STRIDE=NORM_SLOT_STRIDE, SUMS_AT_END=NORM_SUMS_AT_END,
         SUMS_ROWS=zero_sums.shape[0] if zero_sums is not None else GEMV_MAX_M,

@@ -146,6 +146,15 @@ QKV_PDL = True
 # critical path a layer: two norm kernels of 2.0 us gone, gate_up 30.0 -> 27.8 us, qkv 7.3 -> 7.1, while o_proj and
 # down, which now also store s * g and add the sums, went 3.5 -> 6.1 and 14.5 -> 15.3 us.
 NORM_CARRY = True
+# bf16 "fused-folded" layers with the fused MLP at every fused step: the same carried norms with g folded into qkv /
+# gate_up, so only each token's sum(s^2) travels (o_proj's epilogue adds it for the MLP, the MLP's finishing kernel for
+# the next layer's qkv, which read the stream itself): no rms pass over x in the qkv / MLP prologues, and no norm
+# kernels at 3-16 tokens (decode_prologue_norm_max_m); only the first layer's input norm and the final norm stay.
+FOLDED_NORM_CARRY = True
+# The fused MLP (both its launches) with programmatic dependent launch wherever its layer's chain may take PDL (not
+# under decode_pdl False): it loads its first gate / up slice while o_proj drains, and its finishing kernel is resident
+# when it ends.
+MLP_PDL = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,28 +201,34 @@ class NormCarry:
     layer's qkv zeroes sums_post as well, so a step starts clean even after one that stopped halfway. Each buffer
     holds GEMV_MAX_M tokens; a step uses its first M rows."""
 
-    x_post: torch.Tensor  # [GEMV_MAX_M, H] model dtype
+    x_post: torch.Tensor | None  # [GEMV_MAX_M, H] model dtype; None where g is folded (the consumer reads s)
     sums_post: torch.Tensor  # gemv.norm_sums_buffer(GEMV_MAX_M): zero between steps
-    x_next: torch.Tensor
+    x_next: torch.Tensor | None
     sums_next: torch.Tensor
 
     @classmethod
-    def allocate(cls, hidden: int, dtype: torch.dtype, device: torch.device) -> NormCarry:
-        def x() -> torch.Tensor:
-            return torch.empty(GEMV_MAX_M, hidden, dtype=dtype, device=device)
+    def allocate(cls, hidden: int, dtype: torch.dtype, device: torch.device, *, folded: bool = False) -> NormCarry:
+        """folded: the norms' g live in the consumers' weights (FOLDED_NORM_CARRY), so only the sums are carried: the
+        fused MLP's finishing kernel adds the next layer's (no x_next) and o_proj the MLP's (no x_post)."""
+        def x() -> torch.Tensor | None:
+            return None if folded else torch.empty(GEMV_MAX_M, hidden, dtype=dtype, device=device)
 
         return cls(x(), norm_sums_buffer(GEMV_MAX_M, device), x(), norm_sums_buffer(GEMV_MAX_M, device))
 
 
 def link_norm_carry(fused: list[FusedDecode | None]) -> list[FusedDecode | None]:
-    """The layers' FusedDecode with the carried norms linked (NORM_CARRY) where every layer is fused, normalises with
-    norm kernels (no prologue norm) and runs FP8 weights; otherwise as given."""
-    if not NORM_CARRY or not fused or any(fd is None or fd.prologue_max_m or not isinstance(fd.o_proj, Fp8Linear)
-                                         for fd in fused):
+    """The layers' FusedDecode with the carried norms linked where every layer is fused and either (NORM_CARRY)
+    normalises with norm kernels (no prologue norm) on FP8 weights, or (FOLDED_NORM_CARRY) has g folded into its
+    weights and the fused MLP at every fused step; otherwise as given."""
+    if not fused or any(fd is None for fd in fused):
         return fused
     layers = cast(list[FusedDecode], fused)
+    fp8 = NORM_CARRY and all(not fd.prologue_max_m and isinstance(fd.o_proj, Fp8Linear) for fd in layers)
+    folded = FOLDED_NORM_CARRY and all(fd.folded and fd.mlp_max_m >= GEMV_MAX_M for fd in layers)
+    if not (fp8 or folded):
+        return fused
     weight = layers[0].input_norm.weight
-    carry = NormCarry.allocate(weight.shape[0], weight.dtype, weight.device)
+    carry = NormCarry.allocate(weight.shape[0], weight.dtype, weight.device, folded=not fp8)
     return [dataclasses.replace(fd, carry=carry, carry_in=i > 0,
                                 next_norm=layers[i + 1].input_norm if i + 1 < len(layers) else None)
             for i, fd in enumerate(layers)]
@@ -270,8 +285,8 @@ def bind_fused_decode(
     if folded:  # again after a first fold: W' * 1 is W' exactly, so planning twice changes nothing
         _fold_norm_into(linears[0], input_norm)
         _fold_norm_into(linears[2], post_norm)
-    # FP8 weights keep the two GEMVs (the fused MLP has no row-scale path yet), as does PDL (it has no PDL form).
-    mlp_max_m = MLP_MAX_M if fused_mlp and not fp8 and not pdl else 0
+    # FP8 weights keep the two GEMVs (the fused MLP has no row-scale path yet).
+    mlp_max_m = MLP_MAX_M if fused_mlp and not fp8 else 0
     accumulator = None  # one a layer (16 KB at the 8B shape), allocated outside any graph capture
     if mlp_max_m:
         accumulator = torch.zeros(mlp_max_m * input_norm.weight.shape[0], dtype=torch.float32,
@@ -361,18 +376,20 @@ def fused_decode_layer(
     """LlamaDecoderLayer.forward's semantics for a decode step -> (the new residual stream [M, H], None)."""
     num_tokens = hidden.shape[0]
     prologue = num_tokens <= fd.prologue_max_m
-    folded = fd.folded and prologue  # the GEMVs' norm_folded: their prologue normalises with g folded into W
     carry = fd.carry
     qkv_sums = None
-    if carry is not None and fd.carry_in:  # the previous layer's down did the input norm's first half
+    if carry is not None and fd.carry_in:  # the previous layer's down / MLP did the input norm's first half
         if residual is not None:
             raise ValueError("fused decode: a carried norm follows a fused layer, whose output is the stream itself")
-        x, stream, qkv_sums = carry.x_next[:num_tokens], hidden, carry.sums_next
+        # folded: g is in qkv's weights and x is the stream itself; else x = s * g, stored by the previous down
+        x = hidden if carry.x_next is None else carry.x_next[:num_tokens]
+        stream, qkv_sums = hidden, carry.sums_next
     elif prologue:  # the qkv GEMV normalises the stream itself
         stream = hidden if residual is None else hidden + residual
         x = stream
     else:  # the norm kernel; a unit gain where g is folded into the weights (fused-folded)
         x, stream = fd.input_norm(hidden, residual, pdl=fd.pdl)
+    folded = fd.folded and prologue and qkv_sums is None  # the qkv prologue normalises with g folded into W
     o_pdl = _o_proj_pdl(fd, num_tokens)  # the attention lets o_proj in early; o_proj loads tiles before its wait
     first_zero = carry.sums_post if carry is not None and not fd.carry_in else None  # NormCarry: a clean start
     qkv = _qkv_rotary_cache(fd, x, positions, meta, k_cache, v_cache, prologue, folded, qkv_sums,
@@ -382,11 +399,20 @@ def fused_decode_layer(
     out = fd.attention(q, k_cache, v_cache, meta, pdl=o_pdl).reshape(num_tokens, num_heads * head_dim)
     o_carry: dict[str, Any] = {}
     if carry is not None:  # the post-attention norm's first half; the slots qkv read put back to zero
-        o_carry = {"carry": NormCarryOut(fd.post_norm.weight, carry.x_post[:num_tokens], carry.sums_post),
+        x_post = carry.x_post[:num_tokens] if carry.x_post is not None else None
+        o_carry = {"carry": NormCarryOut(fd.post_norm.weight if x_post is not None else None, x_post,
+                                         carry.sums_post),
                    "zero_sums": carry.sums_next}
     stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=o_pdl, **o_carry,
                             **_fp8_args(fd.o_proj, "add", num_tokens))
+    mlp_pdl = fd.pdl or (MLP_PDL and not fd.pdl_off)
+    if carry is not None and carry.x_post is None:  # folded: the fused MLP on the stream and the carried sums
+        return fused_mlp_triton(stream, fd.gate_up.weight, fd.down.weight, stream, eps=fd.post_norm.eps,
+                                norm_folded=False, accumulator=fd.mlp_accumulator, norm_sums=carry.sums_post,
+                                sums_out=carry.sums_next if fd.next_norm is not None else None,
+                                zero_sums=carry.sums_post, pdl=mlp_pdl), None
     if carry is not None:
+        assert carry.x_post is not None and carry.x_next is not None  # the FP8 form carries x too
         act, _ = gemv_triton(carry.x_post[:num_tokens], fd.gate_up.weight, silu_mul=True, norm_sums=carry.sums_post,
                              eps=fd.post_norm.eps, pdl=fd.pdl, **_fp8_args(fd.gate_up, "silu", num_tokens))
         down_carry: dict[str, Any] = {"zero_sums": carry.sums_post}
@@ -398,8 +424,9 @@ def fused_decode_layer(
     x = stream if prologue else fd.post_norm(stream, pdl=fd.pdl)[0]
     if num_tokens <= fd.mlp_max_m:  # gate_up + SiLU-mul + down + residual: a streaming kernel, a finishing one
         return fused_mlp_triton(x, fd.gate_up.weight, fd.down.weight, stream, eps=fd.post_norm.eps,
-                                norm_folded=folded, accumulator=fd.mlp_accumulator), None
-    act, _ = gemv_triton(x, fd.gate_up.weight, silu_mul=True, norm_folded=folded,
+                                norm_folded=fd.folded and prologue, accumulator=fd.mlp_accumulator,
+                                pdl=mlp_pdl), None
+    act, _ = gemv_triton(x, fd.gate_up.weight, silu_mul=True, norm_folded=fd.folded and prologue,
                          eps=fd.post_norm.eps, pdl=fd.pdl, **_fp8_args(fd.gate_up, "silu", num_tokens),
                          **_unfolded_norm(fd, fd.post_norm, prologue))
     stream, _ = gemv_triton(act, fd.down.weight, add=stream, pdl=fd.pdl, **_fp8_args(fd.down, "add", num_tokens))
