@@ -163,7 +163,7 @@ def _kind(fn: Any, name: str) -> str:
     return "constexpr" if "constexpr" in str(annotation) else "i32"
 
 
-def _mlp_ptx(carried: bool, pdl: bool) -> tuple[list[str], list[str]]:
+def _mlp_ptx(carried: bool, pdl: bool, peel: bool = True) -> tuple[list[str], list[str]]:
     """(streaming kernel, finishing kernel) PTX of the fused MLP at the 8B shape as fused_decode launches it."""
     from stoker.engine.kernels import fused_mlp, gemv
 
@@ -176,7 +176,7 @@ def _mlp_ptx(carried: bool, pdl: bool) -> tuple[list[str], list[str]]:
                if name.endswith("_ptr") or name in ("K", "H", "x_stride", "wgu_stride", "wd_stride")}
     slots = dict(NUM_SLOTS=gemv.NORM_SLOTS, SLOT_STRIDE=gemv.NORM_SLOT_STRIDE, SUM_UNIT=gemv.NORM_SUM_UNIT)
     constexprs = dict(BLOCK_M=16, BI=cfg.bi, BK=cfg.bk, BH=cfg.bh, NORM=True, NORM_CHUNK=gemv.norm_chunk(4096, 4, True),
-                      DOT_PRECISION="tf32", NORM_SUMS=carried, USE_PDL=pdl, PDL_GDC=pdl, **slots)
+                      DOT_PRECISION="tf32", NORM_SUMS=carried, USE_PDL=pdl, PDL_GDC=pdl, PDL_PEEL=peel, **slots)
     stream = _ptx(fused_mlp._mlp_kernel, signature, constexprs, cfg.num_warps, cfg.num_stages, aligned)
     names = list(inspect.signature(fused_mlp._mlp_finish_kernel.fn).parameters)
     pointers = {"acc_ptr": "*fp32", "res_ptr": "*bf16", "out_ptr": "*bf16", "sums_out_ptr": "*i64",
@@ -194,7 +194,8 @@ def test_fused_mlp_pdl_loads_weights_before_the_wait_and_reads_x_after(carried: 
     griddepcontrol.wait and lets the finishing kernel in right after it, before any loop; x (o_proj's output) and the
     carried sums are read only after the wait. The finishing kernel waits before any load (it reads the accumulator
     the streaming kernel fills), and with the carried norms adds its 64-bit sums (red/atom) and zeroes the ones read
-    (64-bit stores). Without PDL neither kernel has griddepcontrol."""
+    (64-bit stores). Without PDL neither kernel has griddepcontrol; without the peel the wait comes before any
+    load."""
     stream, finish = _mlp_ptx(carried, pdl=True)
     wait = _index(stream, "griddepcontrol.wait")
     trigger = _index(stream, "griddepcontrol.launch_dependents")
@@ -212,3 +213,6 @@ def test_fused_mlp_pdl_loads_weights_before_the_wait_and_reads_x_after(carried: 
     assert bool(re.search(r"st\.global(\.\w+)*\.b64", ptx)) == carried
     plain_stream, plain_finish = _mlp_ptx(carried, pdl=False)
     assert not any("griddepcontrol" in line for line in plain_stream + plain_finish)
+    # fused_decode.MLP_PDL_PEEL off: the wait first, no load before it
+    unpeeled, _ = _mlp_ptx(carried, pdl=True, peel=False)
+    assert _loads(unpeeled[:_index(unpeeled, "griddepcontrol.wait")]) == 0

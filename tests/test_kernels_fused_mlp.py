@@ -167,14 +167,15 @@ def test_fused_mlp_rejects_bad_arguments() -> None:
 
 @GPU
 @NO_CUDA
-@pytest.mark.parametrize("form", ["plain", "pdl", "carried-pdl"])
+@pytest.mark.parametrize("form", ["plain", "pdl", "carried-pdl", "carried-pdl-nopeel"])
 @pytest.mark.parametrize("inter", [14336, 8192], ids=["8b", "1b"])
 def test_fused_mlp_bf16_engine_shapes_in_a_cuda_graph(inter: int, form: str) -> None:
     """The engine's launches at the 8B and 1B MLP shapes (bi 128 and 64), replayed from a CUDA graph with a static
     accumulator, against the two GEMVs they replace (bf16: within the dtype's tolerance of each other). pdl: both
     launches with programmatic dependent launch after an o_proj-like GEMV launched with it (the chain the engine
     runs); carried-pdl: that GEMV's epilogue adds the sums the MLP reads (sums only: g folded into gate_up), and the
-    finishing kernel adds the next norm's sums and zeroes the ones read."""
+    finishing kernel adds the next norm's sums and zeroes the ones read; nopeel: the MLP waits before loading
+    anything (fused_decode.MLP_PDL_PEEL off)."""
     from stoker.engine.kernels.gemv import NormCarryOut, gemv_triton
 
     torch.manual_seed(0)
@@ -183,14 +184,14 @@ def test_fused_mlp_bf16_engine_shapes_in_a_cuda_graph(inter: int, form: str) -> 
     w_o = rand(hidden, hidden, device="cuda", dtype=torch.bfloat16, scale=hidden**-0.5)
     h = rand(1, hidden, device="cuda", dtype=torch.bfloat16)
     acc = torch.zeros(hidden, device="cuda")
-    pdl, carried = form != "plain", form == "carried-pdl"
+    pdl, carried, peel = form != "plain", form.startswith("carried"), not form.endswith("nopeel")
     sums, sums_next = norm_sums_buffer(GEMV_MAX_M, "cuda"), norm_sums_buffer(GEMV_MAX_M, "cuda")
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:
         carry = {"carry": NormCarryOut(None, None, sums)} if carried else {}
         s, _ = gemv_triton(h, w_o, add=residual, pdl=pdl, **carry)
         mlp = {"norm_folded": False, "norm_sums": sums, "sums_out": sums_next, "zero_sums": sums} if carried else {}
-        return s, fused_mlp_triton(s, gate_up, down, s, eps=1e-5, accumulator=acc, pdl=pdl, **mlp)
+        return s, fused_mlp_triton(s, gate_up, down, s, eps=1e-5, accumulator=acc, pdl=pdl, pdl_peel=peel, **mlp)
 
     step()
     sums_next.zero_()

@@ -62,6 +62,7 @@ def _mlp_kernel(
     NORM: tl.constexpr, NORM_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NORM_SUMS: tl.constexpr = False, NUM_SLOTS: tl.constexpr = 1, SLOT_STRIDE: tl.constexpr = 1,
     SUM_UNIT: tl.constexpr = 1048576.0, USE_PDL: tl.constexpr = False, PDL_GDC: tl.constexpr = False,
+    PDL_PEEL: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
     rows = pid * BI + tl.arange(0, BI)  # this program's intermediate rows (gate row n, up row INTER + n)
@@ -75,13 +76,14 @@ def _mlp_kernel(
     acc_u = tl.zeros([BLOCK_M, BI], dtype=tl.float32)
     k_start = 0
     if USE_PDL:
-        # The weights never depend on the kernel before: the first K slice of gate and up is loaded while it drains,
-        # then the wait for x (and the carried sums) to be visible, and the finishing kernel let in. Without PDL_GDC
-        # (the interpreter) the same slice is peeled, with no griddepcontrol.
-        w0_mask = row_mask[:, None] & (ks < K)[None, :]
-        wg0 = tl.load(g_ptrs, mask=w0_mask, other=0.0)
-        wu0 = tl.load(u_ptrs, mask=w0_mask, other=0.0)
-        if PDL_GDC:
+        if PDL_PEEL:
+            # The weights never depend on the kernel before: the first K slice of gate and up is loaded while it
+            # drains, then the wait for x (and the carried sums) to be visible, and the finishing kernel let in.
+            # Without PDL_GDC (the interpreter) the same slice is peeled, with no griddepcontrol.
+            w0_mask = row_mask[:, None] & (ks < K)[None, :]
+            wg0 = tl.load(g_ptrs, mask=w0_mask, other=0.0)
+            wu0 = tl.load(u_ptrs, mask=w0_mask, other=0.0)
+        if PDL_GDC:  # without the peel: only the launch and the setup overlap the kernel before
             gdc_wait()
             gdc_launch_dependents()
     if NORM_SUMS:  # the carried norm: each token's sum of squares added by the o_proj epilogue (gemv's NormCarryOut)
@@ -91,7 +93,7 @@ def _mlp_kernel(
         sumsq = tl.sum(sums, axis=1).to(tl.float32) * (1.0 / SUM_UNIT)
     elif NORM:
         sumsq = _row_sumsq(x_ptr, x_stride, M, K, BLOCK_M, NORM_CHUNK)
-    if USE_PDL:  # the peeled slice, in K order: the same sums as the loop's
+    if USE_PDL and PDL_PEEL:  # the peeled slice, in K order: the same sums as the loop's
         x0 = tl.load(x_ptr + m[:, None] * x_stride + ks[None, :], mask=m_mask[:, None] & (ks < K)[None, :],
                      other=0.0)
         acc_g = tl.dot(x0, tl.trans(wg0), acc_g, input_precision=DOT_PRECISION)
@@ -187,7 +189,7 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                      eps: float, norm_folded: bool = True, config: MlpConfig | None = None,
                      accumulator: torch.Tensor | None = None, norm_sums: torch.Tensor | None = None,
                      sums_out: torch.Tensor | None = None, zero_sums: torch.Tensor | None = None,
-                     pdl: bool = False) -> torch.Tensor:
+                     pdl: bool = False, pdl_peel: bool = True) -> torch.Tensor:
     """fused_mlp_ref in two launches. x, residual: [M, H]; gate_up [2I, H] ([gate; up] rows, the norm weight folded
     in when norm_folded); down [H, I]; all the model dtype. accumulator: contiguous float32 of >= M * H elements,
     all zero (the second launch leaves it zero again, so a static one serves every layer and step); None allocates
@@ -198,7 +200,7 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     sums_out: the finishing kernel adds each token's sum(out^2) into it (for the next layer's qkv, whose weights hold
     its norm's g); zero_sums: a buffer the finishing kernel sets to zero (the norm_sums just read). pdl: both
     launches with programmatic dependent launch (the streaming kernel loads its first weight slice before waiting
-    for the kernel before it)."""
+    for the kernel before it; pdl_peel False: it waits first thing, so only its launch overlaps)."""
     if x.dim() != 2 or gate_up.dim() != 2 or down.dim() != 2:
         raise ValueError(f"fused_mlp: x [M, H], gate_up [2I, H], down [H, I] expected, got "
                          f"{tuple(x.shape)}, {tuple(gate_up.shape)}, {tuple(down.shape)}")
@@ -215,7 +217,6 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     for name, t in (("x", x), ("gate_up", gate_up), ("down", down), ("residual", residual)):
         if t.stride(-1) != 1:
             raise ValueError(f"fused_mlp: {name} must be contiguous along its last dimension")
-    check_launchable(x, gate_up, down, residual)
     if norm_sums is not None:
         if norm_folded:
             raise ValueError("fused_mlp: norm_sums is the carried norm; pass norm_folded=False with it")
@@ -223,6 +224,7 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     if sums_out is not None:
         _check_norm_sums(sums_out, num_rows, x.device, "sums_out")
     _check_zero_sums(zero_sums, x)
+    check_launchable(x, gate_up, down, residual)
     cfg = config or mlp_config(x.is_cuda, x.element_size(), inter)
     need = num_rows * hidden
     if accumulator is None:
@@ -239,7 +241,7 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         num_rows, hidden, inter, hidden, eps, x.stride(0), gate_up.stride(0), down.stride(0),
         BLOCK_M=16, BI=cfg.bi, BK=cfg.bk, BH=cfg.bh, NORM=norm_folded or norm_sums is not None,
         NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda), DOT_PRECISION=_dot_precision(x.dtype),
-        NORM_SUMS=norm_sums is not None, USE_PDL=pdl, PDL_GDC=gdc, **slots,
+        NORM_SUMS=norm_sums is not None, USE_PDL=pdl, PDL_GDC=gdc, PDL_PEEL=pdl_peel, **slots,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if gdc else {}),
     )
     block_h = 256 if x.is_cuda else 32

@@ -151,10 +151,16 @@ NORM_CARRY = True
 # the next layer's qkv, which read the stream itself): no rms pass over x in the qkv / MLP prologues, and no norm
 # kernels at 3-16 tokens (decode_prologue_norm_max_m); only the first layer's input norm and the final norm stay.
 FOLDED_NORM_CARRY = True
+# H200, W1 bf16 8B (session 19 call 1, one machine): 4.069 ms carried against 4.086 without (at 8 sequences, with
+# MLP_PDL on: 4.981 against 5.095); the critical path a layer: qkv 15.8 -> 13.3 us (session 18's profile, no rms pass).
+FOLDED_NORM_CARRY = True
 # The fused MLP (both its launches) with programmatic dependent launch wherever its layer's chain may take PDL (not
-# under decode_pdl False): it loads its first gate / up slice while o_proj drains, and its finishing kernel is resident
-# when it ends.
-MLP_PDL = True
+# under decode_pdl False): it loads its first gate / up slice while o_proj drains (MLP_PDL_PEEL; else it only
+# waits first thing), and its finishing kernel is resident when it ends. Off: with the peel W1 bf16 went 4.069 ->
+# 4.147-4.162 ms (session 19 call 1): the MLP kernel itself 84.6 -> 88.3 us a layer, the peeled [128, 128] gate and
+# up slices held in registers (64 KB a program) where the pipeline keeps them in shared memory.
+MLP_PDL = False
+MLP_PDL_PEEL = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,7 +416,7 @@ def fused_decode_layer(
         return fused_mlp_triton(stream, fd.gate_up.weight, fd.down.weight, stream, eps=fd.post_norm.eps,
                                 norm_folded=False, accumulator=fd.mlp_accumulator, norm_sums=carry.sums_post,
                                 sums_out=carry.sums_next if fd.next_norm is not None else None,
-                                zero_sums=carry.sums_post, pdl=mlp_pdl), None
+                                zero_sums=carry.sums_post, pdl=mlp_pdl, pdl_peel=MLP_PDL_PEEL), None
     if carry is not None:
         assert carry.x_post is not None and carry.x_next is not None  # the FP8 form carries x too
         act, _ = gemv_triton(carry.x_post[:num_tokens], fd.gate_up.weight, silu_mul=True, norm_sums=carry.sums_post,
@@ -425,7 +431,7 @@ def fused_decode_layer(
     if num_tokens <= fd.mlp_max_m:  # gate_up + SiLU-mul + down + residual: a streaming kernel, a finishing one
         return fused_mlp_triton(x, fd.gate_up.weight, fd.down.weight, stream, eps=fd.post_norm.eps,
                                 norm_folded=fd.folded and prologue, accumulator=fd.mlp_accumulator,
-                                pdl=mlp_pdl), None
+                                pdl=mlp_pdl, pdl_peel=MLP_PDL_PEEL), None
     act, _ = gemv_triton(x, fd.gate_up.weight, silu_mul=True, norm_folded=fd.folded and prologue,
                          eps=fd.post_norm.eps, pdl=fd.pdl, **_fp8_args(fd.gate_up, "silu", num_tokens),
                          **_unfolded_norm(fd, fd.post_norm, prologue))
@@ -479,7 +485,7 @@ def _qkv_rotary_cache(
         x, fd.qkv.weight, fd.qkv.bias, num_heads=fd.attention.num_heads, num_kv_heads=fd.attention.num_kv_heads,
         positions=positions, cos_sin=fd.rotary.cos_sin, k_cache=k_cache, v_cache=v_cache,
         slot_mapping=meta.slot_mapping, eps=eps, q_norm=q_norm, k_norm=k_norm, pdl=pdl,
-        pdl_trigger_first=fd.pdl and QKV_TRIGGER_FIRST,
+        pdl_trigger_first=pdl and QKV_TRIGGER_FIRST,
         norm_folded=folded, norm_sums=norm_sums, zero_sums=zero_sums, **fp8,
         **_unfolded_norm(fd, fd.input_norm, prologue),
     )
