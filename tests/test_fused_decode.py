@@ -64,7 +64,7 @@ class SpyCalls:
 
         self.calls = 0
         self.mlp_rows: list[int] = []  # the token count of every fused-MLP launch (kernels/fused_mlp.py)
-        self.mlp_args: list[tuple[bool, bool, bool]] = []  # each launch's (norm_sums, sums_out, pdl) given
+        self.mlp_args: list[tuple[bool, ...]] = []  # each launch's (norm_sums, sums_out, pdl, finish_early) given
         original = llama.fused_decode_layer
         original_mlp = fused_decode.fused_mlp_triton
 
@@ -75,7 +75,7 @@ class SpyCalls:
         def spy_mlp(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             self.mlp_rows.append(x.shape[0])
             self.mlp_args.append((kwargs.get("norm_sums") is not None, kwargs.get("sums_out") is not None,
-                                  bool(kwargs.get("pdl"))))
+                                  bool(kwargs.get("pdl")), bool(kwargs.get("finish_early"))))
             return original_mlp(x, *args, **kwargs)
 
         monkeypatch.setattr(llama, "fused_decode_layer", spy)
@@ -170,8 +170,9 @@ def test_fused_decode_greedy_matches_transformers_and_unfused(arch, mode: str, m
     live = [sum(n - 1 > step for n in MAX_TOKENS) for step in range(decode_steps)]
     assert max(live) > 1 and min(live) == 1  # steps of several tokens and of one
     assert spy.mlp_rows == [rows for rows in live for _ in range(2)]
-    # carried: both MLPs read the sums o_proj added, the first also adds the second layer's; PDL as the chain's
-    assert spy.mlp_args == [(carry, carry and i == 0, pdl) for _ in live for i in range(2)], spy.mlp_args
+    # carried: both MLPs read the sums o_proj added, the first also adds the second layer's; PDL as the chain's; the
+    # finishing kernel early (FINISH_EARLY) unless decode_pdl is False
+    assert spy.mlp_args == [(carry, carry and i == 0, pdl, pdl) for _ in live for i in range(2)], spy.mlp_args
     assert qkv_carried == [False, carry] * decode_steps, qkv_carried
     # the norm kernels the decode steps ran: two a layer where a step does not normalise in the prologues; carried,
     # only the first layer's input norm

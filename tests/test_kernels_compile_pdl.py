@@ -163,7 +163,7 @@ def _kind(fn: Any, name: str) -> str:
     return "constexpr" if "constexpr" in str(annotation) else "i32"
 
 
-def _mlp_ptx(carried: bool, pdl: bool, peel: bool = True) -> tuple[list[str], list[str]]:
+def _mlp_ptx(carried: bool, pdl: bool, early: bool = False) -> tuple[list[str], list[str]]:
     """(streaming kernel, finishing kernel) PTX of the fused MLP at the 8B shape as fused_decode launches it."""
     from stoker.engine.kernels import fused_mlp, gemv
 
@@ -176,34 +176,32 @@ def _mlp_ptx(carried: bool, pdl: bool, peel: bool = True) -> tuple[list[str], li
                if name.endswith("_ptr") or name in ("K", "H", "x_stride", "wgu_stride", "wd_stride")}
     slots = dict(NUM_SLOTS=gemv.NORM_SLOTS, SLOT_STRIDE=gemv.NORM_SLOT_STRIDE, SUM_UNIT=gemv.NORM_SUM_UNIT)
     constexprs = dict(BLOCK_M=16, BI=cfg.bi, BK=cfg.bk, BH=cfg.bh, NORM=True, NORM_CHUNK=gemv.norm_chunk(4096, 4, True),
-                      DOT_PRECISION="tf32", NORM_SUMS=carried, USE_PDL=pdl, PDL_GDC=pdl, PDL_PEEL=peel, **slots)
+                      DOT_PRECISION="tf32", NORM_SUMS=carried, WAIT_GDC=pdl, TRIGGER_GDC=early, **slots)
     stream = _ptx(fused_mlp._mlp_kernel, signature, constexprs, cfg.num_warps, cfg.num_stages, aligned)
     names = list(inspect.signature(fused_mlp._mlp_finish_kernel.fn).parameters)
     pointers = {"acc_ptr": "*fp32", "res_ptr": "*bf16", "out_ptr": "*bf16", "sums_out_ptr": "*i64",
                 "sums_zero_ptr": "*i64"}
     signature = {name: pointers.get(name, _kind(fused_mlp._mlp_finish_kernel, name)) for name in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name.endswith("_ptr")}
-    constexprs = dict(BLOCK_H=256, SUMS_OUT=carried, ZERO_SUMS=carried, SUMS_ROWS=16, PDL_GDC=pdl, **slots)
+    constexprs = dict(BLOCK_H=256, SUMS_OUT=carried, ZERO_SUMS=carried, SUMS_ROWS=16, PDL_GDC=pdl or early,
+                      TRIGGER_FIRST=early, **slots)
     finish = _ptx(fused_mlp._mlp_finish_kernel, signature, constexprs, 4, 3, aligned)
     return stream, finish
 
 
 @pytest.mark.parametrize("carried", [False, True], ids=["rms-pass", "carried-sums"])
-def test_fused_mlp_pdl_loads_weights_before_the_wait_and_reads_x_after(carried: bool) -> None:
-    """The fused MLP under PDL (fused_decode.MLP_PDL): the streaming kernel loads its first gate / up slice before
-    griddepcontrol.wait and lets the finishing kernel in right after it, before any loop; x (o_proj's output) and the
-    carried sums are read only after the wait. The finishing kernel waits before any load (it reads the accumulator
-    the streaming kernel fills), and with the carried norms adds its 64-bit sums (red/atom) and zeroes the ones read
-    (64-bit stores). Without PDL neither kernel has griddepcontrol; without the peel the wait comes before any
-    load."""
+def test_fused_mlp_pdl_forms_read_other_kernels_outputs_after_their_waits(carried: bool) -> None:
+    """The fused MLP's PDL forms. pdl (fused_decode.MLP_PDL): the streaming kernel waits before any global load (x
+    is o_proj's output, the carried sums its epilogue's) and lets the finishing kernel in right after, before any
+    loop; the finishing kernel waits before any load (it reads the accumulator the streaming kernel fills), then
+    lets its successor in. early (FINISH_EARLY): the streaming kernel lets the finishing kernel in first thing and
+    has no wait; the finishing kernel lets its successor in before its own wait, and still loads nothing before it.
+    With the carried norms the finishing kernel adds its 64-bit sums (red/atom) and zeroes the ones read (64-bit
+    stores), and the streaming kernel loads the sums. Without either form neither kernel has griddepcontrol."""
     stream, finish = _mlp_ptx(carried, pdl=True)
     wait = _index(stream, "griddepcontrol.wait")
     trigger = _index(stream, "griddepcontrol.launch_dependents")
-    assert _loads(stream[:wait]) > 0 and wait < trigger < _loop_headers(stream)[0]
-    assert _loads(stream[wait:trigger]) == 0
-    # before the wait only the weight slice: every load there is 16 bytes of a weight row (cp.async or v4)
-    early = [line for line in stream[:wait] if any(op in line for op in LOADS)]
-    assert all("cp.async" in line or ".v4" in line for line in early), early
+    assert _loads(stream[:wait]) == 0 and wait < trigger < _loop_headers(stream)[0]
     if carried:
         assert any("ld.global" in line and ".b64" in line for line in stream[trigger:]), "the sums are not loaded"
     wait = _index(finish, "griddepcontrol.wait")
@@ -211,8 +209,10 @@ def test_fused_mlp_pdl_loads_weights_before_the_wait_and_reads_x_after(carried: 
     ptx = "\n".join(finish)
     assert bool(re.search(r"\b(red|atom)\.global(\.\w+)*\.(u64|s64)", ptx)) == carried
     assert bool(re.search(r"st\.global(\.\w+)*\.b64", ptx)) == carried
+    stream, finish = _mlp_ptx(carried, pdl=False, early=True)
+    assert not any("griddepcontrol.wait" in line for line in stream)
+    assert _index(stream, "griddepcontrol.launch_dependents") < _loop_headers(stream)[0]
+    trigger, wait = _index(finish, "griddepcontrol.launch_dependents"), _index(finish, "griddepcontrol.wait")
+    assert trigger < wait and _loads(finish[:wait]) == 0
     plain_stream, plain_finish = _mlp_ptx(carried, pdl=False)
     assert not any("griddepcontrol" in line for line in plain_stream + plain_finish)
-    # fused_decode.MLP_PDL_PEEL off: the wait first, no load before it
-    unpeeled, _ = _mlp_ptx(carried, pdl=True, peel=False)
-    assert _loads(unpeeled[:_index(unpeeled, "griddepcontrol.wait")]) == 0

@@ -108,22 +108,23 @@ def _sums_of(s: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("num_rows", [1, 3])
-@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
-def test_fused_mlp_carried_sums(device: str, dtype: torch.dtype, num_rows: int, pdl: bool) -> None:
+@pytest.mark.parametrize("launch", ["plain", "pdl", "early"])
+def test_fused_mlp_carried_sums(device: str, dtype: torch.dtype, num_rows: int, launch: str) -> None:
     """The carried norms in their folded form (fused_decode.FOLDED_NORM_CARRY): the streaming kernel takes each
     token's sum of squares from the slots (norm_sums) instead of its rms pass over x, and equals the folded-prologue
     launch; the finishing kernel adds each token's sum(out^2) into sums_out (fixed point: within a unit a program of
-    the float64 sum) and zeroes zero_sums (here the slots just read, every row of them). pdl: the first gate / up
-    slice peeled before the wait (the interpreter runs the peel without griddepcontrol). Poisoned slots show in the
-    output: the kernel really reads them."""
+    the float64 sum) and zeroes zero_sums (here the slots just read, every row of them); launched plain, with PDL or
+    with the finishing kernel early (griddepcontrol on the GPU only). Poisoned slots show in the output: the kernel
+    really reads them."""
+    pdl = {"pdl": launch == "pdl", "finish_early": launch == "early"}
     x, gate_up, down, residual, g = _inputs(num_rows, device, dtype)
     folded = fold_norm_weight(gate_up, g)
     sums = _sums_of(x)
     sums[num_rows:] = 99  # rows past M: never read, zeroed all the same
     sums_next = norm_sums_buffer(GEMV_MAX_M, device)
     out = fused_mlp_triton(x, folded, down, residual, eps=1e-5, norm_folded=False, norm_sums=sums,
-                           sums_out=sums_next, zero_sums=sums, pdl=pdl)
-    prologue = fused_mlp_triton(x, folded, down, residual, eps=1e-5, pdl=pdl)
+                           sums_out=sums_next, zero_sums=sums, **pdl)
+    prologue = fused_mlp_triton(x, folded, down, residual, eps=1e-5, **pdl)
     tol = TOLERANCE[dtype]  # the sums' fixed point and the accumulator's order: equal within rounding
     torch.testing.assert_close(out.float(), prologue.float(), atol=tol, rtol=tol)
     act, _ = gemv_ref(x, gate_up, silu_mul=True, norm_weight=g, eps=1e-5)
@@ -136,7 +137,7 @@ def test_fused_mlp_carried_sums(device: str, dtype: torch.dtype, num_rows: int, 
                                rtol=1e-6, atol=programs / NORM_SUM_UNIT)
     assert not sums_next[num_rows:].any()
     poisoned = _sums_of(x * 4)  # sums 16x too large: every output row's MLP part shrinks 4x
-    wrong = fused_mlp_triton(x, folded, down, residual, eps=1e-5, norm_folded=False, norm_sums=poisoned, pdl=pdl)
+    wrong = fused_mlp_triton(x, folded, down, residual, eps=1e-5, norm_folded=False, norm_sums=poisoned, **pdl)
     assert (wrong.float() - out.float()).abs().max() > 10 * tol
     assert poisoned.any(), "no zero_sums given: the slots must stay as they were"
 
@@ -167,15 +168,15 @@ def test_fused_mlp_rejects_bad_arguments() -> None:
 
 @GPU
 @NO_CUDA
-@pytest.mark.parametrize("form", ["plain", "pdl", "carried-pdl", "carried-pdl-nopeel"])
+@pytest.mark.parametrize("form", ["plain", "pdl", "carried-pdl", "carried-early", "carried-pdl-early"])
 @pytest.mark.parametrize("inter", [14336, 8192], ids=["8b", "1b"])
 def test_fused_mlp_bf16_engine_shapes_in_a_cuda_graph(inter: int, form: str) -> None:
     """The engine's launches at the 8B and 1B MLP shapes (bi 128 and 64), replayed from a CUDA graph with a static
     accumulator, against the two GEMVs they replace (bf16: within the dtype's tolerance of each other). pdl: both
     launches with programmatic dependent launch after an o_proj-like GEMV launched with it (the chain the engine
     runs); carried-pdl: that GEMV's epilogue adds the sums the MLP reads (sums only: g folded into gate_up), and the
-    finishing kernel adds the next norm's sums and zeroes the ones read; nopeel: the MLP waits before loading
-    anything (fused_decode.MLP_PDL_PEEL off)."""
+    finishing kernel adds the next norm's sums and zeroes the ones read; early: the finishing kernel launched as the
+    MLP starts (fused_decode.FINISH_EARLY), followed by another GEMV launched with PDL that reads its output."""
     from stoker.engine.kernels.gemv import NormCarryOut, gemv_triton
 
     torch.manual_seed(0)
@@ -184,26 +185,29 @@ def test_fused_mlp_bf16_engine_shapes_in_a_cuda_graph(inter: int, form: str) -> 
     w_o = rand(hidden, hidden, device="cuda", dtype=torch.bfloat16, scale=hidden**-0.5)
     h = rand(1, hidden, device="cuda", dtype=torch.bfloat16)
     acc = torch.zeros(hidden, device="cuda")
-    pdl, carried, peel = form != "plain", form.startswith("carried"), not form.endswith("nopeel")
+    pdl, carried, early = form in ("pdl", "carried-pdl", "carried-pdl-early"), form.startswith("carried"), \
+        form.endswith("early")
     sums, sums_next = norm_sums_buffer(GEMV_MAX_M, "cuda"), norm_sums_buffer(GEMV_MAX_M, "cuda")
 
-    def step() -> tuple[torch.Tensor, torch.Tensor]:
+    def step() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         carry = {"carry": NormCarryOut(None, None, sums)} if carried else {}
         s, _ = gemv_triton(h, w_o, add=residual, pdl=pdl, **carry)
         mlp = {"norm_folded": False, "norm_sums": sums, "sums_out": sums_next, "zero_sums": sums} if carried else {}
-        return s, fused_mlp_triton(s, gate_up, down, s, eps=1e-5, accumulator=acc, pdl=pdl, pdl_peel=peel, **mlp)
+        out = fused_mlp_triton(s, gate_up, down, s, eps=1e-5, accumulator=acc, pdl=pdl, finish_early=early, **mlp)
+        return s, out, gemv_triton(out, w_o, pdl=True)[0]  # a successor under PDL (the next qkv's place)
 
     step()
     sums_next.zero_()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        s, out = step()
+        s, out, after = step()
     h.copy_(rand(1, hidden, device="cuda", dtype=torch.bfloat16, scale=3.0))
     graph.replay()
     act, _ = gemv_triton(s, gate_up, silu_mul=True, norm_folded=True, eps=1e-5)
     two = gemv_triton(act, down, add=s)[0]
     tol = TOLERANCE[torch.bfloat16]
     torch.testing.assert_close(out.float(), two.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(after, gemv_triton(out, w_o)[0], rtol=0, atol=0)  # it read the finished output
     assert torch.count_nonzero(acc) == 0
     assert not sums.any()
     if carried:

@@ -61,8 +61,7 @@ def _mlp_kernel(
     BLOCK_M: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
     NORM: tl.constexpr, NORM_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NORM_SUMS: tl.constexpr = False, NUM_SLOTS: tl.constexpr = 1, SLOT_STRIDE: tl.constexpr = 1,
-    SUM_UNIT: tl.constexpr = 1048576.0, USE_PDL: tl.constexpr = False, PDL_GDC: tl.constexpr = False,
-    PDL_PEEL: tl.constexpr = True,
+    SUM_UNIT: tl.constexpr = 1048576.0, WAIT_GDC: tl.constexpr = False, TRIGGER_GDC: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     rows = pid * BI + tl.arange(0, BI)  # this program's intermediate rows (gate row n, up row INTER + n)
@@ -74,17 +73,13 @@ def _mlp_kernel(
     u_ptrs = wgu_ptr + (rows + INTER).to(tl.int64)[:, None] * wgu_stride + ks[None, :]
     acc_g = tl.zeros([BLOCK_M, BI], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BI], dtype=tl.float32)
-    k_start = 0
-    if USE_PDL:
-        if PDL_PEEL:
-            # The weights never depend on the kernel before: the first K slice of gate and up is loaded while it
-            # drains, then the wait for x (and the carried sums) to be visible, and the finishing kernel let in.
-            # Without PDL_GDC (the interpreter) the same slice is peeled, with no griddepcontrol.
-            w0_mask = row_mask[:, None] & (ks < K)[None, :]
-            wg0 = tl.load(g_ptrs, mask=w0_mask, other=0.0)
-            wu0 = tl.load(u_ptrs, mask=w0_mask, other=0.0)
-        if PDL_GDC:  # without the peel: only the launch and the setup overlap the kernel before
-            gdc_wait()
+    # griddepcontrol (the GPU only): TRIGGER_GDC lets the finishing kernel launch now (it waits for this kernel's end
+    # before reading anything); WAIT_GDC: launched with PDL, so wait for the kernel before (x, the carried sums) first.
+    if TRIGGER_GDC:
+        gdc_launch_dependents()
+    if WAIT_GDC:
+        gdc_wait()
+        if not TRIGGER_GDC:
             gdc_launch_dependents()
     if NORM_SUMS:  # the carried norm: each token's sum of squares added by the o_proj epilogue (gemv's NormCarryOut)
         slots = tl.arange(0, NUM_SLOTS) * SLOT_STRIDE
@@ -93,13 +88,7 @@ def _mlp_kernel(
         sumsq = tl.sum(sums, axis=1).to(tl.float32) * (1.0 / SUM_UNIT)
     elif NORM:
         sumsq = _row_sumsq(x_ptr, x_stride, M, K, BLOCK_M, NORM_CHUNK)
-    if USE_PDL and PDL_PEEL:  # the peeled slice, in K order: the same sums as the loop's
-        x0 = tl.load(x_ptr + m[:, None] * x_stride + ks[None, :], mask=m_mask[:, None] & (ks < K)[None, :],
-                     other=0.0)
-        acc_g = tl.dot(x0, tl.trans(wg0), acc_g, input_precision=DOT_PRECISION)
-        acc_u = tl.dot(x0, tl.trans(wu0), acc_u, input_precision=DOT_PRECISION)
-        k_start = BK
-    for k0 in range(k_start, K, BK):
+    for k0 in range(0, K, BK):
         k_mask = k0 + ks < K
         x = tl.load(x_ptr + m[:, None] * x_stride + k0 + ks[None, :], mask=m_mask[:, None] & k_mask[None, :],
                     other=0.0)
@@ -131,13 +120,16 @@ def _mlp_finish_kernel(
     acc_ptr, res_ptr, out_ptr, sums_out_ptr, sums_zero_ptr, H, res_stride, out_stride, BLOCK_H: tl.constexpr,
     SUMS_OUT: tl.constexpr = False, ZERO_SUMS: tl.constexpr = False, SUMS_ROWS: tl.constexpr = 16,
     NUM_SLOTS: tl.constexpr = 1, SLOT_STRIDE: tl.constexpr = 1, SUM_UNIT: tl.constexpr = 1048576.0,
-    PDL_GDC: tl.constexpr = False,
+    PDL_GDC: tl.constexpr = False, TRIGGER_FIRST: tl.constexpr = False,
 ):
     # Program (column block, token): the accumulated down projection, rounded, plus the residual; the accumulator
     # zeroed behind it for the next launch.
     if PDL_GDC:  # launched while the streaming kernel runs: nothing is read before it has finished
+        if TRIGGER_FIRST:  # the next kernel (the next layer's qkv) in now: it reads this one's output after its wait
+            gdc_launch_dependents()
         gdc_wait()
-        gdc_launch_dependents()
+        if not TRIGGER_FIRST:
+            gdc_launch_dependents()
     pid = tl.program_id(0)
     cols = pid * BLOCK_H + tl.arange(0, BLOCK_H)
     row = tl.program_id(1)
@@ -189,7 +181,7 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                      eps: float, norm_folded: bool = True, config: MlpConfig | None = None,
                      accumulator: torch.Tensor | None = None, norm_sums: torch.Tensor | None = None,
                      sums_out: torch.Tensor | None = None, zero_sums: torch.Tensor | None = None,
-                     pdl: bool = False, pdl_peel: bool = True) -> torch.Tensor:
+                     pdl: bool = False, finish_early: bool = False) -> torch.Tensor:
     """fused_mlp_ref in two launches. x, residual: [M, H]; gate_up [2I, H] ([gate; up] rows, the norm weight folded
     in when norm_folded); down [H, I]; all the model dtype. accumulator: contiguous float32 of >= M * H elements,
     all zero (the second launch leaves it zero again, so a static one serves every layer and step); None allocates
@@ -198,9 +190,12 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     The carried norms (fused_decode.NormCarry in its folded form; gemv.norm_sums_buffer layouts): norm_sums (instead
     of norm_folded) holds each token's sum of x^2, added by the o_proj epilogue, and replaces the rms pass over x;
     sums_out: the finishing kernel adds each token's sum(out^2) into it (for the next layer's qkv, whose weights hold
-    its norm's g); zero_sums: a buffer the finishing kernel sets to zero (the norm_sums just read). pdl: both
-    launches with programmatic dependent launch (the streaming kernel loads its first weight slice before waiting
-    for the kernel before it; pdl_peel False: it waits first thing, so only its launch overlaps)."""
+    its norm's g); zero_sums: a buffer the finishing kernel sets to zero (the norm_sums just read). pdl: the
+    streaming kernel launched with programmatic dependent launch (it waits for the kernel before first thing, so its
+    launch and setup overlap that kernel's end); pdl or finish_early: the finishing kernel too. finish_early: the
+    streaming kernel lets the finishing kernel launch as it starts, and the finishing kernel lets the kernel after
+    it in before its own wait, so that one (the next layer's qkv, launched with PDL) is resident and loading its
+    first weight tile when the MLP ends. Every read of another kernel's output stays after a wait."""
     if x.dim() != 2 or gate_up.dim() != 2 or down.dim() != 2:
         raise ValueError(f"fused_mlp: x [M, H], gate_up [2I, H], down [H, I] expected, got "
                          f"{tuple(x.shape)}, {tuple(gate_up.shape)}, {tuple(down.shape)}")
@@ -233,7 +228,8 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         raise ValueError(f"fused_mlp: the accumulator must be contiguous float32 of >= {need} elements, got "
                          f"{accumulator.dtype} {tuple(accumulator.shape)}")
     out = torch.empty_like(residual, memory_format=torch.contiguous_format)
-    gdc = pdl and not interpreting()  # griddepcontrol and the launch attribute: the GPU only
+    on_gpu = not interpreting()  # griddepcontrol and the launch attribute: the GPU only
+    gdc, early = pdl and on_gpu, finish_early and on_gpu
     slots = {"NUM_SLOTS": _gemv.NORM_SLOTS, "SLOT_STRIDE": _gemv.NORM_SLOT_STRIDE, "SUM_UNIT": _gemv.NORM_SUM_UNIT}
     placeholder = accumulator  # any tensor: its pointer is never read
     _mlp_kernel[(triton.cdiv(inter, cfg.bi),)](
@@ -241,7 +237,7 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         num_rows, hidden, inter, hidden, eps, x.stride(0), gate_up.stride(0), down.stride(0),
         BLOCK_M=16, BI=cfg.bi, BK=cfg.bk, BH=cfg.bh, NORM=norm_folded or norm_sums is not None,
         NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda), DOT_PRECISION=_dot_precision(x.dtype),
-        NORM_SUMS=norm_sums is not None, USE_PDL=pdl, PDL_GDC=gdc, PDL_PEEL=pdl_peel, **slots,
+        NORM_SUMS=norm_sums is not None, WAIT_GDC=gdc, TRIGGER_GDC=early, **slots,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if gdc else {}),
     )
     block_h = 256 if x.is_cuda else 32
@@ -249,7 +245,7 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         accumulator, residual, out, sums_out if sums_out is not None else placeholder,
         zero_sums if zero_sums is not None else placeholder, hidden, residual.stride(0), out.stride(0),
         BLOCK_H=block_h, SUMS_OUT=sums_out is not None, ZERO_SUMS=zero_sums is not None,
-        SUMS_ROWS=zero_sums.shape[0] if zero_sums is not None else 16, PDL_GDC=gdc, **slots,
-        num_warps=4, **({"launch_pdl": True} if gdc else {}),
+        SUMS_ROWS=zero_sums.shape[0] if zero_sums is not None else 16, PDL_GDC=gdc or early, TRIGGER_FIRST=early,
+        **slots, num_warps=4, **({"launch_pdl": True} if gdc or early else {}),
     )
     return out

@@ -939,7 +939,9 @@ def gemv_rotary_cache_triton(
     attention after it becomes resident while it streams and reads its older keys then. Sound only because what
     the attention reads before its wait (block tables, context lengths, keys and values of earlier steps) is
     written by no kernel of this step that could still be running: when this kernel starts, its predecessor's
-    predecessor has finished (every other kernel of the chain triggers after its wait), and the attention reads
+    predecessor has finished (every other kernel of the chain triggers after its wait), or, after a fused MLP
+    whose finishing kernel lets this one in early (fused_decode.FINISH_EARLY), the two MLP kernels may still run,
+    and they write only the MLP's accumulator, the residual stream and the carried sums; the attention reads
     this kernel's outputs (q, the newest key and value) only after its own wait, which covers this kernel.
     norm_sums, zero_sums: the carried norm, as in gemv_triton (x = s * g)."""
     check_gemv_args(x, weight, bias, norm_weight, norm_residual, False, None, norm_folded, weight_scale)

@@ -154,13 +154,17 @@ FOLDED_NORM_CARRY = True
 # H200, W1 bf16 8B (session 19 call 1, one machine): 4.069 ms carried against 4.086 without (at 8 sequences, with
 # MLP_PDL on: 4.981 against 5.095); the critical path a layer: qkv 15.8 -> 13.3 us (session 18's profile, no rms pass).
 FOLDED_NORM_CARRY = True
-# The fused MLP (both its launches) with programmatic dependent launch wherever its layer's chain may take PDL (not
-# under decode_pdl False): it loads its first gate / up slice while o_proj drains (MLP_PDL_PEEL; else it only
-# waits first thing), and its finishing kernel is resident when it ends. Off: with the peel W1 bf16 went 4.069 ->
-# 4.147-4.162 ms (session 19 call 1): the MLP kernel itself 84.6 -> 88.3 us a layer, the peeled [128, 128] gate and
-# up slices held in registers (64 KB a program) where the pipeline keeps them in shared memory.
+# The fused MLP's streaming kernel launched with programmatic dependent launch wherever its layer's chain may take PDL
+# (not under decode_pdl False): it waits first thing, so only its launch and setup overlap o_proj's end. Off: W1 bf16
+# 4.112-4.126 against 4.061 ms (session 19 call 2, one machine); loading its first [128, 128] gate / up slices before
+# the wait as well (in registers, where the pipeline keeps them in shared memory) was worse: 4.147-4.162 against
+# 4.069 (call 1; the MLP 84.6 -> 88.3 us a layer), and gave wrong float32 results on the GPU (removed).
 MLP_PDL = False
-MLP_PDL_PEEL = True
+# The fused MLP's finishing kernel launched with PDL and let in as the streaming kernel starts; it lets the next
+# layer's qkv (launched with PDL at one token, QKV_PDL) in before its own wait, so qkv is resident and has its first
+# weight tile when the MLP ends instead of launching after the finishing kernel (qkv started 0.0 us early in session 19
+# call 2's profile). Not under decode_pdl False.
+FINISH_EARLY = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,11 +416,12 @@ def fused_decode_layer(
     stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=o_pdl, **o_carry,
                             **_fp8_args(fd.o_proj, "add", num_tokens))
     mlp_pdl = fd.pdl or (MLP_PDL and not fd.pdl_off)
+    finish_early = FINISH_EARLY and not fd.pdl_off
     if carry is not None and carry.x_post is None:  # folded: the fused MLP on the stream and the carried sums
         return fused_mlp_triton(stream, fd.gate_up.weight, fd.down.weight, stream, eps=fd.post_norm.eps,
                                 norm_folded=False, accumulator=fd.mlp_accumulator, norm_sums=carry.sums_post,
                                 sums_out=carry.sums_next if fd.next_norm is not None else None,
-                                zero_sums=carry.sums_post, pdl=mlp_pdl, pdl_peel=MLP_PDL_PEEL), None
+                                zero_sums=carry.sums_post, pdl=mlp_pdl, finish_early=finish_early), None
     if carry is not None:
         assert carry.x_post is not None and carry.x_next is not None  # the FP8 form carries x too
         act, _ = gemv_triton(carry.x_post[:num_tokens], fd.gate_up.weight, silu_mul=True, norm_sums=carry.sums_post,
@@ -431,7 +436,7 @@ def fused_decode_layer(
     if num_tokens <= fd.mlp_max_m:  # gate_up + SiLU-mul + down + residual: a streaming kernel, a finishing one
         return fused_mlp_triton(x, fd.gate_up.weight, fd.down.weight, stream, eps=fd.post_norm.eps,
                                 norm_folded=fd.folded and prologue, accumulator=fd.mlp_accumulator,
-                                pdl=mlp_pdl, pdl_peel=MLP_PDL_PEEL), None
+                                pdl=mlp_pdl, finish_early=finish_early), None
     act, _ = gemv_triton(x, fd.gate_up.weight, silu_mul=True, norm_folded=fd.folded and prologue,
                          eps=fd.post_norm.eps, pdl=fd.pdl, **_fp8_args(fd.gate_up, "silu", num_tokens),
                          **_unfolded_norm(fd, fd.post_norm, prologue))
