@@ -163,8 +163,10 @@ MLP_PDL = False
 # The fused MLP's finishing kernel launched with PDL and let in as the streaming kernel starts; it lets the next
 # layer's qkv (launched with PDL at one token, QKV_PDL) in before its own wait, so qkv is resident and has its first
 # weight tile when the MLP ends instead of launching after the finishing kernel (qkv started 0.0 us early in session 19
-# call 2's profile). Not under decode_pdl False.
-FINISH_EARLY = True
+# call 2's profile). Not under decode_pdl False. Off: W1 bf16 4.172 / 4.173 against 4.063 / 4.064 ms (session 19 call
+# 3, one machine): qkv's CTAs, resident 80 us early, took 16.9 us on the critical path against 14.7 and the MLP 84.8
+# against 83.4.
+FINISH_EARLY = False
 
 
 @dataclass(frozen=True, slots=True)
