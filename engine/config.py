@@ -57,14 +57,15 @@ class EngineConfig:
     # launch, each kernel's successor let in early (gemv.py's pdl). None: on for layers with FP8 weights, off for the
     # others. On the H200 (8B, W1, BENCHMARKS.md): FP8 2.722 vs 2.810 ms (session 15, two interleaved runs a side);
     # bf16 4.46 vs 4.26 ms (2026-12-01 21:07 UTC: the graph's plain chain has no launch gap left to hide; 4.39 vs 4.19
-    # with session 17's norm kernels), and PDL would cost the bf16 layers their fused MLP (it has no PDL form), which
-    # FP8 layers do not take. True / False: every layer. With None, bf16's attention -> o_proj boundary at one token
+    # with session 17's norm kernels); the fused MLP, which FP8 layers do not take, launched with PDL measured slower
+    # too (4.11-4.13 vs 4.06 ms, session 19). True / False: every layer (True: the fused MLP with PDL as well). With None, bf16's attention -> o_proj boundary at one token
     # still takes PDL (fused_decode.O_PROJ_PDL); False turns that off too.
     decode_pdl: bool | None = None
     # With decode_kernels fused / fused-folded, the fused decode steps (1-16 tokens) run each layer's MLP as one kernel
     # streaming gate_up and down into a float32 accumulator (atomic adds), plus a small finishing kernel
     # (engine/kernels/fused_mlp.py), instead of two GEMVs: W1 -2.2 % at 8B (H200), and 11-53 us less a layer at 2-16
-    # tokens; repeatable up to rounding only. False: the two GEMVs, bit for bit. FP8 weights and PDL keep the GEMVs.
+    # tokens; repeatable up to rounding only. False: the two GEMVs, bit for bit. FP8 weights keep the GEMVs. With
+    # fused-folded it is what carries the norms across layers (fused_decode.FOLDED_NORM_CARRY).
     decode_fused_mlp: bool = True
     # Fused decode steps of up to this many tokens run the RMSNorms in the qkv / MLP prologues (fused-folded, and
     # FP8 under it); larger ones run the norm kernel first (the RMSNorm modules: unit gains where g is folded in).
