@@ -12,7 +12,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 from kernel_harness import GPU, INTERPRET, NO_CUDA, TOLERANCE, cases, run_under_interpreter  # noqa: E402
-from stoker.engine.kernels.fused_mlp import fused_mlp_ref, fused_mlp_triton  # noqa: E402
+from stoker.engine.kernels.fused_mlp import fused_mlp_ref, fused_mlp_triton, mlp_finish_counter  # noqa: E402
 from stoker.engine.kernels.gemv import (  # noqa: E402
     GEMV_MAX_M,
     NORM_SUM_UNIT,
@@ -79,20 +79,29 @@ def test_fused_mlp_norm_is_per_row_and_rows_are_independent(device: str, dtype: 
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
-def test_fused_mlp_leaves_its_accumulator_zero(device: str, dtype: torch.dtype) -> None:
-    """Every program adds into one [M, H] float32 accumulator that the second kernel reads and zeroes: a layer after
-    a layer (or a step after a step) finds it zero again, so one static buffer serves them all; a short or
-    non-float32 one is refused."""
+@pytest.mark.parametrize("one_launch", [False, True], ids=["two-launches", "finish-in"])
+def test_fused_mlp_leaves_its_accumulator_zero(device: str, dtype: torch.dtype, one_launch: bool) -> None:
+    """Every program adds into one [M, H] float32 accumulator that the second kernel (or, with a counter, the last
+    program of the first) reads and zeroes: a layer after a layer (or a step after a step) finds it zero again, so
+    one static buffer serves them all; a short or non-float32 one is refused. The one-launch form equals the two
+    launches and leaves its counter zero; a stale counter shows: no program sees itself last, nothing is finished."""
     x, gate_up, down, residual, _ = _inputs(3, device, dtype)
     acc = torch.zeros(3 * HIDDEN + 5, device=device)
-    first = fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, accumulator=acc)
+    counter = {"counter": mlp_finish_counter(device)} if one_launch else {}
+    first = fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, accumulator=acc, **counter)
     assert torch.count_nonzero(acc) == 0
     second = fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, accumulator=acc)
     tol = TOLERANCE[dtype]  # the adds' order may differ from run to run: equal within rounding, not bitwise
     torch.testing.assert_close(second.float(), first.float(), atol=tol, rtol=tol)
     acc[HIDDEN + 7] = 1.0  # a stale accumulator shows in the output: the launch really reads this buffer
-    stale = fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, accumulator=acc)
+    stale = fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, accumulator=acc, **counter)
     assert (stale[1, 7].float() - first[1, 7].float()).abs() > 0.5
+    if one_launch:
+        assert counter["counter"].item() == 0
+        acc.zero_()
+        counter["counter"].fill_(5)  # off by five: the grid's last arrival sees another count
+        fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, accumulator=acc, **counter)
+        assert torch.count_nonzero(acc) > 0 and counter["counter"].item() != 0
     with pytest.raises(ValueError, match="the accumulator must be contiguous float32"):
         fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, accumulator=acc[:10])
     with pytest.raises(ValueError, match="the accumulator must be contiguous float32"):
@@ -108,15 +117,16 @@ def _sums_of(s: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("num_rows", [1, 3])
-@pytest.mark.parametrize("launch", ["plain", "pdl", "early"])
+@pytest.mark.parametrize("launch", ["plain", "pdl", "early", "finish-in"])
 def test_fused_mlp_carried_sums(device: str, dtype: torch.dtype, num_rows: int, launch: str) -> None:
     """The carried norms in their folded form (fused_decode.FOLDED_NORM_CARRY): the streaming kernel takes each
     token's sum of squares from the slots (norm_sums) instead of its rms pass over x, and equals the folded-prologue
     launch; the finishing kernel adds each token's sum(out^2) into sums_out (fixed point: within a unit a program of
     the float64 sum) and zeroes zero_sums (here the slots just read, every row of them); launched plain, with PDL or
-    with the finishing kernel early (griddepcontrol on the GPU only). Poisoned slots show in the output: the kernel
-    really reads them."""
-    pdl = {"pdl": launch == "pdl", "finish_early": launch == "early"}
+    with the finishing kernel early (griddepcontrol on the GPU only), or as one launch whose last program finishes
+    (counter=, left zero). Poisoned slots show in the output: the kernel really reads them."""
+    counter = mlp_finish_counter(device) if launch == "finish-in" else None
+    pdl = {"pdl": launch == "pdl", "finish_early": launch == "early", "counter": counter}
     x, gate_up, down, residual, g = _inputs(num_rows, device, dtype)
     folded = fold_norm_weight(gate_up, g)
     sums = _sums_of(x)
@@ -140,6 +150,8 @@ def test_fused_mlp_carried_sums(device: str, dtype: torch.dtype, num_rows: int, 
     wrong = fused_mlp_triton(x, folded, down, residual, eps=1e-5, norm_folded=False, norm_sums=poisoned, **pdl)
     assert (wrong.float() - out.float()).abs().max() > 10 * tol
     assert poisoned.any(), "no zero_sums given: the slots must stay as they were"
+    if counter is not None:
+        assert counter.item() == 0, "the last program did not put the counter back"
 
 
 def test_fused_mlp_refuses_bad_carried_sums() -> None:
