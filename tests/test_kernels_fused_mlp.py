@@ -180,7 +180,8 @@ def test_fused_mlp_rejects_bad_arguments() -> None:
 
 @GPU
 @NO_CUDA
-@pytest.mark.parametrize("form", ["plain", "pdl", "carried-pdl", "carried-early", "carried-pdl-early"])
+@pytest.mark.parametrize("form", ["plain", "pdl", "carried-pdl", "carried-early", "carried-pdl-early",
+                                  "carried-one-launch"])
 @pytest.mark.parametrize("inter", [14336, 8192], ids=["8b", "1b"])
 def test_fused_mlp_bf16_engine_shapes_in_a_cuda_graph(inter: int, form: str) -> None:
     """The engine's launches at the 8B and 1B MLP shapes (bi 128 and 64), replayed from a CUDA graph with a static
@@ -188,7 +189,8 @@ def test_fused_mlp_bf16_engine_shapes_in_a_cuda_graph(inter: int, form: str) -> 
     launches with programmatic dependent launch after an o_proj-like GEMV launched with it (the chain the engine
     runs); carried-pdl: that GEMV's epilogue adds the sums the MLP reads (sums only: g folded into gate_up), and the
     finishing kernel adds the next norm's sums and zeroes the ones read; early: the finishing kernel launched as the
-    MLP starts (fused_decode.FINISH_EARLY), followed by another GEMV launched with PDL that reads its output."""
+    MLP starts (fused_decode.FINISH_EARLY), followed by another GEMV launched with PDL that reads its output;
+    one-launch: the MLP's last program finishes it (MLP_FINISH_IN), its counter left zero by every replay."""
     from stoker.engine.kernels.gemv import NormCarryOut, gemv_triton
 
     torch.manual_seed(0)
@@ -200,12 +202,14 @@ def test_fused_mlp_bf16_engine_shapes_in_a_cuda_graph(inter: int, form: str) -> 
     pdl, carried, early = form in ("pdl", "carried-pdl", "carried-pdl-early"), form.startswith("carried"), \
         form.endswith("early")
     sums, sums_next = norm_sums_buffer(GEMV_MAX_M, "cuda"), norm_sums_buffer(GEMV_MAX_M, "cuda")
+    counter = mlp_finish_counter("cuda") if form.endswith("one-launch") else None
 
     def step() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         carry = {"carry": NormCarryOut(None, None, sums)} if carried else {}
         s, _ = gemv_triton(h, w_o, add=residual, pdl=pdl, **carry)
         mlp = {"norm_folded": False, "norm_sums": sums, "sums_out": sums_next, "zero_sums": sums} if carried else {}
-        out = fused_mlp_triton(s, gate_up, down, s, eps=1e-5, accumulator=acc, pdl=pdl, finish_early=early, **mlp)
+        out = fused_mlp_triton(s, gate_up, down, s, eps=1e-5, accumulator=acc, pdl=pdl, finish_early=early,
+                               counter=counter, **mlp)
         return s, out, gemv_triton(out, w_o, pdl=True)[0]  # a successor under PDL (the next qkv's place)
 
     step()
@@ -221,7 +225,7 @@ def test_fused_mlp_bf16_engine_shapes_in_a_cuda_graph(inter: int, form: str) -> 
     torch.testing.assert_close(out.float(), two.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(after, gemv_triton(out, w_o)[0], rtol=0, atol=0)  # it read the finished output
     assert torch.count_nonzero(acc) == 0
-    assert not sums.any()
+    assert not sums.any() and (counter is None or counter.item() == 0)
     if carried:
         torch.testing.assert_close(sums_next[0, 0].double() / NORM_SUM_UNIT, (out.double() ** 2).sum(),
                                    rtol=1e-6, atol=1e-4)
