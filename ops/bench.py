@@ -740,7 +740,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         w1_bytes = weight_bytes + args.w1_batch * avg_ctx * kv_per_token
         r["w1"], r["w1_gpu"] = measure_w1(eng, args, vocab, w1_bytes / bw * 1e3)
-        r["w1_by_decode"] = {decodes[0]: w1_summary(r["w1"], r["warm_startup"])}
+        r["w1_by_decode"] = {decodes[0]: [w1_summary(r["w1"], r["warm_startup"])]}
         log(f"W1 {r['w1']}")
     if args.skip_w2:
         if args.profile:  # the W1 kernel table alone (W2's tables need W2)
@@ -862,8 +862,8 @@ def finish(eng, r: dict[str, Any], args: argparse.Namespace, path: str, decodes:
                               tensor_parallel_size=args.tensor_parallel, kv_cache_dtype=args.kv_cache_dtype,
                               decode=decode, max_num_batched_tokens=args.max_num_batched_tokens)
         w1, _ = measure_w1(eng, args, eng.model_config.vocab_size, r["w1"]["floor_ms"])
-        r["w1_by_decode"][decode] = w1_summary(w1, eng.runner.startup)
-        log(f"W1 {decode}: {r['w1_by_decode'][decode]}")
+        r["w1_by_decode"].setdefault(decode, []).append(w1_summary(w1, eng.runner.startup))
+        log(f"W1 {decode}: {r['w1_by_decode'][decode][-1]}")
         close_engine(eng)
     vocab = r["vocab"]
     if not args.skip_hf:
@@ -883,13 +883,16 @@ def finish(eng, r: dict[str, Any], args: argparse.Namespace, path: str, decodes:
 
 
 def w1_decode_rows(r: dict[str, Any]) -> list[tuple[str, ...]]:
-    """One row per --decode-kernels setting (the A/B), when more than one ran."""
-    by = r.get("w1_by_decode", {})
-    if len(by) < 2:
+    """One row per --decode-kernels setting (the A/B), when more than one engine ran: an item given several times
+    (interleaved repeats) lists every run's figure in run order."""
+    by: dict[str, list[dict[str, Any]]] = r.get("w1_by_decode", {})
+    if sum(len(runs) for runs in by.values()) < 2:
         return []
-    return [(f"W1 TPOT, decode {name}", f"{v['tpot_ms']:.3f} ms", f"{r['w1']['floor_ms']:.2f} ms", "",
-             f"{v['x_floor']:.3f}x floor; fused layers {(v['decode'] or {}).get('fused_layers')}")
-            for name, v in by.items()]
+    return [(f"W1 TPOT, decode {name}", ", ".join(f"{v['tpot_ms']:.3f}" for v in runs) + " ms",
+             f"{r['w1']['floor_ms']:.2f} ms", "",
+             ", ".join(f"{v['x_floor']:.3f}" for v in runs)
+             + f"x floor; fused layers {(runs[0]['decode'] or {}).get('fused_layers')}")
+            for name, runs in by.items()]
 
 
 def w2_rows(r: dict[str, Any], args: argparse.Namespace) -> list[tuple[str, ...]]:
