@@ -58,8 +58,9 @@ class EngineConfig:
     # others. On the H200 (8B, W1, BENCHMARKS.md): FP8 2.722 vs 2.810 ms (session 15, two interleaved runs a side);
     # bf16 4.46 vs 4.26 ms (2026-12-01 21:07 UTC: the graph's plain chain has no launch gap left to hide; 4.39 vs 4.19
     # with session 17's norm kernels); the fused MLP, which FP8 layers do not take, launched with PDL measured slower
-    # too (4.11-4.13 vs 4.06 ms, session 19). True / False: every layer (True: the fused MLP with PDL as well). With None, bf16's attention -> o_proj boundary at one token
-    # still takes PDL (fused_decode.O_PROJ_PDL); False turns that off too.
+    # too (4.11-4.13 vs 4.06 ms, session 19). True / False: every layer (True: the fused MLP with PDL as well). With
+    # None, bf16's attention -> o_proj boundary at one token still takes PDL (fused_decode.O_PROJ_PDL); False turns
+    # that off too.
     decode_pdl: bool | None = None
     # With decode_kernels fused / fused-folded, the fused decode steps (1-16 tokens) run each layer's MLP as one kernel
     # streaming gate_up and down into a float32 accumulator (atomic adds), plus a small finishing kernel

@@ -196,6 +196,14 @@ def carried_norm(s: torch.Tensor, g: torch.Tensor, rows: int = GEMV_MAX_M) -> tu
 
 
 # -------------------------------------------------------------------------------- the carried norm
+def producer_inputs(num_rows: int, device: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """A carrying producer's operands: x [M, K], o_proj-like W [N, K], the residual [M, N] and the next norm's g."""
+    x = rand(num_rows, K, device=device, dtype=dtype)
+    w_o = rand(N, K, device=device, dtype=dtype, scale=K**-0.5)
+    add = rand(num_rows, N, device=device, dtype=dtype, scale=2.0)
+    return x, w_o, add, rand(N, device=device, dtype=dtype) + 1
+
+
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("num_rows,path", M_PATHS)
 @pytest.mark.parametrize("slots, stride, at_end", [(1, 1, False), (4, 16, True)],
@@ -215,10 +223,7 @@ def test_gemv_carried_norm(device: str, dtype: torch.dtype, num_rows: int, path:
     monkeypatch.setattr(gemv, "NORM_SLOT_STRIDE", stride)
     torch.manual_seed(5)
     cfg = config(path, num_rows)
-    x = rand(num_rows, K, device=device, dtype=dtype)
-    w_o = rand(N, K, device=device, dtype=dtype, scale=K**-0.5)
-    add = rand(num_rows, N, device=device, dtype=dtype, scale=2.0)
-    g = rand(N, device=device, dtype=dtype) + 1
+    x, w_o, add, g = producer_inputs(num_rows, device, dtype)
     carried_x = torch.full((num_rows, N), float("nan"), device=device, dtype=dtype)
     sums = gemv.norm_sums_buffer(GEMV_MAX_M, device)
     stale = gemv.norm_sums_buffer(GEMV_MAX_M, device) + 7
@@ -251,10 +256,7 @@ def test_gemv_carried_sums_only(device: str, dtype: torch.dtype, num_rows: int, 
 
     torch.manual_seed(6)
     cfg = config(path, num_rows)
-    x = rand(num_rows, K, device=device, dtype=dtype)
-    w_o = rand(N, K, device=device, dtype=dtype, scale=K**-0.5)
-    add = rand(num_rows, N, device=device, dtype=dtype, scale=2.0)
-    g = rand(N, device=device, dtype=dtype) + 1
+    x, w_o, add, g = producer_inputs(num_rows, device, dtype)
     sums = gemv.norm_sums_buffer(GEMV_MAX_M, device)
     out, _ = gemv_triton(x, w_o, add=add, config=cfg, carry=NormCarryOut(None, None, sums))
     plain, _ = gemv_triton(x, w_o, add=add, config=cfg)

@@ -31,7 +31,11 @@ from stoker.engine.kernels.gemv import (
     _check_norm_sums,
     _check_zero_sums,
     _dot_precision,
+    _fixed_point,
+    _load_slots,
     _row_sumsq,
+    _slots_sumsq,
+    _zero_slots,
     gdc_launch_dependents,
     gdc_wait,
     gemv_ref,
@@ -78,17 +82,9 @@ def _mlp_kernel(
     acc_u = tl.zeros([BLOCK_M, BI], dtype=tl.float32)
     # griddepcontrol (the GPU only): TRIGGER_GDC lets the finishing kernel launch now (it waits for this kernel's end
     # before reading anything); WAIT_GDC: launched with PDL, so wait for the kernel before (x, the carried sums) first.
-    if TRIGGER_GDC:
-        gdc_launch_dependents()
-    if WAIT_GDC:
-        gdc_wait()
-        if not TRIGGER_GDC:
-            gdc_launch_dependents()
+    _enter(WAIT_GDC, TRIGGER_GDC)
     if NORM_SUMS:  # the carried norm: each token's sum of squares added by the o_proj epilogue (gemv's NormCarryOut)
-        slots = tl.arange(0, NUM_SLOTS) * SLOT_STRIDE
-        sums = tl.load(sums_ptr + m[:, None] * (NUM_SLOTS * SLOT_STRIDE) + slots[None, :], mask=m_mask[:, None],
-                       other=0)
-        sumsq = tl.sum(sums, axis=1).to(tl.float32) * (1.0 / SUM_UNIT)
+        sumsq = _slots_sumsq(_load_slots(sums_ptr, m, m_mask, NUM_SLOTS, SLOT_STRIDE), SUM_UNIT)
     elif NORM:
         sumsq = _row_sumsq(x_ptr, x_stride, M, K, BLOCK_M, NORM_CHUNK)
     for k0 in range(0, K, BK):
@@ -146,12 +142,9 @@ def _mlp_finish_kernel(
 ):
     # Program (column block, token): the accumulated down projection, rounded, plus the residual; the accumulator
     # zeroed behind it for the next launch.
-    if PDL_GDC:  # launched while the streaming kernel runs: nothing is read before it has finished
-        if TRIGGER_FIRST:  # the next kernel (the next layer's qkv) in now: it reads this one's output after its wait
-            gdc_launch_dependents()
-        gdc_wait()
-        if not TRIGGER_FIRST:
-            gdc_launch_dependents()
+    # PDL_GDC: launched while the streaming kernel runs, so nothing is read before it has finished; TRIGGER_FIRST: the
+    # next kernel (the next layer's qkv) let in now, which reads this one's output after its own wait.
+    _enter(PDL_GDC, TRIGGER_FIRST)
     pid = tl.program_id(0)
     cols = pid * BLOCK_H + tl.arange(0, BLOCK_H)
     row = tl.program_id(1)
@@ -164,10 +157,23 @@ def _mlp_finish_kernel(
 
 
 @triton.jit
+def _enter(WAIT: tl.constexpr, TRIGGER_FIRST: tl.constexpr):
+    """A kernel's griddepcontrol at its start (the GPU only; neither flag: nothing): TRIGGER_FIRST lets the kernel
+    after it launch before anything else; WAIT waits for the kernel before it (launched with PDL), then, unless
+    triggered already, lets the next one launch."""
+    if TRIGGER_FIRST:
+        gdc_launch_dependents()
+    if WAIT:
+        gdc_wait()
+        if not TRIGGER_FIRST:
+            gdc_launch_dependents()
+
+
+@triton.jit
 def _finish_cols(acc_ptr, res_ptr, out_ptr, row, cols, H, res_stride, out_stride, SUM_UNIT: tl.constexpr):
     """Columns `cols` of token `row`: the accumulated down projection rounded, plus the residual, stored; the
-    accumulator zeroed behind it for the next launch. -> sum(s^2) of the stored columns in fixed point (int64,
-    SUM_UNIT units, as gemv's CARRY)."""
+    accumulator zeroed behind it for the next launch. -> sum(s^2) of the stored columns in fixed point (gemv's
+    _fixed_point, as its CARRY)."""
     col_mask = cols < H
     acc = tl.load(acc_ptr + row * H + cols, mask=col_mask, other=0.0)
     tl.store(acc_ptr + row * H + cols, tl.zeros_like(acc), mask=col_mask)
@@ -177,14 +183,7 @@ def _finish_cols(acc_ptr, res_ptr, out_ptr, row, cols, H, res_stride, out_stride
     s = (y + r).to(dtype)
     tl.store(out_ptr + row * out_stride + cols, s, mask=col_mask)
     s32 = tl.where(col_mask, s.to(tl.float32), 0.0)
-    return (tl.sum(s32 * s32, axis=0) * SUM_UNIT + 0.5).to(tl.int64)
-
-
-@triton.jit
-def _zero_slots(sums_ptr, enabled, SUMS_ROWS: tl.constexpr, NUM_SLOTS: tl.constexpr, SLOT_STRIDE: tl.constexpr):
-    slot_ids = tl.arange(0, SUMS_ROWS * NUM_SLOTS)
-    tl.store(sums_ptr + slot_ids * SLOT_STRIDE, tl.zeros([SUMS_ROWS * NUM_SLOTS], tl.int64),
-             mask=(slot_ids >= 0) & enabled)
+    return _fixed_point(tl.sum(s32 * s32, axis=0), SUM_UNIT)
 
 
 @dataclass(frozen=True, slots=True)

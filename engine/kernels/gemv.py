@@ -302,6 +302,34 @@ def _row_sumsq(x_ptr, x_stride, M, K, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr
 
 
 @triton.jit
+def _load_slots(sums_ptr, m, m_mask, NUM_SLOTS: tl.constexpr, SLOT_STRIDE: tl.constexpr):
+    """A carried norm's int64 slots [BLOCK_M, NUM_SLOTS] of tokens m (norm_sums_buffer's layout; 0 past M)."""
+    slots = tl.arange(0, NUM_SLOTS) * SLOT_STRIDE
+    return tl.load(sums_ptr + m[:, None] * (NUM_SLOTS * SLOT_STRIDE) + slots[None, :], mask=m_mask[:, None], other=0)
+
+
+@triton.jit
+def _slots_sumsq(sums, SUM_UNIT: tl.constexpr):
+    """_load_slots' slots -> each token's float32 sum of squares."""
+    return tl.sum(sums, axis=1).to(tl.float32) * (1.0 / SUM_UNIT)
+
+
+@triton.jit
+def _fixed_point(total, SUM_UNIT: tl.constexpr):
+    """A float32 share of a sum of squares -> int64 units of 1 / SUM_UNIT: integer adds give the same total in any
+    order (float atomics would not: the step's result would change from run to run)."""
+    return (total * SUM_UNIT + 0.5).to(tl.int64)
+
+
+@triton.jit
+def _zero_slots(sums_ptr, enabled, SUMS_ROWS: tl.constexpr, NUM_SLOTS: tl.constexpr, SLOT_STRIDE: tl.constexpr):
+    """Every slot of SUMS_ROWS tokens set to zero, where `enabled` (one program of the grid)."""
+    slot_ids = tl.arange(0, SUMS_ROWS * NUM_SLOTS)
+    tl.store(sums_ptr + slot_ids * SLOT_STRIDE, tl.zeros([SUMS_ROWS * NUM_SLOTS], tl.int64),
+             mask=(slot_ids >= 0) & enabled)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, bias_ptr, norm_ptr, hres_ptr, res_out_ptr, add_ptr,
     positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_norm_ptr, k_norm_ptr, w_scale_ptr,
@@ -383,11 +411,9 @@ def _gemv_kernel(
         # The carried norm (NormCarry): x is s * g, written by the producer's epilogue, which also added sum(s^2) into
         # NUM_SLOTS int64 slots per token (fixed point, SUM_UNIT a unit); one load of them instead of the rms pass.
         # SUMS_AT_END: loaded here, summed in the epilogue, so the load's L2 round trip overlaps the weight loop.
-        slots = tl.arange(0, NUM_SLOTS) * SLOT_STRIDE
-        sums = tl.load(sums_in_ptr + m[:, None] * (NUM_SLOTS * SLOT_STRIDE) + slots[None, :], mask=m_mask[:, None],
-                       other=0)
+        sums = _load_slots(sums_in_ptr, m, m_mask, NUM_SLOTS, SLOT_STRIDE)
         if not SUMS_AT_END:
-            sumsq = tl.sum(sums, axis=1).to(tl.float32) * (1.0 / SUM_UNIT)
+            sumsq = _slots_sumsq(sums, SUM_UNIT)
     elif NORM and not PRO_RESIDUAL:
         # The rms of each x row in a pass of its own (x is M*K elements, read from L2 by every program),
         # so that the weight loop below stays a plain pipelined GEMV: normalising x inside the loop took
@@ -438,7 +464,7 @@ def _gemv_kernel(
         if PAIRED:
             acc_b = acc_b * (tl.load(w_scale_ptr + rows_b, mask=col_mask, other=0.0) * unbias)[None, :]
     if NORM_SUMS and SUMS_AT_END:
-        sumsq = tl.sum(sums, axis=1).to(tl.float32) * (1.0 / SUM_UNIT)
+        sumsq = _slots_sumsq(sums, SUM_UNIT)
     if NORM:
         inv_rms = tl.rsqrt(sumsq / K + eps)[:, None]
         acc_a = acc_a * inv_rms
@@ -464,17 +490,13 @@ def _gemv_kernel(
                 g = tl.load(carry_g_ptr + rows_a, mask=col_mask, other=0.0).to(tl.float32)
                 tl.store(carry_out_ptr + m[:, None] * carry_out_stride + rows_a[None, :],
                          (s_out * g[None, :]).to(dtype), mask=out_mask)
-            # In fixed point: integer adds give the same total in any order (float atomics would not: the step's
-            # result would change from run to run).
-            share = (tl.sum(s_out * s_out, axis=1) * SUM_UNIT + 0.5).to(tl.int64)
+            share = _fixed_point(tl.sum(s_out * s_out, axis=1), SUM_UNIT)
             slot = sums_out_ptr + m * (NUM_SLOTS * SLOT_STRIDE) + (pid % NUM_SLOTS) * SLOT_STRIDE
             tl.atomic_add(slot, share, mask=m_mask, sem="relaxed")
     if ZERO_SUMS:
         # Put back to zero the slots an earlier kernel of the chain read (fused_decode.NormCarry says why they are
         # free by now), after the wait as every store here; program 0 only, SUMS_ROWS tokens' worth.
-        slot_ids = tl.arange(0, SUMS_ROWS * NUM_SLOTS)
-        tl.store(sums_zero_ptr + slot_ids * SLOT_STRIDE, tl.zeros([SUMS_ROWS * NUM_SLOTS], tl.int64),
-                 mask=(slot_ids >= 0) & (pid == 0))
+        _zero_slots(sums_zero_ptr, pid == 0, SUMS_ROWS, NUM_SLOTS, SLOT_STRIDE)
     if ROTARY:
         b = acc_b.to(dtype).to(tl.float32)
         is_q = head < NUM_Q_HEADS
