@@ -4,6 +4,8 @@
     PYTHONPATH=. python3 ops/bench_decode_attention_fp8.py            # the H200: ~60 s, compiles included
     TRITON_INTERPRET=1 PYTHONPATH=. python ops/bench_decode_attention_fp8.py --tiny   # CPU dry run (seconds)
     PYTHONPATH=. python ops/bench_decode_attention_fp8.py --ptx     # no GPU: the variants' sm_90 PTX counts
+    PYTHONPATH=. python3 ops/bench_decode_attention_fp8.py --w2 --prefill --ahead  # W2's shapes, block numbers
+                                                                                    # in the loop and a tile ahead
 
 Llama-3-8B's attention shape (Hq 32, Hkv 8, D 128, block_size 16, shuffled blocks). Decode at batch 1,024 / 256
 / 1 and context 640 / 4,096; the prefill kernel at W2's 8,192-token step (16 prompts of 512). Each row is timed
@@ -49,8 +51,13 @@ DECODE_VARIANTS = [Fp8AttentionConfig("cast", 64, 4, 3), Fp8AttentionConfig("f16
 V = Fp8AttentionConfig
 W2_VARIANTS: list[tuple[Fp8AttentionConfig, int | None]] = [  # the likeliest first: a cut run keeps them
     (V("f16-vwords", 128), None), (V("f16-vwords", 64, 4, 3), None), (V("f16-vwords", 128, 4, 2), None),
-    (V("f16-vwords", 128), 2), (V("f16-vwords", 128, 4, 4), None), (V("f16-vwords", 32, 2, 4), None),
+    (V("f16-vwords", 64, 4, 4), None), (V("f16-vwords", 64, 4, 2), None), (V("f16-vwords", 128, 8, 3), None),
+    (V("f16-vwords", 32, 2, 4), None), (V("f16", 64, 4, 3), None),
 ]
+# --ahead: every variant with the block numbers in its loop and a tile ahead (attention.DECODE_TABLE_AHEAD); the
+# default runs each with the launchers' default only.
+AHEADS: tuple[bool | None, ...] = (None,)
+AHEAD_LABEL = {None: "", False: " in-loop", True: " ahead"}
 PREFILL_VARIANTS = [Fp8AttentionConfig("cast", 64, 4, 3), Fp8AttentionConfig("f16", 64, 4, 3),
                     Fp8AttentionConfig("bits", 64, 4, 3), Fp8AttentionConfig("f16", 32, 4, 3)]
 
@@ -111,15 +118,18 @@ def bench_decode(rows: list[dict], batch: int, ctx: int, device: str, dtype: tor
     q = torch.randn(batch, HQ, HEAD_DIM, device=device, dtype=dtype)
     scale, shape = HEAD_DIM**-0.5, f"B={batch} ctx={ctx}"
     elems = 2 * batch * ctx * HKV * HEAD_DIM
-    record(rows, "decode", shape, "bf16 cache", time_us(
-        lambda: paged_decode_attention_triton(q, k, v, tables, lens, scale), elems * 2), elems * 2, 0.0)
+    for ahead in AHEADS:
+        record(rows, "decode", shape, "bf16 cache" + AHEAD_LABEL[ahead], time_us(
+            lambda ahead=ahead: paged_decode_attention_triton(q, k, v, tables, lens, scale, table_ahead=ahead),
+            elems * 2), elems * 2, 0.0)
     ks, vs = K_SCALE.to(device), V_SCALE.to(device)
     baseline = None
-    for config, splits in variants or [(c, None) for c in DECODE_VARIANTS]:
-        def call(config: Fp8AttentionConfig = config, splits: int | None = splits) -> torch.Tensor:
+    for (config, splits), ahead in [(v, a) for v in variants or [(c, None) for c in DECODE_VARIANTS] for a in AHEADS]:
+        def call(config: Fp8AttentionConfig = config, splits: int | None = splits, ahead: bool = ahead
+                 ) -> torch.Tensor:
             return paged_decode_attention_triton(q, k8, v8, tables, lens, scale, splits, k_scale=ks, v_scale=vs,
-                                                 fp8_config=config)
-        label = "fp8 " + config.label() + ("" if splits is None else f" splits {splits}")
+                                                 fp8_config=config, table_ahead=ahead)
+        label = "fp8 " + config.label() + ("" if splits is None else f" splits {splits}") + AHEAD_LABEL[ahead]
         try:
             out = call().float()
         except Exception as exc:  # a variant that fails to compile must not cost the others their rows
@@ -137,16 +147,19 @@ def bench_prefill(rows: list[dict], num_seqs: int, prompt: int, device: str, dty
     q = torch.randn(num_seqs * prompt, HQ, HEAD_DIM, device=device, dtype=dtype)
     scale, shape = HEAD_DIM**-0.5, f"T={num_seqs * prompt} ({num_seqs}x{prompt})"
     elems = 2 * num_seqs * prompt * HKV * HEAD_DIM
-    record(rows, "prefill", shape, "bf16 cache", time_us(
-        lambda: paged_attention_triton(q, k, v, tables, qsl, lens, scale), elems * 2), elems * 2, 0.0)
+    for ahead in AHEADS:
+        record(rows, "prefill", shape, "bf16 cache" + AHEAD_LABEL[ahead], time_us(
+            lambda ahead=ahead: paged_attention_triton(q, k, v, tables, qsl, lens, scale, table_ahead=ahead),
+            elems * 2), elems * 2, 0.0)
     ks, vs = K_SCALE.to(device), V_SCALE.to(device)
     baseline = None
-    for config in PREFILL_VARIANTS:
-        def call(config: Fp8AttentionConfig = config) -> torch.Tensor:
-            return paged_attention_triton(q, k8, v8, tables, qsl, lens, scale, ks, vs, fp8_config=config)
+    for config, ahead in [(c, a) for c in PREFILL_VARIANTS for a in AHEADS]:
+        def call(config: Fp8AttentionConfig = config, ahead: bool = ahead) -> torch.Tensor:
+            return paged_attention_triton(q, k8, v8, tables, qsl, lens, scale, ks, vs, fp8_config=config,
+                                          table_ahead=ahead)
         out = call().float()
         baseline = out if baseline is None else baseline
-        record(rows, "prefill", shape, "fp8 " + config.label(), time_us(call, elems), elems,
+        record(rows, "prefill", shape, "fp8 " + config.label() + AHEAD_LABEL[ahead], time_us(call, elems), elems,
                (out - baseline).abs().max().item())
 
 
@@ -197,6 +210,9 @@ def main() -> None:
     parser.add_argument("--ptx", action="store_true", help="no GPU: the variants' sm_90 PTX counts, then exit")
     parser.add_argument("--w2", action="store_true", help="W2's decode shape only (B=1,024 ctx 640, then B=1,024 "
                         "ctx 768), W2_VARIANTS")
+    parser.add_argument("--ahead", action="store_true", help="each variant with the block numbers loaded in its "
+                        "loop and a tile ahead (attention.DECODE_TABLE_AHEAD / PREFILL_TABLE_AHEAD)")
+    parser.add_argument("--prefill", action="store_true", help="with --w2: W2's prefill step (16 x 512) too")
     parser.add_argument("--budget-s", type=float, default=1e9, help="start no new shape after this many seconds")
     opts = parser.parse_args()
     if opts.ptx:
@@ -219,6 +235,12 @@ def main() -> None:
         w2_shapes = [(2, 20), (3, 7)] if opts.tiny else [(1024, 640), (1024, 768)]
         jobs = [partial(bench_decode, batch=b, ctx=c, device=device, dtype=dtype, variants=W2_VARIANTS)
                 for b, c in w2_shapes]
+        if opts.prefill:
+            jobs.insert(1, partial(bench_prefill, num_seqs=prefill_shape[0], prompt=prefill_shape[1], device=device,
+                                   dtype=dtype))
+    if opts.ahead:
+        global AHEADS
+        AHEADS = (False, True)
     print(f"{torch.cuda.get_device_name() if cuda else 'cpu (interpreter)'}  torch {torch.__version__}  "
           f"Hq {HQ} Hkv {HKV} D {HEAD_DIM} block {BLOCK}")
     print("| kernel | shape | cache / variant | us | GB/s | err vs fp8 cast |\n|---|---|---|---|---|---|")

@@ -25,7 +25,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from bench_decode_attention_fp8 import HEAD_DIM, HQ, paged_caches, time_us  # noqa: E402
 from stoker.engine.kernels.attention import PREFILL_TILES, PrefillTiles, paged_attention_triton  # noqa: E402
 
-SWEEP = [PREFILL_TILES, PrefillTiles(64, 64, 4, 2), PrefillTiles(64, 128, 8, 2), PrefillTiles(64, 32, 4, 3),
+SWEEP = [PREFILL_TILES, PrefillTiles(64, 64, 4, 2), PrefillTiles(64, 128, 8, 2), PrefillTiles(64, 64, 4, 3),
          PrefillTiles(128, 64, 8, 3), PrefillTiles(128, 64, 8, 2), PrefillTiles(128, 128, 8, 2),
          PrefillTiles(128, 32, 4, 3), PrefillTiles(128, 64, 4, 3)]
 
@@ -33,6 +33,8 @@ SWEEP = [PREFILL_TILES, PrefillTiles(64, 64, 4, 2), PrefillTiles(64, 128, 8, 2),
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="2 prompts of 24 (the CPU dry run under the interpreter)")
+    parser.add_argument("--ahead", action="store_true", help="each tile choice with the block numbers loaded in the "
+                        "loop and a tile ahead (attention.PREFILL_TABLE_AHEAD)")
     parser.add_argument("--json", default=None, help="where to write the rows (default $OUT/bench_prefill_attention.json)")
     opts = parser.parse_args()
     cuda = torch.cuda.is_available()
@@ -49,20 +51,22 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name() if cuda else 'cpu (interpreter)'}  T={num_seqs * prompt} "
           f"({num_seqs}x{prompt}) Hq {HQ} D {HEAD_DIM}\n| tiles | us a layer | TFLOP/s | err |\n|---|---|---|---|")
     rows, baseline = [], None
-    for tiles in SWEEP:
-        def call(tiles: PrefillTiles = tiles) -> torch.Tensor:
-            return paged_attention_triton(q, k, v, tables, qsl, lens, HEAD_DIM**-0.5, tiles=tiles)
+    aheads = (False, True) if opts.ahead else (None,)
+    for tiles, ahead in [(t, a) for t in SWEEP for a in aheads]:
+        label = tiles.label + {None: "", False: " in-loop", True: " ahead"}[ahead]
+        def call(tiles: PrefillTiles = tiles, ahead: bool | None = ahead) -> torch.Tensor:
+            return paged_attention_triton(q, k, v, tables, qsl, lens, HEAD_DIM**-0.5, tiles=tiles, table_ahead=ahead)
         try:
             out = call().float()
             us = time_us(call, 2 * k.numel() * k.element_size())
         except Exception as e:  # a config the compiler refuses (shared memory): a row saying so
-            print(f"| {tiles.label} | failed: {type(e).__name__}: {str(e)[:120]} | | |", flush=True)
-            rows.append({"tiles": tiles.label, "error": f"{type(e).__name__}: {e}"[:300]})
+            print(f"| {label} | failed: {type(e).__name__}: {str(e)[:120]} | | |", flush=True)
+            rows.append({"tiles": label, "error": f"{type(e).__name__}: {e}"[:300]})
             continue
         baseline = out if baseline is None else baseline
         err = (out - baseline).abs().max().item()
-        rows.append({"tiles": tiles.label, "us": round(us, 2), "tflop_s": round(flops / us / 1e6, 1), "err": err})
-        print(f"| {tiles.label} | {us:.1f} | {flops / us / 1e6:.0f} | {err:.1e} |", flush=True)
+        rows.append({"tiles": label, "us": round(us, 2), "tflop_s": round(flops / us / 1e6, 1), "err": err})
+        print(f"| {label} | {us:.1f} | {flops / us / 1e6:.0f} | {err:.1e} |", flush=True)
     target = opts.json or (os.path.join(os.environ["OUT"], "bench_prefill_attention.json")
                            if os.environ.get("OUT") else None)
     if target:

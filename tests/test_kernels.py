@@ -244,6 +244,40 @@ def test_paged_decode_attention_reads_only_live_splits(
         close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_decode_attention_table_ahead_is_the_same_attention(
+    device: str, dtype: torch.dtype, num_splits: int | None
+) -> None:
+    """The block numbers loaded a tile ahead (attention.DECODE_TABLE_AHEAD) change where they come from, not the
+    arithmetic: the same output to the bit as the numbers loaded in the loop, and the reference's within the
+    dtype. Tables end in out-of-range entries and unowned blocks hold NaN, so reading one tile too far shows."""
+    lens = [1, 17, 100, 33, 64, 16]  # contexts of exactly whole tiles too (the last look-ahead fully masked)
+    k_cache, v_cache, block_tables = paged_batch(lens, 2, 32, 8, device, dtype)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(lens), 6, 32, device=device, dtype=dtype)
+    ahead, in_loop = (paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, 0.1, num_splits,
+                                                    table_ahead=flag) for flag in (True, False))
+    assert torch.equal(ahead, in_loop)
+    close(ahead, paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, 0.1), dtype)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_prefill_attention_table_ahead_is_the_same_attention(device: str, dtype: torch.dtype) -> None:
+    """As the decode kernel's: the prefill kernel with the block numbers a tile ahead against in the loop."""
+    shapes = [(17, 17), (5, 40), (1, 100), (0, 9), (3, 3), (37, 50), (16, 32)]
+    k_cache, v_cache, block_tables = paged_batch([c for _, c in shapes], 2, 32, 8, device, dtype)
+    query_start_loc = torch.tensor([0] + [n for n, _ in shapes], device=device).cumsum(0).to(torch.int32)
+    context_lens = torch.tensor([c for _, c in shapes], dtype=torch.int32, device=device)
+    num_real = int(query_start_loc[-1])
+    q = torch.randn(num_real + 2, 6, 32, device=device, dtype=dtype)
+    ahead, in_loop = (paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, 0.2,
+                                             table_ahead=flag) for flag in (True, False))
+    assert torch.equal(ahead, in_loop)
+    ref = paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, 0.2)
+    close(ahead[:num_real], ref[:num_real], dtype)
+
+
 def test_decode_num_splits_fills_the_gpu() -> None:
     # Batch 1, 8 kv heads, 132 SMs (H200): 33 splits give 264 programs, 2 waves.
     assert decode_num_splits(1, 8, 8192, 132, 64) == 33

@@ -182,7 +182,7 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_CACHE: tl.constexpr,
     FUSED_COMBINE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_GP: tl.constexpr, CHUNK_S: tl.constexpr,
     FP8_MODE: tl.constexpr = 0, DOT_FP16: tl.constexpr = False, FP8_PTX: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False, PDL_GDC: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, PDL_GDC: tl.constexpr = False, TABLE_AHEAD: tl.constexpr = False,
 ):
     # Program (sequence, kv head, split): all GROUP query heads sharing this kv head are rows of one tile,
     # so each K/V row is read once per group; the context is cut into NUM_SPLITS contiguous pieces.
@@ -222,10 +222,19 @@ def _decode_split_kernel(
             start, end, context_len, dims, dim_mask, qk_scale, running_max, running_sum, acc,
             NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION)
         loop_start = start + TILE_N
+    table_row = block_tables_ptr + seq * block_table_stride
+    if TABLE_AHEAD:  # each tile's block numbers loaded one tile ahead (see DECODE_TABLE_AHEAD)
+        ahead = loop_start + tl.arange(0, TILE_N)
+        block_next = tl.load(table_row + ahead // BLOCK_SIZE, mask=ahead < end, other=0)
     for tile_start in range(loop_start, end, TILE_N):
         pos = tile_start + tl.arange(0, TILE_N)
         key_mask = pos < end
-        block = tl.load(block_tables_ptr + seq * block_table_stride + pos // BLOCK_SIZE, mask=key_mask, other=0)
+        if TABLE_AHEAD:
+            block = block_next
+            ahead = pos + TILE_N
+            block_next = tl.load(table_row + ahead // BLOCK_SIZE, mask=ahead < end, other=0)
+        else:
+            block = tl.load(table_row + pos // BLOCK_SIZE, mask=key_mask, other=0)
         slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         kv_offset = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
         kv_mask = key_mask[:, None] & dim_mask[None, :]
@@ -398,6 +407,23 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count:
     return max(1, min(wanted, triton.cdiv(max_context, tile_n), 64))
 
 
+# The key tiles' block numbers loaded one tile ahead of the tile (a loop-carried value) instead of inside it. Why:
+# Triton 3.6's software pipeliner treats a load whose address comes from another load of the same iteration (the
+# paged cache's block table, then K / V) as indirect and waits for every copy at the top of each tile
+# (`DEPBAR.LE SB0, 0x0` in the sm_90 SASS, both kernels, every cache dtype): nothing of the next tile is in flight
+# while one is computed. ncu (H200, session 20, B = 1,024 ctx 640) had the FP8 cache's decode kernel at 60 % of
+# DRAM bandwidth, 36 % issue-busy, its top stall that wait; with the numbers a tile ahead the K / V copies are
+# multi-buffered (`DEPBAR.LE SB0, 0x2`), at more shared memory (FP8 n128 74 -> 106 KB, bf16 n64 39 -> 72 KB).
+# Measured (H200, session 20, ops/bench_decode_attention_fp8.py --w2 --prefill --ahead and
+# ops/bench_prefill_attention.py --ahead; us, in the loop -> ahead): W2's decode at B = 1,024 ctx 640, bf16 cache
+# 629.1 -> 626.1, FP8 f16-vwords n64 555.5 -> **464.3** (the old default, n128 in the loop, 469.2; n128 ahead 519.5:
+# 2 blocks an SM), ctx 768 FP8 n64 654.8 -> 549.3 (n128 in the loop 558.2); W2's 8,192-token prefill step, bf16
+# m64 n64 187.9 -> 169.9, m64 n32 175.7 -> **154.8**, FP8 f16 n64 210.6 -> 198.7. What limits the FP8 decode kernel
+# now is shared memory (ncu: L1 84 % busy, 6.7-way bank conflicts on the V tile's stores, short-scoreboard
+# stalls), not the wait for HBM.
+DECODE_TABLE_AHEAD = True
+PREFILL_TABLE_AHEAD = True
+
 # Keys per step of the decode kernel's loop for a cache in q's dtype on the GPU (decode_num_splits makes a split at
 # least one such tile, so at batch 1 it also sets how many programs share a short context).
 DECODE_TILE_N = 64
@@ -471,6 +497,7 @@ def paged_decode_attention_triton(
     counters: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     pdl: bool = False,
+    table_ahead: bool | None = None,
 ) -> torch.Tensor:
     """num_splits: None picks from the shapes (decode_num_splits); tests force 1 or several. k_scale/v_scale:
     an FP8 cache's scales (kv_quant.py), ignored for a cache in q's dtype. fp8_config: the FP8 cache's
@@ -479,7 +506,8 @@ def paged_decode_attention_triton(
     the last split of each (sequence, kv head) combines the partials (one launch); without it a second kernel
     does. out: where to write [B, Hq, D] (a view of a mixed step's output); None allocates. pdl: launch with
     programmatic dependent launch after the qkv kernel (decode_pdl.py; a cache in q's dtype only); under the
-    interpreter the same peeled first tile runs without the launch attribute and the griddepcontrol PTX."""
+    interpreter the same peeled first tile runs without the launch attribute and the griddepcontrol PTX.
+    table_ahead: each key tile's block numbers loaded a tile ahead (None: DECODE_TABLE_AHEAD)."""
     _check_cache(q, k_cache, v_cache, k_scale, v_scale)
     if q.shape[0] != context_lens.shape[0] or block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
         raise ValueError(f"decode attention: q [B, Hq, D], block_tables [B, max_blocks], context_lens [B] "
@@ -519,7 +547,8 @@ def paged_decode_attention_triton(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=tile_n,
         NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype), FP8_CACHE=fp8,
         FUSED_COMBINE=fused_combine, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_GP=block_gp,
-        CHUNK_S=_combine_chunk(num_splits, block_gp, block_d, q.is_cuda), **fp8_args, **launch,
+        CHUNK_S=_combine_chunk(num_splits, block_gp, block_d, q.is_cuda),
+        TABLE_AHEAD=DECODE_TABLE_AHEAD if table_ahead is None else table_ahead, **fp8_args, **launch,
     )
     if num_splits > 1 and not fused_combine:
         _decode_reduce_kernel[(batch, num_q_heads)](
@@ -556,7 +585,7 @@ def _prefill_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     PAD_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_CACHE: tl.constexpr,
-    FP8_MODE: tl.constexpr = 0, DOT_FP16: tl.constexpr = False,
+    FP8_MODE: tl.constexpr = 0, DOT_FP16: tl.constexpr = False, TABLE_AHEAD: tl.constexpr = False,
 ):
     # Program (query tile, kv head). A tile is up to BLOCK_Q consecutive tokens of ONE sequence times the
     # GROUP query heads of this kv head: BLOCK_M = BLOCK_Q * GROUP rows (padded to a power of two), so
@@ -602,11 +631,19 @@ def _prefill_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         # Keys 0 .. the tile's last query position; every row sees key 0, so no row's max stays -inf.
         key_end = tl.minimum(context_len - num_queries + first_query + BLOCK_Q, context_len)
+        table_row = block_tables_ptr + seq * block_table_stride
+        if TABLE_AHEAD:  # as the decode kernel's
+            ahead = tl.arange(0, TILE_N)
+            block_next = tl.load(table_row + ahead // BLOCK_SIZE, mask=ahead < key_end, other=0)
         for tile_start in range(0, key_end, TILE_N):
             pos = tile_start + tl.arange(0, TILE_N)
             key_mask = pos < key_end
-            block = tl.load(block_tables_ptr + seq * block_table_stride + pos // BLOCK_SIZE,
-                            mask=key_mask, other=0)
+            if TABLE_AHEAD:
+                block = block_next
+                ahead = pos + TILE_N
+                block_next = tl.load(table_row + ahead // BLOCK_SIZE, mask=ahead < key_end, other=0)
+            else:
+                block = tl.load(table_row + pos // BLOCK_SIZE, mask=key_mask, other=0)
             slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
             kv_offset = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
             k = kv_for_dots(tl.load(k_cache_ptr + kv_offset, mask=key_mask[:, None] & dim_mask, other=0.0), q.dtype,
@@ -646,8 +683,10 @@ class PrefillTiles:
 
 # 64 rows x 64 keys x 128 dims in 16 bits keeps q, k, v tiles at 16 KiB each (fits with 4 warps): 188.9 us a
 # layer at W2's 8,192-token step (182 TFLOP/s, H200, 18:20 UTC, ops/bench_prefill_attention.py); the sweep's best,
-# m128 n32 w4 s3, 173.6 us: ~0.03 s of W2, not worth a change (BENCHMARKS.md).
-PREFILL_TILES = PrefillTiles()
+# m128 n32 w4 s3, 173.6 us: ~0.03 s of W2, not worth a change then (BENCHMARKS.md). With the block numbers a tile
+# ahead (PREFILL_TABLE_AHEAD, session 20) the sweep's best is m64 n32 w4 s3 at 154.8 us (m64 n64 169.9, m128 n32
+# 158.3; m128 n64 w4 338.1): 32-key tiles keep 4-5 programs' copies in flight.
+PREFILL_TILES = PrefillTiles(64, 32, 4, 3)
 
 
 def paged_attention_triton(
@@ -663,11 +702,13 @@ def paged_attention_triton(
     out: torch.Tensor | None = None,
     fp8_config: Fp8AttentionConfig | None = None,
     tiles: PrefillTiles | None = None,
+    table_ahead: bool | None = None,
 ) -> torch.Tensor:
     """out: where to write [T, Hq, D] (every row is written, padding rows with zeros); None allocates.
     fp8_config: as for paged_decode_attention_triton (None: kv_fp8_tiles.DEFAULT_PREFILL). tiles: the CUDA
     launch's tiles for a cache in q's dtype (None: PREFILL_TILES; benches sweep others); an FP8 cache takes its
-    key tile, warps and stages from fp8_config, its query rows from tiles."""
+    key tile, warps and stages from fp8_config, its query rows from tiles. table_ahead: as the decode kernel's
+    (None: PREFILL_TABLE_AHEAD)."""
     _check_cache(q, k_cache, v_cache, k_scale, v_scale)
     _check_batch(q.shape[0], block_tables, query_start_loc, context_lens)
     _check_kernel_inputs(q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
@@ -704,6 +745,7 @@ def paged_attention_triton(
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
-        PAD_ROWS=pad_rows, DOT_PRECISION=_dot_precision(q.dtype), FP8_CACHE=fp8, **fp8_args, **launch,
+        PAD_ROWS=pad_rows, DOT_PRECISION=_dot_precision(q.dtype), FP8_CACHE=fp8,
+        TABLE_AHEAD=PREFILL_TABLE_AHEAD if table_ahead is None else table_ahead, **fp8_args, **launch,
     )
     return out

@@ -70,8 +70,10 @@ class Fp8AttentionConfig:
 # so one sequence's Hkv programs read each cache row together, 465.9; the V words loaded a tile ahead, 636.8
 # (206 registers a thread against 144 by ptxas: 2 programs an SM, not 3); two splits 727.9; s4 466.1. n64 has
 # the bf16 kernel's occupancy (112 registers, 39 KB) and half its bytes yet 555 us against 629: what is left
-# costs per key tile, not per byte (BENCHMARKS.md, 21:09 section).
-DEFAULT_DECODE = Fp8AttentionConfig("f16-vwords", tile_n=128)
+# costs per key tile, not per byte (BENCHMARKS.md, 21:09 section). Session 20 (ncu): that kernel waited for every
+# copy at the top of each tile (attention.DECODE_TABLE_AHEAD says why); with the copies multi-buffered n64 w4 s3
+# is the fastest, 464.3 us (n128 ahead 519.5: 106 KB of shared memory, 2 blocks an SM).
+DEFAULT_DECODE = Fp8AttentionConfig("f16-vwords", tile_n=64)
 DEFAULT_PREFILL = Fp8AttentionConfig("f16")
 
 
