@@ -64,7 +64,7 @@ class SpyCalls:
 
         self.calls = 0
         self.mlp_rows: list[int] = []  # the token count of every fused-MLP launch (kernels/fused_mlp.py)
-        self.mlp_args: list[tuple[bool, ...]] = []  # each launch's (norm_sums, sums_out, pdl, finish_early, counter)
+        self.mlp_args: list[tuple[bool, ...]] = []  # each launch's (norm_sums, sums_out, pdl, finish_early) given
         original = llama.fused_decode_layer
         original_mlp = fused_decode.fused_mlp_triton
 
@@ -75,8 +75,7 @@ class SpyCalls:
         def spy_mlp(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             self.mlp_rows.append(x.shape[0])
             self.mlp_args.append((kwargs.get("norm_sums") is not None, kwargs.get("sums_out") is not None,
-                                  bool(kwargs.get("pdl")), bool(kwargs.get("finish_early")),
-                                  kwargs.get("counter") is not None))
+                                  bool(kwargs.get("pdl")), bool(kwargs.get("finish_early"))))
             return original_mlp(x, *args, **kwargs)
 
         monkeypatch.setattr(llama, "fused_decode_layer", spy)
@@ -112,7 +111,7 @@ def arch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 # ------------------------------------------------------------- CPU, interpreter: against HF and the unfused path
 @interpreted
 @pytest.mark.parametrize("mode", ["fused", "fused-folded", "fused-folded+pdl", "fused-folded+pro0",
-                                  "fused-folded+pro16", "fused-folded+nocarry", "fused-folded+onelaunch"])
+                                  "fused-folded+pro16", "fused-folded+nocarry"])
 def test_fused_decode_greedy_matches_transformers_and_unfused(arch, mode: str, monkeypatch) -> None:
     """+pdl: decode_pdl on. On the CPU that checks the setting's way through the engine only (the report, the
     pdl arguments of every launch): the interpreter drops the launch attribute and the attention is the torch
@@ -122,8 +121,7 @@ def test_fused_decode_greedy_matches_transformers_and_unfused(arch, mode: str, m
     "fused-folded" carries its norms (fused_decode.FOLDED_NORM_CARRY): every norm but the first layer's input norm
     becomes sums added by o_proj (for the MLP) and the MLP's finishing kernel (for the next qkv), whose buffers are
     poisoned first as a step that stopped halfway leaves them (the first layer's qkv and o_proj zero them); so
-    the cap applies to the first layer's input norm only. +nocarry: the prologues / norm kernels in every layer.
-    +onelaunch: the fused MLP's last program finishes it (fused_decode.MLP_FINISH_IN)."""
+    the cap applies to the first layer's input norm only. +nocarry: the prologues / norm kernels in every layer."""
     name, path, hf = arch
     if mode != "fused" and name != "llama":
         pytest.skip("the folded variants once (llama) keep the interpreter run short")
@@ -131,7 +129,6 @@ def test_fused_decode_greedy_matches_transformers_and_unfused(arch, mode: str, m
     pdl = flag == "pdl"
     carry = mode == "fused-folded" and flag != "nocarry"
     monkeypatch.setattr(fused_decode, "FOLDED_NORM_CARRY", flag != "nocarry")
-    monkeypatch.setattr(fused_decode, "MLP_FINISH_IN", flag == "onelaunch")
     cap = {"decode_prologue_norm_max_m": int(flag[3:])} if flag.startswith("pro") else {}  # else the default
     spy = SpyCalls(monkeypatch)
     qkv_carried: list[bool] = []
@@ -175,9 +172,8 @@ def test_fused_decode_greedy_matches_transformers_and_unfused(arch, mode: str, m
     assert spy.mlp_rows == [rows for rows in live for _ in range(2)]
     # carried: both MLPs read the sums o_proj added, the first also adds the second layer's; PDL as the chain's; the
     # finishing kernel early where FINISH_EARLY is on, unless decode_pdl is False
-    one = flag == "onelaunch"
     early = pdl and fused_decode.FINISH_EARLY
-    assert spy.mlp_args == [(carry, carry and i == 0, pdl, early, one) for _ in live for i in range(2)], spy.mlp_args
+    assert spy.mlp_args == [(carry, carry and i == 0, pdl, early) for _ in live for i in range(2)], spy.mlp_args
     assert qkv_carried == [False, carry] * decode_steps, qkv_carried
     # the norm kernels the decode steps ran: two a layer where a step does not normalise in the prologues; carried,
     # only the first layer's input norm

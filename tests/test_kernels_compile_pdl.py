@@ -163,24 +163,20 @@ def _kind(fn: Any, name: str) -> str:
     return "constexpr" if "constexpr" in str(annotation) else "i32"
 
 
-def _mlp_ptx(carried: bool, pdl: bool, early: bool = False, finish_in: bool = False) -> tuple[list[str], list[str]]:
+def _mlp_ptx(carried: bool, pdl: bool, early: bool = False) -> tuple[list[str], list[str]]:
     """(streaming kernel, finishing kernel) PTX of the fused MLP at the 8B shape as fused_decode launches it."""
     from stoker.engine.kernels import fused_mlp, gemv
 
     cfg = fused_mlp.mlp_config(True, 2, 14336)
     names = list(inspect.signature(fused_mlp._mlp_kernel.fn).parameters)
-    pointers = {"x_ptr": "*bf16", "wgu_ptr": "*bf16", "wd_ptr": "*bf16", "acc_ptr": "*fp32", "sums_ptr": "*i64",
-                "res_ptr": "*bf16", "out_ptr": "*bf16", "sums_out_ptr": "*i64", "sums_zero_ptr": "*i64",
-                "counter_ptr": "*i32"}
+    pointers = {"x_ptr": "*bf16", "wgu_ptr": "*bf16", "wd_ptr": "*bf16", "acc_ptr": "*fp32", "sums_ptr": "*i64"}
     signature = {name: pointers.get(name, _kind(fused_mlp._mlp_kernel, name)) for name in names}
     signature["eps"] = "fp32"
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
                if name.endswith("_ptr") or name in ("K", "H", "x_stride", "wgu_stride", "wd_stride")}
     slots = dict(NUM_SLOTS=gemv.NORM_SLOTS, SLOT_STRIDE=gemv.NORM_SLOT_STRIDE, SUM_UNIT=gemv.NORM_SUM_UNIT)
     constexprs = dict(BLOCK_M=16, BI=cfg.bi, BK=cfg.bk, BH=cfg.bh, NORM=True, NORM_CHUNK=gemv.norm_chunk(4096, 4, True),
-                      DOT_PRECISION="tf32", NORM_SUMS=carried, WAIT_GDC=pdl, TRIGGER_GDC=early, FINISH_IN=finish_in,
-                      FINISH_BLOCK=1024, SUMS_OUT=carried and finish_in, ZERO_SUMS=carried and finish_in, SUMS_ROWS=16,
-                      **slots)
+                      DOT_PRECISION="tf32", NORM_SUMS=carried, WAIT_GDC=pdl, TRIGGER_GDC=early, **slots)
     stream = _ptx(fused_mlp._mlp_kernel, signature, constexprs, cfg.num_warps, cfg.num_stages, aligned)
     names = list(inspect.signature(fused_mlp._mlp_finish_kernel.fn).parameters)
     pointers = {"acc_ptr": "*fp32", "res_ptr": "*bf16", "out_ptr": "*bf16", "sums_out_ptr": "*i64",
@@ -221,17 +217,3 @@ def test_fused_mlp_pdl_forms_read_other_kernels_outputs_after_their_waits(carrie
     plain_stream, plain_finish = _mlp_ptx(carried, pdl=False)
     assert not any("griddepcontrol" in line for line in plain_stream + plain_finish)
 
-
-@pytest.mark.parametrize("carried", [False, True], ids=["rms-pass", "carried-sums"])
-def test_fused_mlp_one_launch_form_compiles_with_its_arrival_counter(carried: bool) -> None:
-    """The one-launch fused MLP (fused_decode.MLP_FINISH_IN): one acquire-release add on the arrival counter after a
-    barrier behind the accumulator's relaxed adds, and the last program's finishing stores (with the carried norms
-    also its 64-bit sums add and the slots' 64-bit zeroing); without it, no such atomic."""
-    stream, _ = _mlp_ptx(carried, pdl=False, finish_in=True)
-    ptx = "\n".join(stream)
-    counters = [i for i, line in enumerate(stream) if re.search(r"atom(\.\w+)*\.acq_rel(\.\w+)*\.add", line)]
-    assert len(counters) == 1, counters
-    assert any("bar.sync" in line for line in stream[counters[0] - 40 : counters[0]]), "no barrier before it"
-    assert bool(re.search(r"\b(red|atom)\.global(\.\w+)*\.(u64|s64)", ptx)) == carried
-    plain, _ = _mlp_ptx(carried, pdl=False)
-    assert not any(re.search(r"\.acq_rel", line) for line in plain)

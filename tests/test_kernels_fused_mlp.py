@@ -12,7 +12,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 from kernel_harness import GPU, INTERPRET, NO_CUDA, TOLERANCE, cases, run_under_interpreter  # noqa: E402
-from stoker.engine.kernels.fused_mlp import fused_mlp_ref, fused_mlp_triton, mlp_finish_counter  # noqa: E402
+from stoker.engine.kernels.fused_mlp import fused_mlp_ref, fused_mlp_triton  # noqa: E402
 from stoker.engine.kernels.gemv import (  # noqa: E402
     GEMV_MAX_M,
     NORM_SUM_UNIT,
@@ -79,29 +79,20 @@ def test_fused_mlp_norm_is_per_row_and_rows_are_independent(device: str, dtype: 
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
-@pytest.mark.parametrize("one_launch", [False, True], ids=["two-launches", "finish-in"])
-def test_fused_mlp_leaves_its_accumulator_zero(device: str, dtype: torch.dtype, one_launch: bool) -> None:
-    """Every program adds into one [M, H] float32 accumulator that the second kernel (or, with a counter, the last
-    program of the first) reads and zeroes: a layer after a layer (or a step after a step) finds it zero again, so
-    one static buffer serves them all; a short or non-float32 one is refused. The one-launch form equals the two
-    launches and leaves its counter zero; a stale counter shows: no program sees itself last, nothing is finished."""
+def test_fused_mlp_leaves_its_accumulator_zero(device: str, dtype: torch.dtype) -> None:
+    """Every program adds into one [M, H] float32 accumulator that the second kernel reads and zeroes: a layer after
+    a layer (or a step after a step) finds it zero again, so one static buffer serves them all; a short or
+    non-float32 one is refused."""
     x, gate_up, down, residual, _ = _inputs(3, device, dtype)
     acc = torch.zeros(3 * HIDDEN + 5, device=device)
-    counter = {"counter": mlp_finish_counter(device)} if one_launch else {}
-    first = fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, accumulator=acc, **counter)
+    first = fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, accumulator=acc)
     assert torch.count_nonzero(acc) == 0
     second = fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, accumulator=acc)
     tol = TOLERANCE[dtype]  # the adds' order may differ from run to run: equal within rounding, not bitwise
     torch.testing.assert_close(second.float(), first.float(), atol=tol, rtol=tol)
     acc[HIDDEN + 7] = 1.0  # a stale accumulator shows in the output: the launch really reads this buffer
-    stale = fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, accumulator=acc, **counter)
+    stale = fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, accumulator=acc)
     assert (stale[1, 7].float() - first[1, 7].float()).abs() > 0.5
-    if one_launch:
-        assert counter["counter"].item() == 0
-        acc.zero_()
-        counter["counter"].fill_(5)  # off by five: the grid's last arrival sees another count
-        fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, accumulator=acc, **counter)
-        assert torch.count_nonzero(acc) > 0 and counter["counter"].item() != 0
     with pytest.raises(ValueError, match="the accumulator must be contiguous float32"):
         fused_mlp_triton(x, gate_up, down, residual, eps=1e-5, accumulator=acc[:10])
     with pytest.raises(ValueError, match="the accumulator must be contiguous float32"):
@@ -117,16 +108,15 @@ def _sums_of(s: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("num_rows", [1, 3])
-@pytest.mark.parametrize("launch", ["plain", "pdl", "early", "finish-in"])
+@pytest.mark.parametrize("launch", ["plain", "pdl", "early"])
 def test_fused_mlp_carried_sums(device: str, dtype: torch.dtype, num_rows: int, launch: str) -> None:
     """The carried norms in their folded form (fused_decode.FOLDED_NORM_CARRY): the streaming kernel takes each
     token's sum of squares from the slots (norm_sums) instead of its rms pass over x, and equals the folded-prologue
     launch; the finishing kernel adds each token's sum(out^2) into sums_out (fixed point: within a unit a program of
     the float64 sum) and zeroes zero_sums (here the slots just read, every row of them); launched plain, with PDL or
-    with the finishing kernel early (griddepcontrol on the GPU only), or as one launch whose last program finishes
-    (counter=, left zero). Poisoned slots show in the output: the kernel really reads them."""
-    counter = mlp_finish_counter(device) if launch == "finish-in" else None
-    pdl = {"pdl": launch == "pdl", "finish_early": launch == "early", "counter": counter}
+    with the finishing kernel early (griddepcontrol on the GPU only). Poisoned slots show in the output: the kernel
+    really reads them."""
+    pdl = {"pdl": launch == "pdl", "finish_early": launch == "early"}
     x, gate_up, down, residual, g = _inputs(num_rows, device, dtype)
     folded = fold_norm_weight(gate_up, g)
     sums = _sums_of(x)
@@ -150,8 +140,6 @@ def test_fused_mlp_carried_sums(device: str, dtype: torch.dtype, num_rows: int, 
     wrong = fused_mlp_triton(x, folded, down, residual, eps=1e-5, norm_folded=False, norm_sums=poisoned, **pdl)
     assert (wrong.float() - out.float()).abs().max() > 10 * tol
     assert poisoned.any(), "no zero_sums given: the slots must stay as they were"
-    if counter is not None:
-        assert counter.item() == 0, "the last program did not put the counter back"
 
 
 def test_fused_mlp_refuses_bad_carried_sums() -> None:
@@ -180,8 +168,7 @@ def test_fused_mlp_rejects_bad_arguments() -> None:
 
 @GPU
 @NO_CUDA
-@pytest.mark.parametrize("form", ["plain", "pdl", "carried-pdl", "carried-early", "carried-pdl-early",
-                                  "carried-one-launch"])
+@pytest.mark.parametrize("form", ["plain", "pdl", "carried-pdl", "carried-early", "carried-pdl-early"])
 @pytest.mark.parametrize("inter", [14336, 8192], ids=["8b", "1b"])
 def test_fused_mlp_bf16_engine_shapes_in_a_cuda_graph(inter: int, form: str) -> None:
     """The engine's launches at the 8B and 1B MLP shapes (bi 128 and 64), replayed from a CUDA graph with a static
@@ -189,8 +176,7 @@ def test_fused_mlp_bf16_engine_shapes_in_a_cuda_graph(inter: int, form: str) -> 
     launches with programmatic dependent launch after an o_proj-like GEMV launched with it (the chain the engine
     runs); carried-pdl: that GEMV's epilogue adds the sums the MLP reads (sums only: g folded into gate_up), and the
     finishing kernel adds the next norm's sums and zeroes the ones read; early: the finishing kernel launched as the
-    MLP starts (fused_decode.FINISH_EARLY), followed by another GEMV launched with PDL that reads its output;
-    one-launch: the MLP's last program finishes it (MLP_FINISH_IN), its counter left zero by every replay."""
+    MLP starts (fused_decode.FINISH_EARLY), followed by another GEMV launched with PDL that reads its output."""
     from stoker.engine.kernels.gemv import NormCarryOut, gemv_triton
 
     torch.manual_seed(0)
@@ -202,14 +188,12 @@ def test_fused_mlp_bf16_engine_shapes_in_a_cuda_graph(inter: int, form: str) -> 
     pdl, carried, early = form in ("pdl", "carried-pdl", "carried-pdl-early"), form.startswith("carried"), \
         form.endswith("early")
     sums, sums_next = norm_sums_buffer(GEMV_MAX_M, "cuda"), norm_sums_buffer(GEMV_MAX_M, "cuda")
-    counter = mlp_finish_counter("cuda") if form.endswith("one-launch") else None
 
     def step() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         carry = {"carry": NormCarryOut(None, None, sums)} if carried else {}
         s, _ = gemv_triton(h, w_o, add=residual, pdl=pdl, **carry)
         mlp = {"norm_folded": False, "norm_sums": sums, "sums_out": sums_next, "zero_sums": sums} if carried else {}
-        out = fused_mlp_triton(s, gate_up, down, s, eps=1e-5, accumulator=acc, pdl=pdl, finish_early=early,
-                               counter=counter, **mlp)
+        out = fused_mlp_triton(s, gate_up, down, s, eps=1e-5, accumulator=acc, pdl=pdl, finish_early=early, **mlp)
         return s, out, gemv_triton(out, w_o, pdl=True)[0]  # a successor under PDL (the next qkv's place)
 
     step()
@@ -225,7 +209,7 @@ def test_fused_mlp_bf16_engine_shapes_in_a_cuda_graph(inter: int, form: str) -> 
     torch.testing.assert_close(out.float(), two.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(after, gemv_triton(out, w_o)[0], rtol=0, atol=0)  # it read the finished output
     assert torch.count_nonzero(acc) == 0
-    assert not sums.any() and (counter is None or counter.item() == 0)
+    assert not sums.any()
     if carried:
         torch.testing.assert_close(sums_next[0, 0].double() / NORM_SUM_UNIT, (out.double() ** 2).sum(),
                                    rtol=1e-6, atol=1e-4)

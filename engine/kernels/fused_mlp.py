@@ -66,9 +66,6 @@ def _mlp_kernel(
     NORM: tl.constexpr, NORM_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NORM_SUMS: tl.constexpr = False, NUM_SLOTS: tl.constexpr = 1, SLOT_STRIDE: tl.constexpr = 1,
     SUM_UNIT: tl.constexpr = 1048576.0, WAIT_GDC: tl.constexpr = False, TRIGGER_GDC: tl.constexpr = False,
-    res_ptr=None, out_ptr=None, sums_out_ptr=None, sums_zero_ptr=None, counter_ptr=None, res_stride=0, out_stride=0,
-    FINISH_IN: tl.constexpr = False, FINISH_BLOCK: tl.constexpr = 1024, SUMS_OUT: tl.constexpr = False,
-    ZERO_SUMS: tl.constexpr = False, SUMS_ROWS: tl.constexpr = 16,
 ):
     pid = tl.program_id(0)
     rows = pid * BI + tl.arange(0, BI)  # this program's intermediate rows (gate row n, up row INTER + n)
@@ -112,25 +109,6 @@ def _mlp_kernel(
         wd = tl.load(d_ptrs + h0 * wd_stride, mask=h_mask[:, None] & row_mask[None, :], other=0.0)
         part = tl.dot(act, tl.trans(wd), input_precision=DOT_PRECISION)  # [BLOCK_M, BH]
         tl.atomic_add(out_ptrs + h0, part, mask=m_mask[:, None] & h_mask[None, :], sem="relaxed")
-    if FINISH_IN:
-        # The finishing kernel's work done by the program that adds last (fused_decode.MLP_FINISH_IN), as the decode
-        # attention's split combine: every program bumps one counter after its adds (release; the barrier first, as
-        # the release is one thread's and must follow every thread's adds); the one that sees the grid's size - 1
-        # finds all of them in the accumulator (acquire), puts the counter back to 0 and finishes all M rows.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(0) - 1:
-            tl.store(counter_ptr, 0)
-            fcols = tl.arange(0, FINISH_BLOCK)
-            for row in range(0, M):
-                total = tl.zeros([], dtype=tl.int64)
-                for c0 in range(0, H, FINISH_BLOCK):
-                    total += _finish_cols(acc_ptr, res_ptr, out_ptr, row, c0 + fcols, H, res_stride, out_stride,
-                                          SUM_UNIT)
-                if SUMS_OUT:
-                    tl.atomic_add(sums_out_ptr + row * (NUM_SLOTS * SLOT_STRIDE), total, sem="relaxed")
-            if ZERO_SUMS:
-                _zero_slots(sums_zero_ptr, True, SUMS_ROWS, NUM_SLOTS, SLOT_STRIDE)
 
 
 @triton.jit
@@ -211,18 +189,11 @@ def mlp_config(on_gpu: bool, elem_bytes: int, inter: int) -> MlpConfig:
     return MlpConfig(bi=64, num_stages=4)
 
 
-def mlp_finish_counter(device: torch.device | str) -> torch.Tensor:
-    """The zeroed arrival counter of fused_mlp_triton's one-launch form (counter=): one a layer or shared by layers
-    that run one after another; every launch leaves it zero."""
-    return torch.zeros(1, dtype=torch.int32, device=device)
-
-
 def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, residual: torch.Tensor, *,
                      eps: float, norm_folded: bool = True, config: MlpConfig | None = None,
                      accumulator: torch.Tensor | None = None, norm_sums: torch.Tensor | None = None,
                      sums_out: torch.Tensor | None = None, zero_sums: torch.Tensor | None = None,
-                     pdl: bool = False, finish_early: bool = False,
-                     counter: torch.Tensor | None = None) -> torch.Tensor:
+                     pdl: bool = False, finish_early: bool = False) -> torch.Tensor:
     """fused_mlp_ref in two launches. x, residual: [M, H]; gate_up [2I, H] ([gate; up] rows, the norm weight folded
     in when norm_folded); down [H, I]; all the model dtype. accumulator: contiguous float32 of >= M * H elements,
     all zero (the second launch leaves it zero again, so a static one serves every layer and step); None allocates
@@ -236,9 +207,7 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     launch and setup overlap that kernel's end); pdl or finish_early: the finishing kernel too. finish_early: the
     streaming kernel lets the finishing kernel launch as it starts, and the finishing kernel lets the kernel after
     it in before its own wait, so that one (the next layer's qkv, launched with PDL) is resident and loading its
-    first weight tile when the MLP ends. Every read of another kernel's output stays after a wait.
-    counter: a zeroed int32 [>= 1] (mlp_finish_counter; left zero by each launch): one launch, the streaming kernel's
-    last program doing the finishing kernel's work (finish_early does not apply)."""
+    first weight tile when the MLP ends. Every read of another kernel's output stays after a wait."""
     if x.dim() != 2 or gate_up.dim() != 2 or down.dim() != 2:
         raise ValueError(f"fused_mlp: x [M, H], gate_up [2I, H], down [H, I] expected, got "
                          f"{tuple(x.shape)}, {tuple(gate_up.shape)}, {tuple(down.shape)}")
@@ -262,9 +231,6 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     if sums_out is not None:
         _check_norm_sums(sums_out, num_rows, x.device, "sums_out")
     _check_zero_sums(zero_sums, x)
-    if counter is not None and (counter.dtype != torch.int32 or counter.numel() < 1 or counter.device != x.device):
-        raise ValueError(f"fused_mlp: the counter must be int32 with >= 1 element on {x.device} (mlp_finish_counter), "
-                         f"got {counter.dtype} {tuple(counter.shape)} on {counter.device}")
     check_launchable(x, gate_up, down, residual)
     cfg = config or mlp_config(x.is_cuda, x.element_size(), inter)
     need = num_rows * hidden
@@ -278,8 +244,6 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     gdc, early = pdl and on_gpu, finish_early and on_gpu
     slots = {"NUM_SLOTS": _gemv.NORM_SLOTS, "SLOT_STRIDE": _gemv.NORM_SLOT_STRIDE, "SUM_UNIT": _gemv.NORM_SUM_UNIT}
     placeholder = accumulator  # any tensor: its pointer is never read
-    finish_in = counter is not None
-    early = early and not finish_in
     finish = {"SUMS_OUT": sums_out is not None, "ZERO_SUMS": zero_sums is not None,
               "SUMS_ROWS": zero_sums.shape[0] if zero_sums is not None else 16}
     sums_out_t = sums_out if sums_out is not None else placeholder
@@ -290,13 +254,8 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         BLOCK_M=16, BI=cfg.bi, BK=cfg.bk, BH=cfg.bh, NORM=norm_folded or norm_sums is not None,
         NORM_CHUNK=norm_chunk(hidden, cfg.num_warps, x.is_cuda), DOT_PRECISION=_dot_precision(x.dtype),
         NORM_SUMS=norm_sums is not None, WAIT_GDC=gdc, TRIGGER_GDC=early, **slots,
-        res_ptr=residual, out_ptr=out, sums_out_ptr=sums_out_t, sums_zero_ptr=zero_t,
-        counter_ptr=counter if finish_in else placeholder, res_stride=residual.stride(0), out_stride=out.stride(0),
-        FINISH_IN=finish_in, FINISH_BLOCK=1024 if x.is_cuda else 64, **(finish if finish_in else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if gdc else {}),
     )
-    if finish_in:
-        return out
     block_h = 256 if x.is_cuda else 32
     _mlp_finish_kernel[(triton.cdiv(hidden, block_h), num_rows)](
         accumulator, residual, out, sums_out_t, zero_t, hidden, residual.stride(0), out.stride(0),

@@ -57,7 +57,7 @@ from stoker.engine.config import EngineConfig
 from stoker.engine.kernels import gemv
 from stoker.engine.kernels._triton import HAS_TRITON
 from stoker.engine.kernels.fp8_linear import fp8_gemv_config
-from stoker.engine.kernels.fused_mlp import MLP_MAX_M, fused_mlp_triton, mlp_finish_counter
+from stoker.engine.kernels.fused_mlp import MLP_MAX_M, fused_mlp_triton
 from stoker.engine.kernels.gemv import (
     GEMV_MAX_M,
     GemvConfig,
@@ -170,10 +170,8 @@ MLP_PDL = False
 # 3, one machine): qkv's CTAs, resident 80 us early, took 16.9 us on the critical path against 14.7 and the MLP 84.8
 # against 83.4.
 FINISH_EARLY = False
-# The fused MLP as one launch: the streaming kernel's last program (an arrival counter, as the decode attention's split
-# combine) does the finishing kernel's work, so the MLP -> qkv boundary has no kernel between (the finishing kernel
-# took 2.2 us a layer on session 19's critical path). Not measured yet: off.
-MLP_FINISH_IN = False
+# Tried: the MLP as one launch, its last program finishing through an arrival counter (session 19's MLP_FINISH_IN):
+# W1 4.082 against 4.030 ms on the H200 and wrong on the GPU in fp16 (session 20); removed.
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +199,6 @@ class FusedDecode:
     carry: NormCarry | None = None  # the model's carried-norm buffers (link_norm_carry), None: the norm kernels
     carry_in: bool = False  # the previous layer's down wrote this layer's normalised input's half (not layer 0)
     next_norm: RMSNorm | None = None  # the next layer's input norm, for down's carry (None: the last layer)
-    mlp_counter: torch.Tensor | None = None  # the fused MLP's one-launch arrival counter (MLP_FINISH_IN), kept zero
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,14 +304,13 @@ def bind_fused_decode(
         _fold_norm_into(linears[2], post_norm)
     # FP8 weights keep the two GEMVs (the fused MLP has no row-scale path yet).
     mlp_max_m = MLP_MAX_M if fused_mlp and not fp8 else 0
-    accumulator = counter = None  # one a layer (16 KB at the 8B shape), allocated outside any graph capture
+    accumulator = None  # one a layer (16 KB at the 8B shape), allocated outside any graph capture
     if mlp_max_m:
         accumulator = torch.zeros(mlp_max_m * input_norm.weight.shape[0], dtype=torch.float32,
                                   device=input_norm.weight.device)
-        counter = mlp_finish_counter(input_norm.weight.device)
     return FusedDecode(folded, mlp_max_m, accumulator, prologue_max_m if prologue else 0, pdl, input_norm,
                        linears[0], q_norm, k_norm, rotary, attention, linears[1], post_norm, linears[2], linears[3],
-                       pdl_off=setting is False, mlp_counter=counter)
+                       pdl_off=setting is False)
 
 
 def _fp8_problem(linears: tuple[Fp8Linear, ...]) -> str | None:
@@ -428,13 +424,11 @@ def fused_decode_layer(
                             **_fp8_args(fd.o_proj, "add", num_tokens))
     mlp_pdl = fd.pdl or (MLP_PDL and not fd.pdl_off)
     finish_early = FINISH_EARLY and not fd.pdl_off
-    one_launch = fd.mlp_counter if MLP_FINISH_IN else None
     if carry is not None and carry.x_post is None:  # folded: the fused MLP on the stream and the carried sums
         return fused_mlp_triton(stream, fd.gate_up.weight, fd.down.weight, stream, eps=fd.post_norm.eps,
                                 norm_folded=False, accumulator=fd.mlp_accumulator, norm_sums=carry.sums_post,
                                 sums_out=carry.sums_next if fd.next_norm is not None else None,
-                                zero_sums=carry.sums_post, pdl=mlp_pdl, finish_early=finish_early,
-                                counter=one_launch), None
+                                zero_sums=carry.sums_post, pdl=mlp_pdl, finish_early=finish_early), None
     if carry is not None:
         assert carry.x_post is not None and carry.x_next is not None  # the FP8 form carries x too
         act, _ = gemv_triton(carry.x_post[:num_tokens], fd.gate_up.weight, silu_mul=True, norm_sums=carry.sums_post,
@@ -449,7 +443,7 @@ def fused_decode_layer(
     if num_tokens <= fd.mlp_max_m:  # gate_up + SiLU-mul + down + residual: a streaming kernel, a finishing one
         return fused_mlp_triton(x, fd.gate_up.weight, fd.down.weight, stream, eps=fd.post_norm.eps,
                                 norm_folded=fd.folded and prologue, accumulator=fd.mlp_accumulator,
-                                pdl=mlp_pdl, finish_early=finish_early, counter=one_launch), None
+                                pdl=mlp_pdl, finish_early=finish_early), None
     act, _ = gemv_triton(x, fd.gate_up.weight, silu_mul=True, norm_folded=fd.folded and prologue,
                          eps=fd.post_norm.eps, pdl=fd.pdl, **_fp8_args(fd.gate_up, "silu", num_tokens),
                          **_unfolded_norm(fd, fd.post_norm, prologue))
