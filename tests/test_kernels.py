@@ -278,6 +278,19 @@ def test_prefill_attention_table_ahead_is_the_same_attention(device: str, dtype:
     close(ahead[:num_real], ref[:num_real], dtype)
 
 
+def test_decode_takes_the_block_numbers_ahead_only_for_long_splits(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stoker.engine.kernels import attention
+
+    # W2's decode (B = 1,024 on the 8B heads: one split over a 1,024-token table of 64-key tiles): ahead.
+    assert attention.decode_table_ahead(1, 1024, 64)
+    # W1 (16 splits of one tile) and the fused decode path's 16 tokens (3 splits of ~5 tiles): in the loop.
+    assert not attention.decode_table_ahead(16, 1024, 64)
+    assert not attention.decode_table_ahead(3, 1024, 64)
+    assert attention.decode_table_ahead(2, 1024, 64)  # B = 32: 2 splits of 8 tiles
+    monkeypatch.setattr(attention, "DECODE_TABLE_AHEAD", False)
+    assert not attention.decode_table_ahead(1, 1024, 64)
+
+
 def test_decode_num_splits_fills_the_gpu() -> None:
     # Batch 1, 8 kv heads, 132 SMs (H200): 33 splits give 264 programs, 2 waves.
     assert decode_num_splits(1, 8, 8192, 132, 64) == 33

@@ -421,8 +421,19 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count:
 # m64 n64 187.9 -> 169.9, m64 n32 175.7 -> **154.8**, FP8 f16 n64 210.6 -> 198.7. What limits the FP8 decode kernel
 # now is shared memory (ncu: L1 84 % busy, 6.7-way bank conflicts on the V tile's stores, short-scoreboard
 # stalls), not the wait for HBM.
+# Not at small batches: with W1's 16 splits of one 64-key tile over a 1,024-token table the pipelined loop's
+# prologue and the larger buffers cost, 4.157 against 4.065 ms a token (8B bf16, call 3 of session 20), so the
+# decode kernel takes the numbers ahead only where a split spans DECODE_AHEAD_MIN_TILES tiles of the table or more
+# (decode_table_ahead: W2's B = 1,024, one split of 16 tiles, yes; B <= 16, 3-16 splits, no).
 DECODE_TABLE_AHEAD = True
+DECODE_AHEAD_MIN_TILES = 8
 PREFILL_TABLE_AHEAD = True
+
+
+def decode_table_ahead(num_splits: int, max_context: int, tile_n: int) -> bool:
+    """Whether the decode kernel loads its block numbers a tile ahead (DECODE_TABLE_AHEAD): splits of at least
+    DECODE_AHEAD_MIN_TILES key tiles of a table max_context tokens wide."""
+    return DECODE_TABLE_AHEAD and max_context >= DECODE_AHEAD_MIN_TILES * num_splits * tile_n
 
 # Keys per step of the decode kernel's loop for a cache in q's dtype on the GPU (decode_num_splits makes a split at
 # least one such tile, so at batch 1 it also sets how many programs share a short context).
@@ -507,7 +518,7 @@ def paged_decode_attention_triton(
     does. out: where to write [B, Hq, D] (a view of a mixed step's output); None allocates. pdl: launch with
     programmatic dependent launch after the qkv kernel (decode_pdl.py; a cache in q's dtype only); under the
     interpreter the same peeled first tile runs without the launch attribute and the griddepcontrol PTX.
-    table_ahead: each key tile's block numbers loaded a tile ahead (None: DECODE_TABLE_AHEAD)."""
+    table_ahead: each key tile's block numbers loaded a tile ahead (None: decode_table_ahead's choice)."""
     _check_cache(q, k_cache, v_cache, k_scale, v_scale)
     if q.shape[0] != context_lens.shape[0] or block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
         raise ValueError(f"decode attention: q [B, Hq, D], block_tables [B, max_blocks], context_lens [B] "
@@ -548,7 +559,8 @@ def paged_decode_attention_triton(
         NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype), FP8_CACHE=fp8,
         FUSED_COMBINE=fused_combine, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_GP=block_gp,
         CHUNK_S=_combine_chunk(num_splits, block_gp, block_d, q.is_cuda),
-        TABLE_AHEAD=DECODE_TABLE_AHEAD if table_ahead is None else table_ahead, **fp8_args, **launch,
+        TABLE_AHEAD=decode_table_ahead(num_splits, max_context, tile_n) if table_ahead is None else table_ahead,
+        **fp8_args, **launch,
     )
     if num_splits > 1 and not fused_combine:
         _decode_reduce_kernel[(batch, num_q_heads)](
