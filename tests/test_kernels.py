@@ -300,6 +300,16 @@ def test_decode_num_splits_fills_the_gpu() -> None:
     assert decode_num_splits(1, 1, 1 << 20, 132, 64) == 64  # capped: scratch and reduce stay small
 
 
+def test_decode_num_splits_follows_its_constants(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stoker.engine.kernels import attention
+
+    monkeypatch.setattr(attention, "DECODE_MAX_SPLITS", 4)
+    assert decode_num_splits(1, 8, 1024, 132, 64) == 4
+    monkeypatch.setattr(attention, "DECODE_MAX_SPLITS", 64)
+    monkeypatch.setattr(attention, "DECODE_SPLIT_WAVES", 1)
+    assert decode_num_splits(1, 8, 8192, 132, 64) == 17  # one wave: 132 / 8 programs a split, rounded up
+
+
 # ----------------------------------------------------------------------------- dispatch and bad inputs
 @pytest.mark.parametrize("device,dtype", CASES)
 def test_launchers_reject_bad_layouts(device: str, dtype: torch.dtype) -> None:

@@ -403,8 +403,17 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count:
     live splits share the work evenly). Choosing the count from the live maximum inside a graph would need
     that maximum on the host (a sync) or a grid per context bucket (more captures): not worth it while the
     empty programs cost one load of context_lens each."""
-    wanted = triton.cdiv(2 * sm_count, max(1, batch * num_kv_heads))
-    return max(1, min(wanted, triton.cdiv(max_context, tile_n), 64))
+    wanted = triton.cdiv(DECODE_SPLIT_WAVES * sm_count, max(1, batch * num_kv_heads))
+    return max(1, min(wanted, triton.cdiv(max_context, tile_n), DECODE_MAX_SPLITS))
+
+
+# decode_num_splits' programs (waves over the SMs) and its cap on splits. Constants so that a bench can A/B them
+# (`ops/bench.py --decode-kernels auto,auto+set=attention.DECODE_MAX_SPLITS=4`): W1's decode attention is 8.2 us a
+# layer on the critical path (session 19), most of it the split combine's chain (store, arrival add, loads of the
+# partials), and with the key tiles pipelined (decode_table_ahead) fewer, longer splits may pay at batch 1 (not
+# measured yet).
+DECODE_SPLIT_WAVES = 2
+DECODE_MAX_SPLITS = 64
 
 
 # The key tiles' block numbers loaded one tile ahead of the tile (a loop-carried value) instead of inside it. Why:
