@@ -117,13 +117,16 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     pdl: bool = False,
+    table_ahead: bool | None = None,
 ) -> torch.Tensor:
     """counters: the fused combine's (attention.decode_combine_counters); the reference needs none. out: as for
     paged_attention. num_splits: the split-K count (None: the launcher's pick for these shapes). pdl: the Triton
-    kernel launched with programmatic dependent launch (decode_pdl.py)."""
+    kernel launched with programmatic dependent launch (decode_pdl.py). table_ahead: the key tiles' block numbers
+    loaded a tile ahead (None: the launcher's pick, attention.decode_table_ahead)."""
     if use_triton(q):
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits,
-                                             k_scale=k_scale, v_scale=v_scale, counters=counters, out=out, pdl=pdl)
+                                             k_scale=k_scale, v_scale=v_scale, counters=counters, out=out, pdl=pdl,
+                                             table_ahead=table_ahead)
     return _into(out, paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale,
                                                  v_scale))
 

@@ -466,6 +466,15 @@ def decode_splits(
     return decode_num_splits(batch, k_cache.shape[2], max_context, _sm_count(q.device), tile_n)
 
 
+def decode_bucket_launch(batch: int, max_context: int, q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, bool]:
+    """(split count, block numbers ahead) of the launch a CUDA-graph bucket of `batch` sequences over a table
+    max_context tokens wide makes: what a mixed step's decode rows launch as (layers/attention.py), so they run a
+    variant the capture compiled. Both follow the table's width, and a mixed step's eager table is narrower than the
+    graph's: choosing from its own would compile new variants mid-run (tests/test_mixed_decode_launch.py)."""
+    num_splits = decode_splits(batch, max_context, q, k_cache)
+    return num_splits, decode_table_ahead(num_splits, max_context, _decode_tile_n(q, k_cache, None))
+
+
 def _combine_chunk(num_splits: int, block_gp: int, block_d: int, on_gpu: bool) -> int:
     """Splits per step of the fused combine (_combine_group): its [BLOCK_GP, CHUNK_S, BLOCK_D] float32 tile at
     <= 8192 elements (64 registers a thread at 4 warps): all 16 splits of W1's 8B step in one step. The

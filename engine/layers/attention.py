@@ -14,7 +14,7 @@ import math
 import torch
 from stoker.engine import kernels
 from stoker.engine.batch import AttentionMetadata
-from stoker.engine.kernels.attention import decode_combine_counters, decode_splits
+from stoker.engine.kernels.attention import decode_bucket_launch, decode_combine_counters
 from stoker.engine.layers.weights import WeightModule
 from torch import nn
 
@@ -83,17 +83,17 @@ class PagedAttention(WeightModule):
         assert meta.prompt_query_start_loc is not None  # set by the runner whenever num_decodes is
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        num_splits, counters = None, self._counters_for(q[:nd])
+        num_splits, ahead, counters = None, None, self._counters_for(q[:nd])
         if meta.decode_launch is not None and kernels.use_triton(q):  # (the reference has no splits)
-            # Launched as the graph bucket that would hold these rows: a (split count, combine) variant the capture
-            # compiled. At their own count (e.g. 20-28 rows: 2 splits, two-kernel combine) they compiled 2 Triton
-            # variants mid-W2 on a fresh machine (~1 s of host each; BENCHMARKS.md, 18:57 UTC).
+            # Launched as the graph bucket that would hold these rows: a (split count, combine, block numbers ahead)
+            # variant the capture compiled. At their own count (e.g. 20-28 rows: 2 splits, two-kernel combine) they
+            # compiled 2 Triton variants mid-W2 on a fresh machine (~1 s of host each; BENCHMARKS.md, 18:57 UTC).
             rows, table_tokens = meta.decode_launch
-            num_splits = decode_splits(rows, table_tokens, q, k_cache)
+            num_splits, ahead = decode_bucket_launch(rows, table_tokens, q, k_cache)
             counters = self._counters_for_batch(rows, q.device)
         kernels.paged_decode_attention(
             q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], self.scale, self.k_scale,
-            self.v_scale, counters, out=out[:nd], num_splits=num_splits,
+            self.v_scale, counters, out=out[:nd], num_splits=num_splits, table_ahead=ahead,
         )
         kernels.paged_attention(
             q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prompt_query_start_loc, meta.context_lens[nd:],
