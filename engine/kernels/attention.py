@@ -225,16 +225,16 @@ def _decode_split_kernel(
     table_row = block_tables_ptr + seq * block_table_stride
     if TABLE_AHEAD:  # each tile's block numbers loaded one tile ahead (see DECODE_TABLE_AHEAD)
         ahead = loop_start + tl.arange(0, TILE_N)
-        block_next = tl.load(table_row + ahead // BLOCK_SIZE, mask=ahead < end, other=0)
+        block_next = _table_blocks(table_row, ahead, ahead < end, BLOCK_SIZE)
     for tile_start in range(loop_start, end, TILE_N):
         pos = tile_start + tl.arange(0, TILE_N)
         key_mask = pos < end
         if TABLE_AHEAD:
             block = block_next
             ahead = pos + TILE_N
-            block_next = tl.load(table_row + ahead // BLOCK_SIZE, mask=ahead < end, other=0)
+            block_next = _table_blocks(table_row, ahead, ahead < end, BLOCK_SIZE)
         else:
-            block = tl.load(table_row + pos // BLOCK_SIZE, mask=key_mask, other=0)
+            block = _table_blocks(table_row, pos, key_mask, BLOCK_SIZE)
         slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         kv_offset = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
         kv_mask = key_mask[:, None] & dim_mask[None, :]
@@ -269,6 +269,13 @@ def _decode_split_kernel(
             _combine_if_last(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, counters_ptr, seq, kv_head,
                              tl.cdiv(context_len, split_len), out_seq_stride, out_head_stride,
                              NUM_KV_HEADS, GROUP, BLOCK_GP, HEAD_DIM, BLOCK_D, NUM_SPLITS, CHUNK_S)
+
+
+@triton.jit
+def _table_blocks(table_row, pos, mask, BLOCK_SIZE: tl.constexpr):
+    """The cache block of each key position `pos` (0 where `mask` is off: positions past the keys, never read): one
+    sequence's block-table row, read by both attention kernels once a key tile, in its loop or a tile ahead."""
+    return tl.load(table_row + pos // BLOCK_SIZE, mask=mask, other=0)
 
 
 @triton.jit
@@ -664,16 +671,16 @@ def _prefill_kernel(
         table_row = block_tables_ptr + seq * block_table_stride
         if TABLE_AHEAD:  # as the decode kernel's
             ahead = tl.arange(0, TILE_N)
-            block_next = tl.load(table_row + ahead // BLOCK_SIZE, mask=ahead < key_end, other=0)
+            block_next = _table_blocks(table_row, ahead, ahead < key_end, BLOCK_SIZE)
         for tile_start in range(0, key_end, TILE_N):
             pos = tile_start + tl.arange(0, TILE_N)
             key_mask = pos < key_end
             if TABLE_AHEAD:
                 block = block_next
                 ahead = pos + TILE_N
-                block_next = tl.load(table_row + ahead // BLOCK_SIZE, mask=ahead < key_end, other=0)
+                block_next = _table_blocks(table_row, ahead, ahead < key_end, BLOCK_SIZE)
             else:
-                block = tl.load(table_row + pos // BLOCK_SIZE, mask=key_mask, other=0)
+                block = _table_blocks(table_row, pos, key_mask, BLOCK_SIZE)
             slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
             kv_offset = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
             k = kv_for_dots(tl.load(k_cache_ptr + kv_offset, mask=key_mask[:, None] & dim_mask, other=0.0), q.dtype,
