@@ -216,4 +216,3 @@ def test_fused_mlp_pdl_forms_read_other_kernels_outputs_after_their_waits(carrie
     assert trigger < wait and _loads(finish[:wait]) == 0
     plain_stream, plain_finish = _mlp_ptx(carried, pdl=False)
     assert not any("griddepcontrol" in line for line in plain_stream + plain_finish)
-

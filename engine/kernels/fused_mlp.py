@@ -244,10 +244,6 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     gdc, early = pdl and on_gpu, finish_early and on_gpu
     slots = {"NUM_SLOTS": _gemv.NORM_SLOTS, "SLOT_STRIDE": _gemv.NORM_SLOT_STRIDE, "SUM_UNIT": _gemv.NORM_SUM_UNIT}
     placeholder = accumulator  # any tensor: its pointer is never read
-    finish = {"SUMS_OUT": sums_out is not None, "ZERO_SUMS": zero_sums is not None,
-              "SUMS_ROWS": zero_sums.shape[0] if zero_sums is not None else 16}
-    sums_out_t = sums_out if sums_out is not None else placeholder
-    zero_t = zero_sums if zero_sums is not None else placeholder
     _mlp_kernel[(triton.cdiv(inter, cfg.bi),)](
         x, gate_up, down, accumulator, norm_sums if norm_sums is not None else placeholder,
         num_rows, hidden, inter, hidden, eps, x.stride(0), gate_up.stride(0), down.stride(0),
@@ -258,8 +254,10 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     )
     block_h = 256 if x.is_cuda else 32
     _mlp_finish_kernel[(triton.cdiv(hidden, block_h), num_rows)](
-        accumulator, residual, out, sums_out_t, zero_t, hidden, residual.stride(0), out.stride(0),
-        BLOCK_H=block_h, PDL_GDC=gdc or early, TRIGGER_FIRST=early, **finish, **slots,
-        num_warps=4, **({"launch_pdl": True} if gdc or early else {}),
+        accumulator, residual, out, sums_out if sums_out is not None else placeholder,
+        zero_sums if zero_sums is not None else placeholder, hidden, residual.stride(0), out.stride(0),
+        BLOCK_H=block_h, SUMS_OUT=sums_out is not None, ZERO_SUMS=zero_sums is not None,
+        SUMS_ROWS=zero_sums.shape[0] if zero_sums is not None else 16, PDL_GDC=gdc or early, TRIGGER_FIRST=early,
+        **slots, num_warps=4, **({"launch_pdl": True} if gdc or early else {}),
     )
     return out
