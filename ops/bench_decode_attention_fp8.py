@@ -55,8 +55,7 @@ W2_VARIANTS: list[tuple[Fp8AttentionConfig, int | None]] = [  # the likeliest fi
     (V("f16-vwords", 32, 2, 4), None), (V("f16", 64, 4, 3), None),
 ]
 # --ahead: every variant with the block numbers in its loop and a tile ahead (attention.DECODE_TABLE_AHEAD); the
-# default runs each with the launchers' default only.
-AHEADS: tuple[bool | None, ...] = (None,)
+# default runs each with the launchers' default only (None).
 AHEAD_LABEL = {None: "", False: " in-loop", True: " ahead"}
 PREFILL_VARIANTS = [Fp8AttentionConfig("cast", 64, 4, 3), Fp8AttentionConfig("f16", 64, 4, 3),
                     Fp8AttentionConfig("bits", 64, 4, 3), Fp8AttentionConfig("f16", 32, 4, 3)]
@@ -112,19 +111,20 @@ def record(rows: list[dict], kernel: str, shape: str, variant: str, us: float, n
 
 
 def bench_decode(rows: list[dict], batch: int, ctx: int, device: str, dtype: torch.dtype,
-                 variants: list[tuple[Fp8AttentionConfig, int | None]] | None = None) -> None:
+                 variants: list[tuple[Fp8AttentionConfig, int | None]] | None = None,
+                 aheads: tuple[bool | None, ...] = (None,)) -> None:
     (k, v), (k8, v8), tables = paged_caches(batch, ctx, device, dtype)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
     q = torch.randn(batch, HQ, HEAD_DIM, device=device, dtype=dtype)
     scale, shape = HEAD_DIM**-0.5, f"B={batch} ctx={ctx}"
     elems = 2 * batch * ctx * HKV * HEAD_DIM
-    for ahead in AHEADS:
+    for ahead in aheads:
         record(rows, "decode", shape, "bf16 cache" + AHEAD_LABEL[ahead], time_us(
             lambda ahead=ahead: paged_decode_attention_triton(q, k, v, tables, lens, scale, table_ahead=ahead),
             elems * 2), elems * 2, 0.0)
     ks, vs = K_SCALE.to(device), V_SCALE.to(device)
     baseline = None
-    for (config, splits), ahead in [(v, a) for v in variants or [(c, None) for c in DECODE_VARIANTS] for a in AHEADS]:
+    for (config, splits), ahead in [(v, a) for v in variants or [(c, None) for c in DECODE_VARIANTS] for a in aheads]:
         def call(config: Fp8AttentionConfig = config, splits: int | None = splits, ahead: bool = ahead
                  ) -> torch.Tensor:
             return paged_decode_attention_triton(q, k8, v8, tables, lens, scale, splits, k_scale=ks, v_scale=vs,
@@ -139,7 +139,8 @@ def bench_decode(rows: list[dict], batch: int, ctx: int, device: str, dtype: tor
         record(rows, "decode", shape, label, time_us(call, elems), elems, (out - baseline).abs().max().item())
 
 
-def bench_prefill(rows: list[dict], num_seqs: int, prompt: int, device: str, dtype: torch.dtype) -> None:
+def bench_prefill(rows: list[dict], num_seqs: int, prompt: int, device: str, dtype: torch.dtype,
+                  aheads: tuple[bool | None, ...] = (None,)) -> None:
     """One prefill step of num_seqs new prompts (W2: 16 x 512 = 8,192 tokens), the cache already written."""
     (k, v), (k8, v8), tables = paged_caches(num_seqs, prompt, device, dtype)
     qsl = torch.arange(num_seqs + 1, device=device, dtype=torch.int32) * prompt
@@ -147,13 +148,13 @@ def bench_prefill(rows: list[dict], num_seqs: int, prompt: int, device: str, dty
     q = torch.randn(num_seqs * prompt, HQ, HEAD_DIM, device=device, dtype=dtype)
     scale, shape = HEAD_DIM**-0.5, f"T={num_seqs * prompt} ({num_seqs}x{prompt})"
     elems = 2 * num_seqs * prompt * HKV * HEAD_DIM
-    for ahead in AHEADS:
+    for ahead in aheads:
         record(rows, "prefill", shape, "bf16 cache" + AHEAD_LABEL[ahead], time_us(
             lambda ahead=ahead: paged_attention_triton(q, k, v, tables, qsl, lens, scale, table_ahead=ahead),
             elems * 2), elems * 2, 0.0)
     ks, vs = K_SCALE.to(device), V_SCALE.to(device)
     baseline = None
-    for config, ahead in [(c, a) for c in PREFILL_VARIANTS for a in AHEADS]:
+    for config, ahead in [(c, a) for c in PREFILL_VARIANTS for a in aheads]:
         def call(config: Fp8AttentionConfig = config, ahead: bool = ahead) -> torch.Tensor:
             return paged_attention_triton(q, k8, v8, tables, qsl, lens, scale, ks, vs, fp8_config=config,
                                           table_ahead=ahead)
@@ -227,20 +228,16 @@ def main() -> None:
     decode_shapes = [(2, 20)] if opts.tiny else [(1024, 640), (1024, 4096), (256, 640), (256, 4096),
                                                              (1, 640), (1, 4096)]
     prefill_shape = (1, 16) if opts.tiny else (16, 512)
-    jobs: list[Callable[[list[dict]], None]] = [partial(bench_decode, batch=b, ctx=c, device=device, dtype=dtype)
+    common = {"device": device, "dtype": dtype, "aheads": (False, True) if opts.ahead else (None,)}
+    prefill_job = partial(bench_prefill, num_seqs=prefill_shape[0], prompt=prefill_shape[1], **common)
+    jobs: list[Callable[[list[dict]], None]] = [partial(bench_decode, batch=b, ctx=c, **common)
                                                 for b, c in decode_shapes]
-    jobs.insert(1, partial(bench_prefill, num_seqs=prefill_shape[0], prompt=prefill_shape[1], device=device,
-                           dtype=dtype))
+    jobs.insert(1, prefill_job)
     if opts.w2:
         w2_shapes = [(2, 20), (3, 7)] if opts.tiny else [(1024, 640), (1024, 768)]
-        jobs = [partial(bench_decode, batch=b, ctx=c, device=device, dtype=dtype, variants=W2_VARIANTS)
-                for b, c in w2_shapes]
+        jobs = [partial(bench_decode, batch=b, ctx=c, variants=W2_VARIANTS, **common) for b, c in w2_shapes]
         if opts.prefill:
-            jobs.insert(1, partial(bench_prefill, num_seqs=prefill_shape[0], prompt=prefill_shape[1], device=device,
-                                   dtype=dtype))
-    if opts.ahead:
-        global AHEADS
-        AHEADS = (False, True)
+            jobs.insert(1, prefill_job)
     print(f"{torch.cuda.get_device_name() if cuda else 'cpu (interpreter)'}  torch {torch.__version__}  "
           f"Hq {HQ} Hkv {HKV} D {HEAD_DIM} block {BLOCK}")
     print("| kernel | shape | cache / variant | us | GB/s | err vs fp8 cast |\n|---|---|---|---|---|---|")

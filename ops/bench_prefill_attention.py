@@ -22,7 +22,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-from bench_decode_attention_fp8 import HEAD_DIM, HQ, paged_caches, time_us  # noqa: E402
+from bench_decode_attention_fp8 import AHEAD_LABEL, HEAD_DIM, HQ, paged_caches, time_us  # noqa: E402
 from stoker.engine.kernels.attention import PREFILL_TILES, PrefillTiles, paged_attention_triton  # noqa: E402
 
 SWEEP = [PREFILL_TILES, PrefillTiles(64, 64, 4, 2), PrefillTiles(64, 128, 8, 2), PrefillTiles(64, 64, 4, 3),
@@ -53,7 +53,7 @@ def main() -> None:
     rows, baseline = [], None
     aheads = (False, True) if opts.ahead else (None,)
     for tiles, ahead in [(t, a) for t in SWEEP for a in aheads]:
-        label = tiles.label + {None: "", False: " in-loop", True: " ahead"}[ahead]
+        label = tiles.label + AHEAD_LABEL[ahead]
         def call(tiles: PrefillTiles = tiles, ahead: bool | None = ahead) -> torch.Tensor:
             return paged_attention_triton(q, k, v, tables, qsl, lens, HEAD_DIM**-0.5, tiles=tiles, table_ahead=ahead)
         try:
