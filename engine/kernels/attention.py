@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from stoker.engine.kernels import decode_fp8_mma
 from stoker.engine.kernels._triton import check_launchable, interpreting, tl, triton
 from stoker.engine.kernels.decode_pdl import pdl_first_tile, pdl_first_tile_early
 from stoker.engine.kernels.kv_fp8_tiles import (
@@ -16,6 +17,7 @@ from stoker.engine.kernels.kv_fp8_tiles import (
     DEFAULT_PREFILL,
     FP8_F16,
     FP8_F16_VWORDS,
+    FP8_MMA,
     FP8_MODES,
     Fp8AttentionConfig,
     fp8_dot_fp16,
@@ -162,6 +164,8 @@ def _fp8_launch(fp8: bool, config: Fp8AttentionConfig, q: torch.Tensor, decode: 
     if not fp8:
         return {}, {"num_warps": 4}
     mode = FP8_MODES[config.mode]
+    if mode == FP8_MMA:  # decode_fp8_mma.py's kernel where it runs (the launcher); here, where it does not
+        mode = FP8_F16_VWORDS
     if mode == FP8_F16_VWORDS and (q.shape[2] % 4 or not decode):
         mode = FP8_F16  # the words need head_dim % 4 == 0; the prefill kernel has no word path (nor FP8_PTX)
     constexprs = {"FP8_MODE": mode, "DOT_FP16": fp8_dot_fp16(config.mode, q.dtype == torch.float32)}
@@ -456,11 +460,33 @@ def decode_table_ahead(num_splits: int, max_context: int, tile_n: int) -> bool:
 DECODE_TILE_N = 64
 
 
+# The FP8 cache's decode attention by decode_fp8_mma.py's Gluon kernel (mode "mma": one warp a program, K and V
+# loaded straight into MMA operand registers) where it runs, instead of DEFAULT_DECODE's split kernel; its tile and
+# whether it prefetches the next one. Constants so that ops/bench.py can A/B them
+# (`--decode-kernels auto+set=attention.DECODE_FP8_MMA=True`).
+DECODE_FP8_MMA = False
+DECODE_FP8_MMA_TILE_N = 16
+DECODE_FP8_MMA_PREFETCH = False
+
+
+def _decode_fp8_config(q: torch.Tensor, k_cache: torch.Tensor, fp8_config: Fp8AttentionConfig | None
+                       ) -> tuple[Fp8AttentionConfig, bool]:
+    """(the FP8 cache's decode config that runs, whether decode_fp8_mma.py's kernel runs it): mode "mma" where
+    that kernel cannot run falls back to the split kernel's words at tile 64 (kv_fp8_tiles.py)."""
+    config = fp8_config or (Fp8AttentionConfig("mma", DECODE_FP8_MMA_TILE_N, 1, 2 if DECODE_FP8_MMA_PREFETCH else 1)
+                            if DECODE_FP8_MMA else DEFAULT_DECODE)
+    if config.mode != "mma":
+        return config, False
+    if decode_fp8_mma.supported(q, k_cache):
+        return config, True
+    return Fp8AttentionConfig("f16-vwords", 64, config.num_warps, config.num_stages), False
+
+
 def _decode_tile_n(q: torch.Tensor, k_cache: torch.Tensor, fp8_config: Fp8AttentionConfig | None) -> int:
     """Keys per step of the decode kernel's loop."""
     if not q.is_cuda:
         return 16  # the interpreter pays per element: small tiles keep tests fast
-    return (fp8_config or DEFAULT_DECODE).tile_n if is_fp8_cache(k_cache) else DECODE_TILE_N
+    return _decode_fp8_config(q, k_cache, fp8_config)[0].tile_n if is_fp8_cache(k_cache) else DECODE_TILE_N
 
 
 def decode_splits(
@@ -559,6 +585,7 @@ def paged_decode_attention_triton(
     group = num_q_heads // num_kv_heads
     tile_n = _decode_tile_n(q, k_cache, fp8_config)
     fp8 = is_fp8_cache(k_cache)
+    fp8_config, mma = _decode_fp8_config(q, k_cache, fp8_config) if fp8 else (None, False)
     fp8_args, launch = _fp8_launch(fp8, fp8_config or DEFAULT_DECODE, q, decode=True)
     if pdl:
         fp8_args |= {"USE_PDL": True, "PDL_GDC": not interpreting()}
@@ -575,6 +602,32 @@ def paged_decode_attention_triton(
     block_gp = triton.next_power_of_2(group)
     if counters is not None:
         _check_counters(counters, batch * num_kv_heads, q.device)
+    if mma:  # no fused combine there: the reduce kernel below combines its splits
+        decode_fp8_mma.decode_fp8_mma(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, out,
+                                      (part_out, part_max, part_sum), num_splits, tile_n,
+                                      prefetch=fp8_config.num_stages > 1)
+        fused_combine = False
+    else:
+        _launch_decode_split(
+            q, k_cache, v_cache, block_tables, context_lens, scale, out, part_out, part_max, part_sum, k_scale_arg,
+            v_scale_arg, counters, num_splits, tile_n, block_d, block_gp, fused_combine, fp8, max_context,
+            table_ahead, fp8_args, launch)
+    if num_splits > 1 and not fused_combine:
+        _decode_reduce_kernel[(batch, num_q_heads)](
+            out, part_out, part_max, part_sum, context_lens, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), TILE_N=tile_n, num_warps=4,
+        )
+    return out
+
+
+def _launch_decode_split(q, k_cache, v_cache, block_tables, context_lens, scale, out, part_out, part_max, part_sum,
+                         k_scale_arg, v_scale_arg, counters, num_splits, tile_n, block_d, block_gp, fused_combine,
+                         fp8, max_context, table_ahead, fp8_args, launch) -> None:  # noqa: ANN001
+    """paged_decode_attention_triton's launch of the split kernel."""
+    batch, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max, part_sum, k_scale_arg, v_scale_arg,
         counters if counters is not None else context_lens,  # a placeholder without the fused combine
@@ -587,13 +640,6 @@ def paged_decode_attention_triton(
         TABLE_AHEAD=decode_table_ahead(num_splits, max_context, tile_n) if table_ahead is None else table_ahead,
         **fp8_args, **launch,
     )
-    if num_splits > 1 and not fused_combine:
-        _decode_reduce_kernel[(batch, num_q_heads)](
-            out, part_out, part_max, part_sum, context_lens, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), TILE_N=tile_n, num_warps=4,
-        )
-    return out
 
 
 @triton.jit

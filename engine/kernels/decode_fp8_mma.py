@@ -1,0 +1,201 @@
+"""Decode attention over the FP8 KV cache with every K / V byte going from its load straight into tensor-core
+operand registers (issue 14): a Gluon kernel, one warp a program, no shared memory.
+
+Why: the Triton split kernel (attention.py) reads the FP8 cache at 60 % of the H200's bandwidth (ncu, session 20:
+W2's decode, B = 1,024, context 640), held by the V tile's trip through shared memory (converted to fp16 in
+registers, stored with 6.7-way bank conflicts to reach the MMA's layout, read back). Triton picks those layouts
+itself; Gluon (triton.experimental.gluon, Triton 3.6) lets the kernel name them, so each tile is loaded directly
+in the layout the mma_v2 instruction wants its operand in, converted in registers, and multiplied.
+
+How the loads land in operand registers. A program is (sequence, kv head, split); its GROUP query heads are
+rows of a 16-row tile (m16n8k16 fp16 MMAs, float32 accumulators).
+- Scores = q K^T: K^T is the B operand with k_width 4, so each lane holds 4 consecutive head dims of one key per
+  16-dim chunk. The dot does not care in which order it meets the head dims, so logical dim k = c*16 + t*4 + b
+  reads physical dim t*(D/4) + c*4 + b: a lane then holds D/4 contiguous bytes of its key (two 16-byte loads at
+  D = 128), and q is read in the same order (once a program).
+- Out += P V: V is the B operand with k_width 2 (P comes from the scores' accumulators with no data movement at
+  that width). A lane holds output columns n = lane // 4 + 8 j; column n is taken to be physical dim
+  (n % 8) * (D/8) + n // 8, so a lane holds D/8 contiguous bytes of each of its keys (one 16-byte load), and the
+  output is stored back through the same map.
+In both cases the load's layout is written out (load_layouts) and the relabelled tensor converted to the operand
+layout with `assert_trivial=True`: the compiler refuses to build the kernel if any data would move.
+
+Pipelining is explicit (Gluon has no automatic pipeliner): with PREFETCH the next tile's K and V are loaded
+before the current one is multiplied. Splits > 1 write partials that attention._decode_reduce_kernel combines.
+Needs sm_89+ (hardware e4m3 -> fp16 conversion; sm_80 would emulate it), GROUP <= 16, HEAD_DIM a power of two
+in [32, 256]; `supported` says so and the caller falls back to the Triton split kernel otherwise.
+"""
+from __future__ import annotations
+
+import torch
+from stoker.engine.kernels._triton import HAS_TRITON, interpreting
+
+try:  # Gluon ships with Triton >= 3.5; without it `supported` is False and nothing here is launched
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    HAS_GLUON = HAS_TRITON
+except Exception:  # triton missing, too old, or broken
+    HAS_GLUON = False
+
+    class _Jit:
+        @staticmethod
+        def jit(fn=None, **_):  # noqa: ANN001, ANN205
+            return fn if fn is not None else (lambda f: f)
+
+    gluon, gl, mma_v2 = _Jit(), None, None
+
+_LOG2E = 1.4426950408889634
+MAX_GROUP = 16  # query heads a kv head: the MMA's 16 rows
+
+
+def _bits(n: int) -> list[int]:
+    return [1 << i for i in range(n.bit_length() - 1)]
+
+
+def load_layouts(tile_n: int, head_dim: int) -> tuple:
+    """The register layouts the K and V tiles [tile_n, head_dim] are loaded in (one warp).
+    K: lane // 4 picks the key (+8, +16, ... in registers), lane % 4 a quarter of D, D/4 contiguous bytes a lane.
+    V: 2 * (lane % 4) + {0, 1} picks the key (+8, ... in registers), lane // 4 an eighth of D, D/8 bytes a lane."""
+    k = gl.DistributedLinearLayout(
+        reg_bases=[[0, b] for b in _bits(head_dim // 4)] + [[b, 0] for b in _bits(tile_n) if b >= 8],
+        lane_bases=[[0, head_dim // 4], [0, head_dim // 2], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[], block_bases=[], shape=[tile_n, head_dim])
+    v = gl.DistributedLinearLayout(
+        reg_bases=[[0, b] for b in _bits(head_dim // 8)] + [[1, 0]] + [[b, 0] for b in _bits(tile_n) if b >= 8],
+        lane_bases=[[2, 0], [4, 0]] + [[0, head_dim // 8 * b] for b in (1, 2, 4)],
+        warp_bases=[], block_bases=[], shape=[tile_n, head_dim])
+    return k, v
+
+
+@gluon.jit
+def _kv_tile(cache_ptr, table_row, tile_start, end, kv_head, NUM_KV_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr,
+             BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr, LAYOUT: gl.constexpr):
+    """The cache's [TILE_N, D] e4m3 tile of keys tile_start.. for kv_head, in LAYOUT; rows past end are 0."""
+    keys = tile_start + gl.arange(0, TILE_N, layout=gl.SliceLayout(1, LAYOUT))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LAYOUT))
+    live = keys < end
+    block = gl.load(table_row + keys // BLOCK_SIZE, mask=live, other=0)
+    slot = block.to(gl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
+    offsets = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
+    return gl.load(cache_ptr + offsets, mask=live[:, None], other=0.0)
+
+
+@gluon.jit
+def _decode_fp8_mma_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
+    part_out_ptr, part_max_ptr, part_sum_ptr, k_scale_ptr, v_scale_ptr,
+    qk_scale, q_seq_stride, q_head_stride, block_table_stride, out_seq_stride, out_head_stride,
+    NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+    TILE_N: gl.constexpr, NUM_SPLITS: gl.constexpr, PREFETCH: gl.constexpr,
+    K_LOAD: gl.constexpr, V_LOAD: gl.constexpr,
+):
+    seq = gl.program_id(0).to(gl.int64)
+    kv_head = gl.program_id(1)
+    split = gl.program_id(2)
+    context_len = gl.load(context_lens_ptr + seq)
+    # attention._decode_split_len: the live context cut into NUM_SPLITS whole tiles (the reduce kernel agrees)
+    split_len = gl.cdiv(gl.cdiv(gl.maximum(context_len, 1), NUM_SPLITS), TILE_N) * TILE_N
+    start = split * split_len
+    end = gl.minimum(start + split_len, context_len)
+    if (split > 0) & (start >= context_len):
+        return
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    a2: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b2: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    a4: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+    b4: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
+
+    # q [16, D] as the scores dot's A operand, its head dims in K's relabelled order (module docstring)
+    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, a4))
+    kq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, a4))
+    dq = (kq // 4 % 4) * (HEAD_DIM // 4) + (kq // 16) * 4 + kq % 4
+    q = gl.load(q_ptr + seq * q_seq_stride + (kv_head * GROUP + rows)[:, None] * q_head_stride + dq[None, :],
+                mask=(rows < GROUP)[:, None], other=0.0)
+    q = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
+    qk_scale = qk_scale * gl.load(k_scale_ptr)
+
+    running_max = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma))
+    running_sum = gl.full([16], 0.0, gl.float32, layout=gl.SliceLayout(1, mma))
+    acc = gl.full([16, HEAD_DIM], 0.0, gl.float32, layout=mma)
+    table_row = block_tables_ptr + seq * block_table_stride
+    if PREFETCH:
+        k_next = _kv_tile(k_cache_ptr, table_row, start, end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, TILE_N,
+                          K_LOAD)
+        v_next = _kv_tile(v_cache_ptr, table_row, start, end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, TILE_N,
+                          V_LOAD)
+    for tile_start in range(start, end, TILE_N):
+        if PREFETCH:
+            k8 = k_next
+            v8 = v_next
+            k_next = _kv_tile(k_cache_ptr, table_row, tile_start + TILE_N, end, kv_head, NUM_KV_HEADS, HEAD_DIM,
+                              BLOCK_SIZE, TILE_N, K_LOAD)
+            v_next = _kv_tile(v_cache_ptr, table_row, tile_start + TILE_N, end, kv_head, NUM_KV_HEADS, HEAD_DIM,
+                              BLOCK_SIZE, TILE_N, V_LOAD)
+        else:
+            k8 = _kv_tile(k_cache_ptr, table_row, tile_start, end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                          TILE_N, K_LOAD)
+            v8 = _kv_tile(v_cache_ptr, table_row, tile_start, end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                          TILE_N, V_LOAD)
+        # K [TILE_N, D] -> K^T [D, TILE_N] with dim t*(D/4) + c*4 + b relabelled c*16 + t*4 + b
+        k = gl.reshape(k8.to(gl.float16), [TILE_N, 4, HEAD_DIM // 16, 4])
+        k = gl.reshape(gl.permute(k, [0, 2, 1, 3]), [TILE_N, HEAD_DIM])
+        k = gl.convert_layout(gl.permute(k, [1, 0]), b4, assert_trivial=True)
+        scores = mma_v2(q, k, gl.full([16, TILE_N], 0.0, gl.float32, layout=mma)) * qk_scale
+        keys = tile_start + gl.arange(0, TILE_N, layout=gl.SliceLayout(0, mma))
+        scores = gl.where((keys < end)[None, :], scores, float("-inf"))
+        new_max = gl.maximum(running_max, gl.max(scores, axis=1))
+        correction = gl.exp2(running_max - new_max)
+        probs = gl.exp2(scores - new_max[:, None])
+        running_sum = running_sum * correction + gl.sum(probs, axis=1)
+        p = gl.convert_layout(probs.to(gl.float16), a2, assert_trivial=True)
+        # V [TILE_N, D] with dim hi*(D/8) + lo relabelled lo*8 + hi
+        v = gl.reshape(v8.to(gl.float16), [TILE_N, 8, HEAD_DIM // 8])
+        v = gl.reshape(gl.permute(v, [0, 2, 1]), [TILE_N, HEAD_DIM])
+        v = gl.convert_layout(v, b2, assert_trivial=True)
+        acc = mma_v2(p, v, acc * correction[:, None])
+        running_max = new_max
+    acc = acc * gl.load(v_scale_ptr)
+
+    out_rows = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
+    columns = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma))
+    dims = (columns % 8) * (HEAD_DIM // 8) + columns // 8
+    heads = kv_head * GROUP + out_rows
+    row_mask = out_rows < GROUP
+    if NUM_SPLITS == 1:
+        gl.store(out_ptr + seq * out_seq_stride + heads[:, None] * out_head_stride + dims[None, :],
+                 (acc / running_sum[:, None]).to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    else:  # attention._decode_partials' [B, Hq, S(, D)] of the live splits
+        part = (seq * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split
+        gl.store(part_max_ptr + part, running_max, mask=row_mask)
+        gl.store(part_sum_ptr + part, running_sum, mask=row_mask)
+        gl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_mask[:, None])
+
+
+def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether this kernel runs these shapes here (else the Triton split kernel does)."""
+    if not (HAS_GLUON and q.is_cuda and not interpreting() and k_cache.dtype == torch.float8_e4m3fn):
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or torch.cuda.get_device_capability(q.device) < (8, 9):
+        return False
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // num_kv_heads
+    return 1 <= group <= MAX_GROUP and head_dim in (32, 64, 128, 256)
+
+
+def decode_fp8_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                   context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                   out: torch.Tensor, partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                   num_splits: int, tile_n: int = 16, prefetch: bool = True) -> None:
+    """out [B, Hq, D] = attention of q [B, Hq, D] over the FP8 cache [blocks, block_size, Hkv, D]. With
+    num_splits > 1, partials (attention._decode_partials) receive the splits and out is left to the reduce."""
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    k_load, v_load = load_layouts(tile_n, head_dim)
+    part_out, part_max, part_sum = partials if num_splits > 1 else (out, out, out)
+    _decode_fp8_mma_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max, part_sum, k_scale, v_scale,
+        scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        NUM_KV_HEADS=num_kv_heads, GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        TILE_N=tile_n, NUM_SPLITS=num_splits, PREFETCH=prefetch, K_LOAD=k_load, V_LOAD=v_load, num_warps=1)

@@ -1,0 +1,149 @@
+"""decode_fp8_mma.py's Gluon kernel (FP8 cache decode attention, K / V straight into MMA operand registers)
+against the plain-torch reference, and where it does not run, the fallback it names.
+
+The kernel itself runs on CUDA only (Gluon has no interpreter): those cases are marked gpu. On the CPU: the
+"mma" config falls back to the split kernel (under the interpreter) with the same result, and the kernel
+compiles for sm_90 with no shared memory (the point of it: a layout Triton would route through shared memory
+fails `assert_trivial` at compile time, so a compile is a real check).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+from kernel_harness import GPU, INTERPRET, NO_CUDA, close, run_under_interpreter  # noqa: E402
+from stoker.engine.kernels import decode_fp8_mma, paged_decode_attention_ref, paged_decode_attention_triton  # noqa: E402
+from stoker.engine.kernels.kv_fp8_tiles import Fp8AttentionConfig  # noqa: E402
+from test_kernels_fp8_kv import fp8_batch  # noqa: E402
+
+# (Hq, Hkv, D, block_size): Llama-3-8B's heads, a group of 7 at D 64 (Qwen-like), no grouping, a group of 16 at
+# D 256, the smallest head the kernel takes
+MMA_SHAPES = [(32, 8, 128, 16), (14, 2, 64, 16), (8, 8, 128, 8), (32, 2, 256, 16), (4, 1, 32, 32)]
+LENS = [1, 17, 100, 33, 640]  # one key, a tile and a bit, a partial last tile, a long context
+MMA_CONFIGS = [Fp8AttentionConfig("mma", 16, 1, 2), Fp8AttentionConfig("mma", 16, 1, 1),
+               Fp8AttentionConfig("mma", 32, 1, 1), Fp8AttentionConfig("mma", 64, 1, 1)]
+CONFIG_IDS = ["n16-prefetch", "n16", "n32", "n64"]
+
+
+@GPU
+@NO_CUDA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hkv,head_dim,block_size", MMA_SHAPES)
+@pytest.mark.parametrize("config", MMA_CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_mma_decode_matches_reference(dtype: torch.dtype, hq: int, hkv: int, head_dim: int, block_size: int,
+                                      config: Fp8AttentionConfig, num_splits: int | None) -> None:
+    """Every slot no sequence owns holds NaN (fp8_batch): a key read past a context, or a tile's padding let
+    into the softmax, poisons the output."""
+    k8, v8, tables, k_scale, v_scale = fp8_batch(LENS, hkv, head_dim, block_size, "cuda")
+    context_lens = torch.tensor(LENS, dtype=torch.int32, device="cuda")
+    q = torch.randn(len(LENS), hq, head_dim, device="cuda", dtype=dtype)
+    assert decode_fp8_mma.supported(q, k8)  # the Gluon kernel runs, not the fallback
+    out = paged_decode_attention_triton(q, k8, v8, tables, context_lens, head_dim**-0.5, num_splits,
+                                        k_scale=k_scale, v_scale=v_scale, fp8_config=config)
+    ref = paged_decode_attention_ref(q, k8, v8, tables, context_lens, head_dim**-0.5, k_scale, v_scale)
+    assert torch.isfinite(out).all() and ref.abs().max() > 0.1
+    close(out, ref, dtype)
+
+
+@GPU
+@NO_CUDA
+def test_mma_decode_into_a_strided_output_view() -> None:
+    """out as a view with a row stride wider than Hq * D (a mixed step's decode rows): written through its
+    strides, the columns around it untouched."""
+    lens = [5, 77]
+    k8, v8, tables, k_scale, v_scale = fp8_batch(lens, 8, 128, 16, "cuda")
+    context_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 32, 128, device="cuda", dtype=torch.bfloat16)
+    wide = torch.full((2, 40, 128), 7.0, device="cuda", dtype=torch.bfloat16)
+    config = Fp8AttentionConfig("mma", 16, 1, 2)
+    paged_decode_attention_triton(q, k8, v8, tables, context_lens, 0.1, 1, k_scale=k_scale, v_scale=v_scale,
+                                  fp8_config=config, out=wide[:, 4:36])
+    close(wide[:, 4:36], paged_decode_attention_ref(q, k8, v8, tables, context_lens, 0.1, k_scale, v_scale),
+          torch.bfloat16)
+    assert (wide[:, :4] == 7).all() and (wide[:, 36:] == 7).all()
+
+
+@GPU
+@NO_CUDA
+def test_mma_decode_clamps_queries_beyond_fp16() -> None:
+    """The dots run in fp16: a bf16 q past fp16's range is clamped (as the split kernel's f16 modes do)."""
+    lens = [40, 9]
+    k8, v8, tables, k_scale, v_scale = fp8_batch(lens, 2, 64, 16, "cuda")
+    context_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 8, 64, device="cuda", dtype=torch.bfloat16)
+    q[0, 0, 3] = 2.0e5
+    out = paged_decode_attention_triton(q, k8, v8, tables, context_lens, 1e-4, 1, k_scale=k_scale, v_scale=v_scale,
+                                        fp8_config=Fp8AttentionConfig("mma", 16, 1, 2))
+    clamped = q.float().clamp(-65504, 65504).to(torch.bfloat16)
+    assert torch.isfinite(out).all()
+    close(out, paged_decode_attention_ref(clamped, k8, v8, tables, context_lens, 1e-4, k_scale, v_scale),
+          torch.bfloat16)
+
+
+def test_mma_not_supported_where_it_cannot_run() -> None:
+    """CPU tensors, a cache in q's dtype, a group over 16 rows, a head_dim the layouts do not take: False."""
+    k8 = torch.zeros(2, 16, 2, 128).to(torch.float8_e4m3fn)
+    assert not decode_fp8_mma.supported(torch.zeros(1, 8, 128), k8)  # the CPU
+    if torch.cuda.is_available():
+        cuda8 = k8.cuda()
+        assert not decode_fp8_mma.supported(torch.zeros(1, 8, 128, device="cuda"), cuda8)  # float32 q
+        assert not decode_fp8_mma.supported(torch.zeros(1, 34, 128, device="cuda", dtype=torch.bfloat16),
+                                            cuda8)  # a group of 17
+        assert not decode_fp8_mma.supported(torch.zeros(1, 8, 80, device="cuda", dtype=torch.bfloat16),
+                                            torch.zeros(2, 16, 2, 80, device="cuda").to(torch.float8_e4m3fn))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's fallback (its run below)")
+def test_mma_config_falls_back_under_the_interpreter() -> None:
+    """Where the Gluon kernel cannot run, "mma" runs the split kernel (f16-vwords): the same answer as the
+    reference, at any split count."""
+    lens = [1, 17, 40]
+    k8, v8, tables, k_scale, v_scale = fp8_batch(lens, 2, 64, 16, "cpu")
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(3, 6, 64, dtype=torch.float16)
+    for num_splits in (1, 3):
+        out = paged_decode_attention_triton(q, k8, v8, tables, context_lens, 0.1, num_splits, k_scale=k_scale,
+                                            v_scale=v_scale, fp8_config=Fp8AttentionConfig("mma", 16, 1, 2))
+        close(out, paged_decode_attention_ref(q, k8, v8, tables, context_lens, 0.1, k_scale, v_scale),
+              torch.float16)
+
+
+@pytest.mark.skipif(INTERPRET or not decode_fp8_mma.HAS_GLUON, reason="compiles with Triton's JIT (no Gluon here)")
+@pytest.mark.parametrize("tile_n,head_dim,group,prefetch", [(16, 128, 4, True), (16, 128, 4, False), (32, 64, 7, False),
+                                                           (64, 256, 16, False), (16, 32, 1, True)])
+def test_mma_kernel_compiles_for_sm90_without_shared_memory(tile_n: int, head_dim: int, group: int,
+                                                            prefetch: bool) -> None:
+    """The sm_90 compile of the kernel, as the launcher would build it: every convert_layout into an MMA
+    operand asserts it moves no data (a compile error otherwise), and the kernel uses no shared memory."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    signature = {name: "*fp32" for name in ("part_out_ptr", "part_max_ptr", "part_sum_ptr", "k_scale_ptr",
+                                            "v_scale_ptr")}
+    signature |= {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "block_tables_ptr": "*i32",
+                  "context_lens_ptr": "*i32", "out_ptr": "*bf16", "qk_scale": "fp32", "q_seq_stride": "i32",
+                  "q_head_stride": "i32", "block_table_stride": "i32", "out_seq_stride": "i32",
+                  "out_head_stride": "i32"}
+    k_load, v_load = decode_fp8_mma.load_layouts(tile_n, head_dim)
+    constexprs = {"NUM_KV_HEADS": 8, "GROUP": group, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16, "TILE_N": tile_n,
+                  "NUM_SPLITS": 3, "PREFETCH": prefetch, "K_LOAD": k_load, "V_LOAD": v_load}
+    signature |= {name: "constexpr" for name in constexprs}
+    source = GluonASTSource(decode_fp8_mma._decode_fp8_mma_kernel, signature, constexprs=constexprs)
+    try:
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+    except RuntimeError as e:  # no CUDA toolchain in this triton install
+        if "ptxas" in str(e).lower():
+            pytest.skip(f"no ptxas for sm_90 here: {e}")
+        raise
+    assert kernel.metadata.shared == 0
+    ptx = kernel.asm["ptx"]
+    assert "mma.sync.aligned.m16n8k16" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
+    assert "ld.shared" not in ptx and "st.shared" not in ptx
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(INTERPRET, reason="this is the interpreter run itself")
+def test_decode_fp8_mma_under_triton_interpreter() -> None:
+    run_under_interpreter(__file__)
