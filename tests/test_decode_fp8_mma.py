@@ -21,9 +21,10 @@ from test_kernels_fp8_kv import fp8_batch  # noqa: E402
 # D 256, the smallest head the kernel takes
 MMA_SHAPES = [(32, 8, 128, 16), (14, 2, 64, 16), (8, 8, 128, 8), (32, 2, 256, 16), (4, 1, 32, 32)]
 LENS = [1, 17, 100, 33, 640]  # one key, a tile and a bit, a partial last tile, a long context
-MMA_CONFIGS = [Fp8AttentionConfig("mma", 16, 1, 2), Fp8AttentionConfig("mma", 16, 1, 1),
-               Fp8AttentionConfig("mma", 32, 1, 1), Fp8AttentionConfig("mma", 64, 1, 1)]
-CONFIG_IDS = ["n16-prefetch", "n16", "n32", "n64"]
+MMA_CONFIGS = [Fp8AttentionConfig("mma", 16, 1, 2), Fp8AttentionConfig("mma", 32, 1, 1),
+               Fp8AttentionConfig("mma-t", 16, 1, 2), Fp8AttentionConfig("mma-t", 16, 1, 1),
+               Fp8AttentionConfig("mma-t", 32, 1, 1), Fp8AttentionConfig("mma-t", 64, 1, 1)]
+CONFIG_IDS = ["n16-prefetch", "n32", "t-n16-prefetch", "t-n16", "t-n32", "t-n64"]
 
 
 @GPU
@@ -113,8 +114,9 @@ def test_mma_config_falls_back_under_the_interpreter() -> None:
 @pytest.mark.skipif(INTERPRET or not decode_fp8_mma.HAS_GLUON, reason="compiles with Triton's JIT (no Gluon here)")
 @pytest.mark.parametrize("tile_n,head_dim,group,prefetch", [(16, 128, 4, True), (16, 128, 4, False), (32, 64, 7, False),
                                                            (64, 256, 16, False), (16, 32, 1, True)])
+@pytest.mark.parametrize("keys_as_rows", [False, True])
 def test_mma_kernel_compiles_for_sm90_without_shared_memory(tile_n: int, head_dim: int, group: int,
-                                                            prefetch: bool) -> None:
+                                                            prefetch: bool, keys_as_rows: bool) -> None:
     """The sm_90 compile of the kernel, as the launcher would build it: every convert_layout into an MMA
     operand asserts it moves no data (a compile error otherwise), and the kernel uses no shared memory."""
     from triton.backends.compiler import GPUTarget
@@ -129,8 +131,12 @@ def test_mma_kernel_compiles_for_sm90_without_shared_memory(tile_n: int, head_di
     k_load, v_load = decode_fp8_mma.load_layouts(tile_n, head_dim)
     constexprs = {"NUM_KV_HEADS": 8, "GROUP": group, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16, "TILE_N": tile_n,
                   "NUM_SPLITS": 3, "PREFETCH": prefetch, "K_LOAD": k_load, "V_LOAD": v_load}
+    kernel_fn = decode_fp8_mma._decode_fp8_mma_kernel
+    if keys_as_rows:
+        kernel_fn = decode_fp8_mma._decode_fp8_mma_t_kernel
+        constexprs["BLOCK_G"] = max(8, triton.next_power_of_2(group))
     signature |= {name: "constexpr" for name in constexprs}
-    source = GluonASTSource(decode_fp8_mma._decode_fp8_mma_kernel, signature, constexprs=constexprs)
+    source = GluonASTSource(kernel_fn, signature, constexprs=constexprs)
     try:
         kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
     except RuntimeError as e:  # no CUDA toolchain in this triton install

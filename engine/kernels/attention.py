@@ -18,6 +18,7 @@ from stoker.engine.kernels.kv_fp8_tiles import (
     FP8_F16,
     FP8_F16_VWORDS,
     FP8_MMA,
+    FP8_MMA_T,
     FP8_MODES,
     Fp8AttentionConfig,
     fp8_dot_fp16,
@@ -164,7 +165,7 @@ def _fp8_launch(fp8: bool, config: Fp8AttentionConfig, q: torch.Tensor, decode: 
     if not fp8:
         return {}, {"num_warps": 4}
     mode = FP8_MODES[config.mode]
-    if mode == FP8_MMA:  # decode_fp8_mma.py's kernel where it runs (the launcher); here, where it does not
+    if mode in (FP8_MMA, FP8_MMA_T):  # decode_fp8_mma.py's kernels where they run (the launcher); here, where not
         mode = FP8_F16_VWORDS
     if mode == FP8_F16_VWORDS and (q.shape[2] % 4 or not decode):
         mode = FP8_F16  # the words need head_dim % 4 == 0; the prefill kernel has no word path (nor FP8_PTX)
@@ -467,15 +468,17 @@ DECODE_TILE_N = 64
 DECODE_FP8_MMA = False
 DECODE_FP8_MMA_TILE_N = 16
 DECODE_FP8_MMA_PREFETCH = False
+DECODE_FP8_MMA_KEYS_AS_ROWS = True
 
 
 def _decode_fp8_config(q: torch.Tensor, k_cache: torch.Tensor, fp8_config: Fp8AttentionConfig | None
                        ) -> tuple[Fp8AttentionConfig, bool]:
     """(the FP8 cache's decode config that runs, whether decode_fp8_mma.py's kernel runs it): mode "mma" where
     that kernel cannot run falls back to the split kernel's words at tile 64 (kv_fp8_tiles.py)."""
-    config = fp8_config or (Fp8AttentionConfig("mma", DECODE_FP8_MMA_TILE_N, 1, 2 if DECODE_FP8_MMA_PREFETCH else 1)
+    mma_mode = "mma-t" if DECODE_FP8_MMA_KEYS_AS_ROWS else "mma"
+    config = fp8_config or (Fp8AttentionConfig(mma_mode, DECODE_FP8_MMA_TILE_N, 1, 2 if DECODE_FP8_MMA_PREFETCH else 1)
                             if DECODE_FP8_MMA else DEFAULT_DECODE)
-    if config.mode != "mma":
+    if config.mode not in ("mma", "mma-t"):
         return config, False
     if decode_fp8_mma.supported(q, k_cache):
         return config, True
@@ -605,7 +608,7 @@ def paged_decode_attention_triton(
     if mma:  # no fused combine there: the reduce kernel below combines its splits
         decode_fp8_mma.decode_fp8_mma(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, out,
                                       (part_out, part_max, part_sum), num_splits, tile_n,
-                                      prefetch=fp8_config.num_stages > 1)
+                                      prefetch=fp8_config.num_stages > 1, keys_as_rows=fp8_config.mode == "mma-t")
         fused_combine = False
     else:
         _launch_decode_split(

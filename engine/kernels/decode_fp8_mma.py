@@ -173,6 +173,98 @@ def _decode_fp8_mma_kernel(
         gl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_mask[:, None])
 
 
+@gluon.jit
+def _decode_fp8_mma_t_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
+    part_out_ptr, part_max_ptr, part_sum_ptr, k_scale_ptr, v_scale_ptr,
+    qk_scale, q_seq_stride, q_head_stride, block_table_stride, out_seq_stride, out_head_stride,
+    NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr, NUM_SPLITS: gl.constexpr, PREFETCH: gl.constexpr,
+    K_LOAD: gl.constexpr, V_LOAD: gl.constexpr,
+):
+    """Keys as the MMAs' rows: scores^T = K q^T [TILE_N, BLOCK_G] and out^T += V^T P^T [D, BLOCK_G], so the query
+    heads are the 8-wide N of the instruction instead of 16 padded rows: half the MMAs and float32 accumulators
+    of _decode_fp8_mma_kernel at a group of 4. K is the A operand (k_width 4) and V^T the A operand (k_width 2),
+    loaded and relabelled as there; P^T reaches the B operand by warp shuffles (no shared memory)."""
+    seq = gl.program_id(0).to(gl.int64)
+    kv_head = gl.program_id(1)
+    split = gl.program_id(2)
+    context_len = gl.load(context_lens_ptr + seq)
+    split_len = gl.cdiv(gl.cdiv(gl.maximum(context_len, 1), NUM_SPLITS), TILE_N) * TILE_N
+    start = split * split_len
+    end = gl.minimum(start + split_len, context_len)
+    if (split > 0) & (start >= context_len):
+        return
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    a2: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b2: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    a4: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+    b4: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
+
+    # q^T [D, BLOCK_G] as the scores dot's B operand, its head dims in K's relabelled order
+    kq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, b4))
+    g = gl.arange(0, BLOCK_G, layout=gl.SliceLayout(0, b4))
+    dq = (kq // 4 % 4) * (HEAD_DIM // 4) + (kq // 16) * 4 + kq % 4
+    q = gl.load(q_ptr + seq * q_seq_stride + (kv_head * GROUP + g)[None, :] * q_head_stride + dq[:, None],
+                mask=(g < GROUP)[None, :], other=0.0)
+    q = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
+    qk_scale = qk_scale * gl.load(k_scale_ptr)
+
+    running_max = gl.full([BLOCK_G], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
+    running_sum = gl.full([BLOCK_G], 0.0, gl.float32, layout=gl.SliceLayout(0, mma))
+    acc = gl.full([HEAD_DIM, BLOCK_G], 0.0, gl.float32, layout=mma)
+    table_row = block_tables_ptr + seq * block_table_stride
+    if PREFETCH:
+        k_next = _kv_tile(k_cache_ptr, table_row, start, end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, TILE_N,
+                          K_LOAD)
+        v_next = _kv_tile(v_cache_ptr, table_row, start, end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, TILE_N,
+                          V_LOAD)
+    for tile_start in range(start, end, TILE_N):
+        if PREFETCH:
+            k8 = k_next
+            v8 = v_next
+            k_next = _kv_tile(k_cache_ptr, table_row, tile_start + TILE_N, end, kv_head, NUM_KV_HEADS, HEAD_DIM,
+                              BLOCK_SIZE, TILE_N, K_LOAD)
+            v_next = _kv_tile(v_cache_ptr, table_row, tile_start + TILE_N, end, kv_head, NUM_KV_HEADS, HEAD_DIM,
+                              BLOCK_SIZE, TILE_N, V_LOAD)
+        else:
+            k8 = _kv_tile(k_cache_ptr, table_row, tile_start, end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                          TILE_N, K_LOAD)
+            v8 = _kv_tile(v_cache_ptr, table_row, tile_start, end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                          TILE_N, V_LOAD)
+        k = gl.reshape(k8.to(gl.float16), [TILE_N, 4, HEAD_DIM // 16, 4])
+        k = gl.reshape(gl.permute(k, [0, 2, 1, 3]), [TILE_N, HEAD_DIM])
+        k = gl.convert_layout(k, a4, assert_trivial=True)
+        scores = mma_v2(k, q, gl.full([TILE_N, BLOCK_G], 0.0, gl.float32, layout=mma)) * qk_scale
+        keys = tile_start + gl.arange(0, TILE_N, layout=gl.SliceLayout(1, mma))
+        scores = gl.where((keys < end)[:, None], scores, float("-inf"))
+        new_max = gl.maximum(running_max, gl.max(scores, axis=0))
+        correction = gl.exp2(running_max - new_max)
+        probs = gl.exp2(scores - new_max[None, :])
+        running_sum = running_sum * correction + gl.sum(probs, axis=0)
+        p = gl.convert_layout(probs.to(gl.float16), b2)  # shuffles within the warp
+        v = gl.reshape(v8.to(gl.float16), [TILE_N, 8, HEAD_DIM // 8])
+        v = gl.reshape(gl.permute(v, [0, 2, 1]), [TILE_N, HEAD_DIM])
+        v = gl.convert_layout(gl.permute(v, [1, 0]), a2, assert_trivial=True)
+        acc = mma_v2(v, p, acc * correction[None, :])
+        running_max = new_max
+    acc = acc * gl.load(v_scale_ptr)
+
+    columns = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, mma))
+    dims = (columns % 8) * (HEAD_DIM // 8) + columns // 8
+    og = gl.arange(0, BLOCK_G, layout=gl.SliceLayout(0, mma))
+    heads = kv_head * GROUP + og
+    head_mask = og < GROUP
+    if NUM_SPLITS == 1:
+        gl.store(out_ptr + seq * out_seq_stride + heads[None, :] * out_head_stride + dims[:, None],
+                 (acc / running_sum[None, :]).to(out_ptr.dtype.element_ty), mask=head_mask[None, :])
+    else:
+        part = (seq * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split
+        gl.store(part_max_ptr + part, running_max, mask=head_mask)
+        gl.store(part_sum_ptr + part, running_sum, mask=head_mask)
+        gl.store(part_out_ptr + part[None, :] * HEAD_DIM + dims[:, None], acc, mask=head_mask[None, :])
+
+
 def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether this kernel runs these shapes here (else the Triton split kernel does)."""
     if not (HAS_GLUON and q.is_cuda and not interpreting() and k_cache.dtype == torch.float8_e4m3fn):
@@ -187,15 +279,19 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 def decode_fp8_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                    context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor,
                    out: torch.Tensor, partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-                   num_splits: int, tile_n: int = 16, prefetch: bool = True) -> None:
+                   num_splits: int, tile_n: int = 16, prefetch: bool = True, keys_as_rows: bool = True) -> None:
     """out [B, Hq, D] = attention of q [B, Hq, D] over the FP8 cache [blocks, block_size, Hkv, D]. With
     num_splits > 1, partials (attention._decode_partials) receive the splits and out is left to the reduce."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
     k_load, v_load = load_layouts(tile_n, head_dim)
     part_out, part_max, part_sum = partials if num_splits > 1 else (out, out, out)
-    _decode_fp8_mma_kernel[(batch, num_kv_heads, num_splits)](
+    kernel, extra = _decode_fp8_mma_kernel, {}
+    if keys_as_rows:
+        kernel, extra = _decode_fp8_mma_t_kernel, {"BLOCK_G": max(8, 1 << (group - 1).bit_length())}
+    kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max, part_sum, k_scale, v_scale,
         scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        NUM_KV_HEADS=num_kv_heads, GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        TILE_N=tile_n, NUM_SPLITS=num_splits, PREFETCH=prefetch, K_LOAD=k_load, V_LOAD=v_load, num_warps=1)
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        TILE_N=tile_n, NUM_SPLITS=num_splits, PREFETCH=prefetch, K_LOAD=k_load, V_LOAD=v_load, num_warps=1, **extra)

@@ -36,8 +36,9 @@ from dataclasses import dataclass
 
 from stoker.engine.kernels._triton import tl, triton
 
-FP8_CAST, FP8_F16, FP8_BITS, FP8_F16_VWORDS, FP8_MMA = 0, 1, 2, 3, 4
-FP8_MODES = {"cast": FP8_CAST, "f16": FP8_F16, "bits": FP8_BITS, "f16-vwords": FP8_F16_VWORDS, "mma": FP8_MMA}
+FP8_CAST, FP8_F16, FP8_BITS, FP8_F16_VWORDS, FP8_MMA, FP8_MMA_T = 0, 1, 2, 3, 4, 5
+FP8_MODES = {"cast": FP8_CAST, "f16": FP8_F16, "bits": FP8_BITS, "f16-vwords": FP8_F16_VWORDS, "mma": FP8_MMA,
+             "mma-t": FP8_MMA_T}
 BITS_UNIT = 256.0  # BITS mode reads e4m3 value v as the fp16 v * 2^-8; the kernels multiply 2^8 back in float32
 FP16_MAX = 65504.0
 
