@@ -21,20 +21,14 @@ from test_kernels_fp8_kv import fp8_batch  # noqa: E402
 # D 256, the smallest head the kernel takes
 MMA_SHAPES = [(32, 8, 128, 16), (14, 2, 64, 16), (8, 8, 128, 8), (32, 2, 256, 16), (4, 1, 32, 32)]
 LENS = [1, 17, 100, 33, 640]  # one key, a tile and a bit, a partial last tile, a long context
-MMA_CONFIGS = [Fp8AttentionConfig("mma", 16, 1, 2), Fp8AttentionConfig("mma", 32, 1, 1),
-               Fp8AttentionConfig("mma-t", 16, 1, 2), Fp8AttentionConfig("mma-t", 16, 1, 1),
-               Fp8AttentionConfig("mma-t", 32, 1, 1), Fp8AttentionConfig("mma-t", 64, 1, 1)]
-CONFIG_IDS = ["n16-prefetch", "n32", "t-n16-prefetch", "t-n16", "t-n32", "t-n64"]
+MMA_CONFIGS = [Fp8AttentionConfig("mma-t", 32, 1, 1), Fp8AttentionConfig("mma-t", 16, 1, 2),
+               Fp8AttentionConfig("mma-t", 64, 1, 1), Fp8AttentionConfig("mma", 32, 1, 1),
+               Fp8AttentionConfig("mma", 16, 1, 2)]
+CONFIG_IDS = ["t-n32", "t-n16-prefetch", "t-n64", "n32", "n16-prefetch"]
 
 
-@GPU
-@NO_CUDA
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("hq,hkv,head_dim,block_size", MMA_SHAPES)
-@pytest.mark.parametrize("config", MMA_CONFIGS, ids=CONFIG_IDS)
-@pytest.mark.parametrize("num_splits", [1, 3, None])
-def test_mma_decode_matches_reference(dtype: torch.dtype, hq: int, hkv: int, head_dim: int, block_size: int,
-                                      config: Fp8AttentionConfig, num_splits: int | None) -> None:
+def _check_against_reference(dtype: torch.dtype, hq: int, hkv: int, head_dim: int, block_size: int,
+                             config: Fp8AttentionConfig, num_splits: int | None) -> None:
     """Every slot no sequence owns holds NaN (fp8_batch): a key read past a context, or a tile's padding let
     into the softmax, poisons the output."""
     k8, v8, tables, k_scale, v_scale = fp8_batch(LENS, hkv, head_dim, block_size, "cuda")
@@ -50,6 +44,24 @@ def test_mma_decode_matches_reference(dtype: torch.dtype, hq: int, hkv: int, hea
 
 @GPU
 @NO_CUDA
+@pytest.mark.parametrize("hq,hkv,head_dim,block_size", MMA_SHAPES)
+@pytest.mark.parametrize("config", MMA_CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_mma_decode_matches_reference(hq: int, hkv: int, head_dim: int, block_size: int,
+                                      config: Fp8AttentionConfig, num_splits: int | None) -> None:
+    _check_against_reference(torch.bfloat16, hq, hkv, head_dim, block_size, config, num_splits)
+
+
+@GPU
+@NO_CUDA
+@pytest.mark.parametrize("hq,hkv,head_dim,block_size", MMA_SHAPES[:2])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mma_decode_fp16_queries(hq: int, hkv: int, head_dim: int, block_size: int, num_splits: int) -> None:
+    _check_against_reference(torch.float16, hq, hkv, head_dim, block_size, MMA_CONFIGS[0], num_splits)
+
+
+@GPU
+@NO_CUDA
 def test_mma_decode_into_a_strided_output_view() -> None:
     """out as a view with a row stride wider than Hq * D (a mixed step's decode rows): written through its
     strides, the columns around it untouched."""
@@ -58,7 +70,7 @@ def test_mma_decode_into_a_strided_output_view() -> None:
     context_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = torch.randn(2, 32, 128, device="cuda", dtype=torch.bfloat16)
     wide = torch.full((2, 40, 128), 7.0, device="cuda", dtype=torch.bfloat16)
-    config = Fp8AttentionConfig("mma", 16, 1, 2)
+    config = Fp8AttentionConfig("mma-t", 32, 1, 1)
     paged_decode_attention_triton(q, k8, v8, tables, context_lens, 0.1, 1, k_scale=k_scale, v_scale=v_scale,
                                   fp8_config=config, out=wide[:, 4:36])
     close(wide[:, 4:36], paged_decode_attention_ref(q, k8, v8, tables, context_lens, 0.1, k_scale, v_scale),
@@ -76,7 +88,7 @@ def test_mma_decode_clamps_queries_beyond_fp16() -> None:
     q = torch.randn(2, 8, 64, device="cuda", dtype=torch.bfloat16)
     q[0, 0, 3] = 2.0e5
     out = paged_decode_attention_triton(q, k8, v8, tables, context_lens, 1e-4, 1, k_scale=k_scale, v_scale=v_scale,
-                                        fp8_config=Fp8AttentionConfig("mma", 16, 1, 2))
+                                        fp8_config=Fp8AttentionConfig("mma-t", 32, 1, 1))
     clamped = q.float().clamp(-65504, 65504).to(torch.bfloat16)
     assert torch.isfinite(out).all()
     close(out, paged_decode_attention_ref(clamped, k8, v8, tables, context_lens, 1e-4, k_scale, v_scale),

@@ -465,8 +465,8 @@ DECODE_TILE_N = 64
 # loaded straight into MMA operand registers) where it runs, instead of DEFAULT_DECODE's split kernel; its tile and
 # whether it prefetches the next one. Constants so that ops/bench.py can A/B them
 # (`--decode-kernels auto+set=attention.DECODE_FP8_MMA=True`).
-DECODE_FP8_MMA = False
-DECODE_FP8_MMA_TILE_N = 16
+DECODE_FP8_MMA = True
+DECODE_FP8_MMA_TILE_N = 32
 DECODE_FP8_MMA_PREFETCH = False
 DECODE_FP8_MMA_KEYS_AS_ROWS = True
 
