@@ -13,18 +13,23 @@ import torch
 
 triton = pytest.importorskip("triton")
 from kernel_harness import GPU, INTERPRET, NO_CUDA, close, run_under_interpreter  # noqa: E402
-from stoker.engine.kernels import decode_fp8_mma, paged_decode_attention_ref, paged_decode_attention_triton  # noqa: E402
-from stoker.engine.kernels.kv_fp8_tiles import Fp8AttentionConfig  # noqa: E402
+from stoker.engine.kernels import (  # noqa: E402
+    attention,  # noqa: E402
+    decode_fp8_mma,
+    paged_decode_attention_ref,
+    paged_decode_attention_triton,
+)
+from stoker.engine.kernels.kv_fp8_tiles import DEFAULT_DECODE, Fp8AttentionConfig  # noqa: E402
 from test_kernels_fp8_kv import fp8_batch  # noqa: E402
 
 # (Hq, Hkv, D, block_size): Llama-3-8B's heads, a group of 7 at D 64 (Qwen-like), no grouping, a group of 16 at
 # D 256, the smallest head the kernel takes
 MMA_SHAPES = [(32, 8, 128, 16), (14, 2, 64, 16), (8, 8, 128, 8), (32, 2, 256, 16), (4, 1, 32, 32)]
 LENS = [1, 17, 100, 33, 640]  # one key, a tile and a bit, a partial last tile, a long context
-MMA_CONFIGS = [Fp8AttentionConfig("mma-t", 32, 1, 1), Fp8AttentionConfig("mma-t", 16, 1, 2),
-               Fp8AttentionConfig("mma-t", 64, 1, 1), Fp8AttentionConfig("mma", 32, 1, 1),
-               Fp8AttentionConfig("mma", 16, 1, 2)]
-CONFIG_IDS = ["t-n32", "t-n16-prefetch", "t-n64", "n32", "n16-prefetch"]
+MMA_CONFIGS = [Fp8AttentionConfig("mma-t", 16, 1, 1), Fp8AttentionConfig("mma-t", 32, 1, 1),
+               Fp8AttentionConfig("mma-t", 16, 1, 2), Fp8AttentionConfig("mma-t", 64, 1, 1),
+               Fp8AttentionConfig("mma", 32, 1, 1), Fp8AttentionConfig("mma", 16, 1, 2)]
+CONFIG_IDS = ["t-n16", "t-n32", "t-n16-prefetch", "t-n64", "n32", "n16-prefetch"]
 
 
 def _check_against_reference(dtype: torch.dtype, hq: int, hkv: int, head_dim: int, block_size: int,
@@ -106,6 +111,28 @@ def test_mma_not_supported_where_it_cannot_run() -> None:
                                             cuda8)  # a group of 17
         assert not decode_fp8_mma.supported(torch.zeros(1, 8, 80, device="cuda", dtype=torch.bfloat16),
                                             torch.zeros(2, 16, 2, 80, device="cuda").to(torch.float8_e4m3fn))
+
+
+def test_default_runs_the_mma_kernel_for_one_split_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No config: decode_fp8_mma's keys-as-rows kernel at DECODE_FP8_MMA_TILE_N for a launch of one split where
+    it runs, the split kernel's DEFAULT_DECODE otherwise (more splits, switched off, or a shape it cannot take);
+    a config given is kept."""
+    q, k8 = torch.zeros(1, 8, 128), torch.zeros(2, 16, 2, 128).to(torch.float8_e4m3fn)
+    monkeypatch.setattr(decode_fp8_mma, "supported", lambda q, k: True)
+    config, mma = attention._decode_fp8_config(q, k8, None, 1)
+    assert mma and config == Fp8AttentionConfig("mma-t", attention.DECODE_FP8_MMA_TILE_N, 1, 1)
+    assert attention._decode_fp8_config(q, k8, None, 2) == (DEFAULT_DECODE, False)
+    given = Fp8AttentionConfig("mma", 32, 1, 2)
+    assert attention._decode_fp8_config(q, k8, given, 3) == (given, True)
+    assert attention._decode_fp8_config(q, k8, Fp8AttentionConfig("f16"), 1) == (Fp8AttentionConfig("f16"), False)
+    monkeypatch.setattr(attention, "DECODE_FP8_MMA_KEYS_AS_ROWS", False)
+    assert attention._decode_fp8_config(q, k8, None, 1)[0].mode == "mma"
+    monkeypatch.setattr(attention, "DECODE_FP8_MMA", False)
+    assert attention._decode_fp8_config(q, k8, None, 1) == (DEFAULT_DECODE, False)
+    monkeypatch.setattr(attention, "DECODE_FP8_MMA", True)
+    monkeypatch.setattr(decode_fp8_mma, "supported", lambda q, k: False)
+    assert attention._decode_fp8_config(q, k8, None, 1) == (DEFAULT_DECODE, False)
+    assert attention._decode_fp8_config(q, k8, given, 1)[0] == Fp8AttentionConfig("f16-vwords", 64, 1, 2)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the interpreter's fallback (its run below)")

@@ -461,35 +461,49 @@ def decode_table_ahead(num_splits: int, max_context: int, tile_n: int) -> bool:
 DECODE_TILE_N = 64
 
 
-# The FP8 cache's decode attention by decode_fp8_mma.py's Gluon kernel (mode "mma": one warp a program, K and V
-# loaded straight into MMA operand registers) where it runs, instead of DEFAULT_DECODE's split kernel; its tile and
-# whether it prefetches the next one. Constants so that ops/bench.py can A/B them
-# (`--decode-kernels auto+set=attention.DECODE_FP8_MMA=True`).
+# The FP8 cache's decode attention by decode_fp8_mma.py's Gluon kernels (one warp a program, K and V loaded straight
+# into MMA operand registers) instead of DEFAULT_DECODE's split kernel, where they run and the split kernel would
+# run one split a sequence (batch * Hkv >= 2 waves of programs: W2's decode, where they were measured). Measured
+# (H200, session 21, ops/bench_decode_attention_fp8.py --w2, us, B = 1,024 ctx 640 / 768): the split kernel 464.4 /
+# 555.6; keys as rows ("mma-t") n16 **394.5 / 466.7**, n32 412.4 / 491.4, n64 425.4 / 504.5; queries as rows
+# ("mma") n32 404.3 / 479.9; the next tile prefetched (registers: 2-3 programs an SM fewer) 594.1 at n16, 4,044 at
+# n32 (spilled). Smaller batches keep the split kernel and its fused combine (the Gluon kernels' splits take a
+# second kernel to combine, and were not timed there). Constants so that ops/bench.py can A/B them
+# (`--decode-kernels auto+set=attention.DECODE_FP8_MMA=False`).
 DECODE_FP8_MMA = True
-DECODE_FP8_MMA_TILE_N = 32
+DECODE_FP8_MMA_TILE_N = 16
 DECODE_FP8_MMA_PREFETCH = False
 DECODE_FP8_MMA_KEYS_AS_ROWS = True
 
 
-def _decode_fp8_config(q: torch.Tensor, k_cache: torch.Tensor, fp8_config: Fp8AttentionConfig | None
-                       ) -> tuple[Fp8AttentionConfig, bool]:
-    """(the FP8 cache's decode config that runs, whether decode_fp8_mma.py's kernel runs it): mode "mma" where
-    that kernel cannot run falls back to the split kernel's words at tile 64 (kv_fp8_tiles.py)."""
-    mma_mode = "mma-t" if DECODE_FP8_MMA_KEYS_AS_ROWS else "mma"
-    config = fp8_config or (Fp8AttentionConfig(mma_mode, DECODE_FP8_MMA_TILE_N, 1, 2 if DECODE_FP8_MMA_PREFETCH else 1)
-                            if DECODE_FP8_MMA else DEFAULT_DECODE)
-    if config.mode not in ("mma", "mma-t"):
-        return config, False
+def _decode_fp8_config(q: torch.Tensor, k_cache: torch.Tensor, fp8_config: Fp8AttentionConfig | None,
+                       num_splits: int) -> tuple[Fp8AttentionConfig, bool]:
+    """(the FP8 cache's decode config that runs a launch of num_splits splits, whether decode_fp8_mma.py's kernel
+    runs it). No config: the Gluon kernel for a launch of one split (DECODE_FP8_MMA), else DEFAULT_DECODE. The
+    split count comes first, from DEFAULT_DECODE's tile (decode_splits) or the CUDA-graph bucket that would hold
+    the rows (decode_bucket_launch), so a mixed step's decode rows run the kernel their bucket's capture compiled.
+    A config of mode "mma" / "mma-t" where that kernel cannot run falls back to the split kernel's words at tile
+    64 (kv_fp8_tiles.py)."""
+    if fp8_config is None:
+        if DECODE_FP8_MMA and num_splits == 1 and decode_fp8_mma.supported(q, k_cache):
+            return Fp8AttentionConfig("mma-t" if DECODE_FP8_MMA_KEYS_AS_ROWS else "mma", DECODE_FP8_MMA_TILE_N, 1,
+                                      2 if DECODE_FP8_MMA_PREFETCH else 1), True
+        return DEFAULT_DECODE, False
+    if fp8_config.mode not in ("mma", "mma-t"):
+        return fp8_config, False
     if decode_fp8_mma.supported(q, k_cache):
-        return config, True
-    return Fp8AttentionConfig("f16-vwords", 64, config.num_warps, config.num_stages), False
+        return fp8_config, True
+    return Fp8AttentionConfig("f16-vwords", 64, fp8_config.num_warps, fp8_config.num_stages), False
 
 
 def _decode_tile_n(q: torch.Tensor, k_cache: torch.Tensor, fp8_config: Fp8AttentionConfig | None) -> int:
-    """Keys per step of the decode kernel's loop."""
+    """Keys per step of the decode kernel's loop, for choosing the split count (no config: DEFAULT_DECODE's tile,
+    also where one split then runs decode_fp8_mma.py's kernel at its own tile)."""
     if not q.is_cuda:
         return 16  # the interpreter pays per element: small tiles keep tests fast
-    return _decode_fp8_config(q, k_cache, fp8_config)[0].tile_n if is_fp8_cache(k_cache) else DECODE_TILE_N
+    if not is_fp8_cache(k_cache):
+        return DECODE_TILE_N
+    return _decode_fp8_config(q, k_cache, fp8_config, 0)[0].tile_n  # 0 splits: the config as given (or default)
 
 
 def decode_splits(
@@ -586,16 +600,16 @@ def paged_decode_attention_triton(
     if batch == 0:
         return out
     group = num_q_heads // num_kv_heads
-    tile_n = _decode_tile_n(q, k_cache, fp8_config)
+    max_context = block_tables.shape[1] * block_size  # a bound on every context length, known without sync
+    if num_splits is None:
+        num_splits = decode_splits(batch, max_context, q, k_cache, fp8_config)
     fp8 = is_fp8_cache(k_cache)
-    fp8_config, mma = _decode_fp8_config(q, k_cache, fp8_config) if fp8 else (None, False)
+    fp8_config, mma = _decode_fp8_config(q, k_cache, fp8_config, num_splits) if fp8 else (None, False)
+    tile_n = _decode_tile_n(q, k_cache, fp8_config)
     fp8_args, launch = _fp8_launch(fp8, fp8_config or DEFAULT_DECODE, q, decode=True)
     if pdl:
         fp8_args |= {"USE_PDL": True, "PDL_GDC": not interpreting()}
         launch |= {"launch_pdl": True} if not interpreting() else {}
-    max_context = block_tables.shape[1] * block_size  # a bound on every context length, known without sync
-    if num_splits is None:
-        num_splits = decode_splits(batch, max_context, q, k_cache, fp8_config)
     part_out = part_max = part_sum = out  # placeholders, unused when there is one split
     if num_splits > 1:
         part_out, part_max, part_sum = _decode_partials(batch, num_q_heads, num_splits, head_dim, q.device)
