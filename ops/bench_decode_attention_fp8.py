@@ -45,18 +45,16 @@ DECODE_VARIANTS = [Fp8AttentionConfig("cast", 64, 4, 3), Fp8AttentionConfig("f16
                    Fp8AttentionConfig("f16-vwords", 64, 4, 3), Fp8AttentionConfig("f16-vwords", 128, 4, 3),
                    Fp8AttentionConfig("f16-vwords", 128, 8, 3), Fp8AttentionConfig("bits", 64, 4, 3),
                    Fp8AttentionConfig("f16", 128, 8, 3), Fp8AttentionConfig("mma", 16, 1, 1),
-                   Fp8AttentionConfig("mma", 32, 1, 1), Fp8AttentionConfig("mma-t", 32, 1, 1),
-                   Fp8AttentionConfig("mma-t", 64, 1, 1)]
-# "mma": decode_fp8_mma.py's Gluon kernel (one warp a program; num_stages 2 = the next tile prefetched).
+                   Fp8AttentionConfig("mma", 32, 1, 1)]
+# "mma": decode_fp8_mma.py's Gluon kernel (one warp a program; num_warps and num_stages unused there). Its
+# queries-as-rows form and its prefetch of the next tile were timed in session 21 and removed (decode_fp8_mma.py).
 # --w2: W2's decode shape only, the default against tile and stage choices and two splits per sequence (None:
 # the launcher's count). The grid-order and V-prefetch variants of 21:09 UTC are gone (kv_fp8_tiles.py), as are
 # q8x2 and tile_n 256 (session 15: 595-607 and 827-861 us against the default's 468, BENCHMARKS.md).
 V = Fp8AttentionConfig
 W2_VARIANTS: list[tuple[Fp8AttentionConfig, int | None]] = [  # the likeliest first: a cut run keeps them
-    (V("f16-vwords", 64, 4, 3), None), (V("mma", 32, 1, 1), None), (V("mma-t", 32, 1, 1), None),
-    (V("mma-t", 64, 1, 1), None), (V("mma-t", 16, 1, 1), None), (V("mma-t", 32, 1, 2), None),
-    (V("mma-t", 16, 1, 2), None), (V("mma-t", 64, 1, 2), None), (V("mma-t", 32, 1, 1), 2),
-    (V("mma-t", 128, 1, 1), None), (V("f16-vwords", 128), None),
+    (V("f16-vwords", 64, 4, 3), None), (V("mma", 16, 1, 1), None), (V("mma", 32, 1, 1), None),
+    (V("mma", 64, 1, 1), None), (V("mma", 16, 1, 1), 2), (V("mma", 128, 1, 1), None), (V("f16-vwords", 128), None),
 ]
 # --ahead: every variant with the block numbers in its loop and a tile ahead (attention.DECODE_TABLE_AHEAD); the
 # default runs each with the launchers' default only (None).

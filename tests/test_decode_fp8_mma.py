@@ -26,10 +26,9 @@ from test_kernels_fp8_kv import fp8_batch  # noqa: E402
 # D 256, the smallest head the kernel takes
 MMA_SHAPES = [(32, 8, 128, 16), (14, 2, 64, 16), (8, 8, 128, 8), (32, 2, 256, 16), (4, 1, 32, 32)]
 LENS = [1, 17, 100, 33, 640]  # one key, a tile and a bit, a partial last tile, a long context
-MMA_CONFIGS = [Fp8AttentionConfig("mma-t", 16, 1, 1), Fp8AttentionConfig("mma-t", 32, 1, 1),
-               Fp8AttentionConfig("mma-t", 16, 1, 2), Fp8AttentionConfig("mma-t", 64, 1, 1),
-               Fp8AttentionConfig("mma", 32, 1, 1), Fp8AttentionConfig("mma", 16, 1, 2)]
-CONFIG_IDS = ["t-n16", "t-n32", "t-n16-prefetch", "t-n64", "n32", "n16-prefetch"]
+MMA_CONFIGS = [Fp8AttentionConfig("mma", 16, 1, 1), Fp8AttentionConfig("mma", 32, 1, 1),
+               Fp8AttentionConfig("mma", 64, 1, 1), Fp8AttentionConfig("mma", 128, 1, 1)]
+CONFIG_IDS = ["n16", "n32", "n64", "n128"]
 
 
 def _check_against_reference(dtype: torch.dtype, hq: int, hkv: int, head_dim: int, block_size: int,
@@ -75,7 +74,7 @@ def test_mma_decode_into_a_strided_output_view() -> None:
     context_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = torch.randn(2, 32, 128, device="cuda", dtype=torch.bfloat16)
     wide = torch.full((2, 40, 128), 7.0, device="cuda", dtype=torch.bfloat16)
-    config = Fp8AttentionConfig("mma-t", 32, 1, 1)
+    config = Fp8AttentionConfig("mma", 16, 1, 1)
     paged_decode_attention_triton(q, k8, v8, tables, context_lens, 0.1, 1, k_scale=k_scale, v_scale=v_scale,
                                   fp8_config=config, out=wide[:, 4:36])
     close(wide[:, 4:36], paged_decode_attention_ref(q, k8, v8, tables, context_lens, 0.1, k_scale, v_scale),
@@ -93,7 +92,7 @@ def test_mma_decode_clamps_queries_beyond_fp16() -> None:
     q = torch.randn(2, 8, 64, device="cuda", dtype=torch.bfloat16)
     q[0, 0, 3] = 2.0e5
     out = paged_decode_attention_triton(q, k8, v8, tables, context_lens, 1e-4, 1, k_scale=k_scale, v_scale=v_scale,
-                                        fp8_config=Fp8AttentionConfig("mma-t", 32, 1, 1))
+                                        fp8_config=Fp8AttentionConfig("mma", 16, 1, 1))
     clamped = q.float().clamp(-65504, 65504).to(torch.bfloat16)
     assert torch.isfinite(out).all()
     close(out, paged_decode_attention_ref(clamped, k8, v8, tables, context_lens, 1e-4, k_scale, v_scale),
@@ -114,19 +113,17 @@ def test_mma_not_supported_where_it_cannot_run() -> None:
 
 
 def test_default_runs_the_mma_kernel_for_one_split_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No config: decode_fp8_mma's keys-as-rows kernel at DECODE_FP8_MMA_TILE_N for a launch of one split where
-    it runs, the split kernel's DEFAULT_DECODE otherwise (more splits, switched off, or a shape it cannot take);
-    a config given is kept."""
+    """No config: decode_fp8_mma's kernel at DECODE_FP8_MMA_TILE_N for a launch of one split where it runs, the
+    split kernel's DEFAULT_DECODE otherwise (more splits, switched off, or a shape it cannot take); a config given
+    is kept, or falls back to the split kernel's words where the Gluon kernel cannot run."""
     q, k8 = torch.zeros(1, 8, 128), torch.zeros(2, 16, 2, 128).to(torch.float8_e4m3fn)
     monkeypatch.setattr(decode_fp8_mma, "supported", lambda q, k: True)
     config, mma = attention._decode_fp8_config(q, k8, None, 1)
-    assert mma and config == Fp8AttentionConfig("mma-t", attention.DECODE_FP8_MMA_TILE_N, 1, 1)
+    assert mma and config == Fp8AttentionConfig("mma", attention.DECODE_FP8_MMA_TILE_N, 1, 1)
     assert attention._decode_fp8_config(q, k8, None, 2) == (DEFAULT_DECODE, False)
     given = Fp8AttentionConfig("mma", 32, 1, 2)
     assert attention._decode_fp8_config(q, k8, given, 3) == (given, True)
     assert attention._decode_fp8_config(q, k8, Fp8AttentionConfig("f16"), 1) == (Fp8AttentionConfig("f16"), False)
-    monkeypatch.setattr(attention, "DECODE_FP8_MMA_KEYS_AS_ROWS", False)
-    assert attention._decode_fp8_config(q, k8, None, 1)[0].mode == "mma"
     monkeypatch.setattr(attention, "DECODE_FP8_MMA", False)
     assert attention._decode_fp8_config(q, k8, None, 1) == (DEFAULT_DECODE, False)
     monkeypatch.setattr(attention, "DECODE_FP8_MMA", True)
@@ -145,17 +142,15 @@ def test_mma_config_falls_back_under_the_interpreter() -> None:
     q = torch.randn(3, 6, 64, dtype=torch.float16)
     for num_splits in (1, 3):
         out = paged_decode_attention_triton(q, k8, v8, tables, context_lens, 0.1, num_splits, k_scale=k_scale,
-                                            v_scale=v_scale, fp8_config=Fp8AttentionConfig("mma", 16, 1, 2))
+                                            v_scale=v_scale, fp8_config=Fp8AttentionConfig("mma", 16, 1, 1))
         close(out, paged_decode_attention_ref(q, k8, v8, tables, context_lens, 0.1, k_scale, v_scale),
               torch.float16)
 
 
 @pytest.mark.skipif(INTERPRET or not decode_fp8_mma.HAS_GLUON, reason="compiles with Triton's JIT (no Gluon here)")
-@pytest.mark.parametrize("tile_n,head_dim,group,prefetch", [(16, 128, 4, True), (16, 128, 4, False), (32, 64, 7, False),
-                                                           (64, 256, 16, False), (16, 32, 1, True)])
-@pytest.mark.parametrize("keys_as_rows", [False, True])
-def test_mma_kernel_compiles_for_sm90_without_shared_memory(tile_n: int, head_dim: int, group: int,
-                                                            prefetch: bool, keys_as_rows: bool) -> None:
+@pytest.mark.parametrize("tile_n,head_dim,group", [(16, 128, 4), (32, 64, 7), (64, 256, 16), (16, 32, 1),
+                                                   (128, 128, 8)])
+def test_mma_kernel_compiles_for_sm90_without_shared_memory(tile_n: int, head_dim: int, group: int) -> None:
     """The sm_90 compile of the kernel, as the launcher would build it: every convert_layout into an MMA
     operand asserts it moves no data (a compile error otherwise), and the kernel uses no shared memory."""
     from triton.backends.compiler import GPUTarget
@@ -168,14 +163,11 @@ def test_mma_kernel_compiles_for_sm90_without_shared_memory(tile_n: int, head_di
                   "q_head_stride": "i32", "block_table_stride": "i32", "out_seq_stride": "i32",
                   "out_head_stride": "i32"}
     k_load, v_load = decode_fp8_mma.load_layouts(tile_n, head_dim)
-    constexprs = {"NUM_KV_HEADS": 8, "GROUP": group, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16, "TILE_N": tile_n,
-                  "NUM_SPLITS": 3, "PREFETCH": prefetch, "K_LOAD": k_load, "V_LOAD": v_load}
-    kernel_fn = decode_fp8_mma._decode_fp8_mma_kernel
-    if keys_as_rows:
-        kernel_fn = decode_fp8_mma._decode_fp8_mma_t_kernel
-        constexprs["BLOCK_G"] = max(8, triton.next_power_of_2(group))
+    constexprs = {"NUM_KV_HEADS": 8, "GROUP": group, "BLOCK_G": max(8, triton.next_power_of_2(group)),
+                  "HEAD_DIM": head_dim, "BLOCK_SIZE": 16, "TILE_N": tile_n, "NUM_SPLITS": 3, "K_LOAD": k_load,
+                  "V_LOAD": v_load}
     signature |= {name: "constexpr" for name in constexprs}
-    source = GluonASTSource(kernel_fn, signature, constexprs=constexprs)
+    source = GluonASTSource(decode_fp8_mma._decode_fp8_mma_kernel, signature, constexprs=constexprs)
     try:
         kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
     except RuntimeError as e:  # no CUDA toolchain in this triton install

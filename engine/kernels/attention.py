@@ -18,7 +18,6 @@ from stoker.engine.kernels.kv_fp8_tiles import (
     FP8_F16,
     FP8_F16_VWORDS,
     FP8_MMA,
-    FP8_MMA_T,
     FP8_MODES,
     Fp8AttentionConfig,
     fp8_dot_fp16,
@@ -165,7 +164,7 @@ def _fp8_launch(fp8: bool, config: Fp8AttentionConfig, q: torch.Tensor, decode: 
     if not fp8:
         return {}, {"num_warps": 4}
     mode = FP8_MODES[config.mode]
-    if mode in (FP8_MMA, FP8_MMA_T):  # decode_fp8_mma.py's kernels where they run (the launcher); here, where not
+    if mode == FP8_MMA:  # decode_fp8_mma.py's kernel where it runs (the launcher); here, where it does not
         mode = FP8_F16_VWORDS
     if mode == FP8_F16_VWORDS and (q.shape[2] % 4 or not decode):
         mode = FP8_F16  # the words need head_dim % 4 == 0; the prefill kernel has no word path (nor FP8_PTX)
@@ -461,19 +460,17 @@ def decode_table_ahead(num_splits: int, max_context: int, tile_n: int) -> bool:
 DECODE_TILE_N = 64
 
 
-# The FP8 cache's decode attention by decode_fp8_mma.py's Gluon kernels (one warp a program, K and V loaded straight
-# into MMA operand registers) instead of DEFAULT_DECODE's split kernel, where they run and the split kernel would
-# run one split a sequence (batch * Hkv >= 2 waves of programs: W2's decode, where they were measured). Measured
-# (H200, session 21, ops/bench_decode_attention_fp8.py --w2, us, B = 1,024 ctx 640 / 768): the split kernel 464.4 /
-# 555.6; keys as rows ("mma-t") n16 **394.5 / 466.7**, n32 412.4 / 491.4, n64 425.4 / 504.5; queries as rows
-# ("mma") n32 404.3 / 479.9; the next tile prefetched (registers: 2-3 programs an SM fewer) 594.1 at n16, 4,044 at
-# n32 (spilled). Smaller batches keep the split kernel and its fused combine (the Gluon kernels' splits take a
-# second kernel to combine, and were not timed there). Constants so that ops/bench.py can A/B them
+# The FP8 cache's decode attention by decode_fp8_mma.py's Gluon kernel (one warp a program, K and V loaded straight
+# into MMA operand registers) instead of DEFAULT_DECODE's split kernel, where it runs and the launch has one split
+# (batch * Hkv >= 2 waves of programs: W2's decode, where it was measured), at DECODE_FP8_MMA_TILE_N keys a tile.
+# Measured (H200, session 21, ops/bench_decode_attention_fp8.py --w2, us, B = 1,024 ctx 640 / 768): the split
+# kernel 464.4 / 555.6, the Gluon kernel at tile 16 **394.5 / 466.7** (32: 412.4 / 491.4; decode_fp8_mma.py has
+# the rest); W2 with FP8 weights and the FP8 cache 14.33 s against 15.51 (session 20), its decode phase 6.34 s
+# against 7.39. Smaller batches keep the split kernel and its fused combine (the Gluon kernel's splits take a second
+# kernel to combine, and were not timed there). Constants so that ops/bench.py can A/B them
 # (`--decode-kernels auto+set=attention.DECODE_FP8_MMA=False`).
 DECODE_FP8_MMA = True
 DECODE_FP8_MMA_TILE_N = 16
-DECODE_FP8_MMA_PREFETCH = False
-DECODE_FP8_MMA_KEYS_AS_ROWS = True
 
 
 def _decode_fp8_config(q: torch.Tensor, k_cache: torch.Tensor, fp8_config: Fp8AttentionConfig | None,
@@ -482,14 +479,13 @@ def _decode_fp8_config(q: torch.Tensor, k_cache: torch.Tensor, fp8_config: Fp8At
     runs it). No config: the Gluon kernel for a launch of one split (DECODE_FP8_MMA), else DEFAULT_DECODE. The
     split count comes first, from DEFAULT_DECODE's tile (decode_splits) or the CUDA-graph bucket that would hold
     the rows (decode_bucket_launch), so a mixed step's decode rows run the kernel their bucket's capture compiled.
-    A config of mode "mma" / "mma-t" where that kernel cannot run falls back to the split kernel's words at tile
-    64 (kv_fp8_tiles.py)."""
+    A config of mode "mma" where that kernel cannot run falls back to the split kernel's words at tile 64
+    (kv_fp8_tiles.py)."""
     if fp8_config is None:
         if DECODE_FP8_MMA and num_splits == 1 and decode_fp8_mma.supported(q, k_cache):
-            return Fp8AttentionConfig("mma-t" if DECODE_FP8_MMA_KEYS_AS_ROWS else "mma", DECODE_FP8_MMA_TILE_N, 1,
-                                      2 if DECODE_FP8_MMA_PREFETCH else 1), True
+            return Fp8AttentionConfig("mma", DECODE_FP8_MMA_TILE_N, 1, 1), True
         return DEFAULT_DECODE, False
-    if fp8_config.mode not in ("mma", "mma-t"):
+    if fp8_config.mode != "mma":
         return fp8_config, False
     if decode_fp8_mma.supported(q, k_cache):
         return fp8_config, True
@@ -619,16 +615,23 @@ def paged_decode_attention_triton(
     block_gp = triton.next_power_of_2(group)
     if counters is not None:
         _check_counters(counters, batch * num_kv_heads, q.device)
-    if mma:  # no fused combine there: the reduce kernel below combines its splits
+    if mma:  # no fused combine there: the reduce kernel combines its splits
         decode_fp8_mma.decode_fp8_mma(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, out,
-                                      (part_out, part_max, part_sum), num_splits, tile_n,
-                                      prefetch=fp8_config.num_stages > 1, keys_as_rows=fp8_config.mode == "mma-t")
+                                      (part_out, part_max, part_sum), num_splits, tile_n)
         fused_combine = False
     else:
-        _launch_decode_split(
-            q, k_cache, v_cache, block_tables, context_lens, scale, out, part_out, part_max, part_sum, k_scale_arg,
-            v_scale_arg, counters, num_splits, tile_n, block_d, block_gp, fused_combine, fp8, max_context,
-            table_ahead, fp8_args, launch)
+        _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+            q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max, part_sum, k_scale_arg,
+            v_scale_arg, counters if counters is not None else context_lens,  # a placeholder without the combine
+            scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+            NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=tile_n,
+            NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype), FP8_CACHE=fp8,
+            FUSED_COMBINE=fused_combine, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_GP=block_gp,
+            CHUNK_S=_combine_chunk(num_splits, block_gp, block_d, q.is_cuda),
+            TABLE_AHEAD=decode_table_ahead(num_splits, max_context, tile_n) if table_ahead is None else table_ahead,
+            **fp8_args, **launch,
+        )
     if num_splits > 1 and not fused_combine:
         _decode_reduce_kernel[(batch, num_q_heads)](
             out, part_out, part_max, part_sum, context_lens, out.stride(0), out.stride(1),
@@ -636,27 +639,6 @@ def paged_decode_attention_triton(
             NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), TILE_N=tile_n, num_warps=4,
         )
     return out
-
-
-def _launch_decode_split(q, k_cache, v_cache, block_tables, context_lens, scale, out, part_out, part_max, part_sum,
-                         k_scale_arg, v_scale_arg, counters, num_splits, tile_n, block_d, block_gp, fused_combine,
-                         fp8, max_context, table_ahead, fp8_args, launch) -> None:  # noqa: ANN001
-    """paged_decode_attention_triton's launch of the split kernel."""
-    batch, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_q_heads // num_kv_heads
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max, part_sum, k_scale_arg, v_scale_arg,
-        counters if counters is not None else context_lens,  # a placeholder without the fused combine
-        scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=tile_n,
-        NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype), FP8_CACHE=fp8,
-        FUSED_COMBINE=fused_combine, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_GP=block_gp,
-        CHUNK_S=_combine_chunk(num_splits, block_gp, block_d, q.is_cuda),
-        TABLE_AHEAD=decode_table_ahead(num_splits, max_context, tile_n) if table_ahead is None else table_ahead,
-        **fp8_args, **launch,
-    )
 
 
 @triton.jit

@@ -7,23 +7,30 @@ registers, stored with 6.7-way bank conflicts to reach the MMA's layout, read ba
 itself; Gluon (triton.experimental.gluon, Triton 3.6) lets the kernel name them, so each tile is loaded directly
 in the layout the mma_v2 instruction wants its operand in, converted in registers, and multiplied.
 
-How the loads land in operand registers. A program is (sequence, kv head, split); its GROUP query heads are
-rows of a 16-row tile (m16n8k16 fp16 MMAs, float32 accumulators).
-- Scores = q K^T: K^T is the B operand with k_width 4, so each lane holds 4 consecutive head dims of one key per
-  16-dim chunk. The dot does not care in which order it meets the head dims, so logical dim k = c*16 + t*4 + b
-  reads physical dim t*(D/4) + c*4 + b: a lane then holds D/4 contiguous bytes of its key (two 16-byte loads at
-  D = 128), and q is read in the same order (once a program).
-- Out += P V: V is the B operand with k_width 2 (P comes from the scores' accumulators with no data movement at
-  that width). A lane holds output columns n = lane // 4 + 8 j; column n is taken to be physical dim
-  (n % 8) * (D/8) + n // 8, so a lane holds D/8 contiguous bytes of each of its keys (one 16-byte load), and the
-  output is stored back through the same map.
-In both cases the load's layout is written out (load_layouts) and the relabelled tensor converted to the operand
-layout with `assert_trivial=True`: the compiler refuses to build the kernel if any data would move.
+How the loads land in operand registers. A program is (sequence, kv head, split), one warp; m16n8k16 fp16 MMAs
+with float32 accumulators, the keys as the MMAs' rows and the group's query heads as their 8 (or 16) columns:
+- scores^T = K q^T [TILE_N, BLOCK_G]: K is the A operand with k_width 4, so a lane holds 4 consecutive head dims
+  of a key per 16-dim chunk. The dot does not care in which order it meets the head dims, so logical dim
+  k = c*16 + t*4 + b reads physical dim t*(D/4) + c*4 + b: a lane then holds D/4 contiguous bytes of its key (two
+  16-byte loads at D = 128), and q is read in the same order (once a program).
+- out^T += V^T P^T [D, BLOCK_G]: V^T is the A operand with k_width 2; a lane holds rows (head dims)
+  n = lane // 4 + 8 j, and row n is taken to be physical dim (n % 8) * (D/8) + n // 8, so a lane holds D/8
+  contiguous bytes of each of its keys (one 16-byte load); the output is stored back through the same map. P^T
+  reaches the B operand from the scores' accumulators by warp shuffles.
+For K and V the load's layout is written out (load_layouts) and the relabelled tensor converted to the operand
+layout with `assert_trivial=True`: the compiler refuses to build the kernel if any data would move. Keys as rows
+rather than queries: with a group of 4 the 16 query rows an MMA needs would be 3/4 padding; as the N of the
+instruction they are 8 wide, so the kernel issues half the MMAs and holds half the accumulators (sm_90: 98
+registers at tile 16, against 140 for queries as rows).
 
-Pipelining is explicit (Gluon has no automatic pipeliner): with PREFETCH the next tile's K and V are loaded
-before the current one is multiplied. Splits > 1 write partials that attention._decode_reduce_kernel combines.
-Needs sm_89+ (hardware e4m3 -> fp16 conversion; sm_80 would emulate it), GROUP <= 16, HEAD_DIM a power of two
-in [32, 256]; `supported` says so and the caller falls back to the Triton split kernel otherwise.
+Measured (H200, session 21, ops/bench_decode_attention_fp8.py --w2, W2's decode B = 1,024, us, contexts 640 / 768):
+the split kernel's default 464.4 / 555.6; this kernel at tile 16 394.5 / 466.7 (3.40 / 3.45 TB/s of FP8 bytes),
+32: 412.4 / 491.4, 64: 425.4 / 504.5, 128: 479.9 / 568.4; queries as rows at 32 404.3 / 479.9 and at 16 487.4
+(session 21's first form, removed); the next tile's K and V loaded before the current one's math (Gluon has no
+automatic pipeliner) 594.1 at 16 and 4,044 at 32 (its registers spilled), removed: with one warp a program, the
+~20 programs an SM keep the loads in flight that a prefetch would. Splits > 1 write partials that
+attention._decode_reduce_kernel combines. Needs sm_89+ (hardware e4m3 -> fp16 conversion), GROUP <= 16, HEAD_DIM
+a power of two in [32, 256]; `supported` says so and the caller falls back to the Triton split kernel otherwise.
 """
 from __future__ import annotations
 
@@ -47,7 +54,7 @@ except Exception:  # triton missing, too old, or broken
     gluon, gl, mma_v2 = _Jit(), None, None
 
 _LOG2E = 1.4426950408889634
-MAX_GROUP = 16  # query heads a kv head: the MMA's 16 rows
+MAX_GROUP = 16  # query heads a kv head: two 8-wide MMA columns
 
 
 def _bits(n: int) -> list[int]:
@@ -82,110 +89,16 @@ def _kv_tile(cache_ptr, table_row, tile_start, end, kv_head, NUM_KV_HEADS: gl.co
     return gl.load(cache_ptr + offsets, mask=live[:, None], other=0.0)
 
 
-@gluon.jit
+# Integer arguments that vary between launches are not specialized on (as attention._decode_split_kernel).
+@gluon.jit(do_not_specialize=["block_table_stride"])
 def _decode_fp8_mma_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
     part_out_ptr, part_max_ptr, part_sum_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, q_seq_stride, q_head_stride, block_table_stride, out_seq_stride, out_head_stride,
-    NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-    TILE_N: gl.constexpr, NUM_SPLITS: gl.constexpr, PREFETCH: gl.constexpr,
-    K_LOAD: gl.constexpr, V_LOAD: gl.constexpr,
-):
-    seq = gl.program_id(0).to(gl.int64)
-    kv_head = gl.program_id(1)
-    split = gl.program_id(2)
-    context_len = gl.load(context_lens_ptr + seq)
-    # attention._decode_split_len: the live context cut into NUM_SPLITS whole tiles (the reduce kernel agrees)
-    split_len = gl.cdiv(gl.cdiv(gl.maximum(context_len, 1), NUM_SPLITS), TILE_N) * TILE_N
-    start = split * split_len
-    end = gl.minimum(start + split_len, context_len)
-    if (split > 0) & (start >= context_len):
-        return
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    a2: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    b2: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    a4: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
-    b4: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
-
-    # q [16, D] as the scores dot's A operand, its head dims in K's relabelled order (module docstring)
-    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, a4))
-    kq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, a4))
-    dq = (kq // 4 % 4) * (HEAD_DIM // 4) + (kq // 16) * 4 + kq % 4
-    q = gl.load(q_ptr + seq * q_seq_stride + (kv_head * GROUP + rows)[:, None] * q_head_stride + dq[None, :],
-                mask=(rows < GROUP)[:, None], other=0.0)
-    q = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
-    qk_scale = qk_scale * gl.load(k_scale_ptr)
-
-    running_max = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma))
-    running_sum = gl.full([16], 0.0, gl.float32, layout=gl.SliceLayout(1, mma))
-    acc = gl.full([16, HEAD_DIM], 0.0, gl.float32, layout=mma)
-    table_row = block_tables_ptr + seq * block_table_stride
-    if PREFETCH:
-        k_next = _kv_tile(k_cache_ptr, table_row, start, end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, TILE_N,
-                          K_LOAD)
-        v_next = _kv_tile(v_cache_ptr, table_row, start, end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, TILE_N,
-                          V_LOAD)
-    for tile_start in range(start, end, TILE_N):
-        if PREFETCH:
-            k8 = k_next
-            v8 = v_next
-            k_next = _kv_tile(k_cache_ptr, table_row, tile_start + TILE_N, end, kv_head, NUM_KV_HEADS, HEAD_DIM,
-                              BLOCK_SIZE, TILE_N, K_LOAD)
-            v_next = _kv_tile(v_cache_ptr, table_row, tile_start + TILE_N, end, kv_head, NUM_KV_HEADS, HEAD_DIM,
-                              BLOCK_SIZE, TILE_N, V_LOAD)
-        else:
-            k8 = _kv_tile(k_cache_ptr, table_row, tile_start, end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-                          TILE_N, K_LOAD)
-            v8 = _kv_tile(v_cache_ptr, table_row, tile_start, end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-                          TILE_N, V_LOAD)
-        # K [TILE_N, D] -> K^T [D, TILE_N] with dim t*(D/4) + c*4 + b relabelled c*16 + t*4 + b
-        k = gl.reshape(k8.to(gl.float16), [TILE_N, 4, HEAD_DIM // 16, 4])
-        k = gl.reshape(gl.permute(k, [0, 2, 1, 3]), [TILE_N, HEAD_DIM])
-        k = gl.convert_layout(gl.permute(k, [1, 0]), b4, assert_trivial=True)
-        scores = mma_v2(q, k, gl.full([16, TILE_N], 0.0, gl.float32, layout=mma)) * qk_scale
-        keys = tile_start + gl.arange(0, TILE_N, layout=gl.SliceLayout(0, mma))
-        scores = gl.where((keys < end)[None, :], scores, float("-inf"))
-        new_max = gl.maximum(running_max, gl.max(scores, axis=1))
-        correction = gl.exp2(running_max - new_max)
-        probs = gl.exp2(scores - new_max[:, None])
-        running_sum = running_sum * correction + gl.sum(probs, axis=1)
-        p = gl.convert_layout(probs.to(gl.float16), a2, assert_trivial=True)
-        # V [TILE_N, D] with dim hi*(D/8) + lo relabelled lo*8 + hi
-        v = gl.reshape(v8.to(gl.float16), [TILE_N, 8, HEAD_DIM // 8])
-        v = gl.reshape(gl.permute(v, [0, 2, 1]), [TILE_N, HEAD_DIM])
-        v = gl.convert_layout(v, b2, assert_trivial=True)
-        acc = mma_v2(p, v, acc * correction[:, None])
-        running_max = new_max
-    acc = acc * gl.load(v_scale_ptr)
-
-    out_rows = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
-    columns = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma))
-    dims = (columns % 8) * (HEAD_DIM // 8) + columns // 8
-    heads = kv_head * GROUP + out_rows
-    row_mask = out_rows < GROUP
-    if NUM_SPLITS == 1:
-        gl.store(out_ptr + seq * out_seq_stride + heads[:, None] * out_head_stride + dims[None, :],
-                 (acc / running_sum[:, None]).to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
-    else:  # attention._decode_partials' [B, Hq, S(, D)] of the live splits
-        part = (seq * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split
-        gl.store(part_max_ptr + part, running_max, mask=row_mask)
-        gl.store(part_sum_ptr + part, running_sum, mask=row_mask)
-        gl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_mask[:, None])
-
-
-@gluon.jit
-def _decode_fp8_mma_t_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
-    part_out_ptr, part_max_ptr, part_sum_ptr, k_scale_ptr, v_scale_ptr,
-    qk_scale, q_seq_stride, q_head_stride, block_table_stride, out_seq_stride, out_head_stride,
     NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr,
-    BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr, NUM_SPLITS: gl.constexpr, PREFETCH: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr, NUM_SPLITS: gl.constexpr,
     K_LOAD: gl.constexpr, V_LOAD: gl.constexpr,
 ):
-    """Keys as the MMAs' rows: scores^T = K q^T [TILE_N, BLOCK_G] and out^T += V^T P^T [D, BLOCK_G], so the query
-    heads are the 8-wide N of the instruction instead of 16 padded rows: half the MMAs and float32 accumulators
-    of _decode_fp8_mma_kernel at a group of 4. K is the A operand (k_width 4) and V^T the A operand (k_width 2),
-    loaded and relabelled as there; P^T reaches the B operand by warp shuffles (no shared memory)."""
     seq = gl.program_id(0).to(gl.int64)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
@@ -214,24 +127,11 @@ def _decode_fp8_mma_t_kernel(
     running_sum = gl.full([BLOCK_G], 0.0, gl.float32, layout=gl.SliceLayout(0, mma))
     acc = gl.full([HEAD_DIM, BLOCK_G], 0.0, gl.float32, layout=mma)
     table_row = block_tables_ptr + seq * block_table_stride
-    if PREFETCH:
-        k_next = _kv_tile(k_cache_ptr, table_row, start, end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, TILE_N,
-                          K_LOAD)
-        v_next = _kv_tile(v_cache_ptr, table_row, start, end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, TILE_N,
-                          V_LOAD)
     for tile_start in range(start, end, TILE_N):
-        if PREFETCH:
-            k8 = k_next
-            v8 = v_next
-            k_next = _kv_tile(k_cache_ptr, table_row, tile_start + TILE_N, end, kv_head, NUM_KV_HEADS, HEAD_DIM,
-                              BLOCK_SIZE, TILE_N, K_LOAD)
-            v_next = _kv_tile(v_cache_ptr, table_row, tile_start + TILE_N, end, kv_head, NUM_KV_HEADS, HEAD_DIM,
-                              BLOCK_SIZE, TILE_N, V_LOAD)
-        else:
-            k8 = _kv_tile(k_cache_ptr, table_row, tile_start, end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-                          TILE_N, K_LOAD)
-            v8 = _kv_tile(v_cache_ptr, table_row, tile_start, end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-                          TILE_N, V_LOAD)
+        k8 = _kv_tile(k_cache_ptr, table_row, tile_start, end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, TILE_N,
+                      K_LOAD)
+        v8 = _kv_tile(v_cache_ptr, table_row, tile_start, end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, TILE_N,
+                      V_LOAD)
         k = gl.reshape(k8.to(gl.float16), [TILE_N, 4, HEAD_DIM // 16, 4])
         k = gl.reshape(gl.permute(k, [0, 2, 1, 3]), [TILE_N, HEAD_DIM])
         k = gl.convert_layout(k, a4, assert_trivial=True)
@@ -279,7 +179,7 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 def decode_fp8_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                    context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor,
                    out: torch.Tensor, partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-                   num_splits: int, tile_n: int = 16, prefetch: bool = True, keys_as_rows: bool = True) -> None:
+                   num_splits: int, tile_n: int = 16) -> None:
     """out [B, Hq, D] = attention of q [B, Hq, D] over the FP8 cache [blocks, block_size, Hkv, D]. With
     num_splits > 1, partials (attention._decode_partials) receive the splits and out is left to the reduce."""
     batch, num_q_heads, head_dim = q.shape
@@ -287,11 +187,8 @@ def decode_fp8_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     group = num_q_heads // num_kv_heads
     k_load, v_load = load_layouts(tile_n, head_dim)
     part_out, part_max, part_sum = partials if num_splits > 1 else (out, out, out)
-    kernel, extra = _decode_fp8_mma_kernel, {}
-    if keys_as_rows:
-        kernel, extra = _decode_fp8_mma_t_kernel, {"BLOCK_G": max(8, 1 << (group - 1).bit_length())}
-    kernel[(batch, num_kv_heads, num_splits)](
+    _decode_fp8_mma_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max, part_sum, k_scale, v_scale,
         scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        TILE_N=tile_n, NUM_SPLITS=num_splits, PREFETCH=prefetch, K_LOAD=k_load, V_LOAD=v_load, num_warps=1, **extra)
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(8, 1 << (group - 1).bit_length()), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, K_LOAD=k_load, V_LOAD=v_load, num_warps=1)

@@ -26,9 +26,10 @@ bandwidth-bound. The modes (a constexpr, so the interpreter only meets what it c
   words joined into an fp16 tile cannot be sunk, and a 16-bit tile is read transposed with ldmatrix. The
   interpreter cannot run PTX: tests check it on the GPU, and its sm_90 compile on the CPU.
 - MMA (4, decode only): not a Triton mode but another kernel, decode_fp8_mma.py (Gluon: K and V loaded straight
-  into tensor-core operand registers, no shared memory; num_warps and num_stages are 1 warp and a prefetch of one
-  tile there, whatever the config says). Where that kernel cannot run (the interpreter, the CPU, shapes it does
-  not take) the split kernel runs F16_VWORDS at tile 64 (the prefill kernel F16).
+  into tensor-core operand registers, no shared memory; one warp a program whatever num_warps says, num_stages
+  unused). Where that kernel cannot run (the interpreter, the CPU, shapes it does not take) the split kernel runs
+  F16_VWORDS at tile 64 (the prefill kernel F16). attention.DECODE_FP8_MMA makes it the default for launches of
+  one split.
 """
 from __future__ import annotations
 
@@ -36,9 +37,8 @@ from dataclasses import dataclass
 
 from stoker.engine.kernels._triton import tl, triton
 
-FP8_CAST, FP8_F16, FP8_BITS, FP8_F16_VWORDS, FP8_MMA, FP8_MMA_T = 0, 1, 2, 3, 4, 5
-FP8_MODES = {"cast": FP8_CAST, "f16": FP8_F16, "bits": FP8_BITS, "f16-vwords": FP8_F16_VWORDS, "mma": FP8_MMA,
-             "mma-t": FP8_MMA_T}
+FP8_CAST, FP8_F16, FP8_BITS, FP8_F16_VWORDS, FP8_MMA = 0, 1, 2, 3, 4
+FP8_MODES = {"cast": FP8_CAST, "f16": FP8_F16, "bits": FP8_BITS, "f16-vwords": FP8_F16_VWORDS, "mma": FP8_MMA}
 BITS_UNIT = 256.0  # BITS mode reads e4m3 value v as the fp16 v * 2^-8; the kernels multiply 2^8 back in float32
 FP16_MAX = 65504.0
 
