@@ -616,6 +616,7 @@ def paged_decode_attention_triton(
     if counters is not None:
         _check_counters(counters, batch * num_kv_heads, q.device)
     if mma:  # no fused combine there: the reduce kernel combines its splits
+        assert k_scale is not None and v_scale is not None  # an FP8 cache's scales (_check_cache requires them)
         decode_fp8_mma.decode_fp8_mma(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, out,
                                       (part_out, part_max, part_sum), num_splits, tile_n)
         fused_combine = False

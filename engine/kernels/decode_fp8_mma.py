@@ -178,15 +178,16 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def decode_fp8_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                    context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor,
-                   out: torch.Tensor, partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-                   num_splits: int, tile_n: int = 16) -> None:
+                   out: torch.Tensor, partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor], num_splits: int,
+                   tile_n: int = 16) -> None:
     """out [B, Hq, D] = attention of q [B, Hq, D] over the FP8 cache [blocks, block_size, Hkv, D]. With
-    num_splits > 1, partials (attention._decode_partials) receive the splits and out is left to the reduce."""
+    num_splits > 1, partials (attention._decode_partials: outputs, maxima, sums) receive the splits and out is left
+    to the reduce; with one split they are not touched."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
     k_load, v_load = load_layouts(tile_n, head_dim)
-    part_out, part_max, part_sum = partials if num_splits > 1 else (out, out, out)
+    part_out, part_max, part_sum = partials
     _decode_fp8_mma_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max, part_sum, k_scale, v_scale,
         scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
