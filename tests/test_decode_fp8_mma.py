@@ -14,7 +14,7 @@ import torch
 triton = pytest.importorskip("triton")
 from kernel_harness import GPU, INTERPRET, NO_CUDA, close, run_under_interpreter  # noqa: E402
 from stoker.engine.kernels import (  # noqa: E402
-    attention,  # noqa: E402
+    attention,
     decode_fp8_mma,
     paged_decode_attention_ref,
     paged_decode_attention_triton,
@@ -105,6 +105,9 @@ def test_mma_not_supported_where_it_cannot_run() -> None:
     assert not decode_fp8_mma.supported(torch.zeros(1, 8, 128), k8)  # the CPU
     if torch.cuda.is_available():
         cuda8 = k8.cuda()
+        q = torch.zeros(1, 8, 128, device="cuda", dtype=torch.bfloat16)
+        assert decode_fp8_mma.supported(q, cuda8)  # the shape it takes (sm_89+: the H200)
+        assert not decode_fp8_mma.supported(q, torch.zeros(2, 16, 2, 128, device="cuda", dtype=torch.bfloat16))
         assert not decode_fp8_mma.supported(torch.zeros(1, 8, 128, device="cuda"), cuda8)  # float32 q
         assert not decode_fp8_mma.supported(torch.zeros(1, 34, 128, device="cuda", dtype=torch.bfloat16),
                                             cuda8)  # a group of 17
