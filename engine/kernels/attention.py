@@ -473,23 +473,28 @@ DECODE_FP8_MMA = True
 DECODE_FP8_MMA_TILE_N = 16
 
 
+def _fp8_config_that_runs(q: torch.Tensor, k_cache: torch.Tensor, fp8_config: Fp8AttentionConfig | None
+                          ) -> tuple[Fp8AttentionConfig, bool]:
+    """(the FP8 cache's decode config as given, or DEFAULT_DECODE, whether decode_fp8_mma.py's kernel runs it). A
+    config of mode "mma" where that kernel cannot run falls back to the split kernel's words at tile 64
+    (kv_fp8_tiles.py)."""
+    config = fp8_config or DEFAULT_DECODE
+    if config.mode != "mma":
+        return config, False
+    if decode_fp8_mma.supported(q, k_cache):
+        return config, True
+    return Fp8AttentionConfig("f16-vwords", 64, config.num_warps, config.num_stages), False
+
+
 def _decode_fp8_config(q: torch.Tensor, k_cache: torch.Tensor, fp8_config: Fp8AttentionConfig | None,
                        num_splits: int) -> tuple[Fp8AttentionConfig, bool]:
     """(the FP8 cache's decode config that runs a launch of num_splits splits, whether decode_fp8_mma.py's kernel
     runs it). No config: the Gluon kernel for a launch of one split (DECODE_FP8_MMA), else DEFAULT_DECODE. The
     split count comes first, from DEFAULT_DECODE's tile (decode_splits) or the CUDA-graph bucket that would hold
-    the rows (decode_bucket_launch), so a mixed step's decode rows run the kernel their bucket's capture compiled.
-    A config of mode "mma" where that kernel cannot run falls back to the split kernel's words at tile 64
-    (kv_fp8_tiles.py)."""
-    if fp8_config is None:
-        if DECODE_FP8_MMA and num_splits == 1 and decode_fp8_mma.supported(q, k_cache):
-            return Fp8AttentionConfig("mma", DECODE_FP8_MMA_TILE_N, 1, 1), True
-        return DEFAULT_DECODE, False
-    if fp8_config.mode != "mma":
-        return fp8_config, False
-    if decode_fp8_mma.supported(q, k_cache):
-        return fp8_config, True
-    return Fp8AttentionConfig("f16-vwords", 64, fp8_config.num_warps, fp8_config.num_stages), False
+    the rows (decode_bucket_launch), so a mixed step's decode rows run the kernel their bucket's capture compiled."""
+    if fp8_config is None and DECODE_FP8_MMA and num_splits == 1 and decode_fp8_mma.supported(q, k_cache):
+        return Fp8AttentionConfig("mma", DECODE_FP8_MMA_TILE_N, 1, 1), True
+    return _fp8_config_that_runs(q, k_cache, fp8_config)
 
 
 def _decode_tile_n(q: torch.Tensor, k_cache: torch.Tensor, fp8_config: Fp8AttentionConfig | None) -> int:
@@ -499,7 +504,7 @@ def _decode_tile_n(q: torch.Tensor, k_cache: torch.Tensor, fp8_config: Fp8Attent
         return 16  # the interpreter pays per element: small tiles keep tests fast
     if not is_fp8_cache(k_cache):
         return DECODE_TILE_N
-    return _decode_fp8_config(q, k_cache, fp8_config, 0)[0].tile_n  # 0 splits: the config as given (or default)
+    return _fp8_config_that_runs(q, k_cache, fp8_config)[0].tile_n
 
 
 def decode_splits(
@@ -615,16 +620,17 @@ def paged_decode_attention_triton(
     block_gp = triton.next_power_of_2(group)
     if counters is not None:
         _check_counters(counters, batch * num_kv_heads, q.device)
+    qk_scale = scale * _LOG2E  # both kernels keep the scores in the log2 domain
     if mma:  # no fused combine there: the reduce kernel combines its splits
         assert k_scale is not None and v_scale is not None  # an FP8 cache's scales (_check_cache requires them)
-        decode_fp8_mma.decode_fp8_mma(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, out,
-                                      (part_out, part_max, part_sum), num_splits, tile_n)
+        decode_fp8_mma.decode_fp8_mma(q, k_cache, v_cache, block_tables, context_lens, qk_scale, k_scale, v_scale,
+                                      out, (part_out, part_max, part_sum), num_splits, tile_n)
         fused_combine = False
     else:
         _decode_split_kernel[(batch, num_kv_heads, num_splits)](
             q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max, part_sum, k_scale_arg,
             v_scale_arg, counters if counters is not None else context_lens,  # a placeholder without the combine
-            scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+            qk_scale, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
             NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=tile_n,
             NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype), FP8_CACHE=fp8,

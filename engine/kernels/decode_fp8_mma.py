@@ -53,7 +53,6 @@ except Exception:  # triton missing, too old, or broken
 
     gluon, gl, mma_v2 = _Jit(), None, None
 
-_LOG2E = 1.4426950408889634
 MAX_GROUP = 16  # query heads a kv head: two 8-wide MMA columns
 
 
@@ -177,10 +176,11 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def decode_fp8_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                   context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                   context_lens: torch.Tensor, qk_scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor,
                    out: torch.Tensor, partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor], num_splits: int,
                    tile_n: int = 16) -> None:
-    """out [B, Hq, D] = attention of q [B, Hq, D] over the FP8 cache [blocks, block_size, Hkv, D]. With
+    """out [B, Hq, D] = attention of q [B, Hq, D] over the FP8 cache [blocks, block_size, Hkv, D], qk_scale the
+    softmax scale times log2(e) (the scores stay in the log2 domain, as attention.py's kernels keep them). With
     num_splits > 1, partials (attention._decode_partials: outputs, maxima, sums) receive the splits and out is left
     to the reduce; with one split they are not touched."""
     batch, num_q_heads, head_dim = q.shape
@@ -190,6 +190,6 @@ def decode_fp8_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     part_out, part_max, part_sum = partials
     _decode_fp8_mma_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max, part_sum, k_scale, v_scale,
-        scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        qk_scale, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(8, 1 << (group - 1).bit_length()), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, K_LOAD=k_load, V_LOAD=v_load, num_warps=1)
