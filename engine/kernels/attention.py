@@ -227,18 +227,11 @@ def _decode_split_kernel(
             NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION)
         loop_start = start + TILE_N
     table_row = block_tables_ptr + seq * block_table_stride
-    if TABLE_AHEAD:  # each tile's block numbers loaded one tile ahead (see DECODE_TABLE_AHEAD)
-        ahead = loop_start + tl.arange(0, TILE_N)
-        block_next = _table_blocks(table_row, ahead, ahead < end, BLOCK_SIZE)
+    block_next = _first_blocks_ahead(table_row, loop_start, end, BLOCK_SIZE, TILE_N, TABLE_AHEAD)
     for tile_start in range(loop_start, end, TILE_N):
         pos = tile_start + tl.arange(0, TILE_N)
         key_mask = pos < end
-        if TABLE_AHEAD:
-            block = block_next
-            ahead = pos + TILE_N
-            block_next = _table_blocks(table_row, ahead, ahead < end, BLOCK_SIZE)
-        else:
-            block = _table_blocks(table_row, pos, key_mask, BLOCK_SIZE)
+        block, block_next = _tile_blocks(table_row, pos, end, block_next, BLOCK_SIZE, TILE_N, TABLE_AHEAD)
         slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         kv_offset = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
         kv_mask = key_mask[:, None] & dim_mask[None, :]
@@ -280,6 +273,35 @@ def _table_blocks(table_row, pos, mask, BLOCK_SIZE: tl.constexpr):
     """The cache block of each key position `pos` (0 where `mask` is off: positions past the keys, never read): one
     sequence's block-table row, read by both attention kernels once a key tile, in its loop or a tile ahead."""
     return tl.load(table_row + pos // BLOCK_SIZE, mask=mask, other=0)
+
+
+@triton.jit
+def _first_blocks_ahead(table_row, start, end, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                        TABLE_AHEAD: tl.constexpr):
+    """Before a key loop from `start`: with TABLE_AHEAD its first tile's block numbers (the loop then carries each
+    next tile's, see DECODE_TABLE_AHEAD); without, zeros that _tile_blocks passes through untouched (a loop-carried
+    value that never changes, which the compiler folds away: no load, no register)."""
+    if TABLE_AHEAD:
+        ahead = start + tl.arange(0, TILE_N)
+        blocks = _table_blocks(table_row, ahead, ahead < end, BLOCK_SIZE)
+    else:
+        blocks = tl.zeros([TILE_N], tl.int32)
+    return blocks
+
+
+@triton.jit
+def _tile_blocks(table_row, pos, end, block_next, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                 TABLE_AHEAD: tl.constexpr):
+    """(the block numbers of the key tile at positions `pos`, the carried value for the next tile): with
+    TABLE_AHEAD the tile's were loaded a tile earlier and the next tile's are loaded now; without, the tile's are
+    loaded now and block_next passes through."""
+    if TABLE_AHEAD:
+        block = block_next
+        ahead = pos + TILE_N
+        block_next = _table_blocks(table_row, ahead, ahead < end, BLOCK_SIZE)
+    else:
+        block = _table_blocks(table_row, pos, pos < end, BLOCK_SIZE)
+    return block, block_next
 
 
 @triton.jit
@@ -721,18 +743,11 @@ def _prefill_kernel(
         # Keys 0 .. the tile's last query position; every row sees key 0, so no row's max stays -inf.
         key_end = tl.minimum(context_len - num_queries + first_query + BLOCK_Q, context_len)
         table_row = block_tables_ptr + seq * block_table_stride
-        if TABLE_AHEAD:  # as the decode kernel's
-            ahead = tl.arange(0, TILE_N)
-            block_next = _table_blocks(table_row, ahead, ahead < key_end, BLOCK_SIZE)
+        block_next = _first_blocks_ahead(table_row, 0, key_end, BLOCK_SIZE, TILE_N, TABLE_AHEAD)
         for tile_start in range(0, key_end, TILE_N):
             pos = tile_start + tl.arange(0, TILE_N)
             key_mask = pos < key_end
-            if TABLE_AHEAD:
-                block = block_next
-                ahead = pos + TILE_N
-                block_next = _table_blocks(table_row, ahead, ahead < key_end, BLOCK_SIZE)
-            else:
-                block = _table_blocks(table_row, pos, key_mask, BLOCK_SIZE)
+            block, block_next = _tile_blocks(table_row, pos, key_end, block_next, BLOCK_SIZE, TILE_N, TABLE_AHEAD)
             slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
             kv_offset = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
             k = kv_for_dots(tl.load(k_cache_ptr + kv_offset, mask=key_mask[:, None] & dim_mask, other=0.0), q.dtype,
