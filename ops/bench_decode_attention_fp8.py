@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout too
 
-from stoker.engine.kernels import paged_attention_triton, paged_decode_attention_triton  # noqa: E402
+from stoker.engine.kernels import decode_fp8_mma, paged_attention_triton, paged_decode_attention_triton  # noqa: E402
 from stoker.engine.kernels.kv_fp8_tiles import Fp8AttentionConfig  # noqa: E402
 from stoker.engine.kernels.kv_quant import quantize_kv  # noqa: E402
 
@@ -52,9 +52,24 @@ DECODE_VARIANTS = [Fp8AttentionConfig("cast", 64, 4, 3), Fp8AttentionConfig("f16
 # the launcher's count). The grid-order and V-prefetch variants of 21:09 UTC are gone (kv_fp8_tiles.py), as are
 # q8x2 and tile_n 256 (session 15: 595-607 and 827-861 us against the default's 468, BENCHMARKS.md).
 V = Fp8AttentionConfig
-W2_VARIANTS: list[tuple[Fp8AttentionConfig, int | None]] = [  # the likeliest first: a cut run keeps them
-    (V("f16-vwords", 64, 4, 3), None), (V("mma", 16, 1, 1), None), (V("mma", 32, 1, 1), None),
-    (V("mma", 64, 1, 1), None), (V("mma", 16, 1, 1), 2), (V("mma", 128, 1, 1), None), (V("f16-vwords", 128), None),
+# The Gluon kernel's forms (decode_fp8_mma.py's module knobs, set around each launch): cp.async stages (0: loads
+# into registers), block numbers a tile ahead (the register form), the grid's kv heads fastest.
+MMA_FORMS: dict[str, dict[str, int | bool]] = {
+    "regs": {"STAGES": 0, "TABLE_AHEAD": False, "HEAD_MAJOR": False},
+    "regs ahead": {"STAGES": 0, "TABLE_AHEAD": True, "HEAD_MAJOR": False},
+    "regs ahead heads-first": {"STAGES": 0, "TABLE_AHEAD": True, "HEAD_MAJOR": True},
+    "async s2": {"STAGES": 2, "TABLE_AHEAD": False, "HEAD_MAJOR": False},
+    "async s3": {"STAGES": 3, "TABLE_AHEAD": False, "HEAD_MAJOR": False},
+    "async s4": {"STAGES": 4, "TABLE_AHEAD": False, "HEAD_MAJOR": False},
+    "async s3 heads-first": {"STAGES": 3, "TABLE_AHEAD": False, "HEAD_MAJOR": True},
+}
+W2_VARIANTS: list[tuple[Fp8AttentionConfig, int | None, str | None]] = [  # the likeliest first: a cut run keeps them
+    (V("f16-vwords", 64, 4, 3), None, None), (V("mma", 16, 1, 1), None, "regs"),
+    (V("mma", 16, 1, 1), None, "async s3"), (V("mma", 16, 1, 1), None, "async s2"),
+    (V("mma", 16, 1, 1), None, "regs ahead"), (V("mma", 16, 1, 1), None, "async s4"),
+    (V("mma", 32, 1, 1), None, "async s2"), (V("mma", 32, 1, 1), None, "async s3"),
+    (V("mma", 16, 1, 1), None, "async s3 heads-first"), (V("mma", 16, 1, 1), None, "regs ahead heads-first"),
+    (V("mma", 32, 1, 1), None, "regs"), (V("mma", 16, 1, 1), 2, "async s3"), (V("mma", 16, 1, 1), 2, "regs"),
 ]
 # --ahead: every variant with the block numbers in its loop and a tile ahead (attention.DECODE_TABLE_AHEAD); the
 # default runs each with the launchers' default only (None).
@@ -113,7 +128,7 @@ def record(rows: list[dict], kernel: str, shape: str, variant: str, us: float, n
 
 
 def bench_decode(rows: list[dict], batch: int, ctx: int, device: str, dtype: torch.dtype,
-                 variants: list[tuple[Fp8AttentionConfig, int | None]] | None = None,
+                 variants: list[tuple[Fp8AttentionConfig, int | None, str | None]] | None = None,
                  aheads: tuple[bool | None, ...] = (None,)) -> None:
     (k, v), (k8, v8), tables = paged_caches(batch, ctx, device, dtype)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
@@ -126,12 +141,22 @@ def bench_decode(rows: list[dict], batch: int, ctx: int, device: str, dtype: tor
             elems * 2), elems * 2, 0.0)
     ks, vs = K_SCALE.to(device), V_SCALE.to(device)
     baseline = None
-    for (config, splits), ahead in [(v, a) for v in variants or [(c, None) for c in DECODE_VARIANTS] for a in aheads]:
-        def call(config: Fp8AttentionConfig = config, splits: int | None = splits, ahead: bool = ahead
-                 ) -> torch.Tensor:
-            return paged_decode_attention_triton(q, k8, v8, tables, lens, scale, splits, k_scale=ks, v_scale=vs,
-                                                 fp8_config=config, table_ahead=ahead)
-        label = "fp8 " + config.label() + ("" if splits is None else f" splits {splits}") + AHEAD_LABEL[ahead]
+    defaults = {name: getattr(decode_fp8_mma, name) for name in ("STAGES", "TABLE_AHEAD", "HEAD_MAJOR")}
+    chosen = variants or [(c, None, None) for c in DECODE_VARIANTS] + [
+        (V("mma", 16, 1, 1), None, "async s3"), (V("mma", 16, 1, 1), None, "async s2")]
+    for (config, splits, form), ahead in [(v, a) for v in chosen for a in aheads]:
+        def call(config: Fp8AttentionConfig = config, splits: int | None = splits, ahead: bool = ahead,
+                 form: str | None = form) -> torch.Tensor:
+            for name, value in (MMA_FORMS[form] if form else defaults).items():
+                setattr(decode_fp8_mma, name, value)
+            try:
+                return paged_decode_attention_triton(q, k8, v8, tables, lens, scale, splits, k_scale=ks, v_scale=vs,
+                                                     fp8_config=config, table_ahead=ahead)
+            finally:
+                for name, value in defaults.items():
+                    setattr(decode_fp8_mma, name, value)
+        label = ("fp8 " + config.label() + (f" {form}" if form else "") + ("" if splits is None else f" splits {splits}")
+                 + AHEAD_LABEL[ahead])
         try:
             out = call().float()
         except Exception as exc:  # a variant that fails to compile must not cost the others their rows

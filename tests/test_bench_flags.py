@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("triton")
-from stoker.engine.kernels import attention  # noqa: E402
+from stoker.engine.kernels import attention, decode_fp8_mma  # noqa: E402
 from stoker.engine.models import fused_decode  # noqa: E402
 from stoker.ops import bench  # noqa: E402
 
@@ -21,6 +21,11 @@ def test_set_items_change_a_module_constant_for_their_item_only() -> None:
         assert fused_decode.O_PROJ_PDL is (not opdl)
         bench.apply_kernel_flags("auto")
         assert fused_decode.O_PROJ_PDL is opdl and tile == attention.DECODE_TILE_N
+        stages = decode_fp8_mma.STAGES
+        bench.apply_kernel_flags(f"auto+set=decode_fp8_mma.STAGES={stages + 2}")
+        assert stages + 2 == decode_fp8_mma.STAGES
+        bench.apply_kernel_flags("auto")
+        assert stages == decode_fp8_mma.STAGES
     finally:
         bench.apply_kernel_flags("auto")
 

@@ -3,8 +3,8 @@ against the plain-torch reference, and where it does not run, the fallback it na
 
 The kernel itself runs on CUDA only (Gluon has no interpreter): those cases are marked gpu. On the CPU: the
 "mma" config falls back to the split kernel (under the interpreter) with the same result, and the kernel
-compiles for sm_90 with no shared memory (the point of it: a layout Triton would route through shared memory
-fails `assert_trivial` at compile time, so a compile is a real check).
+compiles for sm_90: the register form with no shared memory (a layout Triton would route through shared memory
+fails `assert_trivial` at compile time, so a compile is a real check), the cp.async form with its ring only.
 """
 from __future__ import annotations
 
@@ -29,6 +29,15 @@ LENS = [1, 17, 100, 33, 640]  # one key, a tile and a bit, a partial last tile, 
 MMA_CONFIGS = [Fp8AttentionConfig("mma", 16, 1, 1), Fp8AttentionConfig("mma", 32, 1, 1),
                Fp8AttentionConfig("mma", 64, 1, 1), Fp8AttentionConfig("mma", 128, 1, 1)]
 CONFIG_IDS = ["n16", "n32", "n64", "n128"]
+# The kernel's forms besides the module's default (decode_fp8_mma.STAGES / TABLE_AHEAD / HEAD_MAJOR)
+FORMS = {
+    "regs": {"STAGES": 0, "TABLE_AHEAD": False, "HEAD_MAJOR": False},
+    "regs-ahead": {"STAGES": 0, "TABLE_AHEAD": True, "HEAD_MAJOR": False},
+    "regs-ahead-heads-first": {"STAGES": 0, "TABLE_AHEAD": True, "HEAD_MAJOR": True},
+    "async2": {"STAGES": 2, "TABLE_AHEAD": False, "HEAD_MAJOR": False},
+    "async3": {"STAGES": 3, "TABLE_AHEAD": False, "HEAD_MAJOR": False},
+    "async4-heads-first": {"STAGES": 4, "TABLE_AHEAD": False, "HEAD_MAJOR": True},
+}
 
 
 def _check_against_reference(dtype: torch.dtype, hq: int, hkv: int, head_dim: int, block_size: int,
@@ -53,6 +62,23 @@ def _check_against_reference(dtype: torch.dtype, hq: int, hkv: int, head_dim: in
 @pytest.mark.parametrize("num_splits", [1, 3, None])
 def test_mma_decode_matches_reference(hq: int, hkv: int, head_dim: int, block_size: int,
                                       config: Fp8AttentionConfig, num_splits: int | None) -> None:
+    _check_against_reference(torch.bfloat16, hq, hkv, head_dim, block_size, config, num_splits)
+
+
+@GPU
+@NO_CUDA
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("hq,hkv,head_dim,block_size", MMA_SHAPES)
+@pytest.mark.parametrize("config", MMA_CONFIGS[:2], ids=CONFIG_IDS[:2])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mma_decode_forms_match_reference(monkeypatch: pytest.MonkeyPatch, form: str, hq: int, hkv: int,
+                                          head_dim: int, block_size: int, config: Fp8AttentionConfig,
+                                          num_splits: int) -> None:
+    """Every form of the kernel (loads into registers, the block numbers a tile ahead, cp.async rings of 2-4
+    slots, the grid's kv heads first) on every shape: block sizes below, at and above the tile, contexts that
+    end mid-tile and mid-ring, tiles past a split's end copied (masked) ahead."""
+    for name, value in FORMS[form].items():
+        monkeypatch.setattr(decode_fp8_mma, name, value)
     _check_against_reference(torch.bfloat16, hq, hkv, head_dim, block_size, config, num_splits)
 
 
@@ -150,12 +176,8 @@ def test_mma_config_falls_back_under_the_interpreter() -> None:
               torch.float16)
 
 
-@pytest.mark.skipif(INTERPRET or not decode_fp8_mma.HAS_GLUON, reason="compiles with Triton's JIT (no Gluon here)")
-@pytest.mark.parametrize("tile_n,head_dim,group", [(16, 128, 4), (32, 64, 7), (64, 256, 16), (16, 32, 1),
-                                                   (128, 128, 8)])
-def test_mma_kernel_compiles_for_sm90_without_shared_memory(tile_n: int, head_dim: int, group: int) -> None:
-    """The sm_90 compile of the kernel, as the launcher would build it: every convert_layout into an MMA
-    operand asserts it moves no data (a compile error otherwise), and the kernel uses no shared memory."""
+def _compile_sm90(tile_n: int, head_dim: int, group: int, stages: int):  # noqa: ANN202
+    """The sm_90 compile of the kernel as the launcher would build it (3 splits, 8 kv heads, blocks of 16)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -168,19 +190,50 @@ def test_mma_kernel_compiles_for_sm90_without_shared_memory(tile_n: int, head_di
     k_load, v_load = decode_fp8_mma.load_layouts(tile_n, head_dim)
     constexprs = {"NUM_KV_HEADS": 8, "GROUP": group, "BLOCK_G": max(8, triton.next_power_of_2(group)),
                   "HEAD_DIM": head_dim, "BLOCK_SIZE": 16, "TILE_N": tile_n, "NUM_SPLITS": 3, "K_LOAD": k_load,
-                  "V_LOAD": v_load}
+                  "V_LOAD": v_load, "TABLE_AHEAD": stages == 0, "HEAD_MAJOR": False, "STAGES": stages}
     signature |= {name: "constexpr" for name in constexprs}
-    source = GluonASTSource(decode_fp8_mma._decode_fp8_mma_kernel, signature, constexprs=constexprs)
+    # the pointers 16-byte aligned, as the JIT specializes torch's allocations (the launcher checks the caches')
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name.endswith("_ptr")}
+    source = GluonASTSource(decode_fp8_mma._decode_fp8_mma_kernel, signature, constexprs=constexprs, attrs=aligned)
     try:
-        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
     except RuntimeError as e:  # no CUDA toolchain in this triton install
         if "ptxas" in str(e).lower():
             pytest.skip(f"no ptxas for sm_90 here: {e}")
         raise
+
+
+@pytest.mark.skipif(INTERPRET or not decode_fp8_mma.HAS_GLUON, reason="compiles with Triton's JIT (no Gluon here)")
+@pytest.mark.parametrize("tile_n,head_dim,group", [(16, 128, 4), (32, 64, 7), (64, 256, 16), (16, 32, 1),
+                                                   (128, 128, 8)])
+def test_mma_kernel_compiles_for_sm90_without_shared_memory(tile_n: int, head_dim: int, group: int) -> None:
+    """The register form: every convert_layout into an MMA operand asserts it moves no data (a compile error
+    otherwise), and the kernel uses no shared memory."""
+    kernel = _compile_sm90(tile_n, head_dim, group, 0)
     assert kernel.metadata.shared == 0
     ptx = kernel.asm["ptx"]
     assert "mma.sync.aligned.m16n8k16" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
     assert "ld.shared" not in ptx and "st.shared" not in ptx
+
+
+@pytest.mark.skipif(INTERPRET or not decode_fp8_mma.HAS_GLUON, reason="compiles with Triton's JIT (no Gluon here)")
+@pytest.mark.parametrize("tile_n,head_dim,group,stages", [(16, 128, 4, 3), (32, 64, 7, 2), (16, 256, 16, 2),
+                                                          (16, 32, 1, 4)])
+def test_mma_kernel_async_form_copies_into_its_ring(tile_n: int, head_dim: int, group: int, stages: int) -> None:
+    """The cp.async form: the ring is STAGES slots of a K and a V tile, filled by cp.async copies that no register
+    waits on (16 bytes each from head_dim 128 on, where a lane's share of a key row is that wide; D / 8 and D / 4
+    bytes below), read back by shared loads as wide (the swizzle keeps them whole); nothing else goes through
+    shared memory and no K / V tile is loaded into registers."""
+    kernel = _compile_sm90(tile_n, head_dim, group, stages)
+    assert kernel.metadata.shared == stages * 2 * tile_n * head_dim
+    ptx = kernel.asm["ptx"]
+    assert "cp.async.wait_group" in ptx and "st.shared" not in ptx and "ld.global.v4" not in ptx
+    if head_dim >= 128:
+        copies = [line for line in ptx.splitlines() if "cp.async.cg.shared.global" in line]
+        assert copies and all(", 0x10, " in line for line in copies)
+        assert "ld.shared.v4.b32" in ptx
+    else:
+        assert "cp.async.ca.shared.global" in ptx or "cp.async.cg.shared.global" in ptx
 
 
 @pytest.mark.slow
