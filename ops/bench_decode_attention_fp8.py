@@ -52,24 +52,22 @@ DECODE_VARIANTS = [Fp8AttentionConfig("cast", 64, 4, 3), Fp8AttentionConfig("f16
 # the launcher's count). The grid-order and V-prefetch variants of 21:09 UTC are gone (kv_fp8_tiles.py), as are
 # q8x2 and tile_n 256 (session 15: 595-607 and 827-861 us against the default's 468, BENCHMARKS.md).
 V = Fp8AttentionConfig
-# The Gluon kernel's forms (decode_fp8_mma.py's module knobs, set around each launch): cp.async stages (0: loads
-# into registers), block numbers a tile ahead (the register form), the grid's kv heads fastest.
+# The Gluon kernel's forms (decode_fp8_mma.py's module knobs, set around each launch): cp.async ring slots (0:
+# loads into registers) and the grid's order (the default walks a sequence's kv heads first). Session 22 call 1
+# also timed the register form with the block numbers a tile ahead (removed: 0.5 %).
 MMA_FORMS: dict[str, dict[str, int | bool]] = {
-    "regs": {"STAGES": 0, "TABLE_AHEAD": False, "HEAD_MAJOR": False},
-    "regs ahead": {"STAGES": 0, "TABLE_AHEAD": True, "HEAD_MAJOR": False},
-    "regs ahead heads-first": {"STAGES": 0, "TABLE_AHEAD": True, "HEAD_MAJOR": True},
-    "async s2": {"STAGES": 2, "TABLE_AHEAD": False, "HEAD_MAJOR": False},
-    "async s3": {"STAGES": 3, "TABLE_AHEAD": False, "HEAD_MAJOR": False},
-    "async s4": {"STAGES": 4, "TABLE_AHEAD": False, "HEAD_MAJOR": False},
-    "async s3 heads-first": {"STAGES": 3, "TABLE_AHEAD": False, "HEAD_MAJOR": True},
+    "regs": {"STAGES": 0, "HEAD_MAJOR": True},
+    "regs batch-first": {"STAGES": 0, "HEAD_MAJOR": False},
+    "async s2": {"STAGES": 2, "HEAD_MAJOR": True},
+    "async s3": {"STAGES": 3, "HEAD_MAJOR": True},
+    "async s4": {"STAGES": 4, "HEAD_MAJOR": True},
+    "async s3 batch-first": {"STAGES": 3, "HEAD_MAJOR": False},
 }
 W2_VARIANTS: list[tuple[Fp8AttentionConfig, int | None, str | None]] = [  # the likeliest first: a cut run keeps them
-    (V("f16-vwords", 64, 4, 3), None, None), (V("mma", 16, 1, 1), None, "regs"),
-    (V("mma", 16, 1, 1), None, "async s3"), (V("mma", 16, 1, 1), None, "async s2"),
-    (V("mma", 16, 1, 1), None, "regs ahead"), (V("mma", 16, 1, 1), None, "async s4"),
-    (V("mma", 32, 1, 1), None, "async s2"), (V("mma", 32, 1, 1), None, "async s3"),
-    (V("mma", 16, 1, 1), None, "async s3 heads-first"), (V("mma", 16, 1, 1), None, "regs ahead heads-first"),
-    (V("mma", 32, 1, 1), None, "regs"), (V("mma", 16, 1, 1), 2, "async s3"), (V("mma", 16, 1, 1), 2, "regs"),
+    (V("f16-vwords", 64, 4, 3), None, None), (V("mma", 16, 1, 1), None, "async s3"),
+    (V("mma", 16, 1, 1), None, "async s2"), (V("mma", 16, 1, 1), None, "async s4"),
+    (V("mma", 32, 1, 1), None, "async s3"), (V("mma", 16, 1, 1), None, "regs"),
+    (V("mma", 16, 1, 1), None, "async s3 batch-first"), (V("mma", 16, 1, 1), 2, "async s3"),
 ]
 # --ahead: every variant with the block numbers in its loop and a tile ahead (attention.DECODE_TABLE_AHEAD); the
 # default runs each with the launchers' default only (None).
@@ -141,9 +139,8 @@ def bench_decode(rows: list[dict], batch: int, ctx: int, device: str, dtype: tor
             elems * 2), elems * 2, 0.0)
     ks, vs = K_SCALE.to(device), V_SCALE.to(device)
     baseline = None
-    defaults = {name: getattr(decode_fp8_mma, name) for name in ("STAGES", "TABLE_AHEAD", "HEAD_MAJOR")}
-    chosen = variants or [(c, None, None) for c in DECODE_VARIANTS] + [
-        (V("mma", 16, 1, 1), None, "async s3"), (V("mma", 16, 1, 1), None, "async s2")]
+    defaults = {name: getattr(decode_fp8_mma, name) for name in ("STAGES", "HEAD_MAJOR")}
+    chosen = variants or [(c, None, None) for c in DECODE_VARIANTS] + [(V("mma", 16, 1, 1), None, "regs")]
     for (config, splits, form), ahead in [(v, a) for v in chosen for a in aheads]:
         def call(config: Fp8AttentionConfig = config, splits: int | None = splits, ahead: bool = ahead,
                  form: str | None = form) -> torch.Tensor:

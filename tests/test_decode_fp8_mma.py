@@ -29,16 +29,14 @@ LENS = [1, 17, 100, 33, 640]  # one key, a tile and a bit, a partial last tile, 
 MMA_CONFIGS = [Fp8AttentionConfig("mma", 16, 1, 1), Fp8AttentionConfig("mma", 32, 1, 1),
                Fp8AttentionConfig("mma", 64, 1, 1), Fp8AttentionConfig("mma", 128, 1, 1)]
 CONFIG_IDS = ["n16", "n32", "n64", "n128"]
-# The kernel's forms besides the module's default (decode_fp8_mma.STAGES / TABLE_AHEAD / HEAD_MAJOR)
+# The kernel's forms (decode_fp8_mma.STAGES / HEAD_MAJOR; the default is the cp.async ring of 3, heads first)
 FORMS = {
-    "regs": {"STAGES": 0, "TABLE_AHEAD": False, "HEAD_MAJOR": False},
-    "regs-ahead": {"STAGES": 0, "TABLE_AHEAD": True, "HEAD_MAJOR": False},
-    "regs-ahead-heads-first": {"STAGES": 0, "TABLE_AHEAD": True, "HEAD_MAJOR": True},
-    "async2": {"STAGES": 2, "TABLE_AHEAD": False, "HEAD_MAJOR": False},
-    "async3": {"STAGES": 3, "TABLE_AHEAD": False, "HEAD_MAJOR": False},
-    "async4-heads-first": {"STAGES": 4, "TABLE_AHEAD": False, "HEAD_MAJOR": True},
+    "regs": {"STAGES": 0, "HEAD_MAJOR": True},
+    "regs-batch-first": {"STAGES": 0, "HEAD_MAJOR": False},
+    "async2": {"STAGES": 2, "HEAD_MAJOR": True},
+    "async3-batch-first": {"STAGES": 3, "HEAD_MAJOR": False},
+    "async4": {"STAGES": 4, "HEAD_MAJOR": True},
 }
-
 
 def _check_against_reference(dtype: torch.dtype, hq: int, hkv: int, head_dim: int, block_size: int,
                              config: Fp8AttentionConfig, num_splits: int | None) -> None:
@@ -74,9 +72,9 @@ def test_mma_decode_matches_reference(hq: int, hkv: int, head_dim: int, block_si
 def test_mma_decode_forms_match_reference(monkeypatch: pytest.MonkeyPatch, form: str, hq: int, hkv: int,
                                           head_dim: int, block_size: int, config: Fp8AttentionConfig,
                                           num_splits: int) -> None:
-    """Every form of the kernel (loads into registers, the block numbers a tile ahead, cp.async rings of 2-4
-    slots, the grid's kv heads first) on every shape: block sizes below, at and above the tile, contexts that
-    end mid-tile and mid-ring, tiles past a split's end copied (masked) ahead."""
+    """Every other form of the kernel (loads into registers, cp.async rings of 2 and 4 slots, either grid order)
+    on every shape: block sizes below, at and above the tile, contexts that end mid-tile and mid-ring, tiles past
+    a split's end copied (masked) ahead."""
     for name, value in FORMS[form].items():
         monkeypatch.setattr(decode_fp8_mma, name, value)
     _check_against_reference(torch.bfloat16, hq, hkv, head_dim, block_size, config, num_splits)
@@ -190,7 +188,7 @@ def _compile_sm90(tile_n: int, head_dim: int, group: int, stages: int):  # noqa:
     k_load, v_load = decode_fp8_mma.load_layouts(tile_n, head_dim)
     constexprs = {"NUM_KV_HEADS": 8, "GROUP": group, "BLOCK_G": max(8, triton.next_power_of_2(group)),
                   "HEAD_DIM": head_dim, "BLOCK_SIZE": 16, "TILE_N": tile_n, "NUM_SPLITS": 3, "K_LOAD": k_load,
-                  "V_LOAD": v_load, "TABLE_AHEAD": stages == 0, "HEAD_MAJOR": False, "STAGES": stages}
+                  "V_LOAD": v_load, "HEAD_MAJOR": True, "STAGES": stages}
     signature |= {name: "constexpr" for name in constexprs}
     # the pointers 16-byte aligned, as the JIT specializes torch's allocations (the launcher checks the caches')
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name.endswith("_ptr")}

@@ -482,15 +482,15 @@ def decode_table_ahead(num_splits: int, max_context: int, tile_n: int) -> bool:
 DECODE_TILE_N = 64
 
 
-# The FP8 cache's decode attention by decode_fp8_mma.py's Gluon kernel (one warp a program, K and V loaded straight
-# into MMA operand registers) instead of DEFAULT_DECODE's split kernel, where it runs and the launch has one split
-# (batch * Hkv >= 2 waves of programs: W2's decode, where it was measured), at DECODE_FP8_MMA_TILE_N keys a tile.
-# Measured (H200, session 21, ops/bench_decode_attention_fp8.py --w2, us, B = 1,024 ctx 640 / 768): the split
-# kernel 464.4 / 555.6, the Gluon kernel at tile 16 **394.5 / 466.7** (32: 412.4 / 491.4; decode_fp8_mma.py has
-# the rest); W2 with FP8 weights and the FP8 cache 14.33 s against 15.51 (session 20), its decode phase 6.34 s
-# against 7.39. Smaller batches keep the split kernel and its fused combine (the Gluon kernel's splits take a second
-# kernel to combine, and were not timed there). Constants so that ops/bench.py can A/B them
-# (`--decode-kernels auto+set=attention.DECODE_FP8_MMA=False`).
+# The FP8 cache's decode attention by decode_fp8_mma.py's Gluon kernel (one warp a program, K and V copied by
+# cp.async into a shared-memory ring and read back in the MMA operands' layouts) instead of DEFAULT_DECODE's split
+# kernel, where it runs and the launch has one split (batch * Hkv >= 2 waves of programs: W2's decode, where it was
+# measured), at DECODE_FP8_MMA_TILE_N keys a tile. Measured (H200, session 22 call 1, ops/bench_decode_attention_fp8.py
+# --w2, us, B = 1,024 ctx 640 / 768): the split kernel 465.4 / 557.2, the Gluon kernel **342.1 / 407.7** (its
+# register form of session 21: 409.9 / 486.9; decode_fp8_mma.py has the rest); W2 with FP8 weights and the FP8
+# cache on that machine 14.30 s against 14.77 with the register form, its decode phase 6.21 s against 6.62. Smaller
+# batches keep the split kernel and its fused combine (the Gluon kernel's splits take a second kernel to combine).
+# Constants so that ops/bench.py can A/B them (`--decode-kernels auto+set=attention.DECODE_FP8_MMA=False`).
 DECODE_FP8_MMA = True
 DECODE_FP8_MMA_TILE_N = 16
 

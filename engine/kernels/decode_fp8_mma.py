@@ -1,13 +1,13 @@
-"""Decode attention over the FP8 KV cache with every K / V byte going from its load straight into tensor-core
-operand registers (issue 14): a Gluon kernel, one warp a program, no shared memory.
+"""Decode attention over the FP8 KV cache with every K / V byte going from memory into tensor-core operand
+registers in the layout the MMA wants (issue 14): a Gluon kernel, one warp a program.
 
 Why: the Triton split kernel (attention.py) reads the FP8 cache at 60 % of the H200's bandwidth (ncu, session 20:
 W2's decode, B = 1,024, context 640), held by the V tile's trip through shared memory (converted to fp16 in
 registers, stored with 6.7-way bank conflicts to reach the MMA's layout, read back). Triton picks those layouts
-itself; Gluon (triton.experimental.gluon, Triton 3.6) lets the kernel name them, so each tile is loaded directly
-in the layout the mma_v2 instruction wants its operand in, converted in registers, and multiplied.
+itself; Gluon (triton.experimental.gluon, Triton 3.6) lets the kernel name them, so each tile arrives in the
+layout the mma_v2 instruction wants its operand in, is converted in registers, and multiplied.
 
-How the loads land in operand registers. A program is (sequence, kv head, split), one warp; m16n8k16 fp16 MMAs
+How the tiles land in operand registers. A program is (sequence, kv head, split), one warp; m16n8k16 fp16 MMAs
 with float32 accumulators, the keys as the MMAs' rows and the group's query heads as their 8 (or 16) columns:
 - scores^T = K q^T [TILE_N, BLOCK_G]: K is the A operand with k_width 4, so a lane holds 4 consecutive head dims
   of a key per 16-dim chunk. The dot does not care in which order it meets the head dims, so logical dim
@@ -17,20 +17,30 @@ with float32 accumulators, the keys as the MMAs' rows and the group's query head
   n = lane // 4 + 8 j, and row n is taken to be physical dim (n % 8) * (D/8) + n // 8, so a lane holds D/8
   contiguous bytes of each of its keys (one 16-byte load); the output is stored back through the same map. P^T
   reaches the B operand from the scores' accumulators by warp shuffles.
-For K and V the load's layout is written out (load_layouts) and the relabelled tensor converted to the operand
-layout with `assert_trivial=True`: the compiler refuses to build the kernel if any data would move. Keys as rows
-rather than queries: with a group of 4 the 16 query rows an MMA needs would be 3/4 padding; as the N of the
-instruction they are 8 wide, so the kernel issues half the MMAs and holds half the accumulators (sm_90: 98
-registers at tile 16, against 140 for queries as rows).
+For K and V the layout of a lane's bytes is written out (load_layouts) and the relabelled tensor converted to the
+operand layout with `assert_trivial=True`: the compiler refuses to build the kernel if any data would move. Keys
+as rows rather than queries: with a group of 4 the 16 query rows an MMA needs would be 3/4 padding; as the N of
+the instruction they are 8 wide, so the kernel issues half the MMAs and holds half the accumulators.
 
-Measured (H200, session 21, ops/bench_decode_attention_fp8.py --w2, W2's decode B = 1,024, us, contexts 640 / 768):
-the split kernel's default 464.4 / 555.6; this kernel at tile 16 394.5 / 466.7 (3.40 / 3.45 TB/s of FP8 bytes),
-32: 412.4 / 491.4, 64: 425.4 / 504.5, 128: 479.9 / 568.4; queries as rows at 32 404.3 / 479.9 and at 16 487.4
-(session 21's first form, removed); the next tile's K and V loaded before the current one's math (Gluon has no
-automatic pipeliner) 594.1 at 16 and 4,044 at 32 (its registers spilled), removed: with one warp a program, the
-~20 programs an SM keep the loads in flight that a prefetch would. Splits > 1 write partials that
-attention._decode_reduce_kernel combines. Needs sm_89+ (hardware e4m3 -> fp16 conversion), GROUP <= 16, HEAD_DIM
-a power of two in [32, 256]; `supported` says so and the caller falls back to the Triton split kernel otherwise.
+How the bytes get there (STAGES). Loaded straight into registers (STAGES = 0, no shared memory, sm_90: 94
+registers at tile 16), ptxas sinks each 16-byte load to its first use: the sm_90 SASS waits for K's first half,
+then its second, then V, one after the other in every tile, three dependent trips to memory (a higher register
+cap moved V's loads only behind the first four MMAs). With STAGES > 0 (the default) each tile's K and V are
+copied by cp.async into a ring of STAGES shared-memory slots, STAGES - 1 tiles ahead of the math: no register
+waits for a copy in flight, so nothing can be sunk; the ring is swizzled (16-byte chunks XOR the row) so that
+the reads back, 16 bytes a lane in the same layouts, meet no bank conflict. The block numbers of the next tile
+to copy are loaded one tile early. The grid walks a sequence's kv heads first (HEAD_MAJOR): their rows lie side
+by side in each cache block.
+
+Measured (H200, ops/bench_decode_attention_fp8.py --w2, W2's decode B = 1,024, us, contexts 640 / 768; session 22
+call 1): the split kernel's default 465.4 / 557.2; this kernel at tile 16 in registers 409.9 / 486.9, with the
+block numbers a tile ahead 407.8 / 485.4 (not kept), heads first 400.5 / 475.4; the cp.async ring of 2 / 3 / 4
+slots 347.3 / 350.5 / 346.5 at ctx 640 (411.4 / 416.0 / 412.4 at 768), tile 32 349.4 / 349.3; **3 slots, heads
+first 342.1 / 407.7** (3.92 / 3.95 TB/s of FP8 bytes, ~92 % of copy bandwidth; the bf16 cache 626.2 / 746.6).
+Earlier forms (session 21, removed): queries as the MMA's rows (404.3 at 32), the next tile's K and V prefetched
+into registers (594.1 at 16, spills at 32). Splits > 1 write partials that attention._decode_reduce_kernel
+combines. Needs sm_89+ (hardware e4m3 -> fp16 conversion), GROUP <= 16, HEAD_DIM a power of two in [32, 256];
+`supported` says so and the caller falls back to the Triton split kernel otherwise.
 """
 from __future__ import annotations
 
@@ -54,14 +64,11 @@ except Exception:  # triton missing, too old, or broken
     gluon, gl, mma_v2, async_copy = _Jit(), None, None, None
 
 MAX_GROUP = 16  # query heads a kv head: two 8-wide MMA columns
-# Each tile's cache block numbers loaded while the tile before it is in flight (a loop-carried value) instead of in
-# front of the tile's own K / V loads, which wait for them: one dependent round trip a tile fewer.
-TABLE_AHEAD = False
-# The grid's fastest axis over a sequence's kv heads instead of the batch.
-HEAD_MAJOR = False
 # > 0: K and V tiles copied by cp.async into a ring of this many shared-memory slots, STAGES - 1 tiles ahead of
-# the math; 0: loaded straight into registers (TABLE_AHEAD applies there).
-STAGES = 0
+# the math; 0: loaded straight into registers (also where a cache is not 16-byte aligned).
+STAGES = 3
+# The grid's fastest axis over a sequence's kv heads instead of the batch.
+HEAD_MAJOR = True
 
 
 def _bits(n: int) -> list[int]:
@@ -179,8 +186,7 @@ def _decode_fp8_mma_kernel(
     qk_scale, q_seq_stride, q_head_stride, block_table_stride, out_seq_stride, out_head_stride,
     NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr, NUM_SPLITS: gl.constexpr,
-    K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, TABLE_AHEAD: gl.constexpr, HEAD_MAJOR: gl.constexpr,
-    STAGES: gl.constexpr,
+    K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, HEAD_MAJOR: gl.constexpr, STAGES: gl.constexpr,
 ):
     if HEAD_MAJOR:  # the grid's fastest axis walks a sequence's kv heads (their rows lie side by side in a block)
         kv_head = gl.program_id(0)
@@ -243,25 +249,13 @@ def _decode_fp8_mma_kernel(
             running_max, running_sum, acc = _tile_math(k8, v8, q, start + tile * TILE_N, end, qk_scale, running_max,
                                                        running_sum, acc, TILE_N, HEAD_DIM, BLOCK_G)
     else:
-        if TABLE_AHEAD:  # the first tile's block numbers; each tile then loads the next one's beside its K / V loads
-            k_next = _tile_blocks(table_row, start, end, BLOCK_SIZE, TILE_N, K_LOAD)
-            v_next = k_next if ONE_BLOCK else _tile_blocks(table_row, start, end, BLOCK_SIZE, TILE_N, V_LOAD)
         for tile_start in range(start, end, TILE_N):
-            if TABLE_AHEAD:
-                k_blocks = k_next
-                v_blocks = v_next
-            else:
-                k_blocks = _tile_blocks(table_row, tile_start, end, BLOCK_SIZE, TILE_N, K_LOAD)
-                v_blocks = k_blocks if ONE_BLOCK else _tile_blocks(table_row, tile_start, end, BLOCK_SIZE, TILE_N,
-                                                                   V_LOAD)
+            k_blocks = _tile_blocks(table_row, tile_start, end, BLOCK_SIZE, TILE_N, K_LOAD)
+            v_blocks = k_blocks if ONE_BLOCK else _tile_blocks(table_row, tile_start, end, BLOCK_SIZE, TILE_N, V_LOAD)
             k8 = _kv_tile(k_cache_ptr, k_blocks, tile_start, end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
                           TILE_N, K_LOAD)
             v8 = _kv_tile(v_cache_ptr, v_blocks, tile_start, end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
                           TILE_N, V_LOAD)
-            if TABLE_AHEAD:
-                k_next = _tile_blocks(table_row, tile_start + TILE_N, end, BLOCK_SIZE, TILE_N, K_LOAD)
-                v_next = k_next if ONE_BLOCK else _tile_blocks(table_row, tile_start + TILE_N, end, BLOCK_SIZE,
-                                                               TILE_N, V_LOAD)
             running_max, running_sum, acc = _tile_math(k8, v8, q, tile_start, end, qk_scale, running_max,
                                                        running_sum, acc, TILE_N, HEAD_DIM, BLOCK_G)
     acc = acc * gl.load(v_scale_ptr)
@@ -295,13 +289,11 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 def decode_fp8_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                    context_lens: torch.Tensor, qk_scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor,
                    out: torch.Tensor, partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor], num_splits: int,
-                   tile_n: int = 16, table_ahead: bool | None = None, head_major: bool | None = None,
-                   stages: int | None = None) -> None:
+                   tile_n: int = 16, head_major: bool | None = None, stages: int | None = None) -> None:
     """out [B, Hq, D] = attention of q [B, Hq, D] over the FP8 cache [blocks, block_size, Hkv, D], qk_scale the
     softmax scale times log2(e) (the scores stay in the log2 domain, as attention.py's kernels keep them). With
     num_splits > 1, partials (attention._decode_partials: outputs, maxima, sums) receive the splits and out is left
-    to the reduce; with one split they are not touched. table_ahead / head_major / stages: None takes
-    TABLE_AHEAD / HEAD_MAJOR / STAGES."""
+    to the reduce; with one split they are not touched. head_major / stages: None takes HEAD_MAJOR / STAGES."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -317,5 +309,4 @@ def decode_fp8_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         qk_scale, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(8, 1 << (group - 1).bit_length()), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits, K_LOAD=k_load, V_LOAD=v_load,
-        TABLE_AHEAD=TABLE_AHEAD if table_ahead is None else table_ahead, HEAD_MAJOR=head_major,
-        STAGES=stages, num_warps=1)
+        HEAD_MAJOR=head_major, STAGES=stages, num_warps=1)
