@@ -48,13 +48,14 @@ KEEP_PLATFORMS = ("linux/amd64/", "linux/x86_64/")  # compared lower-case: snapp
 # (llguidance) and the gateway's (starlette, uvicorn, python-multipart: ops/bench_batch.py runs it).
 # Versions follow the project's venv when it has them.
 # Then what the GPU tests import that the image lacks (ops/gpu_tests.sh: test_gateway, test_structured_output and
-# test_worker_engine import jsonschema; test_batch_api the official openai client), with what those need.
+# test_worker_engine import jsonschema; test_batch_api the official openai client; test_fp8 and test_fp8_kv_cache
+# write their FP8 checkpoints with compressed-tensors, which needs loguru), with what those need.
 WHEELS = ("msgspec", "aiokafka", "redis", "async-timeout", "llguidance", "starlette", "uvicorn", "python-multipart",
           "jsonschema", "jsonschema-specifications", "referencing", "rpds-py",
           "openai", "pydantic", "pydantic-core", "typing-inspection", "annotated-types", "jiter", "distro", "sniffio",
-          "httpx2", "httpcore2", "truststore")
+          "httpx2", "httpcore2", "truststore", "compressed-tensors", "loguru")
 # What those need that the GPU image already holds (KINDS.md's package list): not packed.
-ON_GPU_IMAGE = ("anyio", "click", "h11", "attrs", "httpx", "tqdm", "idna")
+ON_GPU_IMAGE = ("anyio", "click", "h11", "attrs", "httpx", "tqdm", "idna", "torch", "transformers", "psutil")
 SPARE_WHEELS = ("packaging", "typing_extensions")
 GLIBC = ("linux-vdso", "libc.so", "libm.so", "libdl.so", "libpthread.so", "librt.so", "ld-linux")
 # Beside glibc, the libraries the note found missing on the GPU machine: always put in lib/.
@@ -222,8 +223,19 @@ def pip_download(names: list[str], dest: Path) -> None:
     subprocess.run(cmd + names, check=True)
 
 
+# The GPU machine's interpreter, for the wheels' environment markers (KINDS.md: CPython 3.12 on x86_64 Linux).
+GPU_MARKER_ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "implementation_name": "cpython",
+                  "platform_python_implementation": "CPython", "sys_platform": "linux", "platform_system": "Linux",
+                  "platform_machine": "x86_64", "os_name": "posix", "extra": ""}
+
+
 def requires(wheel: Path) -> list[str]:
-    """Requires-Dist lines that hold on CPython 3.12 without extras (a rough marker filter)."""
+    """The names a wheel's Requires-Dist lines need on the GPU machine without extras (markers evaluated by
+    packaging, which pip itself vendors)."""
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # a bare interpreter: pip's copy
+        from pip._vendor.packaging.requirements import Requirement  # type: ignore[no-redef]
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         lines = z.read(meta).decode().splitlines()
@@ -231,11 +243,10 @@ def requires(wheel: Path) -> list[str]:
     for line in lines:
         if not line.startswith("Requires-Dist:"):
             continue
-        req = line.split(":", 1)[1].strip()
-        marker = req.split(";", 1)[1] if ";" in req else ""
-        if "extra" in marker or "< '3.11" in marker or '< "3.11' in marker or "== 'emscripten'" in marker:
+        req = Requirement(line.split(":", 1)[1].strip())
+        if req.marker is not None and not req.marker.evaluate(GPU_MARKER_ENV):
             continue
-        out.append(req.split(";")[0].strip())
+        out.append(req.name)
     return out
 
 
@@ -246,8 +257,7 @@ def pack_wheels(out: Path) -> dict[str, int | str]:
     have = {n.replace("-", "_").lower() for n in WHEELS + SPARE_WHEELS + ON_GPU_IMAGE}
     for w in sorted(wheels.glob("*.whl")):
         for req in requires(w):
-            base = req.replace("-", "_").lower()
-            base = base.split(">")[0].split("<")[0].split("=")[0].split("~")[0].split("!")[0].split("[")[0].strip()
+            base = req.replace("-", "_").replace(".", "_").lower()
             if base not in have:
                 raise SystemExit(f"{w.name} needs {req}, which is not packed: add it to WHEELS")
     files = sorted(wheels.rglob("*.whl"))
