@@ -67,7 +67,7 @@ def test_mma_decode_matches_reference(hq: int, hkv: int, head_dim: int, block_si
 @NO_CUDA
 @pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("hq,hkv,head_dim,block_size", MMA_SHAPES)
-@pytest.mark.parametrize("config", MMA_CONFIGS[:2], ids=CONFIG_IDS[:2])
+@pytest.mark.parametrize("config", MMA_CONFIGS[1:2], ids=CONFIG_IDS[1:2])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_mma_decode_forms_match_reference(monkeypatch: pytest.MonkeyPatch, form: str, hq: int, hkv: int,
                                           head_dim: int, block_size: int, config: Fp8AttentionConfig,

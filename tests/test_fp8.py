@@ -43,6 +43,7 @@ TOP = 5
 # float32 end to end: sums of 256-384 products in another order than transformers', on logits of tens
 # (initializer_range 0.3 makes them peaked); 1e-4 was exceeded by 1.25e-4 once.
 LOGPROB_ATOL = 5e-4
+GPU_LOGPROB_ATOL = 2e-3  # the same sums on the GPU, in the kernels' order and with their fused epilogues
 _GPU = pytest.mark.gpu
 _NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -258,21 +259,16 @@ def test_fp8_tensor_into_an_unquantized_layer_is_refused(checkpoint, tmp_path) -
 
 @_GPU
 @_NO_CUDA
-def test_gpu_kernels_match_the_reference_path(checkpoint) -> None:
-    """On CUDA in bfloat16: the kernels (W8A16 GEMV for decode steps, _scaled_mm with FP8 activations for the
-    prefill) against the same engine on the reference path. Tolerance: bfloat16 rounding plus, for the
-    prefill, activation quantization (E4M3 keeps 3 mantissa bits): kernel error only, not model quality."""
-    _, path, _ = checkpoint
-    results = {}
-    for use_triton in (True, False):
-        engine = LLMEngine(EngineConfig(model_path=path, device="cuda", dtype="bfloat16", num_kv_blocks=64,
-                                        use_triton=use_triton, cuda_graphs=use_triton))
-        results[use_triton] = [run_greedy(engine, ids) for ids in PROMPTS]
-    for (ids_k, lps_k), (ids_r, lps_r) in zip(results[True], results[False], strict=True):
-        assert ids_k[0] == ids_r[0]  # the first token comes from the prefill (the _scaled_mm path)
-        agree = sum(a == b for a, b in zip(ids_k, ids_r, strict=True)) / len(ids_k)
-        assert agree >= 0.75, (ids_k, ids_r)
-        top_k = {t.token_id: t.logprob for t in lps_k[0].top}
-        for t in lps_r[0].top:
-            if t.token_id in top_k:
-                assert abs(top_k[t.token_id] - t.logprob) < 0.15
+def test_gpu_kernels_match_the_dequantized_reference(checkpoint) -> None:
+    """On CUDA in float32, the kernels (the W8A16 GEMV of decode steps and short prompts, inside the decode
+    CUDA graphs and the fused decode path; the dequantizing GEMM of the 19-token prompt) against the float32
+    reference as the CPU test holds the reference path: greedy tokens equal, logprobs at float32 tolerance
+    (sums in the kernels' order). Not bfloat16 end to end: this model's logits are peaked on purpose and its
+    activations large, so bfloat16 rounding alone moves them by up to 1.7 nats (the CPU reference path in
+    bfloat16 against float32, all three presets, session 22) and flips greedy picks; the bfloat16 FP8 GEMMs
+    (_scaled_mm with quantized activations) are checked layer by layer in test_kernels_fp8.py."""
+    _, path, reference = checkpoint
+    engine = LLMEngine(EngineConfig(model_path=path, device="cuda", dtype="float32", num_kv_blocks=64))
+    layer = engine.runner.model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, Fp8Linear) and isinstance(layer.mlp.down_proj, Fp8Linear)
+    assert_matches_reference(engine, reference, atol=GPU_LOGPROB_ATOL)
