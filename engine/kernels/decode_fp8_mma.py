@@ -103,6 +103,27 @@ def _tile_blocks(table_row, tile_start, end, BLOCK_SIZE: gl.constexpr, TILE_N: g
 
 
 @gluon.jit
+def _tile_pointers(cache_ptr, blocks, tile_start, kv_head, NUM_KV_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr, LAYOUT: gl.constexpr, FIXED_ROWS: gl.constexpr):
+    """Pointers to the cache's [TILE_N, D] tile of keys tile_start.. for kv_head, in LAYOUT (blocks: _tile_blocks'
+    numbers for the tile). Where the tile lies in one block: its first row as a scalar and each lane's offsets
+    from it 32-bit, either fixed (FIXED_ROWS: loop-invariant, fewer instructions a tile, more registers held;
+    sm_90: 118 against 94 in the register form) or from the keys' positions in the block."""
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LAYOUT))
+    rows = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, LAYOUT))
+    if BLOCK_SIZE % TILE_N == 0:
+        if FIXED_ROWS:
+            first = (blocks.to(gl.int64) * BLOCK_SIZE + tile_start % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+            return cache_ptr + first * HEAD_DIM + (rows[:, None] * (NUM_KV_HEADS * HEAD_DIM) + dims[None, :])
+        else:
+            base = cache_ptr + (blocks.to(gl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + kv_head) * HEAD_DIM
+            return base + ((tile_start + rows) % BLOCK_SIZE)[:, None] * (NUM_KV_HEADS * HEAD_DIM) + dims[None, :]
+    else:
+        slot = blocks.to(gl.int64) * BLOCK_SIZE + (tile_start + rows) % BLOCK_SIZE
+        return cache_ptr + slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
+
+
+@gluon.jit
 def _kv_tile(cache_ptr, blocks, tile_start, end, kv_head, NUM_KV_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr,
              BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr, LAYOUT: gl.constexpr):
     """The cache's [TILE_N, D] e4m3 tile of keys tile_start.. for kv_head, loaded into registers in LAYOUT; rows
@@ -138,27 +159,6 @@ def _tile_math(k8, v8, q, tile_start, end, qk_scale, running_max, running_sum, a
     v = gl.convert_layout(gl.permute(v, [1, 0]), a2, assert_trivial=True)
     acc = mma_v2(v, p, acc * correction[None, :])
     return new_max, running_sum, acc
-
-
-@gluon.jit
-def _tile_pointers(cache_ptr, blocks, tile_start, kv_head, NUM_KV_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr, LAYOUT: gl.constexpr, FIXED_ROWS: gl.constexpr):
-    """Pointers to the cache's [TILE_N, D] tile of keys tile_start.. for kv_head, in LAYOUT (blocks: _tile_blocks'
-    numbers for the tile). Where the tile lies in one block: its first row as a scalar and each lane's offsets
-    from it 32-bit, either fixed (FIXED_ROWS: loop-invariant, fewer instructions a tile, more registers held;
-    sm_90: 118 against 94 in the register form) or from the keys' positions in the block."""
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LAYOUT))
-    rows = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, LAYOUT))
-    if BLOCK_SIZE % TILE_N == 0:
-        if FIXED_ROWS:
-            first = (blocks.to(gl.int64) * BLOCK_SIZE + tile_start % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
-            return cache_ptr + first * HEAD_DIM + (rows[:, None] * (NUM_KV_HEADS * HEAD_DIM) + dims[None, :])
-        else:
-            base = cache_ptr + (blocks.to(gl.int64) * (BLOCK_SIZE * NUM_KV_HEADS) + kv_head) * HEAD_DIM
-            return base + ((tile_start + rows) % BLOCK_SIZE)[:, None] * (NUM_KV_HEADS * HEAD_DIM) + dims[None, :]
-    else:
-        slot = blocks.to(gl.int64) * BLOCK_SIZE + (tile_start + rows) % BLOCK_SIZE
-        return cache_ptr + slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
 
 
 @gluon.jit
