@@ -108,6 +108,27 @@ def test_mma_decode_into_a_strided_output_view() -> None:
 
 @GPU
 @NO_CUDA
+def test_mma_decode_reads_a_cache_not_16_byte_aligned() -> None:
+    """cp.async copies 16 bytes from 16-byte boundaries: caches that start elsewhere (views one byte into their
+    storage) take the register form, with the same answer. Without that fallback the launch fails: Triton
+    specializes on the pointers' alignment, and the ring's copies of an unaligned cache do not compile."""
+    lens = [29, 70]
+    k8, v8, tables, k_scale, v_scale = fp8_batch(lens, 2, 128, 16, "cuda")
+    shifted = [torch.empty(c.numel() + 1, device="cuda", dtype=torch.uint8)[1:].view(torch.float8_e4m3fn)
+               .view(c.shape) for c in (k8, v8)]
+    for dst, src in zip(shifted, (k8, v8), strict=True):
+        dst.copy_(src)
+        assert dst.data_ptr() % 16
+    context_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 8, 128, device="cuda", dtype=torch.bfloat16)
+    assert decode_fp8_mma.STAGES > 0  # the default is the ring
+    out = paged_decode_attention_triton(q, *shifted, tables, context_lens, 0.1, 1, k_scale=k_scale, v_scale=v_scale,
+                                        fp8_config=Fp8AttentionConfig("mma", 16, 1, 1))
+    close(out, paged_decode_attention_ref(q, k8, v8, tables, context_lens, 0.1, k_scale, v_scale), torch.bfloat16)
+
+
+@GPU
+@NO_CUDA
 def test_mma_decode_clamps_queries_beyond_fp16() -> None:
     """The dots run in fp16: a bf16 q past fp16's range is clamped (as the split kernel's f16 modes do)."""
     lens = [40, 9]
