@@ -374,6 +374,31 @@ def test_sizes_that_do_not_divide_the_model_are_refused_before_spawning(llama_pa
         EngineConfig(model_path=llama_path, device="cuda", tensor_parallel_size=more)
 
 
+def test_block_fp8_needs_every_split_on_a_128_multiple():
+    """shard_problems: a 128 x 128 block checkpoint splits only where every rank's q rows, KV rows and
+    intermediate slice are multiples of 128 (they start its shards and its scale tiles); per-channel and
+    per-tensor scales split anywhere the heads do."""
+    from types import SimpleNamespace
+
+    from stoker.engine.parallel.plan import shard_problems, valid_sizes
+    from stoker.engine.quant_config import Fp8Scheme
+
+    block = Fp8Scheme("compressed-tensors", "block", "dynamic", (128, 128))
+    # engine_models.FP8_DIMS: 4 q heads, 2 KV heads of 64, intermediate 384.
+    small = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=384, quantization=block)
+    assert shard_problems(small, 1) == []
+    assert shard_problems(small, 2) == ["the FP8 weight blocks are 128 x 128 and every split must be a multiple of "
+                                        "128: a rank's q rows = 128, KV rows = 64, intermediate slice = 192"]
+    assert valid_sizes(small) == [1]
+    # head_dim 128, intermediate 512: split at 2 (KV heads split), at 4 (KV heads replicated: 128 rows each).
+    aligned = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=512, quantization=block)
+    assert valid_sizes(aligned) == [1, 2, 4]
+    for strategy, activations in (("channel", "dynamic"), ("tensor", "static")):
+        rows = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=384,
+                               quantization=Fp8Scheme("compressed-tensors", strategy, activations))
+        assert valid_sizes(rows) == [1, 2, 4]
+
+
 def test_rank_processes_get_the_nvlink_multicast_switches_off(llama_path: str, monkeypatch):
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")  # a user's setting is overridden: multicast stays off
     engine = _engine(llama_path, 2)

@@ -10,7 +10,15 @@ loading, not necessarily the kernel that uses them.
 
 from stoker.engine.layers.attention import PagedAttention
 from stoker.engine.layers.embedding import LMHead, VocabEmbedding
-from stoker.engine.layers.fp8 import Fp8GateUpLinear, Fp8Linear, Fp8QKVLinear, make_linear
+from stoker.engine.layers.fp8 import (
+    Fp8ColumnParallelGateUp,
+    Fp8ColumnParallelQKV,
+    Fp8GateUpLinear,
+    Fp8Linear,
+    Fp8QKVLinear,
+    Fp8RowParallelLinear,
+    make_linear,
+)
 from stoker.engine.layers.linear import GateUpLinear, Linear, MergedLinear, QKVLinear
 from stoker.engine.layers.norm import RMSNorm
 from stoker.engine.layers.rotary import RotaryEmbedding
@@ -18,7 +26,8 @@ from stoker.engine.layers.tensor_parallel import ColumnParallelGateUp, ColumnPar
 from stoker.engine.layers.weights import WeightModule, WeightShapeError
 
 __all__ = [
-    "ColumnParallelGateUp", "ColumnParallelQKV", "RowParallelLinear", "Fp8GateUpLinear", "Fp8Linear", "Fp8QKVLinear", "GateUpLinear", "LMHead", "Linear", "MergedLinear",
+    "ColumnParallelGateUp", "ColumnParallelQKV", "RowParallelLinear", "Fp8ColumnParallelGateUp", "Fp8ColumnParallelQKV", "Fp8GateUpLinear", "Fp8Linear", "Fp8QKVLinear",
+    "Fp8RowParallelLinear", "GateUpLinear", "LMHead", "Linear", "MergedLinear",
     "PagedAttention", "QKVLinear", "RMSNorm",
     "RotaryEmbedding", "VocabEmbedding", "WeightModule", "WeightShapeError", "make_linear",
 ]

@@ -7,6 +7,15 @@ with a scale per shard keep it exactly, without requantizing) or one per 128 x 1
 as vLLM does: one scale must quantize the shared input); `bias` in the model dtype. The checkpoint's tensor
 names: `<module>.weight`, `.weight_scale` (`.weight_scale_inv` in the older fp8 block form), `.input_scale`.
 With `--quantization fp8` a bf16/fp32 `weight` is quantized per row as it is copied in.
+
+Tensor-parallel twins (at the end): the rows or columns engine/layers/tensor_parallel.py's twins hold, and
+the scales that go with them. A column-parallel rank (q | k | v, gate | up) holds whole output rows: its
+per-channel scales are those rows' and its block scales those rows' blocks; a per-tensor scale applies to any
+rows, so it is read whole. A row-parallel rank (o_proj, down_proj) holds all output rows but only some input
+columns: per-tensor and per-channel scales are read whole (each rank's partial sum carries the row's scale and
+the all-reduce sums them), block scales the column blocks of its columns. `input_scale` is read whole: one
+scale quantizes the layer's whole input, so every rank's part of it too. Block schemes need every split on a
+multiple of 128 (engine.parallel.plan.shard_problems checks it before any rank starts).
 """
 
 from __future__ import annotations
@@ -16,7 +25,12 @@ from stoker.engine import kernels
 from stoker.engine.kernels.fp8_linear import FP8_DTYPE, quantize_rows, scaled_mm_quantized, takes_scaled_mm
 from stoker.engine.kernels.fp8_quant import QUANT_MAX_K, rms_norm_quant_fp8_triton, silu_mul_quant_fp8_triton
 from stoker.engine.layers.linear import GateUpLinear, Linear, QKVLinear
-from stoker.engine.layers.tensor_parallel import tensor_parallel_twin
+from stoker.engine.layers.tensor_parallel import (
+    gate_up_rows,
+    qkv_rows,
+    row_parallel_columns,
+    tensor_parallel_twin,
+)
 from stoker.engine.layers.weights import WeightModule, WeightShapeError, copy_into, empty_param
 from stoker.engine.parallel.plan import ShardPlan
 from stoker.engine.quant_config import Fp8Scheme
@@ -113,9 +127,19 @@ class Fp8Linear(WeightModule):
         if self.input_scale is not None:
             self.act_scale = self.input_scale.data.max().reshape(1).clone()
 
+    def _epilogue_bias(self) -> torch.Tensor | None:
+        """The bias the GEMM adds; the row-parallel twin adds its own after the sum instead."""
+        return self.bias
+
+    def _finish(self, out: torch.Tensor) -> torch.Tensor:
+        """The GEMM's output -> the layer's: every path (forward and the fused ones below) ends here, so the
+        row-parallel twin's all-reduce cannot be skipped by one of them."""
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, in] -> [T, out]"""
-        return kernels.fp8_linear(x, self.weight, self.weight_scale, self.bias, self.block, self.act_scale)
+        out = kernels.fp8_linear(x, self.weight, self.weight_scale, self._epilogue_bias(), self.block, self.act_scale)
+        return self._finish(out)
 
     def forward_after_silu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2 in] (gate | up) -> this layer on silu(gate) * up. On the FP8 tensor-core path the SiLU-mul and
@@ -126,7 +150,8 @@ class Fp8Linear(WeightModule):
                 and h_cols == self.input_size and h_cols <= QUANT_MAX_K
                 and takes_scaled_mm(gate_up, self.weight, self.block)):
             xq, x_scale = silu_mul_quant_fp8_triton(gate_up, self.act_scale)
-            return scaled_mm_quantized(xq, x_scale, self.weight, self.weight_scale, self.bias, gate_up.dtype)
+            out = scaled_mm_quantized(xq, x_scale, self.weight, self.weight_scale, self._epilogue_bias(), gate_up.dtype)
+            return self._finish(out)
         return self(kernels.silu_and_mul(gate_up))
 
     def forward_after_norm(
@@ -144,8 +169,8 @@ class Fp8Linear(WeightModule):
         if (kernels.use_triton(hidden) and takes_scaled_mm(hidden, self.weight, self.block)
                 and hidden.shape[1] <= QUANT_MAX_K):
             xq, x_scale, summed = rms_norm_quant_fp8_triton(hidden, norm_weight, eps, residual, self.act_scale)
-            out = scaled_mm_quantized(xq, x_scale, self.weight, self.weight_scale, self.bias, hidden.dtype)
-            return out, summed
+            out = scaled_mm_quantized(xq, x_scale, self.weight, self.weight_scale, self._epilogue_bias(), hidden.dtype)
+            return self._finish(out), summed
         h, summed = kernels.rms_norm(hidden, norm_weight, eps, residual)
         return self(h), summed
 
@@ -173,21 +198,103 @@ _FP8_TWINS: dict[type[Linear], type[Fp8Linear]] = {
 }
 
 
+# ---- tensor-parallel twins ----------------------------------------------------------------------------------
+def _column_parallel_slice(layer: Fp8Linear, param_name: str, rows: slice) -> tuple[slice, ...] | None:
+    """The part of a checkpoint tensor a column-parallel FP8 layer holds, `rows` being the checkpoint rows of
+    the shard's weight that this rank holds."""
+    name = layer._param(param_name)
+    if name == "input_scale":
+        return None
+    if name == "weight_scale":
+        if layer.block is not None:  # [N/128, K/128]: the row blocks of these rows (shard_problems: aligned)
+            bn = layer.block[0]
+            return (slice(rows.start // bn, -(-rows.stop // bn)),)
+        if layer.scheme.weight_strategy == "tensor":  # [1] or [], one scale for any rows
+            return None
+    return (rows,)  # the weight [N, K], a per-channel scale [N, 1], the bias [N]
+
+
+class Fp8ColumnParallelQKV(Fp8QKVLinear):
+    """ColumnParallelQKV's FP8 twin: this rank's q heads and KV heads, built with the per-rank head counts."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, bias: bool,
+                 dtype: torch.dtype, scheme: Fp8Scheme, shard: ShardPlan):
+        super().__init__(hidden_size, num_heads, num_kv_heads, head_dim, bias=bias, dtype=dtype, scheme=scheme)
+        self.shard, self.head_dim, self.num_local_kv_heads = shard, head_dim, num_kv_heads
+
+    def checkpoint_slice(self, param_name: str, shard: str) -> tuple[slice, ...] | None:
+        rows = self.shard_rows[shard].stop - self.shard_rows[shard].start
+        return _column_parallel_slice(self, param_name,
+                                      qkv_rows(self.shard, shard, rows, self.head_dim, self.num_local_kv_heads))
+
+
+class Fp8ColumnParallelGateUp(Fp8GateUpLinear):
+    """ColumnParallelGateUp's FP8 twin: the same intermediate rows of gate and of up."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype, scheme: Fp8Scheme,
+                 shard: ShardPlan):
+        super().__init__(hidden_size, intermediate_size, dtype=dtype, scheme=scheme)
+        self.shard, self.local_intermediate = shard, intermediate_size
+
+    def checkpoint_slice(self, param_name: str, shard: str) -> tuple[slice, ...] | None:
+        return _column_parallel_slice(self, param_name, gate_up_rows(self.shard, self.local_intermediate))
+
+
+class Fp8RowParallelLinear(Fp8Linear):
+    """RowParallelLinear's FP8 twin: this rank's input columns, [T, in/size] -> partial [T, out], summed over the
+    ranks on every path (forward, forward_after_silu, forward_after_norm: all end in _finish).
+
+    Dynamic activations (CUDA's FP8 GEMMs) are quantized per token over this rank's input columns only, with
+    this rank's own absmax (as vLLM does): each rank's partial sum is exact for its quantized input, but the
+    quantization differs from one over the whole row at tensor_parallel_size=1 (finer, not coarser). Static
+    activations use the checkpoint's one input_scale on every rank. The CPU reference path does not quantize
+    activations, so there the ranks' sums equal the unsharded product up to the order of the float sums."""
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = False, dtype: torch.dtype,
+                 scheme: Fp8Scheme, shard: ShardPlan):
+        super().__init__(input_size, output_size, bias=bias, dtype=dtype, scheme=scheme)
+        self.shard = shard
+
+    def checkpoint_slice(self, param_name: str, shard: str) -> tuple[slice, ...] | None:
+        name = self._param(param_name)
+        columns = row_parallel_columns(self.shard, self.input_size)
+        if name == "weight":
+            return (slice(None), columns)
+        if name == "weight_scale" and self.block is not None:  # the column blocks (shard_problems: aligned)
+            bk = self.block[1]
+            return (slice(None), slice(columns.start // bk, -(-columns.stop // bk)))
+        # Per-tensor and per-channel scales (every output row is here), input_scale, and the bias (added once,
+        # after the sum): whole.
+        return None
+
+    def _epilogue_bias(self) -> torch.Tensor | None:
+        return None
+
+    def _finish(self, out: torch.Tensor) -> torch.Tensor:
+        out = self.shard.comm.all_reduce(out)
+        return out if self.bias is None else out + self.bias
+
+
+_FP8_TP_TWINS: dict[type[Linear], type[Fp8Linear]] = {
+    QKVLinear: Fp8ColumnParallelQKV, GateUpLinear: Fp8ColumnParallelGateUp,
+    Linear: Fp8RowParallelLinear,  # o_proj and down_proj, as tensor_parallel._TP_TWINS says
+}
+
+
 def make_linear(cls: type[Linear], *args: object, quant: Fp8Scheme | None, names: list[str],
                 tp: ShardPlan | None = None, **kwargs: object) -> nn.Module:
     """`cls(*args, **kwargs)`, or its FP8 twin when the model is quantized and the scheme does not ignore the
-    checkpoint modules `names` it holds (q_proj, k_proj, v_proj for a fused qkv_proj), or its tensor-parallel
-    twin when the model is split over ranks (`tp`; the sizes given are then this rank's)."""
-    if tp is not None and tp.size > 1:
-        if quant is not None:  # also refused at startup (engine.parallel.plan.shard_problems)
-            raise ValueError("FP8 layers have no tensor-parallel twin yet")
-        return tensor_parallel_twin(cls)(*args, shard=tp, **kwargs)  # type: ignore[arg-type,call-arg]
-    if quant is None:
-        return cls(*args, **kwargs)  # type: ignore[arg-type]
-    ignored = [quant.ignores(name) for name in names]
-    if all(ignored):
-        return cls(*args, **kwargs)  # type: ignore[arg-type]
-    if any(ignored):
+    checkpoint modules `names` it holds (q_proj, k_proj, v_proj for a fused qkv_proj); when the model is split
+    over ranks (`tp`; the sizes given are then this rank's), the tensor-parallel twin of either."""
+    ignored = [quant.ignores(name) for name in names] if quant is not None else []
+    if any(ignored) and not all(ignored):
         raise ValueError(f"quantization_config ignores only some of {names} (a fused layer is quantized whole "
                          "or not at all)")
-    return _FP8_TWINS[cls](*args, scheme=quant, **kwargs)  # type: ignore[arg-type]
+    fp8 = quant is not None and not all(ignored)
+    if tp is not None and tp.size > 1:
+        if fp8:
+            return _FP8_TP_TWINS[cls](*args, scheme=quant, shard=tp, **kwargs)  # type: ignore[arg-type,call-arg]
+        return tensor_parallel_twin(cls)(*args, shard=tp, **kwargs)  # type: ignore[arg-type,call-arg]
+    if fp8:
+        return _FP8_TWINS[cls](*args, scheme=quant, **kwargs)  # type: ignore[arg-type]
+    return cls(*args, **kwargs)  # type: ignore[arg-type]

@@ -12,6 +12,9 @@ loader reads only that part through safetensors' get_slice, so no rank materiali
   Llama-3-8B's LM head at TP=2) and split the LM head's GEMV, but costs a collective per step (an all-reduce of
   the embedding, an all-gather of the logits) and needs the sampler's whole row on rank 0 anyway; at TP 2-8 the
   replicated copy fits, and ranks > 0 never run the LM head at all (they do not sample).
+
+The FP8 layers' twins (engine/layers/fp8.py) slice their weights with the same functions below (qkv_rows,
+gate_up_rows, row_parallel_columns), so a bf16 and an FP8 rank hold the same rows and columns.
 """
 
 from __future__ import annotations
@@ -20,6 +23,22 @@ import torch
 import torch.nn.functional as F
 from stoker.engine.layers.linear import GateUpLinear, Linear, QKVLinear
 from stoker.engine.parallel.plan import ShardPlan
+
+
+def qkv_rows(plan: ShardPlan, shard: str, rows: int, head_dim: int, local_kv_heads: int) -> slice:
+    """The checkpoint rows of q_proj / k_proj / v_proj (`shard`) that this rank's `rows` rows of it are."""
+    start = plan.rank * rows if shard == "q" else plan.kv_head_start(local_kv_heads) * head_dim
+    return slice(start, start + rows)
+
+
+def gate_up_rows(plan: ShardPlan, local_intermediate: int) -> slice:
+    """The checkpoint rows of gate_proj and of up_proj this rank holds (the same indices of both)."""
+    return slice(plan.rank * local_intermediate, (plan.rank + 1) * local_intermediate)
+
+
+def row_parallel_columns(plan: ShardPlan, local_input: int) -> slice:
+    """The checkpoint columns of o_proj / down_proj this rank holds: those its column-parallel input holds."""
+    return slice(plan.rank * local_input, (plan.rank + 1) * local_input)
 
 
 class ColumnParallelQKV(QKVLinear):
@@ -33,11 +52,8 @@ class ColumnParallelQKV(QKVLinear):
 
     def checkpoint_slice(self, param_name: str, shard: str) -> tuple[slice, ...]:
         rows = self.shard_rows[shard].stop - self.shard_rows[shard].start
-        if shard == "q":
-            start = self.shard.rank * rows
-        else:
-            start = self.shard.kv_head_start(self.num_local_kv_heads) * self.head_dim
-        return (slice(start, start + rows),)  # rows of the weight [out, in] and of the bias [out]
+        # rows of the weight [out, in] and of the bias [out]
+        return (qkv_rows(self.shard, shard, rows, self.head_dim, self.num_local_kv_heads),)
 
 
 class ColumnParallelGateUp(GateUpLinear):
@@ -48,8 +64,7 @@ class ColumnParallelGateUp(GateUpLinear):
         self.shard, self.local_intermediate = shard, intermediate_size
 
     def checkpoint_slice(self, param_name: str, shard: str) -> tuple[slice, ...]:
-        start = self.shard.rank * self.local_intermediate
-        return (slice(start, start + self.local_intermediate),)
+        return (gate_up_rows(self.shard, self.local_intermediate),)
 
 
 class RowParallelLinear(Linear):
@@ -63,8 +78,7 @@ class RowParallelLinear(Linear):
     def checkpoint_slice(self, param_name: str, shard: str) -> tuple[slice, ...] | None:
         if param_name == "bias":
             return None  # whole: added once, after the sum
-        start = self.shard.rank * self.input_size
-        return (slice(None), slice(start, start + self.input_size))
+        return (slice(None), row_parallel_columns(self.shard, self.input_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.shard.comm.all_reduce(F.linear(x, self.weight))

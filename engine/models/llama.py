@@ -42,8 +42,9 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, rotary: RotaryEmbedding, prefix: str):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        # make_linear: the plain linear, its FP8 twin (engine/layers/fp8.py) or its tensor-parallel twin
-        # (engine/layers/tensor_parallel.py; cfg then holds this rank's head counts and intermediate size).
+        # make_linear: the plain linear, its FP8 twin (engine/layers/fp8.py), or the tensor-parallel twin of
+        # either (engine/layers/tensor_parallel.py, fp8.py; cfg then holds this rank's head counts and
+        # intermediate size).
         quant = cfg.quantization
         self.qkv_proj = make_linear(
             QKVLinear, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bias=cfg.attention_bias,

@@ -26,8 +26,9 @@ class _Shape(Protocol):
 
     num_heads: int
     num_kv_heads: int
+    head_dim: int
     intermediate_size: int
-    quantization: Any
+    quantization: Any  # engine.quant_config.Fp8Scheme | None
 
 
 _Model = TypeVar("_Model", bound=_Shape)
@@ -58,8 +59,21 @@ def shard_problems(model: _Shape, size: int) -> list[str]:
         problems.append(f"num_key_value_heads={model.num_kv_heads} neither divides it nor is divisible by it")
     if model.intermediate_size % size:
         problems.append(f"intermediate_size={model.intermediate_size} is not divisible by it")
-    if model.quantization is not None and size > 1:
-        problems.append("FP8 layers have no tensor-parallel twin yet (run FP8 at tensor_parallel_size=1)")
+    block = getattr(model.quantization, "block_size", None)
+    if block is not None and size > 1 and not problems:
+        # A block-quantized rank must hold whole 128 x 128 scale tiles: its q rows, its k and v rows (each
+        # starts a shard of the fused qkv and a row block of the checkpoint's scales) and its intermediate
+        # slice (gate | up rows, down_proj columns). The o_proj columns are the q rows. Per-tensor and
+        # per-channel scales split at any row or column (engine/layers/fp8.py's tensor-parallel twins).
+        q_rows = model.num_heads // size * model.head_dim
+        kv_rows = max(1, model.num_kv_heads // size) * model.head_dim
+        intermediate = model.intermediate_size // size
+        splits = {"q rows": q_rows, "KV rows": kv_rows, "intermediate slice": intermediate}
+        if any(n % block[0] for n in splits.values()):
+            problems.append(
+                f"the FP8 weight blocks are {block[0]} x {block[1]} and every split must be a multiple of {block[0]}: "
+                "a rank's " + ", ".join(f"{k} = {v}" for k, v in splits.items())
+            )
     return problems
 
 
