@@ -59,22 +59,26 @@ def shard_problems(model: _Shape, size: int) -> list[str]:
         problems.append(f"num_key_value_heads={model.num_kv_heads} neither divides it nor is divisible by it")
     if model.intermediate_size % size:
         problems.append(f"intermediate_size={model.intermediate_size} is not divisible by it")
-    block = getattr(model.quantization, "block_size", None)
+    block = model.quantization.block_size if model.quantization is not None else None
     if block is not None and size > 1 and not problems:
         # A block-quantized rank must hold whole 128 x 128 scale tiles: its q rows, its k and v rows (each
         # starts a shard of the fused qkv and a row block of the checkpoint's scales) and its intermediate
         # slice (gate | up rows, down_proj columns). The o_proj columns are the q rows. Per-tensor and
         # per-channel scales split at any row or column (engine/layers/fp8.py's tensor-parallel twins).
-        q_rows = model.num_heads // size * model.head_dim
-        kv_rows = max(1, model.num_kv_heads // size) * model.head_dim
-        intermediate = model.intermediate_size // size
-        splits = {"q rows": q_rows, "KV rows": kv_rows, "intermediate slice": intermediate}
+        heads, kv_heads, intermediate = _rank_sizes(model, size)
+        splits = {"q rows": heads * model.head_dim, "KV rows": kv_heads * model.head_dim,
+                  "intermediate slice": intermediate}
         if any(n % block[0] for n in splits.values()):
             problems.append(
                 f"the FP8 weight blocks are {block[0]} x {block[1]} and every split must be a multiple of {block[0]}: "
                 "a rank's " + ", ".join(f"{k} = {v}" for k, v in splits.items())
             )
     return problems
+
+
+def _rank_sizes(model: _Shape, size: int) -> tuple[int, int, int]:
+    """(q heads, KV heads, intermediate size) one rank of `size` holds: KV heads split, or one replicated."""
+    return model.num_heads // size, max(1, model.num_kv_heads // size), model.intermediate_size // size
 
 
 def check_shardable(model: _Shape, size: int, path: str) -> None:
@@ -91,12 +95,12 @@ def rank_model_config(model: _Model, rank: int, size: int, comm: AllReduce) -> _
     """The model as rank `rank` holds it: its head counts and intermediate size, and the plan its sharded
     layers read. The model code builds from this unchanged (its views use the per-rank head counts) and the
     KV cache is sized from it, so each rank caches only its own heads."""
-    local_kv = max(1, model.num_kv_heads // size)
+    heads, kv_heads, intermediate = _rank_sizes(model, size)
     plan = ShardPlan(rank, size, max(1, size // model.num_kv_heads), comm)
     return dataclasses.replace(
         model,  # type: ignore[type-var]
-        num_heads=model.num_heads // size,
-        num_kv_heads=local_kv,
-        intermediate_size=model.intermediate_size // size,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        intermediate_size=intermediate,
         shard=plan,
     )
