@@ -369,7 +369,8 @@ def test_worker_flag_and_variable_reach_the_engine_config(llama, capsys, monkeyp
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_engine_with_an_fp8_cache_matches_its_torch_reference_path(llama) -> None:
-    """On CUDA (float32, so the comparison is tight): the Triton cache write and both attention kernels' FP8
+    """On CUDA (float32, so the comparison is tight): the Triton cache writes (the rotary kernel's in prefill, the
+    fused decode path's qkv epilogue in decode steps: decode_kernels "auto") and both attention kernels' FP8
     variants, under CUDA graphs, give the tokens and logprobs of the same engine on the torch references."""
     path, _ = llama
     runs = {}

@@ -66,7 +66,7 @@ def test_token_bitmask_kernel_compiles_for_sm90(has_rows: bool) -> None:
 _GEMV_POINTERS = ("x_ptr", "w_ptr", "out_ptr", "bias_ptr", "norm_ptr", "hres_ptr", "res_out_ptr", "add_ptr",
                   "positions_ptr", "cos_sin_ptr", "k_cache_ptr", "v_cache_ptr", "slot_ptr", "q_norm_ptr",
                   "k_norm_ptr", "w_scale_ptr", "sums_in_ptr", "sums_out_ptr", "sums_zero_ptr", "carry_g_ptr",
-                  "carry_out_ptr")
+                  "carry_out_ptr", "k_scale_ptr", "v_scale_ptr")
 _GEMV_INTS = ("M", "N_OUT", "K", "x_stride", "w_stride", "out_stride", "hres_stride", "res_out_stride",
               "add_stride", "carry_out_stride", "NUM_Q_HEADS", "NUM_KV_HEADS")
 
@@ -74,14 +74,15 @@ _GEMV_INTS = ("M", "N_OUT", "K", "x_stride", "w_stride", "out_stride", "hres_str
 def _gemv_signature(dtype: str) -> dict[str, str]:
     signature = {name: f"*{dtype}" for name in _GEMV_POINTERS}
     signature.update(positions_ptr="*i64", slot_ptr="*i64", cos_sin_ptr="*fp32", w_scale_ptr="*fp32", eps="fp32",
-                     sums_in_ptr="*i64", sums_out_ptr="*i64", sums_zero_ptr="*i64")
+                     sums_in_ptr="*i64", sums_out_ptr="*i64", sums_zero_ptr="*i64", k_scale_ptr="*fp32",
+                     v_scale_ptr="*fp32")
     signature.update({name: "i32" for name in _GEMV_INTS})
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_DOT", "DOT_PRECISION", "NORM", "PRO_RESIDUAL", "APPLY_G",
                  "HAS_BIAS", "SILU_MUL", "ADD", "ROTARY", "QK_NORM", "HALF", "SPLITS_PER_HEAD", "PAIRED", "USE_PDL",
                  "NORM_CHUNK", "W_SCALED", "W_CONVERT", "W_VEC", "W_SUM", "PDL_TILES", "PDL_GDC",
                  "PDL_TRIGGER_FIRST", "NORM_SUMS", "CARRY", "CARRY_X", "ZERO_SUMS", "NUM_SLOTS", "SUMS_ROWS", "SUM_UNIT",
                  "SLOT_STRIDE",
-                 "SUMS_AT_END"):
+                 "SUMS_AT_END", "FP8_CACHE"):
         signature[name] = "constexpr"
     return signature
 
@@ -364,6 +365,45 @@ def test_fp8_first_layer_qkv_zeroing_the_carried_sums_compiles_for_sm90() -> Non
     assert kernel_bin.metadata.shared <= H200_SHARED_BYTES
     assert re.search(r"st\.global(\.\w+)*\.b64", ptx), "no 64-bit store: the slots are not zeroed"
     assert not re.search(r"\b(atom|red)\.global", ptx)
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+@pytest.mark.parametrize("fp8_cache", [False, True], ids=["model-dtype-cache", "fp8-cache"])
+def test_qkv_cache_write_compiles_for_sm90(weights: str, fp8_cache: bool) -> None:
+    """The qkv GEMV's cache write as the one-token 8B launches make it (bf16: the folded weights' tuned config,
+    FP8: FP8_FUSED_M1's; a later layer's qkv, which reads the carried sums, under PDL). With FP8_CACHE it divides by
+    the scale in IEEE float32 (div.rn) and converts with saturation, rounding to nearest even
+    (cvt.rn.satfinite.e4m3x2); without it neither instruction is in the kernel: the constexpr leaves a cache in the
+    model dtype to the store it had."""
+    from stoker.engine.kernels import gemv
+    from stoker.engine.models.fused_decode import FP8_FUSED_M1
+
+    if weights == "fp8":
+        cfg, convert = FP8_FUSED_M1[("rope", 6144, 4096)]
+        w_convert = 0 if convert == "cast" else 2
+    else:
+        cfg, w_convert = gemv.gemv_config("rope-norm", 1, 3072, 4096, True, 2), 0
+    w_vec = gemv._row_vec(cfg, 2, weights == "fp8")
+    signature, aligned = _fp8_gemv_signature(w_convert)
+    if weights == "bf16":
+        signature["w_ptr"] = "*bf16"
+    if fp8_cache:
+        signature["k_cache_ptr"] = signature["v_cache_ptr"] = "*fp8e4nv"
+    constexprs = dict(BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=False, DOT_PRECISION="tf32",
+                      NORM=True, PRO_RESIDUAL=False, APPLY_G=False, HAS_BIAS=False, SILU_MUL=False, ADD=False,
+                      ROTARY=True, QK_NORM=False, HALF=64, SPLITS_PER_HEAD=64 // cfg.block_n, PAIRED=True,
+                      USE_PDL=True, W_SCALED=weights == "fp8", W_CONVERT=w_convert,
+                      NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True), W_VEC=w_vec,
+                      W_SUM=gemv.row_sum(w_vec, weights == "fp8"), PDL_TILES=cfg.pdl_tiles, PDL_GDC=True,
+                      PDL_TRIGGER_FIRST=False, NORM_SUMS=True, NUM_SLOTS=gemv.NORM_SLOTS, SUMS_ROWS=gemv.GEMV_MAX_M,
+                      SUM_UNIT=gemv.NORM_SUM_UNIT, SLOT_STRIDE=gemv.NORM_SLOT_STRIDE, SUMS_AT_END=gemv.NORM_SUMS_AT_END,
+                      FP8_CACHE=fp8_cache)
+    kernel_bin = triton.compile(ASTSource(gemv._gemv_kernel, signature, constexprs=constexprs, attrs=aligned),
+                                target=H200, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    ptx = kernel_bin.asm["ptx"]
+    assert kernel_bin.metadata.shared <= H200_SHARED_BYTES
+    assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == fp8_cache
+    assert ("div.rn.f32" in ptx) == fp8_cache
 
 
 def _registers(kernel: Any) -> int:

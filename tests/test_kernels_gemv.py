@@ -3,7 +3,9 @@ odd shapes (K and N not powers of two, M in {1, 3, 7}), fresh random inputs, tol
 
 Runs like tests/test_kernels.py: cases marked gpu run bf16/fp16/fp32 on CUDA; under TRITON_INTERPRET=1 the
 CPU cases run fp32/fp16, and the driver at the bottom re-runs this file in an interpreter subprocess.
-Both of the kernel's multiply paths are exercised (CUDA-core broadcast-and-sum, tensor-core tl.dot).
+Both of the kernel's multiply paths are exercised (CUDA-core broadcast-and-sum, tensor-core tl.dot). The qkv
+kernel's FP8 cache write runs on values that need no rounding everywhere (the interpreter's float32 -> float8
+cast drops a carry) and on random values on the GPU.
 """
 from __future__ import annotations
 
@@ -14,7 +16,15 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-from kernel_harness import GPU, INTERPRET, NO_CUDA, TOLERANCE, cases, close, run_under_interpreter  # noqa: E402
+from kernel_harness import (  # noqa: E402
+    GPU,
+    INTERPRET,
+    NO_CUDA,
+    TOLERANCE,
+    cases,
+    close,
+    run_under_interpreter,
+)
 from stoker.engine.kernels import fused_linear, rope_cos_sin  # noqa: E402
 from stoker.engine.kernels.gemv import (  # noqa: E402
     GEMV_MAX_M,
@@ -30,6 +40,7 @@ from stoker.engine.kernels.gemv import (  # noqa: E402
     gemv_triton,
     norm_sums_buffer,
 )
+from stoker.engine.kernels.kv_quant import FP8_KV_DTYPE, quantize_kv  # noqa: E402
 
 CASES = cases()
 
@@ -193,6 +204,187 @@ def carried_norm(s: torch.Tensor, g: torch.Tensor, rows: int = GEMV_MAX_M) -> tu
         last = (gemv.NORM_SLOTS - 1) * gemv.NORM_SLOT_STRIDE
         sums[: s.shape[0], last] = (total - (total / 3).round()).round().long()
     return (s.float() * g.float()).to(s.dtype), sums
+
+
+# ------------------------------------------------------------------- rotary + an FP8 (float8_e4m3fn) KV cache
+# (cos, sin) rotations every float format holds exactly: the identity, the two quarter turns, the half turn
+EXACT_ROTATIONS = ((1.0, 0.0), (0.0, 1.0), (0.0, -1.0), (-1.0, 0.0))
+
+
+def exact_rope_table(head_dim: int, device: str) -> torch.Tensor:
+    """A float32 cos | sin table [5, D]: position p < 4 turns every pair (d, d + D/2) by EXACT_ROTATIONS[p], position
+    4 each pair by one of them at random. Rotated values need no rounding, yet a kernel that caches k unrotated, swaps
+    its halves or pairs the wrong rows stores other numbers."""
+    half = head_dim // 2
+    pick = torch.cat([torch.arange(4)[:, None].expand(4, half), torch.randint(0, 4, (1, half))])
+    table = torch.tensor(EXACT_ROTATIONS)[pick]  # [5, half, (cos, sin)]
+    return torch.cat([table[..., 0], table[..., 1]], dim=1).to(device)
+
+
+def fp8_caches(num_blocks: int, block_size: int, hkv: int, head_dim: int, device: str) -> list[torch.Tensor]:
+    """A k and a v float8_e4m3fn cache of random finite codes (the NaN codes replaced by 1.0), so a slot written by
+    mistake shows whatever the kernel stored there."""
+    codes = torch.randint(0, 256, (2, num_blocks, block_size, hkv, head_dim), dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x38
+    return [c.to(device).view(FP8_KV_DTYPE) for c in codes]
+
+
+def assert_only_slots_written(cache: torch.Tensor, before: torch.Tensor, slots: torch.Tensor) -> None:
+    """Every slot of `cache` but the live tokens' (slot >= 0) still holds `before`'s bytes."""
+    flat, old = cache.view(torch.uint8).flatten(0, 1), before.view(torch.uint8).flatten(0, 1)
+    kept = torch.ones(flat.shape[0], dtype=torch.bool, device=flat.device)
+    kept[slots[slots >= 0]] = False
+    assert torch.equal(flat[kept], old[kept]), "the kernel wrote a slot outside the live tokens'"
+
+
+FP8_CACHE_VARIANTS = ["llama", "qwen2_bias", "qwen3_qk_norm", "fp8_weights"]
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("hq,hkv,head_dim,block_size", ROPE_SHAPES)
+@pytest.mark.parametrize("num_rows", [1, 7])
+@pytest.mark.parametrize("variant", FP8_CACHE_VARIANTS)
+def test_gemv_rotary_cache_fp8_on_values_that_need_no_rounding(
+    device: str, dtype: torch.dtype, hq: int, hkv: int, head_dim: int, block_size: int, num_rows: int, variant: str,
+) -> None:
+    """The FP8 cache write (the kernel's FP8_CACHE store) against gemv_rotary_cache_ref with the same scales, value for
+    value, and no other slot touched. The interpreter's float32 -> float8 cast drops a carry (tests/test_kernels_fp8_kv.py
+    says how), so as there every stored value needs no rounding: x one-hot (+-1), weights and bias quarter-integers
+    (k and v come out as n / 4 with |n| <= 15, 4 significant bits), scales powers of two, rotations by quarter and half
+    turns (exact_rope_table). Qwen3's k rows are +-1/2 in every column, so the per-head norm gives +-1 before its weight
+    (eps 2^-40 vanishes against the mean square 1/4 in float32; 0 would make the tl.dot tile's empty rows divide by
+    zero, which the interpreter raises). v_scale 2^-7 saturates |n| >= 15 (480 -> 448): one v is forced there. FP8 weights hold the quarter-
+    integers over power-of-two row scales. The rounding itself (random values at random positions) is the GPU test's."""
+    hidden, num_blocks = 136, 4
+    n_total = (hq + 2 * hkv) * head_dim
+    q_size, kv_size = hq * head_dim, hkv * head_dim
+
+    def signs(*shape: int) -> torch.Tensor:
+        return torch.randint(0, 2, shape) * 2 - 1
+
+    cols = torch.randperm(hidden)[:num_rows]
+    x = torch.zeros(num_rows, hidden)
+    x[torch.arange(num_rows), cols] = signs(num_rows).float()
+    ints = torch.randint(1, 8, (n_total, hidden)) * signs(n_total, hidden)
+    ints[q_size + kv_size, cols[0]] = 15  # token 0's first v: past v_scale's range
+    if variant == "qwen3_qk_norm":
+        ints[q_size : q_size + kv_size] = 2 * signs(kv_size, hidden)
+    weight = (ints / 4).to(device, dtype)
+    bias = None
+    if variant == "qwen2_bias":
+        bias = torch.randint(-8, 9, (n_total,)) / 4
+        bias[q_size + kv_size] = 0.0  # keeps the forced v at 15 / 4
+        bias = bias.to(device, dtype)
+    kwargs: dict[str, Any] = {}
+    if variant == "qwen3_qk_norm":
+        for name in ("q_norm", "k_norm"):
+            kwargs[name] = (torch.randint(1, 8, (head_dim,)) * signs(head_dim) / 4).to(device, dtype)
+    if variant == "fp8_weights":
+        row_scale = 2.0 ** -torch.randint(0, 3, (n_total,)).float()
+        kwargs["weight_scale"] = row_scale.to(device)
+        weight = (ints / 4 / row_scale[:, None]).to(FP8_KV_DTYPE).to(device)
+    slots = torch.randperm(num_blocks * block_size)[:num_rows]
+    if num_rows > 1:
+        slots[1] = -1  # a padding token: its k/v must not reach the cache
+    k_scale, v_scale = torch.tensor([2.0**-4], device=device), torch.tensor([2.0**-7], device=device)
+    common = {"num_heads": hq, "num_kv_heads": hkv, "positions": torch.randint(0, 5, (num_rows,)).to(device),
+              "cos_sin": exact_rope_table(head_dim, device), "slot_mapping": slots.to(device), "eps": 2.0**-40,
+              "k_scale": k_scale, "v_scale": v_scale, **kwargs}
+    k_cache, v_cache = fp8_caches(num_blocks, block_size, hkv, head_dim, device)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    x = x.to(device, dtype)
+    out, _ = gemv_rotary_cache_triton(x, weight, bias, k_cache=k_cache, v_cache=v_cache, **common)
+    ref, _ = gemv_rotary_cache_ref(x, weight, bias, k_cache=ref_k, v_cache=ref_v, **common)
+    close(out, ref, dtype)  # q (Qwen3: normalised, so rounded) within the dtype's tolerance
+    torch.testing.assert_close(out[:, q_size:], ref[:, q_size:], rtol=0, atol=0)  # k, v: exact by construction
+    assert torch.equal(k_cache.float(), ref_k.float()) and torch.equal(v_cache.float(), ref_v.float())
+    assert v_cache.view(-1, hkv, head_dim)[slots[0], 0, 0].float().abs().item() == 448.0  # the forced v, saturated
+    assert_only_slots_written(k_cache, k_before, slots)
+    assert_only_slots_written(v_cache, v_before, slots)
+    assert not torch.equal(k_cache.view(torch.uint8), k_before.view(torch.uint8))  # the write did happen
+
+
+@GPU
+@NO_CUDA
+@pytest.mark.parametrize("hq,hkv,head_dim,block_size", ROPE_SHAPES + [(32, 8, 128, 16)])
+@pytest.mark.parametrize("num_rows", [1, 5, 16])
+@pytest.mark.parametrize("variant", ["llama", "llama_folded", "qwen2_bias_residual", "qwen3_qk_norm",
+                                     "qwen2_bias_carried", "fp8_weights"])
+def test_gemv_rotary_cache_fp8_matches_the_reference_on_the_gpu(
+    hq: int, hkv: int, head_dim: int, block_size: int, num_rows: int, variant: str,
+) -> None:
+    """bf16, random values at random positions (the real rope table), scales that saturate some values and leave a
+    few subnormal: the stored bytes are kv_quant.quantize_kv of the rotated k and of v as the kernel's own qkv
+    output holds them, exactly (IEEE division, round to nearest even, saturation: the unfused path's arithmetic);
+    against the reference's cache, each value within the two paths' k / v difference (qkv as close to the float64
+    truth as the reference: the projection, norms and rotation round at other points, and a small rotated value
+    can differ by a bf16 ulp of its inputs: measured, up to 89 e4m3 steps near zero) plus one e4m3 step; no slot
+    but the live tokens' written."""
+    from stoker.engine.kernels.fp8_linear import quantize_rows
+
+    device, dtype = "cuda", torch.bfloat16
+    hidden, num_blocks = 136, 8
+    n_total = (hq + 2 * hkv) * head_dim
+    q_size, kv_size = hq * head_dim, hkv * head_dim
+    x = rand(num_rows, hidden, device=device, dtype=dtype, scale=2.0)
+    weight = rand(n_total, hidden, device=device, dtype=dtype,
+                  scale=(3.0 if variant == "qwen3_qk_norm" else 1.0) * hidden**-0.5)
+    cos_sin = rope_cos_sin(head_dim, 512, 500000.0, None, device=device)
+    slots = torch.randperm(num_blocks * block_size, device=device)[:num_rows]
+    if num_rows > 1:
+        slots[1] = -1
+    kwargs: dict[str, Any] = {"norm_weight": rand(hidden, device=device, dtype=dtype), "eps": 1e-6}
+    bias = None
+    if variant.startswith("qwen2"):
+        bias = rand(n_total, device=device, dtype=dtype)
+    if variant == "qwen2_bias_residual":
+        kwargs["norm_residual"] = rand(num_rows, hidden, device=device, dtype=dtype)
+    if variant == "qwen3_qk_norm":
+        kwargs["q_norm"] = rand(head_dim, device=device, dtype=dtype, scale=0.25) + 1
+        kwargs["k_norm"] = rand(head_dim, device=device, dtype=dtype, scale=0.25) + 1
+    if variant == "fp8_weights":
+        weight, kwargs["weight_scale"] = (t.to(device) for t in quantize_rows(weight.float().cpu()))
+    # Measured on the reference (16 tokens, 5 draws a shape): k and v reach 4-6 (Qwen3's normalised k 12-15), so at
+    # these scales 0.02-0.6 % of the values saturate (Qwen3: 4-7 %) and about 1 in 10,000 is subnormal (< 2^-6).
+    scales = {"k_scale": torch.tensor([0.008], device=device), "v_scale": torch.tensor([0.011], device=device)}
+    common = {"num_heads": hq, "num_kv_heads": hkv, "positions": torch.randint(1, 512, (num_rows,), device=device),
+              "cos_sin": cos_sin, "slot_mapping": slots, **kwargs, **scales}
+    k_cache, v_cache = fp8_caches(num_blocks, block_size, hkv, head_dim, device)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    if variant == "llama_folded":
+        folded = fold_norm_weight(weight, kwargs["norm_weight"])
+        out, _ = gemv_rotary_cache_triton(x, folded, bias, k_cache=k_cache, v_cache=v_cache,
+                                          **{**common, "norm_weight": None, "norm_folded": True})
+    elif variant == "qwen2_bias_carried":
+        xg, sums = carried_norm(x, kwargs["norm_weight"])
+        out, _ = gemv_rotary_cache_triton(xg, weight, bias, k_cache=k_cache, v_cache=v_cache,
+                                          **{**common, "norm_weight": None, "norm_sums": sums})
+    else:
+        out, _ = gemv_rotary_cache_triton(x, weight, bias, k_cache=k_cache, v_cache=v_cache, **common)
+    ref, _ = gemv_rotary_cache_ref(x, weight, bias, k_cache=ref_k, v_cache=ref_v, **common)
+    # the float64 truth of the same chain, on a float64 cache and the dequantized weights
+    wide = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "cos_sin" else v
+            for k, v in common.items() if k not in ("k_scale", "v_scale", "weight_scale")}
+    w64 = weight.double() * kwargs["weight_scale"].double()[:, None] if variant == "fp8_weights" else weight.double()
+    true_k, true_v = (torch.zeros(k_cache.shape, dtype=torch.float64, device=device) for _ in range(2))
+    truth, _ = gemv_rotary_cache_ref(x.double(), w64, None if bias is None else bias.double(), k_cache=true_k,
+                                     v_cache=true_v, **wide)
+    close_to_truth(out, ref, truth, dtype)
+    live = slots >= 0
+    for i, (cache, ref_cache, before) in enumerate(((k_cache, ref_k, k_before), (v_cache, ref_v, v_before))):
+        scale = scales[("k_scale", "v_scale")[i]]
+        cols = slice(q_size + i * kv_size, q_size + (i + 1) * kv_size)
+        rows, ref_rows = (t[live, cols].reshape(-1, hkv, head_dim).float() for t in (out, ref))
+        stored, ref_stored = (c.view(-1, hkv, head_dim)[slots[live]] for c in (cache, ref_cache))
+        assert torch.equal(stored.view(torch.uint8), quantize_kv(rows, scale).view(torch.uint8)), "not quantize_kv"
+        # each store is off its input by at most half an e4m3 step (2^-4 relative, 2^-10 * scale among the
+        # subnormals), and saturating moves two values no further apart (1.0001: float32's rounding of these sums)
+        got, want = stored.float() * scale, ref_stored.float() * scale
+        bound = (rows - ref_rows).abs() + 2.0**-3 * torch.maximum(got.abs(), want.abs()) + 2.0**-9 * scale
+        assert ((got - want).abs() <= 1.0001 * bound).all(), ((got - want).abs() - bound).max().item()
+        assert_only_slots_written(cache, before, slots)
 
 
 # -------------------------------------------------------------------------------- the carried norm

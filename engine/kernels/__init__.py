@@ -189,19 +189,21 @@ def fused_qkv_rotary_cache(
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
     pdl: bool = False,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv_rotary_cache_ref's semantics: the fused kernel for M <= GEMV_MAX_M on CUDA, else the unfused
-    kernels (RMSNorm, cuBLAS, per-head RMSNorm, rotary_and_cache)."""
+    kernels (RMSNorm, cuBLAS, per-head RMSNorm, rotary_and_cache). k_scale/v_scale: an FP8 cache's scales."""
     if not use_triton(x):
         return gemv_rotary_cache_ref(
             x, weight, bias, num_heads=num_heads, num_kv_heads=num_kv_heads, positions=positions, cos_sin=cos_sin,
             k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, norm_weight=norm_weight, eps=eps,
-            norm_residual=norm_residual, q_norm=q_norm, k_norm=k_norm)
+            norm_residual=norm_residual, q_norm=q_norm, k_norm=k_norm, k_scale=k_scale, v_scale=v_scale)
     if x.shape[0] <= GEMV_MAX_M:
         return gemv_rotary_cache_triton(
             x, weight, bias, num_heads=num_heads, num_kv_heads=num_kv_heads, positions=positions, cos_sin=cos_sin,
             k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, norm_weight=norm_weight, eps=eps,
-            norm_residual=norm_residual, q_norm=q_norm, k_norm=k_norm, pdl=pdl)
+            norm_residual=norm_residual, q_norm=q_norm, k_norm=k_norm, pdl=pdl, k_scale=k_scale, v_scale=v_scale)
     qkv, s = fused_linear(x, weight, bias, norm_weight=norm_weight, eps=eps, norm_residual=norm_residual)
     num_tokens, head_dim = x.shape[0], k_cache.shape[-1]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -211,7 +213,7 @@ def fused_qkv_rotary_cache(
     if q_norm is not None and k_norm is not None:
         q.copy_(rms_norm(q.reshape(-1, head_dim), q_norm, eps)[0].view_as(q))
         k.copy_(rms_norm(k.reshape(-1, head_dim), k_norm, eps)[0].view_as(k))
-    rotary_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    rotary_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return qkv, s
 
 

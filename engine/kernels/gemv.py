@@ -24,7 +24,8 @@ constexpr flags of one kernel:
   streams gate row n and up row I + n and writes silu(gate) * up;
 - residual-add epilogue (`add`): out = x @ W^T + add (o_proj, down);
 - rotary + paged KV-cache write in the QKV epilogue (`gemv_rotary_cache_triton`), optionally with Qwen3's
-  per-head q/k RMSNorm before the rotation: a program owns rows (d, d + D/2) of one head;
+  per-head q/k RMSNorm before the rotation: a program owns rows (d, d + D/2) of one head. The cache is in the
+  model dtype or float8_e4m3fn (the FP8_CACHE store: k / k_scale and v / v_scale as kv_quant.py defines them);
 - FP8 weights (`weight_scale`, issue 14): E4M3 [N, K] with a float32 scale per output row, converted in
   registers (`weight_convert`: Triton's cast of the float8 tile, or int32-word loads through fp8_convert.py's
   bit trick / inline cvt.rn.f16x2.e4m3x2, joined back into the tile), the scale applied to the float32 sums
@@ -57,8 +58,9 @@ import torch.nn.functional as F
 from stoker.engine.kernels._triton import check_launchable, interpreting, tl, triton
 from stoker.engine.kernels.activation import silu_and_mul_ref
 from stoker.engine.kernels.fp8_convert import CONVERT_CODE, e4m3_words_to_tile
+from stoker.engine.kernels.kv_quant import check_scale, is_fp8_cache
 from stoker.engine.kernels.rmsnorm import rms_norm_ref
-from stoker.engine.kernels.rotary import rotary_and_cache_ref
+from stoker.engine.kernels.rotary import _to_fp8, rotary_and_cache_ref
 
 try:  # inline PTX (griddepcontrol.*): only reached when PDL_GDC is set (USE_PDL on the GPU), never under the interpreter
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -196,10 +198,14 @@ def gemv_rotary_cache_ref(
     k_norm: torch.Tensor | None = None,
     norm_folded: bool = False,
     weight_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The QKV block of a Llama decoder layer up to attention: [norm ->] qkv = F.linear(h, W, b) -> (Qwen3)
     per-head RMSNorm of q and k -> rotary of q and k + k/v written into the paged caches. Returns (qkv, s)
-    with qkv [M, (Hq + 2 Hkv) D] holding rotated q and k (the decode attention reads q from it)."""
+    with qkv [M, (Hq + 2 Hkv) D] holding rotated q and k (the decode attention reads q from it).
+    k_scale, v_scale: an FP8 cache's per-tensor scales (rotary_and_cache_ref stores quantize_kv of the rotated k
+    as qkv holds it, and of v); unused for a cache in the model dtype."""
     qkv, s = gemv_ref(x, weight, bias, norm_weight=norm_weight, eps=eps, norm_residual=norm_residual,
                       norm_folded=norm_folded, weight_scale=weight_scale)
     num_tokens = x.shape[0]
@@ -216,7 +222,7 @@ def gemv_rotary_cache_ref(
     if q_norm is not None and k_norm is not None:
         q.copy_(rms_norm_ref(q.reshape(-1, head_dim), q_norm, eps)[0].view_as(q))
         k.copy_(rms_norm_ref(k.reshape(-1, head_dim), k_norm, eps)[0].view_as(k))
-    rotary_and_cache_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    rotary_and_cache_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return qkv, s
 
 
@@ -333,7 +339,7 @@ def _zero_slots(sums_ptr, enabled, SUMS_ROWS: tl.constexpr, NUM_SLOTS: tl.conste
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, bias_ptr, norm_ptr, hres_ptr, res_out_ptr, add_ptr,
     positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_norm_ptr, k_norm_ptr, w_scale_ptr,
-    sums_in_ptr, sums_out_ptr, sums_zero_ptr, carry_g_ptr, carry_out_ptr,
+    sums_in_ptr, sums_out_ptr, sums_zero_ptr, carry_g_ptr, carry_out_ptr, k_scale_ptr, v_scale_ptr,
     M, N_OUT, K, eps,
     x_stride, w_stride, out_stride, hres_stride, res_out_stride, add_stride, carry_out_stride,
     NUM_Q_HEADS, NUM_KV_HEADS,
@@ -348,7 +354,7 @@ def _gemv_kernel(
     NORM_SUMS: tl.constexpr = False, CARRY: tl.constexpr = False, CARRY_X: tl.constexpr = True,
     ZERO_SUMS: tl.constexpr = False,
     NUM_SLOTS: tl.constexpr = 16, SUMS_ROWS: tl.constexpr = 16, SUM_UNIT: tl.constexpr = 1048576.0,
-    SLOT_STRIDE: tl.constexpr = 1, SUMS_AT_END: tl.constexpr = True,
+    SLOT_STRIDE: tl.constexpr = 1, SUMS_AT_END: tl.constexpr = True, FP8_CACHE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     j = tl.arange(0, BLOCK_N)
@@ -529,8 +535,17 @@ def _gemv_kernel(
         cache_off = slot[:, None] * (NUM_KV_HEADS * 2 * HALF) + kv_head * (2 * HALF) + d[None, :]
         cache_mask = out_mask & (slot[:, None] >= 0) & (head >= NUM_Q_HEADS)
         cache = tl.where(is_k, k_cache_ptr, v_cache_ptr)
-        tl.store(cache + cache_off, ra.to(dtype), mask=cache_mask)
-        tl.store(cache + cache_off + HALF, rb.to(dtype), mask=cache_mask)
+        if FP8_CACHE:
+            # kv_quant.quantize_kv, as rotary.py's cache write: the value `out` holds (the rotated k, or v, in the
+            # model dtype) over its tensor's scale in IEEE float32 and saturated; the store's cast rounds to nearest
+            # even. (A q head's program loads v's scale and stores nothing: cache_mask.)
+            scale = tl.load(tl.where(is_k, k_scale_ptr, v_scale_ptr))
+            fp8 = k_cache_ptr.dtype.element_ty
+            tl.store(cache + cache_off, _to_fp8(ra.to(dtype), scale).to(fp8), mask=cache_mask)
+            tl.store(cache + cache_off + HALF, _to_fp8(rb.to(dtype), scale).to(fp8), mask=cache_mask)
+        else:
+            tl.store(cache + cache_off, ra.to(dtype), mask=cache_mask)
+            tl.store(cache + cache_off + HALF, rb.to(dtype), mask=cache_mask)
     else:
         tl.store(out_ptr + m[:, None] * out_stride + rows_a[None, :], a.to(dtype), mask=out_mask)
 
@@ -825,7 +840,9 @@ def _launch(
     norm_sums: torch.Tensor | None = None,
     carry: NormCarryOut | None = None,
     zero_sums: torch.Tensor | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
+    """kv_scales: (k_scale, v_scale) of an FP8 cache (with rotary), the kernel's FP8_CACHE store."""
     num_rows, hidden = x.shape
     if cfg.use_dot and cfg.block_m < 16:
         raise ValueError("gemv: a tl.dot tile needs block_m >= 16")
@@ -847,11 +864,12 @@ def _launch(
     zero = zero_sums if zero_sums is not None else placeholder
     carry_g = carry.norm_weight if carry is not None and carry.norm_weight is not None else placeholder
     carry_x = carry.x if carry is not None and carry.x is not None else x
+    k_scale, v_scale = kv_scales if kv_scales is not None else (placeholder, placeholder)
     _gemv_kernel[(grid,)](
         x, weight, out, bias if bias is not None else x, norm_weight if norm_weight is not None else x,
         hres, s, add_t, positions, cos_sin, k_cache, v_cache, slots, q_norm, k_norm,
         weight_scale if weight_scale is not None else x,
-        norm_sums if norm_sums is not None else placeholder, sums_out, zero, carry_g, carry_x,
+        norm_sums if norm_sums is not None else placeholder, sums_out, zero, carry_g, carry_x, k_scale, v_scale,
         num_rows, n_out, hidden, eps,
         x.stride(0), weight.stride(0), out.stride(0), hres.stride(0), s.stride(0), add_t.stride(0),
         carry_x.stride(0), num_q_heads, num_kv_heads,
@@ -868,7 +886,7 @@ def _launch(
         CARRY_X=carry is not None and carry.x is not None,
         ZERO_SUMS=zero_sums is not None,
         NUM_SLOTS=NORM_SLOTS, SUM_UNIT=NORM_SUM_UNIT, SLOT_STRIDE=NORM_SLOT_STRIDE, SUMS_AT_END=NORM_SUMS_AT_END,
-        SUMS_ROWS=zero_sums.shape[0] if zero_sums is not None else GEMV_MAX_M,
+        SUMS_ROWS=zero_sums.shape[0] if zero_sums is not None else GEMV_MAX_M, FP8_CACHE=kv_scales is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if gdc else {}),
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg is not None and not interpreting() else {}),
@@ -953,6 +971,8 @@ def gemv_rotary_cache_triton(
     pdl_trigger_first: bool = False,
     norm_sums: torch.Tensor | None = None,
     zero_sums: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv_rotary_cache_ref in one kernel. With q_norm/k_norm (Qwen3) a program must hold a whole head,
     so the grid is one program per head (fewer, longer programs: slower at batch 1 than without).
@@ -965,7 +985,9 @@ def gemv_rotary_cache_triton(
     whose finishing kernel lets this one in early (fused_decode.FINISH_EARLY), the two MLP kernels may still run,
     and they write only the MLP's accumulator, the residual stream and the carried sums; the attention reads
     this kernel's outputs (q, the newest key and value) only after its own wait, which covers this kernel.
-    norm_sums, zero_sums: the carried norm, as in gemv_triton (x = s * g)."""
+    norm_sums, zero_sums: the carried norm, as in gemv_triton (x = s * g).
+    k_scale, v_scale: a float8_e4m3fn cache's per-tensor scales (kv_quant.py): the epilogue stores the rotated k as
+    `out` holds it over k_scale, and v over v_scale, as rotary_and_cache does; unused for a cache in x's dtype."""
     check_gemv_args(x, weight, bias, norm_weight, norm_residual, False, None, norm_folded, weight_scale)
     _check_carry(norm_sums, None, zero_sums, x, weight.shape[0], None,
                  norm_weight is not None or norm_folded or norm_residual is not None)
@@ -991,10 +1013,19 @@ def gemv_rotary_cache_triton(
         raise ValueError(f"gemv_rotary_cache: positions and slot_mapping must be [{num_rows}]")
     if cos_sin.dim() != 2 or cos_sin.shape[1] != head_dim or cos_sin.dtype != torch.float32:
         raise ValueError(f"gemv_rotary_cache: cos_sin must be float32 [max_pos, {head_dim}]")
+    fp8_cache = is_fp8_cache(k_cache)
+    cache_dtype = k_cache.dtype if fp8_cache else x.dtype
     if (k_cache.dim() != 4 or k_cache.shape[2:] != (num_kv_heads, head_dim) or v_cache.shape != k_cache.shape
-            or k_cache.dtype != x.dtype or v_cache.dtype != x.dtype):
+            or k_cache.dtype != cache_dtype or v_cache.dtype != cache_dtype):
         raise ValueError(f"gemv_rotary_cache: caches must be [blocks, block_size, {num_kv_heads}, {head_dim}] "
-                         f"{x.dtype}, got {tuple(k_cache.shape)} {k_cache.dtype}, {tuple(v_cache.shape)}")
+                         f"{x.dtype} or float8_e4m3fn, got {tuple(k_cache.shape)} {k_cache.dtype}, "
+                         f"{tuple(v_cache.shape)} {v_cache.dtype}")
+    kv_scales = None
+    if fp8_cache:
+        check_scale(k_scale, "gemv_rotary_cache k_scale", k_cache.device)
+        check_scale(v_scale, "gemv_rotary_cache v_scale", k_cache.device)
+        assert k_scale is not None and v_scale is not None  # check_scale
+        kv_scales = (k_scale, v_scale)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos_sin.is_contiguous()):
         raise ValueError("gemv_rotary_cache: k_cache, v_cache and cos_sin must be contiguous")
     if head_dim % 2:
@@ -1029,5 +1060,5 @@ def gemv_rotary_cache_triton(
             False, None, pdl, rotary=(positions, cos_sin, k_cache, v_cache, slot_mapping),
             heads=(num_heads, num_kv_heads, half, splits), qk_norm=qk, norm_folded=norm_folded,
             weight_scale=weight_scale, weight_convert=weight_convert, trigger_first=pdl_trigger_first,
-            norm_sums=norm_sums, zero_sums=zero_sums)
+            norm_sums=norm_sums, zero_sums=zero_sums, kv_scales=kv_scales)
     return out, s

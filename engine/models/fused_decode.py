@@ -40,7 +40,9 @@ Which layers take it (`bind_fused_decode`'s reasons; the answer is the same for 
   15; with the PDL norm kernels and the early tiles of FP8_FUSED_M1 2.49-2.51 in session 17). Block-scaled FP8
   (128 x 128) keeps the unfused path, as do tensor-parallel linears (F.linear and their all-reduce: a residual
   add cannot precede the row-parallel sum).
-- The FP8 KV cache falls back: the rotary epilogue writes the model dtype, without kv_quant's scaling.
+- The FP8 KV cache (float8_e4m3fn) is written by the qkv epilogue as the unfused rotary does it: k / k_scale and
+  v / v_scale (the attention module's per-tensor scales, kv_quant.py), rounded to nearest even and saturated at
+  +-448, Qwen2's bias and Qwen3's q/k norm included (both come before the rotation, so before the quantization).
 - The LM head (tied or not) stays on F.linear in every mode: its float32 logits are issue 13 item 2's, and a
   tied head is the embedding, so the final norm is never folded into it.
 """
@@ -67,6 +69,7 @@ from stoker.engine.kernels.gemv import (
     gemv_triton,
     norm_sums_buffer,
 )
+from stoker.engine.kernels.kv_quant import FP8_KV_DTYPE, is_fp8_cache
 from stoker.engine.layers import (
     Fp8GateUpLinear,
     Fp8Linear,
@@ -295,8 +298,8 @@ def bind_fused_decode(
         return problem
     if linears[1].bias is not None or linears[3].bias is not None:
         return "an o_proj / down_proj bias: the add epilogue takes only the residual"
-    if kv_dtype != dtype:
-        return f"the KV cache is {kv_dtype}: the rotary epilogue writes the model dtype without kv_quant's scaling"
+    if kv_dtype not in (dtype, FP8_KV_DTYPE):
+        return f"the KV cache is {kv_dtype}: the qkv epilogue writes the model dtype or float8_e4m3fn only"
     folded = mode == "fused-folded" and not fp8  # FP8: folding g into W would requantize it
     prologue = folded or (mode == "fused-folded" and FP8_PROLOGUE_NORM)
     if folded:  # again after a first fold: W' * 1 is W' exactly, so planning twice changes nothing
@@ -413,7 +416,11 @@ def fused_decode_layer(
                             pdl=_qkv_pdl(fd, o_pdl), zero_sums=first_zero)
     num_heads, head_dim = fd.attention.num_heads, fd.attention.head_dim
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    out = fd.attention(q, k_cache, v_cache, meta, pdl=o_pdl).reshape(num_tokens, num_heads * head_dim)
+    # The decode attention takes PDL on a cache in q's dtype only (attention.py refuses an FP8 one: its early first
+    # tile skips the FP8 conversion); launched plainly it starts once qkv has finished, and o_proj's wait (PDL or
+    # not) finds it complete.
+    attn_pdl = o_pdl and not is_fp8_cache(k_cache)
+    out = fd.attention(q, k_cache, v_cache, meta, pdl=attn_pdl).reshape(num_tokens, num_heads * head_dim)
     o_carry: dict[str, Any] = {}
     if carry is not None:  # the post-attention norm's first half; the slots qkv read put back to zero
         x_post = carry.x_post[:num_tokens] if carry.x_post is not None else None
@@ -485,7 +492,8 @@ def _qkv_rotary_cache(
     """qkv [M, (Hq + 2 Hkv) D] with q and k rotated; k and v written to the caches (slot -1: padding). prologue: x is
     the stream, normalised in the GEMV's prologue (folded: with g in the weights); norm_sums: x is s * g of a carried
     norm (NormCarry), these its slots; else x is already normalised. pdl: launch with programmatic dependent launch.
-    zero_sums: a carried norm's slots this launch zeroes after its wait."""
+    zero_sums: a carried norm's slots this launch zeroes after its wait. An FP8 cache stores k / k_scale and
+    v / v_scale with the attention module's scales (the kernel reads them only for a float8_e4m3fn cache)."""
     q_norm = fd.q_norm.weight if fd.q_norm is not None else None
     k_norm = fd.k_norm.weight if fd.k_norm is not None else None
     # One eps serves the prologue norm and Qwen3's q/k norm: the model builds all of them from rms_norm_eps.
@@ -498,7 +506,7 @@ def _qkv_rotary_cache(
         positions=positions, cos_sin=fd.rotary.cos_sin, k_cache=k_cache, v_cache=v_cache,
         slot_mapping=meta.slot_mapping, eps=eps, q_norm=q_norm, k_norm=k_norm, pdl=pdl,
         pdl_trigger_first=pdl and QKV_TRIGGER_FIRST,
-        norm_folded=folded, norm_sums=norm_sums, zero_sums=zero_sums, **fp8,
-        **_unfolded_norm(fd, fd.input_norm, prologue),
+        norm_folded=folded, norm_sums=norm_sums, zero_sums=zero_sums, k_scale=fd.attention.k_scale,
+        v_scale=fd.attention.v_scale, **fp8, **_unfolded_norm(fd, fd.input_norm, prologue),
     )
     return qkv
