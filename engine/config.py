@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 _DTYPES = ("float32", "float16", "bfloat16")
+LOAD_FORMATS = ("auto", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto = the model dtype; fp8 = float8_e4m3fn (engine/kernels/kv_quant.py)
 # How decode steps of <= 16 sequences multiply (engine/models/fused_decode.py); see EngineConfig.decode_kernels.
 DECODE_KERNELS = ("auto", "fused", "fused-folded", "cublas")
@@ -41,6 +42,10 @@ class EngineConfig:
     # "fp8": quantize an unquantized checkpoint's linears to FP8 at load (per output row; lm_head stays). An FP8
     # checkpoint (quantization_config in config.json) runs as FP8 without it. None = as the checkpoint is.
     quantization: str | None = None
+    # "auto": the model folder's *.safetensors. "dummy": random weights made on the device instead (as vLLM's
+    # --load-format dummy): only config.json and the tokenizer are read, for benchmarks and smoke tests of shapes
+    # whose checkpoint is not at hand (engine/dummy_load.py). An FP8 checkpoint's config is refused with it.
+    load_format: str = "auto"
     # Ranks (processes, one GPU each) the model is split over; > 1 spawns ranks 1.. beside this process
     # (engine/parallel). Whether the model's heads divide is checked when the model's config is read.
     tensor_parallel_size: int = 1
@@ -125,6 +130,8 @@ class EngineConfig:
                             "(one worker per GPU); 'cuda:N' with N > 0 is not supported")
         if self.dtype is None:
             self.dtype = "float32" if self.device == "cpu" else "bfloat16"
+        if self.load_format not in LOAD_FORMATS:
+            problems.append(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.dtype not in _DTYPES:
             problems.append(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -57,7 +57,11 @@ class ModelRunner:
             self.startup["blocking_sync"] = _blocking_sync(self.device)
         with torch.device(self.device):
             self.model = model_class(model_config.architecture)(model_config, self.dtype, max_model_len)
-        if self.device.type == "cuda" and comm is None:  # the fast loader reads whole tensors: one rank only
+        if config.load_format == "dummy":  # random weights through the same load rules (engine/dummy_load.py)
+            from stoker.engine.dummy_load import load_dummy_weights
+
+            self.startup |= load_dummy_weights(self.model, model_config, self.dtype, self.device)
+        elif self.device.type == "cuda" and comm is None:  # the fast loader reads whole tensors: one rank only
             from stoker.engine.fast_load import load_weights_fast
 
             self.startup |= load_weights_fast(self.model, config.model_path, self.device)

@@ -44,6 +44,7 @@ class WorkerConfig:
     max_model_len: int | None = None
     dtype: str | None = None  # float32 | float16 | bfloat16; None = bfloat16 on CUDA, float32 on CPU
     quantization: str | None = None  # "fp8": quantize an unquantized checkpoint at load (EngineConfig's field)
+    load_format: str = "auto"  # "dummy": random weights from config.json alone (EngineConfig.load_format)
     tensor_parallel: int = 1  # GPUs (ranks) the model is split over (EngineConfig.tensor_parallel_size)
     kv_cache_dtype: str = "auto"  # "fp8": the FP8 KV cache (EngineConfig.kv_cache_dtype)
     decode_kernels: str = "auto"  # auto | fused | fused-folded | cublas (EngineConfig.decode_kernels)
@@ -146,6 +147,8 @@ class WorkerConfig:
             problems.append(f"--tensor-parallel must be >= 1, got {self.tensor_parallel}")
         if self.quantization not in (None, "fp8"):
             problems.append(f"quantization must be fp8 or unset, got {self.quantization!r}")
+        if self.load_format not in ("auto", "dummy"):
+            problems.append(f"--load-format must be auto or dummy, got {self.load_format!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             problems.append(f"--kv-cache-dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.decode_kernels not in ("auto", "fused", "fused-folded", "cublas"):

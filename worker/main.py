@@ -41,6 +41,9 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
     ("--dtype", "STOKER_DTYPE", str, None, "float32|float16|bfloat16 (default: bfloat16 on CUDA, float32 on CPU)"),
     ("--quantization", "STOKER_QUANTIZATION", str, None,
      "fp8: quantize an unquantized checkpoint's linears to FP8 at load (FP8 checkpoints need no flag)"),
+    ("--load-format", "STOKER_LOAD_FORMAT", str, "auto",
+     "auto (the folder's *.safetensors) or dummy (random weights made on the GPU from config.json alone: "
+     "benchmarks and smoke tests of a shape whose weights are not at hand; its answers mean nothing)"),
     ("--kv-cache-dtype", "STOKER_KV_CACHE_DTYPE", str, "auto",
      "auto (the model dtype) or fp8 (float8_e4m3fn, the checkpoint's k/v scales else 1.0: twice the blocks)"),
     ("--decode-kernels", "STOKER_DECODE_KERNELS", str, "auto",
@@ -280,7 +283,7 @@ def engine_settings(cfg: WorkerConfig, spec: ModelSpec | None) -> dict[str, Any]
         "max_num_batched_tokens": cfg.max_num_batched_tokens, "seed": cfg.seed,
         "enable_prefix_caching": not cfg.no_prefix_caching, "cuda_graphs": not cfg.no_cuda_graphs,
         "async_scheduling": False if cfg.no_async_scheduling else None, "use_triton": not cfg.no_triton,
-        "blocking_sync": not cfg.no_blocking_sync, "quantization": cfg.quantization,
+        "blocking_sync": not cfg.no_blocking_sync, "quantization": cfg.quantization, "load_format": cfg.load_format,
         "tensor_parallel_size": cfg.tensor_parallel, "kv_cache_dtype": cfg.kv_cache_dtype,
         "decode_kernels": cfg.decode_kernels, "decode_pdl": True if cfg.decode_pdl else False if cfg.no_decode_pdl else None,
         "decode_fused_mlp": not cfg.no_decode_fused_mlp, "decode_prologue_norm_max_m": cfg.decode_prologue_norm_max_m,
