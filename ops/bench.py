@@ -1,9 +1,10 @@
 """GPU bench of the engine at the Llama-3-8B shape, with floors measured in the same run and a transformers peer.
 
-    PYTHONPATH=. python ops/bench.py [--shape 8b|1b|tiny] [--w2-requests 1024] [--hf-w2-requests 256]
-                                     [--decode-kernels cublas,fused,fused+pdl] [--skip-w2]
+    PYTHONPATH=. python ops/bench.py [--shape 8b|1b|70b|tiny] [--w2-requests 1024] [--hf-w2-requests 256]
+                                     [--decode-kernels cublas,fused,fused+pdl] [--skip-w2] [--load-format dummy]
 
-Writes random bf16 weights once (safetensors, 4 shards) under --model-dir, then:
+Writes random bf16 weights once (safetensors, 4 shards) under --model-dir (with --load-format dummy only the
+config and tokenizer: the engine makes weights of the same spread on the GPU), then:
   floors  read bandwidth (device copy, bytes read + written / time) and bf16 matmul rate (8192^3); with
           --dtype fp8 (the bf16 weights quantized at load) also the row-wise FP8 rate, and the W1/W2 floors
           count the bytes stored (FP8 weights + scales, bf16 lm_head) and the FP8 rate for the linears;
@@ -54,6 +55,15 @@ SHAPES: dict[str, dict[str, Any]] = {
         intermediate_size=8192,
         vocab_size=128256,
     ),
+    "70b": dict(  # Llama-3-70B (issue 17: TP = 2 and up; 131 GiB of bf16 weights, so --load-format dummy)
+        hidden_size=8192,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=28672,
+        vocab_size=128256,
+    ),
     "tiny": dict(
         hidden_size=512,
         num_hidden_layers=2,
@@ -101,13 +111,15 @@ def measure_floors(fp8: bool = False) -> dict[str, float]:
 
 
 # ---- the model folder ------------------------------------------------------------------------------------
-def write_model(path: str, shape: dict[str, Any], device: str = "cuda") -> float:
+def write_model(path: str, shape: dict[str, Any], device: str = "cuda", weights: bool = True) -> float:
     """Random bf16 weights (std 0.02, norms 1) as 4 safetensors shards + index, config and a tokenizer.
-    `device` draws them (cpu: for dry runs of the tiny shape without a GPU)."""
+    `device` draws them (cpu: for dry runs of the tiny shape without a GPU). weights=False: the config and the
+    tokenizer alone, for --load-format dummy (the engine makes weights of the same spread on the GPU)."""
     from safetensors.torch import save_file
     from stoker.engine.make_model import write_tokenizer
 
-    if os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
+    done = "model.safetensors.index.json" if weights else "config.json"
+    if os.path.isfile(os.path.join(path, done)):
         return 0.0
     t0 = time.perf_counter()
     os.makedirs(path, exist_ok=True)
@@ -131,6 +143,8 @@ def write_model(path: str, shape: dict[str, Any], device: str = "cuda") -> float
     )
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
+    if not weights:
+        return time.perf_counter() - t0
     gen = torch.Generator(device=device).manual_seed(0)
 
     def rand(*s: int) -> torch.Tensor:
@@ -184,7 +198,7 @@ def drop_page_cache() -> bool:
 # ---- our engine ------------------------------------------------------------------------------------------
 def engine_config(path: str, max_num_seqs: int, device: str = "cuda", quantization: str | None = None,
                   max_num_batched_tokens: int = 8192, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
-                  decode: str = "auto"):
+                  decode: str = "auto", load_format: str = "auto"):
     """The bench's engine settings (ops/bench_e2e.py gives the worker the same ones, from this object).
     decode: an EngineConfig.decode_kernels value, "+pdl" appended for decode_pdl (see decode_setting)."""
     from stoker.engine import EngineConfig
@@ -207,6 +221,7 @@ def engine_config(path: str, max_num_seqs: int, device: str = "cuda", quantizati
         quantization=quantization,
         tensor_parallel_size=tensor_parallel_size,
         kv_cache_dtype=kv_cache_dtype,
+        load_format=load_format,
         **decode_setting(decode),
     )
 
@@ -348,7 +363,7 @@ def decode_setting(text: str) -> dict[str, Any]:
 
 def start_engine(path: str, max_num_seqs: int, device: str = "cuda", quantization: str | None = None,
                  tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto", decode: str = "auto", config=None,
-                 max_num_batched_tokens: int = 8192):
+                 max_num_batched_tokens: int = 8192, load_format: str = "auto"):
     """The engine and its seconds to ready; `config` (an EngineConfig) replaces the other settings when given."""
     from stoker.engine import LLMEngine
 
@@ -357,7 +372,7 @@ def start_engine(path: str, max_num_seqs: int, device: str = "cuda", quantizatio
     if config is None:
         config = engine_config(path, max_num_seqs, device, quantization, tensor_parallel_size=tensor_parallel_size,
                                kv_cache_dtype=kv_cache_dtype, decode=decode,
-                               max_num_batched_tokens=max_num_batched_tokens)
+                               max_num_batched_tokens=max_num_batched_tokens, load_format=load_format)
     eng = LLMEngine(config)
     if str(config.device).startswith("cuda"):
         torch.cuda.synchronize()
@@ -647,6 +662,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensor-parallel", type=int, default=1,
                     help="GPUs the engine splits the model over (issue 17; NOT yet run: no multi-GPU machine lent). "
                          "The weight-byte floors below count rank 0's shard")
+    ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                    help="dummy: no weight files; the engine makes random weights of the same spread on the GPU "
+                         "(EngineConfig.load_format: the 70B shape, whose 131 GiB no bench disk holds). Implies "
+                         "--skip-cold and --skip-hf; the W3 weight row is then the dummy fill, not a load")
     ap.add_argument("--fp8-m1-table", default=None,
                     help="JSON of FP8_FUSED_M1 entries (ops/bench_fp8_fused.py --pick) that replace the table of "
                          "engine/models/fused_decode.py for this run (a missing file leaves the table as it is)")
@@ -659,6 +678,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="EngineConfig.mixed_decode_attention for W2: on | off | a comma list (W2 once per setting on "
                          "the same engine, in order; the last one is the table's W2 and --profile's)")
     args = ap.parse_args(argv)
+    if args.load_format == "dummy":  # nothing on disk to load cold, nothing for transformers to load
+        args.skip_cold = args.skip_hf = True
     if args.fp8_m1_table:
         apply_fp8_m1_table(args.fp8_m1_table)
     if any(s not in ("on", "off") for s in args.mixed_split.split(",")):
@@ -675,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     shape = SHAPES[args.shape]
-    path = args.model_dir or f"/tmp/stoker-bench-{args.shape}"
+    path = args.model_dir or f"/tmp/stoker-bench-{args.shape}" + ("-dummy" if args.load_format == "dummy" else "")
     r: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
         "gpu": torch.cuda.get_device_name(),
@@ -692,7 +713,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.empty_cache()
     bw, rate = r["floors"]["bandwidth_Bps"], r["floors"]["matmul_flops"]
     log(f"bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s; writing weights")
-    r["write_s"] = write_model(path, shape)
+    r["write_s"] = write_model(path, shape, weights=args.load_format != "dummy")
+    r["load_format"] = args.load_format
     if not args.skip_cold:
         r["page_cache_dropped"] = drop_page_cache()
         log(
@@ -701,7 +723,8 @@ def main(argv: list[str] | None = None) -> int:
         eng, r["cold_ready_s"] = start_engine(path, args.max_num_seqs, quantization=quantization,
                                               tensor_parallel_size=args.tensor_parallel,
                                               kv_cache_dtype=args.kv_cache_dtype, decode=decodes[0],
-                                              max_num_batched_tokens=args.max_num_batched_tokens)
+                                              max_num_batched_tokens=args.max_num_batched_tokens,
+                                              load_format=args.load_format)
         r["cold_startup"] = {k: v for k, v in eng.runner.startup.items()}
         eng.close()  # tensor parallel: its rank processes hold the other GPUs
         del eng
@@ -710,7 +733,8 @@ def main(argv: list[str] | None = None) -> int:
     log("warm start")
     eng, r["warm_ready_s"] = start_engine(path, args.max_num_seqs, quantization=quantization,
                                           tensor_parallel_size=args.tensor_parallel, kv_cache_dtype=args.kv_cache_dtype,
-                                          decode=decodes[0], max_num_batched_tokens=args.max_num_batched_tokens)
+                                          decode=decodes[0], max_num_batched_tokens=args.max_num_batched_tokens,
+                                          load_format=args.load_format)
     r["warm_startup"] = dict(eng.runner.startup)
     log(f"startup: {r['warm_startup']}")
     r["heap"] = args.heap
@@ -860,7 +884,8 @@ def finish(eng, r: dict[str, Any], args: argparse.Namespace, path: str, decodes:
         log(f"W1 with --decode-kernels {decode}")
         eng, _ = start_engine(path, args.max_num_seqs, quantization=quantization,
                               tensor_parallel_size=args.tensor_parallel, kv_cache_dtype=args.kv_cache_dtype,
-                              decode=decode, max_num_batched_tokens=args.max_num_batched_tokens)
+                              decode=decode, max_num_batched_tokens=args.max_num_batched_tokens,
+                              load_format=args.load_format)
         w1, _ = measure_w1(eng, args, eng.model_config.vocab_size, r["w1"]["floor_ms"])
         r["w1_by_decode"].setdefault(decode, []).append(w1_summary(w1, eng.runner.startup))
         log(f"W1 {decode}: {r['w1_by_decode'][decode][-1]}")
@@ -1023,7 +1048,8 @@ def print_table(r: dict[str, Any], args: argparse.Namespace) -> None:
             f"{ws.get('load_s', 0):.2f} s",
             "",
             f"HF load {hf.get('load_s', float('nan')):.1f} s",
-            f"< 2 s ({ws.get('gb_per_s', 0):.1f} GB/s)",
+            f"< 2 s ({ws.get('gb_per_s', 0):.1f} GB/s)" if ws.get("load_format") != "dummy"
+            else "--load-format dummy: random weights made on the GPU, not a load",
         ),
         (
             "W3 graph capture",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import os
+
 import pytest
 
 pytest.importorskip("triton")
@@ -67,3 +70,42 @@ def test_repeated_decode_items_keep_every_run_in_the_table() -> None:
     assert rows[0][4] == "1.160, 1.161x floor; fused layers 32"
     assert bench.w1_decode_rows({"w1": {"floor_ms": 3.5}, "w1_by_decode": {"auto": [run(4.0), run(4.1)]}})
     assert not bench.w1_decode_rows({"w1": {"floor_ms": 3.5}, "w1_by_decode": {"auto": [run(4.0)]}})
+
+
+def test_dummy_folder_holds_no_weights_and_the_engine_runs_on_it(tmp_path) -> None:
+    """--load-format dummy: write_model writes the config and tokenizer alone, and the bench's engine settings
+    take the dummy load (on the CPU here, the tiny shape)."""
+    from stoker.engine import EngineRequest, LLMEngine, SamplingParams
+
+    path = str(tmp_path / "tiny-dummy")
+    bench.write_model(path, bench.SHAPES["tiny"], device="cpu", weights=False)
+    assert sorted(os.listdir(path)) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
+    config = bench.engine_config(path, 4, device="cpu", load_format="dummy")
+    assert config.load_format == "dummy"
+    config.num_kv_blocks = 64
+    eng = LLMEngine(config)
+    eng.add_request(EngineRequest("r", prompt_token_ids=list(range(3, 40)),
+                                  params=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)))
+    tokens: list[int] = []
+    while eng.has_unfinished():
+        for out in eng.step():
+            assert out.error_code is None, out
+            tokens += out.new_token_ids
+    assert len(tokens) == 4 and eng.runner.startup["load_format"] == "dummy"
+
+
+def test_the_70b_shape_is_llama_3_70b() -> None:
+    """The dummy layout of --shape 70b holds Llama-3-70B's 70.55 B parameters (80 layers, hidden 8192, 64 / 8
+    heads, intermediate 28,672, untied 128,256-token embedding and LM head)."""
+    from stoker.engine.dummy_load import checkpoint_layout
+    from stoker.engine.model_config import ModelConfig
+
+    shape = bench.SHAPES["70b"]
+    mc = ModelConfig(architecture="LlamaForCausalLM", vocab_size=shape["vocab_size"],
+                     hidden_size=shape["hidden_size"], intermediate_size=shape["intermediate_size"],
+                     num_layers=shape["num_hidden_layers"], num_heads=shape["num_attention_heads"],
+                     num_kv_heads=shape["num_key_value_heads"], head_dim=shape["head_dim"], rms_norm_eps=1e-5,
+                     rope_theta=5e5, rope_scaling=None, max_position_embeddings=8192, tie_word_embeddings=False,
+                     attention_bias=False, qk_norm=False, eos_token_ids=[1], bos_token_id=0, sliding_window=None)
+    params = sum(math.prod(s) for _, s, _ in checkpoint_layout(mc))
+    assert params == 70_553_706_496

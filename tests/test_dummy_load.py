@@ -51,11 +51,12 @@ def _config_only(src: str, dst: str) -> str:
     return dst
 
 
-def _save_dummy(src_config_only: str, dst: str) -> str:
-    """The dummy checkpoint written out as safetensors, beside a copy of the config: what load_format "auto" reads."""
+def _save_dummy(src_config_only: str, dst: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> str:
+    """The dummy checkpoint (as drawn on `device`) written out as safetensors, beside a copy of the config: what
+    load_format "auto" reads."""
     shutil.copytree(src_config_only, dst)
     mc = ModelConfig.from_folder(dst)
-    tensors = {name: dummy_tensor(name, shape, fill, torch.float32, "cpu")
+    tensors = {name: dummy_tensor(name, shape, fill, dtype, device).cpu()
                for name, shape, fill in checkpoint_layout(mc)}
     save_file(tensors, os.path.join(dst, "model.safetensors"))
     return dst
@@ -78,8 +79,8 @@ def _run(engine: LLMEngine, tag: str) -> tuple[list[list[int]], list[list[float]
     return [tokens[k] for k in keys], [logprobs[k] for k in keys]
 
 
-def _engine(path: str, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model_path=path, device="cpu", num_kv_blocks=64, max_num_batched_tokens=24, **kw))
+def _engine(path: str, device: str = "cpu", **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model_path=path, device=device, num_kv_blocks=64, max_num_batched_tokens=24, **kw))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -168,3 +169,20 @@ def test_the_setting_is_checked_and_reaches_the_engine_from_the_worker(tmp_path,
     with pytest.raises(SystemExit) as exit_:
         worker_main.parse_config(["--model", path, "--load-format", "zeros"], {})
     assert exit_.value.code == 2 and "--load-format must be auto or dummy, got 'zeros'" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_gpu_dummy_engine_equals_an_engine_loading_the_same_tensors(tmp_path, quantization):
+    """On CUDA in bfloat16 (the fast loader on the saved side; CUDA graphs and the fused decode on both): the same
+    greedy tokens, logprobs within bfloat16's run-to-run spread (the fused MLP's atomic adds are not ordered)."""
+    build_hf_model("llama", str(tmp_path / "hf"))
+    bare = _config_only(str(tmp_path / "hf"), str(tmp_path / "bare"))
+    saved = _save_dummy(bare, str(tmp_path / "saved"), torch.bfloat16, "cuda")
+    dummy = _engine(bare, "cuda", load_format="dummy", quantization=quantization)
+    got = _run(dummy, "dummy")
+    dummy.close()
+    want = _run(_engine(saved, "cuda", quantization=quantization), "saved")
+    assert got[0] == want[0]
+    assert max(abs(x - y) for a, b in zip(got[1], want[1], strict=True) for x, y in zip(a, b, strict=True)) < 0.05
