@@ -13,6 +13,12 @@ into groups of whole tensors of up to `group_bytes`, and for each group:
      one copy_ puts it into the (fused) parameter, casting on the GPU.
 A pinned buffer goes back to the ring only after an event says its copy finished. Reads of group g+1
 overlap the casts of group g. On CPU (tests) the same code runs with pageable buffers.
+
+A tensor-parallel rank reads only its part where the file allows (narrow_to_rows): a column-parallel layer's rows
+(q / k / v, gate / up, their biases and per-row scales) are one contiguous byte range each; a row-parallel layer's
+columns (o_proj, down_proj) are strided in the file, so their whole rows are read and the columns taken on the
+device. At TP = 2 on a Llama-3 shape a rank so reads ~0.67 of the layers' weights (0.5 would be exact slices), and
+the replicated embedding and LM head whole.
 """
 
 from __future__ import annotations
@@ -51,8 +57,27 @@ class TensorEntry:
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    begin: int  # absolute file offsets of the tensor's bytes
+    begin: int  # absolute file offsets of the tensor's bytes (after narrow_to_rows: of the rows read)
     end: int
+    rest: tuple[slice, ...] | None = None  # what of the rows read the layer takes, applied on the device
+
+
+def narrow_to_rows(e: TensorEntry, index: tuple[slice, ...] | None) -> TensorEntry:
+    """The part of entry `e` to read for a layer that holds `index` of it (checkpoint_slice; None = all): its
+    rows are a contiguous byte range, so a row slice (a column-parallel rank's q / k / v or gate / up rows) reads
+    only those bytes; the index's other dimensions (a row-parallel rank's columns) are cut on the device from the
+    rows read, since columns are strided in the file."""
+    if index is None or not e.shape:
+        return e
+    start, stop, step = index[0].indices(e.shape[0])
+    rest: tuple[slice, ...] | None
+    if step != 1:  # no layer asks for one; read every row and let the device take them
+        start, stop, rest = 0, e.shape[0], index
+    else:
+        rest = (slice(None), *index[1:]) if any(s != slice(None) for s in index[1:]) else None
+    row_bytes = (e.end - e.begin) // e.shape[0]
+    return TensorEntry(e.name, e.dtype, (stop - start, *e.shape[1:]), e.begin + start * row_bytes,
+                       e.begin + stop * row_bytes, rest)
 
 
 def read_header(path: str) -> list[TensorEntry]:
@@ -91,14 +116,32 @@ def read_header(path: str) -> list[TensorEntry]:
 
 
 def _groups(entries: list[TensorEntry], group_bytes: int) -> list[list[TensorEntry]]:
-    """Consecutive tensors packed into groups of at most group_bytes (a bigger tensor is a group alone)."""
+    """Tensors in file order packed into groups of at most group_bytes read (a bigger tensor is a group alone).
+    The bytes between two entries (another rank's rows, a tensor this model does not use) are not read."""
     groups: list[list[TensorEntry]] = []
+    size = 0
     for e in entries:
-        if groups and e.end - groups[-1][0].begin <= group_bytes:
+        if groups and size + (e.end - e.begin) <= group_bytes:
             groups[-1].append(e)
+            size += e.end - e.begin
         else:
             groups.append([e])
+            size = e.end - e.begin
     return groups
+
+
+def _runs(group: list[TensorEntry]) -> list[tuple[int, int, int]]:
+    """A group's file ranges to read, as (file begin, file end, offset in the group's buffer): entries that
+    follow each other in the file with no gap make one run, read in whole chunks."""
+    runs: list[tuple[int, int, int]] = []
+    at = 0
+    for e in group:
+        if runs and runs[-1][1] == e.begin:
+            runs[-1] = (runs[-1][0], e.end, runs[-1][2])
+        else:
+            runs.append((e.begin, e.end, at))
+        at += e.end - e.begin
+    return runs
 
 
 class _Staging:
@@ -138,15 +181,16 @@ def load_weights_fast(
     t0 = time.perf_counter()
     weights = WeightMap(model)
     files = safetensors_files(path)
-    plan = [(f, [e for e in read_header(f) if weights.destination(e.name) is not None]) for f in files]
+    plan = [(f, [_part(weights, e) for e in read_header(f) if weights.destination(e.name) is not None])
+            for f in files]
     total = sum(e.end - e.begin for _, es in plan for e in es)
     staging = _Staging(max(2, threads * 2), chunk_bytes, pinned=cuda)
     copy_stream = torch.cuda.Stream(device) if cuda else None
     bar = _progress_bar(total, progress)
     lock = threading.Lock()
 
-    def fetch(fd: int, raw: torch.Tensor, begin: int, offset: int, nbytes: int) -> None:
-        # One chunk: file range -> staging buffer -> device buffer (async on the copy stream).
+    def fetch(fd: int, raw: torch.Tensor, at: int, offset: int, nbytes: int) -> None:
+        # One chunk: file range [offset, offset + nbytes) -> staging buffer -> raw[at:] (async on the copy stream).
         buf, event = staging.free.get()
         try:
             if event is not None:
@@ -155,11 +199,11 @@ def load_weights_fast(
             event = None
             if copy_stream is not None:
                 with torch.cuda.stream(copy_stream):
-                    raw[offset - begin : offset - begin + nbytes].copy_(buf[:nbytes], non_blocking=True)
+                    raw[at : at + nbytes].copy_(buf[:nbytes], non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(copy_stream)
             else:
-                raw[offset - begin : offset - begin + nbytes].copy_(buf[:nbytes])
+                raw[at : at + nbytes].copy_(buf[:nbytes])
         finally:
             staging.free.put((buf, event))
         if bar is not None:
@@ -171,10 +215,10 @@ def load_weights_fast(
             fd = os.open(file, os.O_RDONLY)
             try:
                 for group in _groups(entries, group_bytes):
-                    begin, end = group[0].begin, group[-1].end
-                    raw = _group_buffer(end - begin, device, copy_stream)
+                    raw = _group_buffer(sum(e.end - e.begin for e in group), device, copy_stream)
                     futures = [
-                        pool.submit(fetch, fd, raw, begin, off, min(chunk_bytes, end - off))
+                        pool.submit(fetch, fd, raw, at + off - begin, off, min(chunk_bytes, end - off))
+                        for begin, end, at in _runs(group)
                         for off in range(begin, end, chunk_bytes)
                     ]
                     for fut in futures:
@@ -183,8 +227,10 @@ def load_weights_fast(
                         compute = torch.cuda.current_stream(device)
                         compute.wait_stream(copy_stream)
                         raw.record_stream(compute)  # its block is not handed out again before the casts ran
+                    at = 0
                     for e in group:
-                        _place(weights, file, e, raw[e.begin - begin : e.end - begin])
+                        _place(weights, file, e, raw[at : at + e.end - e.begin])
+                        at += e.end - e.begin
                     del raw
             finally:
                 os.close(fd)
@@ -213,12 +259,22 @@ def _group_buffer(nbytes: int, device: torch.device, copy_stream: torch.cuda.Str
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
+def _part(weights: WeightMap, e: TensorEntry) -> TensorEntry:
+    """The entry narrowed to what its layer holds (a tensor-parallel rank's slice; the whole tensor otherwise)."""
+    dest = weights.destination(e.name)
+    assert dest is not None  # the plan keeps only tensors with a place
+    _, module, param, shard = dest
+    return narrow_to_rows(e, module.checkpoint_slice(param, shard))
+
+
 def _place(weights: WeightMap, file: str, e: TensorEntry, raw: torch.Tensor) -> None:
     # Offsets inside safetensors data are not promised to be aligned to the dtype: realign on the device.
     if raw.data_ptr() % e.dtype.itemsize:
         raw = raw.clone()
-    # A view, no copy: the layer's load_weight casts (e.g. float32 file -> bf16 model) on the GPU as it copies.
-    weights.load(e.name, raw.view(e.dtype).view(e.shape), file)
+    # A view, no copy: the layer's load_weight casts (e.g. float32 file -> bf16 model) on the GPU as it copies;
+    # a row-parallel rank's columns are a strided view of the rows read, copied by that same copy_.
+    tensor = raw.view(e.dtype).view(e.shape)
+    weights.load(e.name, tensor if e.rest is None else tensor[e.rest], file)
 
 
 def _progress_bar(total: int, enabled: bool) -> Any:

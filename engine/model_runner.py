@@ -61,7 +61,7 @@ class ModelRunner:
             from stoker.engine.dummy_load import load_dummy_weights
 
             self.startup |= load_dummy_weights(self.model, model_config, self.dtype, self.device)
-        elif self.device.type == "cuda" and comm is None:  # the fast loader reads whole tensors: one rank only
+        elif self.device.type == "cuda":  # a tensor-parallel rank's fast load reads its rows (fast_load.py)
             from stoker.engine.fast_load import load_weights_fast
 
             self.startup |= load_weights_fast(self.model, config.model_path, self.device)
