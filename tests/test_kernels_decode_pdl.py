@@ -64,13 +64,27 @@ def test_pdl_decode_attention_reads_the_newest_key_after_the_wait(device: str, d
     close(out, paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, 0.25), dtype)
 
 
-def test_pdl_decode_attention_refuses_an_fp8_cache() -> None:
-    q = torch.randn(1, 2, 16)
-    cache = torch.zeros(2, 8, 1, 16).to(torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="pdl"):
-        paged_decode_attention_triton(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
-                                      torch.ones(1, dtype=torch.int32), 0.1, 1, k_scale=torch.ones(1),
-                                      v_scale=torch.ones(1), pdl=True)
+# An FP8 cache in every conversion mode the split kernel has (kv_fp8_tiles.py): the early tile converted as the
+# loop converts, so the PDL launch is the plain launch's result (the interpreter: the same peeled code path).
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("mode", ["f16", "cast", "bits", "f16-vwords"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_pdl_decode_attention_on_an_fp8_cache_matches_its_plain_launch(device: str, dtype: torch.dtype, mode: str,
+                                                                       num_splits: int) -> None:
+    from stoker.engine.kernels.kv_fp8_tiles import Fp8AttentionConfig
+    from test_kernels_fp8_kv import fp8_batch
+
+    lens = [1, 17, 100, 33, 5]
+    k8, v8, block_tables, k_scale, v_scale = fp8_batch(lens, 2, 40, 8, device)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(lens), 6, 40, device=device, dtype=dtype)
+    config = Fp8AttentionConfig(mode)
+    counters = decode_combine_counters(len(lens), 2, device)
+    kw = dict(k_scale=k_scale, v_scale=v_scale, fp8_config=config, counters=counters)
+    pdl = paged_decode_attention_triton(q, k8, v8, block_tables, context_lens, 0.1, num_splits, pdl=True, **kw)
+    plain = paged_decode_attention_triton(q, k8, v8, block_tables, context_lens, 0.1, num_splits, **kw)
+    torch.testing.assert_close(pdl, plain, rtol=0, atol=0)
+    close(pdl, paged_decode_attention_ref(q, k8, v8, block_tables, context_lens, 0.1, k_scale, v_scale), dtype)
 
 
 # ------------------------------------------------------------------------------------------- GPU only

@@ -224,7 +224,7 @@ def _decode_split_kernel(
         running_max, running_sum, acc = pdl_first_tile(
             q, k_first, v_first, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, block_table_stride,
             start, end, context_len, dims, dim_mask, qk_scale, running_max, running_sum, acc,
-            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION)
+            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION, FP8_MODE)
         loop_start = start + TILE_N
     table_row = block_tables_ptr + seq * block_table_stride
     block_next = _first_blocks_ahead(table_row, loop_start, end, BLOCK_SIZE, TILE_N, TABLE_AHEAD)
@@ -607,15 +607,13 @@ def paged_decode_attention_triton(
     zeroed int32 buffer of >= B * Hkv entries (decode_combine_counters) that the kernel leaves zeroed: with it
     the last split of each (sequence, kv head) combines the partials (one launch); without it a second kernel
     does. out: where to write [B, Hq, D] (a view of a mixed step's output); None allocates. pdl: launch with
-    programmatic dependent launch after the qkv kernel (decode_pdl.py; a cache in q's dtype only); under the
-    interpreter the same peeled first tile runs without the launch attribute and the griddepcontrol PTX.
+    programmatic dependent launch after the qkv kernel (decode_pdl.py; the split kernel, an FP8 cache too); under
+    the interpreter the same peeled first tile runs without the launch attribute and the griddepcontrol PTX.
     table_ahead: each key tile's block numbers loaded a tile ahead (None: decode_table_ahead's choice)."""
     _check_cache(q, k_cache, v_cache, k_scale, v_scale)
     if q.shape[0] != context_lens.shape[0] or block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
         raise ValueError(f"decode attention: q [B, Hq, D], block_tables [B, max_blocks], context_lens [B] "
                          f"expected, got {tuple(q.shape)}, {tuple(block_tables.shape)}, {tuple(context_lens.shape)}")
-    if pdl and is_fp8_cache(k_cache):
-        raise ValueError("decode attention: pdl is for a cache in q's dtype (the early tile skips kv_fp8_tiles)")
     _check_kernel_inputs(q, k_cache, v_cache, block_tables, context_lens)
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -628,6 +626,7 @@ def paged_decode_attention_triton(
         num_splits = decode_splits(batch, max_context, q, k_cache, fp8_config)
     fp8 = is_fp8_cache(k_cache)
     fp8_config, mma = _decode_fp8_config(q, k_cache, fp8_config, num_splits) if fp8 else (None, False)
+    mma = mma and not pdl  # the Gluon kernel reads no early tile: a PDL launch takes the split kernel
     tile_n = _decode_tile_n(q, k_cache, fp8_config)
     fp8_args, launch = _fp8_launch(fp8, fp8_config or DEFAULT_DECODE, q, decode=True)
     if pdl:

@@ -14,6 +14,7 @@ moves in front of the wait and a program has only q, one key / value row and its
 from __future__ import annotations
 
 from stoker.engine.kernels._triton import tl, triton
+from stoker.engine.kernels.kv_fp8_tiles import kv_for_dots
 
 try:  # inline PTX, never under the interpreter (PDL_GDC is False there)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -54,16 +55,20 @@ def pdl_first_tile_early(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_hea
 def pdl_first_tile(q, k_early, v_early, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, block_table_stride,
                    start, end, context_len, dims, dim_mask, qk_scale, running_max, running_sum, acc,
                    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, FP8_MODE: tl.constexpr = 0):
     """After the wait: the newest key / value row joined into the early tile, then the split kernel's online
-    softmax step on it (the same operations as its loop body for a cache in q's dtype, so the result is the
-    same bits as without PDL). Returns (running_max, running_sum, acc)."""
+    softmax step on it (the same operations as its loop body, so the result is the same bits as without PDL).
+    An FP8 cache's tiles go to the dots' dtype as the loop's do (kv_for_dots; the loop's F16_VWORDS V path is the
+    same exact e4m3 -> float16 conversion by words); its scales are in qk_scale and after the loop, as there.
+    Returns (running_max, running_sum, acc)."""
     pos, key_mask, offsets = _first_tile_offsets(block_tables_ptr, seq, kv_head, block_table_stride, start, end,
                                                  dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, TILE_N)
     newest = (key_mask & (pos == context_len - 1))[:, None]
     both = newest & dim_mask[None, :]
-    k = tl.where(newest, tl.load(k_cache_ptr + offsets, mask=both, other=0.0), k_early).to(q.dtype)
-    v = tl.where(newest, tl.load(v_cache_ptr + offsets, mask=both, other=0.0), v_early).to(q.dtype)
+    k = tl.where(newest, kv_for_dots(tl.load(k_cache_ptr + offsets, mask=both, other=0.0), q.dtype, FP8_MODE),
+                 kv_for_dots(k_early, q.dtype, FP8_MODE))
+    v = tl.where(newest, kv_for_dots(tl.load(v_cache_ptr + offsets, mask=both, other=0.0), q.dtype, FP8_MODE),
+                 kv_for_dots(v_early, q.dtype, FP8_MODE))
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     scores = tl.where(key_mask[None, :], scores, float("-inf"))
     new_max = tl.maximum(running_max, tl.max(scores, axis=1))

@@ -145,6 +145,11 @@ QKV_TRIGGER_FIRST = False
 # the critical path against 7.4 in the FP8 chain, session 18's profiles). H200, W1 bf16 8B (session 18 call 6, one
 # machine, interleaved): 4.041 / 4.045 against 4.111 / 4.103 ms.
 QKV_PDL = True
+# The decode attention on an FP8 KV cache launched with PDL where its chain has it (its early first tile converted
+# as the loop converts, decode_pdl.py). Before, such an attention launched plainly: W1 with FP8 weights and the FP8
+# cache 2.48 ms against 2.36 for the same weights over a bf16 cache (sessions 23 / 18, two machines). The A/B:
+# ops/bench.py "+set=fused_decode.FP8_CACHE_ATTENTION_PDL=False".
+FP8_CACHE_ATTENTION_PDL = True
 # FP8 layers (the ones that run RMSNorm kernels between their GEMVs): every norm but the first layer's input norm and
 # the model's final norm done by the GEMVs around it instead (NormCarry), so the norm kernels and their boundaries
 # leave the chain. Read when the model plans its decode (link_norm_carry). H200, W1 FP8 8B (session 18, ops/bench.py
@@ -416,10 +421,10 @@ def fused_decode_layer(
                             pdl=_qkv_pdl(fd, o_pdl), zero_sums=first_zero)
     num_heads, head_dim = fd.attention.num_heads, fd.attention.head_dim
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    # The decode attention takes PDL on a cache in q's dtype only (attention.py refuses an FP8 one: its early first
-    # tile skips the FP8 conversion); launched plainly it starts once qkv has finished, and o_proj's wait (PDL or
-    # not) finds it complete.
-    attn_pdl = o_pdl and not is_fp8_cache(k_cache)
+    # The decode attention takes PDL on an FP8 cache too (decode_pdl.py converts its early tile as the loop does)
+    # unless FP8_CACHE_ATTENTION_PDL is off; launched plainly it starts once qkv has finished, and o_proj's wait
+    # (PDL or not) finds it complete.
+    attn_pdl = o_pdl and (FP8_CACHE_ATTENTION_PDL or not is_fp8_cache(k_cache))
     out = fd.attention(q, k_cache, v_cache, meta, pdl=attn_pdl).reshape(num_tokens, num_heads * head_dim)
     o_carry: dict[str, Any] = {}
     if carry is not None:  # the post-attention norm's first half; the slots qkv read put back to zero
