@@ -146,9 +146,9 @@ QKV_TRIGGER_FIRST = False
 # machine, interleaved): 4.041 / 4.045 against 4.111 / 4.103 ms.
 QKV_PDL = True
 # The decode attention on an FP8 KV cache launched with PDL where its chain has it (its early first tile converted
-# as the loop converts, decode_pdl.py). Before, such an attention launched plainly: W1 with FP8 weights and the FP8
-# cache 2.48 ms against 2.36 for the same weights over a bf16 cache (sessions 23 / 18, two machines). The A/B:
-# ops/bench.py "+set=fused_decode.FP8_CACHE_ATTENTION_PDL=False".
+# as the loop converts, decode_pdl.py). H200, W1 FP8 weights + FP8 KV 8B (session 23, one machine, interleaved):
+# 2.410 / 2.409 ms against 2.494 / 2.463 launched plainly (the bf16 cache: 2.35). The A/B: ops/bench.py
+# "+set=fused_decode.FP8_CACHE_ATTENTION_PDL=False".
 FP8_CACHE_ATTENTION_PDL = True
 # FP8 layers (the ones that run RMSNorm kernels between their GEMVs): every norm but the first layer's input norm and
 # the model's final norm done by the GEMVs around it instead (NormCarry), so the norm kernels and their boundaries
