@@ -165,16 +165,7 @@ def test_gemv_rotary_cache(
               "slot_mapping": slots, **kwargs}
     bias = common.pop("bias", None)
     ref_k, ref_v, k_cache_init, v_cache_init = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
-    if variant == "llama_folded":  # the norm weight folded into W at load time, as the decode path runs it
-        folded = fold_norm_weight(weight, common["norm_weight"])
-        out, s = gemv_rotary_cache_triton(x, folded, bias, k_cache=k_cache, v_cache=v_cache,
-                                          **{**common, "norm_weight": None, "norm_folded": True})
-    elif variant == "qwen2_bias_carried":  # the norm carried by the producer before it: x * g and sum(x^2) slots
-        xg, sums = carried_norm(x, common["norm_weight"])
-        out, s = gemv_rotary_cache_triton(xg, weight, bias, k_cache=k_cache, v_cache=v_cache,
-                                          **{**common, "norm_weight": None, "norm_sums": sums})
-    else:
-        out, s = gemv_rotary_cache_triton(x, weight, bias, k_cache=k_cache, v_cache=v_cache, **common)
+    out, s = _rotary_cache_variant(variant, x, weight, bias, k_cache, v_cache, common)
     ref, ref_s = gemv_rotary_cache_ref(x, weight, bias, k_cache=ref_k, v_cache=ref_v, **common)
     # The float64 truth of the same chain: the kernel may round a few ulps differently from the reference
     # (projection, per-head norm, rotation each round), so it must be as close to the truth as the reference.
@@ -239,6 +230,22 @@ def assert_only_slots_written(cache: torch.Tensor, before: torch.Tensor, slots: 
 
 FP8_CACHE_VARIANTS = ["llama", "qwen2_bias", "qwen3_qk_norm", "fp8_weights"]
 
+
+
+def _rotary_cache_variant(variant: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, common: dict[str, Any]):
+    """gemv_rotary_cache_triton as the decode path runs each variant: "llama_folded" with the norm weight folded
+    into W at load time; "qwen2_bias_carried" with the norm carried by the producer before it (x * g and sum(x^2)
+    slots); the others with the norm in the prologue (common's norm_weight). -> (out, the residual stream)."""
+    if variant == "llama_folded":
+        folded = fold_norm_weight(weight, common["norm_weight"])
+        return gemv_rotary_cache_triton(x, folded, bias, k_cache=k_cache, v_cache=v_cache,
+                                        **{**common, "norm_weight": None, "norm_folded": True})
+    if variant == "qwen2_bias_carried":
+        xg, sums = carried_norm(x, common["norm_weight"])
+        return gemv_rotary_cache_triton(xg, weight, bias, k_cache=k_cache, v_cache=v_cache,
+                                        **{**common, "norm_weight": None, "norm_sums": sums})
+    return gemv_rotary_cache_triton(x, weight, bias, k_cache=k_cache, v_cache=v_cache, **common)
 
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("hq,hkv,head_dim,block_size", ROPE_SHAPES)
@@ -353,16 +360,7 @@ def test_gemv_rotary_cache_fp8_matches_the_reference_on_the_gpu(
     k_cache, v_cache = fp8_caches(num_blocks, block_size, hkv, head_dim, device)
     k_before, v_before = k_cache.clone(), v_cache.clone()
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    if variant == "llama_folded":
-        folded = fold_norm_weight(weight, kwargs["norm_weight"])
-        out, _ = gemv_rotary_cache_triton(x, folded, bias, k_cache=k_cache, v_cache=v_cache,
-                                          **{**common, "norm_weight": None, "norm_folded": True})
-    elif variant == "qwen2_bias_carried":
-        xg, sums = carried_norm(x, kwargs["norm_weight"])
-        out, _ = gemv_rotary_cache_triton(xg, weight, bias, k_cache=k_cache, v_cache=v_cache,
-                                          **{**common, "norm_weight": None, "norm_sums": sums})
-    else:
-        out, _ = gemv_rotary_cache_triton(x, weight, bias, k_cache=k_cache, v_cache=v_cache, **common)
+    out, _ = _rotary_cache_variant(variant, x, weight, bias, k_cache, v_cache, common)
     ref, _ = gemv_rotary_cache_ref(x, weight, bias, k_cache=ref_k, v_cache=ref_v, **common)
     # the float64 truth of the same chain, on a float64 cache and the dequantized weights
     wide = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "cos_sin" else v
