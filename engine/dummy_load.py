@@ -103,10 +103,14 @@ def load_dummy_weights(model: torch.nn.Module, mc: ModelConfig, dtype: torch.dty
             _, module, param, shard = dest
             full = dummy_tensor(name, shape, fill, dtype, device, seed)
             index = module.checkpoint_slice(param, shard)
-            weights.load(name, full if index is None else full[index], "the dummy checkpoint")
-            made += full.numel() * full.element_size()
-            del full
-    weights.check_all_loaded("(load_format dummy)")
+            part = full if index is None else full[index]
+            weights.load(name, part, "the dummy checkpoint")
+            made += part.numel() * part.element_size()  # what this rank keeps of it
+            del full, part
+    weights.check_all_loaded("the dummy checkpoint (load_format dummy)")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        # The full tensors a rank cut its slices from (up to the embedding's 2.1 GB at 70B) back to the device, so
+        # the KV cache, sized from the free memory next, gets it.
+        torch.cuda.empty_cache()
     return {"load_format": "dummy", "load_s": time.perf_counter() - t0, "dummy_bytes": made}

@@ -67,7 +67,7 @@ def narrow_to_rows(e: TensorEntry, index: tuple[slice, ...] | None) -> TensorEnt
     rows are a contiguous byte range, so a row slice (a column-parallel rank's q / k / v or gate / up rows) reads
     only those bytes; the index's other dimensions (a row-parallel rank's columns) are cut on the device from the
     rows read, since columns are strided in the file."""
-    if index is None or not e.shape:
+    if index is None or not e.shape or e.shape[0] == 0:
         return e
     start, stop, step = index[0].indices(e.shape[0])
     rest: tuple[slice, ...] | None
@@ -236,6 +236,9 @@ def load_weights_fast(
                 os.close(fd)
         if cuda:
             torch.cuda.synchronize(device)
+            # The group buffers (up to group_bytes each, cached by the copy stream's pool) back to the device: the
+            # KV cache is sized from the free memory next.
+            torch.cuda.empty_cache()
     if bar is not None:
         bar.close()
     weights.check_all_loaded(path)

@@ -55,11 +55,13 @@ class ModelRunner:
         kernels.set_triton(config.use_triton)
         if self.device.type == "cuda" and config.blocking_sync:
             self.startup["blocking_sync"] = _blocking_sync(self.device)
+        if config.load_format == "dummy":  # refused before the model takes its memory (an FP8 checkpoint's config)
+            from stoker.engine.dummy_load import check_dummy_allowed, load_dummy_weights
+
+            check_dummy_allowed(model_config)
         with torch.device(self.device):
             self.model = model_class(model_config.architecture)(model_config, self.dtype, max_model_len)
         if config.load_format == "dummy":  # random weights through the same load rules (engine/dummy_load.py)
-            from stoker.engine.dummy_load import load_dummy_weights
-
             self.startup |= load_dummy_weights(self.model, model_config, self.dtype, self.device)
         elif self.device.type == "cuda":  # a tensor-parallel rank's fast load reads its rows (fast_load.py)
             from stoker.engine.fast_load import load_weights_fast

@@ -94,18 +94,17 @@ def test_dummy_folder_holds_no_weights_and_the_engine_runs_on_it(tmp_path) -> No
     assert len(tokens) == 4 and eng.runner.startup["load_format"] == "dummy"
 
 
-def test_the_70b_shape_is_llama_3_70b() -> None:
-    """The dummy layout of --shape 70b holds Llama-3-70B's 70.55 B parameters (80 layers, hidden 8192, 64 / 8
-    heads, intermediate 28,672, untied 128,256-token embedding and LM head)."""
+def test_the_70b_shape_is_llama_3_70b(tmp_path) -> None:
+    """The folder --shape 70b --load-format dummy writes, read by the engine's own config parser: its dummy layout
+    holds Llama-3-70B's 70.55 B parameters (80 layers, hidden 8192, 64 / 8 heads, intermediate 28,672, untied
+    128,256-token embedding and LM head)."""
     from stoker.engine.dummy_load import checkpoint_layout
     from stoker.engine.model_config import ModelConfig
 
-    shape = bench.SHAPES["70b"]
-    mc = ModelConfig(architecture="LlamaForCausalLM", vocab_size=shape["vocab_size"],
-                     hidden_size=shape["hidden_size"], intermediate_size=shape["intermediate_size"],
-                     num_layers=shape["num_hidden_layers"], num_heads=shape["num_attention_heads"],
-                     num_kv_heads=shape["num_key_value_heads"], head_dim=shape["head_dim"], rms_norm_eps=1e-5,
-                     rope_theta=5e5, rope_scaling=None, max_position_embeddings=8192, tie_word_embeddings=False,
-                     attention_bias=False, qk_norm=False, eos_token_ids=[1], bos_token_id=0, sliding_window=None)
+    path = str(tmp_path / "70b")
+    bench.write_model(path, bench.SHAPES["70b"], device="cpu", weights=False)
+    mc = ModelConfig.from_folder(path)
+    assert (mc.num_layers, mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.intermediate_size) == (
+        80, 8192, 64, 8, 28672)
     params = sum(math.prod(s) for _, s, _ in checkpoint_layout(mc))
     assert params == 70_553_706_496

@@ -27,7 +27,7 @@ from stoker.engine.dummy_load import checkpoint_layout, dummy_tensor
 from stoker.engine.engine import LLMEngine
 from stoker.engine.model_config import ModelConfig
 
-ARCHS = ["llama", "qwen2", "qwen3"]
+ARCHS = ["llama", "llama_tied", "qwen2", "qwen3"]  # a tied embedding: no lm_head tensor
 PROMPTS = prompts(7, [5, 11, 26])
 MAX_NEW = 6
 
@@ -120,15 +120,22 @@ def test_dummy_tensors_are_deterministic_by_name_and_differ_between_names():
     assert torch.equal(dummy_tensor("model.norm.weight", (4,), 1.0, torch.float32, "cpu"), torch.ones(4))
 
 
-@pytest.mark.parametrize("shape", [None, {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 1,
-                                          "intermediate_size": 96}], ids=["llama", "llama-kv1"])
-def test_dummy_at_tp2_is_the_tp1_dummy_model_cut(tmp_path, shape):
+@pytest.mark.parametrize(("arch", "shape"), [
+    ("llama", None),
+    ("qwen2", None),  # q/k/v biases: cut with their rows
+    ("llama", {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 1, "intermediate_size": 96}),
+], ids=["llama", "qwen2", "llama-kv1"])
+def test_dummy_at_tp2_is_the_tp1_dummy_model_cut(tmp_path, arch: str, shape):
     bare = str(tmp_path / "bare")
-    build_hf_model("llama", str(tmp_path / "hf"), shape=shape)
+    build_hf_model(arch, str(tmp_path / "hf"), shape=shape)
     _config_only(str(tmp_path / "hf"), bare)
     want = _run(_engine(bare, load_format="dummy"), "tp1")
     engine = _engine(bare, load_format="dummy", tensor_parallel_size=2)
     try:
+        # Rank 0 keeps its share of the split tensors only (the report counts what a rank keeps).
+        assert engine.runner.startup["dummy_bytes"] < sum(p.numel() * p.element_size()
+                                                          for p in _engine(bare, load_format="dummy").runner.model
+                                                          .parameters())
         got = _run(engine, "tp2")
     finally:
         engine.close()

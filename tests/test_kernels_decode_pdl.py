@@ -87,6 +87,37 @@ def test_pdl_decode_attention_on_an_fp8_cache_matches_its_plain_launch(device: s
     close(pdl, paged_decode_attention_ref(q, k8, v8, block_tables, context_lens, 0.1, k_scale, v_scale), dtype)
 
 
+def test_a_pdl_launch_where_the_gluon_kernel_would_run_takes_the_split_kernels_own_config(monkeypatch) -> None:
+    """One split on an FP8 cache would run decode_fp8_mma.py's Gluon kernel (tile 16, one warp); it reads no early
+    tile, so a PDL launch runs the split kernel, at DEFAULT_DECODE's launch (not the Gluon kernel's tile and warps).
+    The Gluon kernel is made available here and the split kernel's launch recorded instead of run."""
+    from stoker.engine.kernels import attention, decode_fp8_mma
+    from stoker.engine.kernels.kv_fp8_tiles import DEFAULT_DECODE
+    from test_kernels_fp8_kv import fp8_batch
+
+    launches: list[dict] = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs)
+
+    monkeypatch.setattr(decode_fp8_mma, "supported", lambda q, k_cache: True)
+    monkeypatch.setattr(decode_fp8_mma, "decode_fp8_mma", lambda *a, **k: launches.append({"gluon": True}))
+    monkeypatch.setattr(attention, "_decode_split_kernel", Recorder())
+    k8, v8, block_tables, k_scale, v_scale = fp8_batch([9, 4], 2, 32, 8, "cpu")
+    q = torch.randn(2, 4, 32)
+    args = (q, k8, v8, block_tables, torch.tensor([9, 4], dtype=torch.int32), 0.1, 1)
+    paged_decode_attention_triton(*args, k_scale=k_scale, v_scale=v_scale)
+    assert launches == [{"gluon": True}]  # without PDL: the Gluon kernel
+    launches.clear()
+    paged_decode_attention_triton(*args, k_scale=k_scale, v_scale=v_scale, pdl=True)
+    config, mma = attention._fp8_config_that_runs(q, k8, DEFAULT_DECODE)
+    want_args, want_launch = attention._fp8_launch(True, config, q, decode=True)
+    assert not mma and want_launch != {"num_warps": 1, "num_stages": 1}  # not the Gluon config's one warp
+    assert len(launches) == 1 and launches[0]["USE_PDL"] is True
+    assert {k: launches[0][k] for k in (*want_args, *want_launch)} == {**want_args, **want_launch}
+
+
 # ------------------------------------------------------------------------------------------- GPU only
 @GPU
 @NO_CUDA

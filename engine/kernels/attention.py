@@ -626,7 +626,8 @@ def paged_decode_attention_triton(
         num_splits = decode_splits(batch, max_context, q, k_cache, fp8_config)
     fp8 = is_fp8_cache(k_cache)
     fp8_config, mma = _decode_fp8_config(q, k_cache, fp8_config, num_splits) if fp8 else (None, False)
-    mma = mma and not pdl  # the Gluon kernel reads no early tile: a PDL launch takes the split kernel
+    if pdl and mma:  # the Gluon kernel reads no early tile: a PDL launch runs the split kernel at its own config
+        fp8_config, mma = _fp8_config_that_runs(q, k_cache, DEFAULT_DECODE)
     tile_n = _decode_tile_n(q, k_cache, fp8_config)
     fp8_args, launch = _fp8_launch(fp8, fp8_config or DEFAULT_DECODE, q, decode=True)
     if pdl:
