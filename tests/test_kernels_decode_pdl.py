@@ -87,6 +87,7 @@ def test_pdl_decode_attention_on_an_fp8_cache_matches_its_plain_launch(device: s
     close(pdl, paged_decode_attention_ref(q, k8, v8, block_tables, context_lens, 0.1, k_scale, v_scale), dtype)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="CPU tensors: runs under the interpreter (the driver at the bottom)")
 def test_a_pdl_launch_where_the_gluon_kernel_would_run_takes_the_split_kernels_own_config(monkeypatch) -> None:
     """One split on an FP8 cache would run decode_fp8_mma.py's Gluon kernel (tile 16, one warp); it reads no early
     tile, so a PDL launch runs the split kernel, at DEFAULT_DECODE's launch (not the Gluon kernel's tile and warps).
