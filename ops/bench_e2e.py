@@ -77,6 +77,7 @@ WORKER_ENV: dict[str, tuple[str, Callable[[Any], str]]] = {
     "decode_pdl": ("STOKER_DECODE_PDL", lambda v: "1"),  # True; False is STOKER_NO_DECODE_PDL (worker_env), None neither
     "quantization": ("STOKER_QUANTIZATION", str),
     "kv_cache_dtype": ("STOKER_KV_CACHE_DTYPE", str),
+    "load_format": ("STOKER_LOAD_FORMAT", str),
     "prefill_graph_tokens": ("STOKER_PREFILL_GRAPH_TOKENS", str),
     "piecewise_graph_tokens": ("STOKER_PIECEWISE_GRAPH_TOKENS", str),
 }

@@ -118,3 +118,26 @@ def test_a_rank_loads_on_cuda_as_the_plain_loader(tmp_path):
         plain, fast, report = _rank_models(path, rank, 2, "cuda")
         _assert_same(plain, fast)
         assert report["bytes"] == _expected_bytes(path, 2, kv_replicated=False)
+
+
+def test_a_tensor_at_a_misaligned_offset_in_its_group_is_realigned_before_the_view():
+    """Entries are packed back to back in a group's byte buffer, so a float32 tensor after a bfloat16 one of odd
+    length starts 2 bytes off a 4-byte boundary; _place copies it to an aligned buffer first (a view there would
+    be refused or read garbage), and a row-parallel cut (rest) still applies to it."""
+    from stoker.engine import fast_load
+
+    values = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    raw = torch.zeros(2 + values.numel() * 4, dtype=torch.uint8)
+    raw[2:] = values.view(-1).view(torch.uint8)
+    got: dict[str, torch.Tensor] = {}
+
+    class Weights:
+        def load(self, name: str, tensor: torch.Tensor, file: str) -> None:
+            got[name] = tensor.clone()
+
+    entry = TensorEntry("w", torch.float32, (3, 4), begin=0, end=48)
+    fast_load._place(Weights(), "f", entry, raw[2:])  # type: ignore[arg-type]
+    assert raw[2:].data_ptr() % 4 != 0 and torch.equal(got["w"], values)
+    cut = TensorEntry("w", torch.float32, (3, 4), begin=0, end=48, rest=(slice(None), slice(1, 3)))
+    fast_load._place(Weights(), "f", cut, raw[2:])  # type: ignore[arg-type]
+    assert torch.equal(got["w"], values[:, 1:3])
