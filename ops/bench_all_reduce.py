@@ -1,7 +1,7 @@
 """The tensor-parallel all-reduce at decode's message sizes (issue 17 item 3): NCCL's (the engine's compute group,
 captured in a CUDA graph as the decode graphs capture it, and eager) against the one-shot all-reduce over
 symmetric memory (engine/parallel/symm_mem.py), per message size; the faster at each size is what the engine
-should use there. One process per GPU (spawned here), bf16, the sum checked against NCCL's at every size.
+should use there. One process per GPU (ops/rank_processes.py), bf16, the sum checked against NCCL's at every size.
 
     PYTHONPATH=. python3 ops/bench_all_reduce.py [--ranks 2] [--sizes 4096,8192,32768,...] [--iters 200]
     PYTHONPATH=. python3 ops/bench_all_reduce.py --device cpu --ranks 2      # the harness alone: gloo, no one-shot
@@ -13,16 +13,12 @@ engine's ranks run). Not yet run on GPUs: written before a machine with several 
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import os
-import queue
 import sys
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from stoker.ops.rank_processes import run_ranks
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # Elements (bf16) of decode's all-reduces: a token's hidden state at 8B (4,096) and 70B (8,192), 8 and 64 tokens
@@ -69,85 +65,46 @@ def _timed_cpu(fn: Any, iters: int) -> float:
     return (time.perf_counter() - t0) * 1e6 / iters
 
 
-def _rank(rank: int, size: int, port: int, device: str, sizes: list[int], iters: int, out: Any) -> None:
-    os.environ.update(NO_MULTICAST)
-    try:
-        from stoker.engine.parallel.comm import RankComm, rank_device
+def _measure(rank: int, size: int, comm: Any, sizes: list[int], iters: int) -> list[dict[str, float]]:
+    """One rank's rows (ops/rank_processes.py runs it in every rank, the rows compared across ranks by none)."""
+    dev = comm.device
+    one_shot = None
+    if dev.type == "cuda":
+        from stoker.engine.parallel.symm_mem import OneShotAllReduce
 
-        dev = rank_device(device, rank)
+        one_shot = OneShotAllReduce(comm.store, rank, size, dev, max(sizes), torch.bfloat16, name="bench-ar")
+    rows = []
+    for n in sizes:
+        gen = torch.Generator(device=dev).manual_seed(rank * 1000 + n)
+        x = torch.randn(
+            n, generator=gen, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32
+        )
+        want = comm.all_reduce(x.clone())
+        buf = (
+            x.clone()
+        )  # summed in place again and again while timed (it overflows to inf: speed is the same)
+        comm.gather_ints(0)  # every rank at the same point before each size's timings
         if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        store = dist.TCPStore("127.0.0.1", port, size + 1, is_master=False, timeout=timedelta(seconds=120))
-        comm = RankComm(rank, size, store, dev)
-        one_shot = None
-        if dev.type == "cuda":
-            from stoker.engine.parallel.symm_mem import OneShotAllReduce
-
-            one_shot = OneShotAllReduce(store, rank, size, dev, max(sizes), torch.bfloat16, name="bench-ar")
-        rows = []
-        for n in sizes:
-            gen = torch.Generator(device=dev).manual_seed(rank * 1000 + n)
-            x = torch.randn(
-                n, generator=gen, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32
-            )
-            want = comm.all_reduce(x.clone())
-            buf = (
-                x.clone()
-            )  # summed in place again and again while timed (it overflows to inf: speed is the same)
-            comm.gather_ints(0)  # every rank at the same point before each size's timings
-            if dev.type == "cuda":
-                assert one_shot is not None
-                err = (
-                    (one_shot(x.clone()).float() - want.float()).abs().max() / want.float().abs().max()
-                ).item()
-                row = {
-                    "elements": n,
-                    "nccl_graph_us": _timed_cuda(lambda b=buf: comm.all_reduce(b), iters, True),
-                    "nccl_eager_us": _timed_cuda(lambda b=buf: comm.all_reduce(b), iters, False),
-                    "one_shot_graph_us": _timed_cuda(lambda b=buf: one_shot(b), iters, True),
-                    "one_shot_rel_err": err,
-                }
-            else:
-                row = {"elements": n, "gloo_us": _timed_cpu(lambda b=buf: comm.all_reduce(b), iters)}
-            rows.append(row)
-        out.put((rank, True, rows))
-    except BaseException as e:  # noqa: BLE001 (reported to the parent, which fails with it)
-        out.put((rank, False, f"{type(e).__name__}: {e}"))
+            assert one_shot is not None
+            err = ((one_shot(x.clone()).float() - want.float()).abs().max() / want.float().abs().max()).item()
+            row = {
+                "elements": n,
+                "nccl_graph_us": _timed_cuda(lambda b=buf: comm.all_reduce(b), iters, True),
+                "nccl_eager_us": _timed_cuda(lambda b=buf: comm.all_reduce(b), iters, False),
+                "one_shot_graph_us": _timed_cuda(lambda b=buf: one_shot(b), iters, True),
+                "one_shot_rel_err": err,
+            }
+        else:
+            row = {"elements": n, "gloo_us": _timed_cpu(lambda b=buf: comm.all_reduce(b), iters)}
+        rows.append(row)
+    return rows
 
 
 def run(
     size: int, device: str, sizes: list[int], iters: int, timeout_s: float = 600.0
 ) -> list[dict[str, float]]:
-    """Rank 0's rows (every rank's are checked to exist)."""
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore(
-        "127.0.0.1", 0, size + 1, is_master=True, timeout=timedelta(seconds=120), wait_for_workers=False
-    )
-    out = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank, args=(r, size, store.port, device, sizes, iters, out), daemon=True)
-        for r in range(size)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    try:
-        while len(results) < size:
-            try:
-                rank, ok, value = out.get(timeout=timeout_s)
-            except queue.Empty:
-                raise RuntimeError(
-                    f"ranks {sorted(set(range(size)) - set(results))} gave no result"
-                ) from None
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed: {value}")
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return results[0]
+    """Rank 0's rows (every rank must give its own)."""
+    return run_ranks(_measure, size, sizes, iters, timeout_s=timeout_s, device=device, env=NO_MULTICAST)[0]
 
 
 def table(rows: list[dict[str, float]], size: int, device: str) -> str:

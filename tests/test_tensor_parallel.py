@@ -28,7 +28,7 @@ from stoker.engine.layers import (
 )
 from stoker.engine.parallel.launcher import RANK_ENV, TensorParallelError, check_agreement
 from stoker.engine.parallel.plan import ShardPlan, rank_model_config
-from tp_harness import run_ranks
+from stoker.ops.rank_processes import run_ranks
 
 HEAD_DIM, HIDDEN, INTERMEDIATE, TOKENS = 8, 40, 36, 5
 

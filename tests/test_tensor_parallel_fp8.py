@@ -28,8 +28,8 @@ from stoker.engine.layers import (
 )
 from stoker.engine.parallel.plan import ShardPlan
 from stoker.engine.quant_config import LOAD_TIME_FP8, Fp8Scheme
+from stoker.ops.rank_processes import run_ranks
 from test_tensor_parallel import _relative, _silu_mul
-from tp_harness import run_ranks
 
 # Every split on a 128 multiple at 2 ranks, so the block scheme runs too: q rows 2 x 128 a rank, KV rows 128
 # (one of 2 KV heads, or the one KV head replicated), intermediate 256; the hidden size two column blocks.

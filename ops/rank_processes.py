@@ -1,10 +1,13 @@
-"""Runs a function in every rank of a real gloo group of N processes (spawned), for the tensor-parallel
-tests: the function gets (rank, size, comm: engine.parallel.comm.RankComm, *args) and each rank's return value
-comes back in a list; an exception in any rank fails the caller with that rank's traceback."""
+"""Runs a function in every rank of a real process group of N spawned processes (gloo on the CPU; NCCL with
+device="cuda", rank r on GPU r): fn(rank, size, comm, *args), comm an engine.parallel.comm.RankComm (with its
+store as comm.store, for what builds more on it: symmetric memory), each rank's return value back in a list; an
+exception in any rank fails the caller with that rank's traceback. The tensor-parallel tests use it
+(tests/test_tensor_parallel*.py) and so does ops/bench_all_reduce.py."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import traceback
 from collections.abc import Callable
@@ -15,29 +18,38 @@ import torch
 import torch.distributed as dist
 
 
+class RankError(RuntimeError):
+    """A rank failed or gave no result."""
+
+
 def _rank(fn: Callable[..., Any], rank: int, size: int, port: int, device: str, args: tuple[Any, ...],
-          out: Any) -> None:
+          env: dict[str, str], out: Any) -> None:
+    os.environ.update(env)
     from stoker.engine.parallel.comm import RankComm, rank_device
 
     try:
         torch.set_num_threads(1)
+        dev = rank_device(device, rank)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
         store = dist.TCPStore("127.0.0.1", port, size + 1, is_master=False, timeout=timedelta(seconds=60))
-        comm = RankComm(rank, size, store, rank_device(device, rank))
+        comm = RankComm(rank, size, store, dev)
         comm.store = store  # type: ignore[attr-defined]  # for functions that build more on the same store
         out.put((rank, True, fn(rank, size, comm, *args)))
     except BaseException:
         out.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout_s: float = 120.0, device: str = "cpu") -> list[Any]:
-    """fn(rank, size, comm, *args) in `size` spawned processes joined in one group (gloo on the CPU; NCCL with
-    device="cuda", rank r on GPU r) -> results by rank."""
+def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout_s: float = 120.0, device: str = "cpu",
+              env: dict[str, str] | None = None) -> list[Any]:
+    """fn(rank, size, comm, *args) in `size` spawned processes joined in one group -> results by rank. env: set in
+    every rank before anything is imported there (e.g. NCCL's switches)."""
     ctx = mp.get_context("spawn")
     # The store's master lives here (one more client than ranks: this process).
     store = dist.TCPStore("127.0.0.1", 0, size + 1, is_master=True, timeout=timedelta(seconds=60),
                           wait_for_workers=False)
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(fn, r, size, store.port, device, args, out), daemon=True)
+    procs = [ctx.Process(target=_rank, args=(fn, r, size, store.port, device, args, env or {}, out), daemon=True)
              for r in range(size)]
     for p in procs:
         p.start()
@@ -47,9 +59,9 @@ def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout_s: float = 
             try:
                 rank, ok, value = out.get(timeout=timeout_s)
             except queue.Empty:
-                raise AssertionError(f"ranks {sorted(set(range(size)) - set(results))} gave no result") from None
+                raise RankError(f"ranks {sorted(set(range(size)) - set(results))} gave no result") from None
             if not ok:
-                raise AssertionError(f"rank {rank} failed:\n{value}")
+                raise RankError(f"rank {rank} failed:\n{value}")
             results[rank] = value
     finally:
         for p in procs:
