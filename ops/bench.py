@@ -112,9 +112,9 @@ def measure_floors(fp8: bool = False) -> dict[str, float]:
 
 # ---- the model folder ------------------------------------------------------------------------------------
 def write_model(path: str, shape: dict[str, Any], device: str = "cuda", weights: bool = True) -> float:
-    """Random bf16 weights (std 0.02, norms 1) as 4 safetensors shards + index, config and a tokenizer.
-    `device` draws them (cpu: for dry runs of the tiny shape without a GPU). weights=False: the config and the
-    tokenizer alone, for --load-format dummy (the engine makes weights of the same spread on the GPU)."""
+    """Random bf16 weights (std 0.02, norms 1: engine/dummy_load.py's) as 4 safetensors shards + index, config and
+    a tokenizer. `device` draws them (cpu: for dry runs of the tiny shape without a GPU). weights=False: the config
+    and the tokenizer alone, for --load-format dummy (the engine then makes the same weights on the GPU)."""
     from safetensors.torch import save_file
     from stoker.engine.make_model import write_tokenizer
 
@@ -124,10 +124,6 @@ def write_model(path: str, shape: dict[str, Any], device: str = "cuda", weights:
     t0 = time.perf_counter()
     os.makedirs(path, exist_ok=True)
     write_tokenizer(path, 384)  # prompts are token ids; the detokenizer maps unknown ids to nothing
-    h, layers, inter, vocab = (
-        shape[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")
-    )
-    hq, hkv, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
     config = dict(
         architectures=["LlamaForCausalLM"],
         model_type="llama",
@@ -145,30 +141,16 @@ def write_model(path: str, shape: dict[str, Any], device: str = "cuda", weights:
         json.dump(config, f, indent=2)
     if not weights:
         return time.perf_counter() - t0
-    gen = torch.Generator(device=device).manual_seed(0)
+    from stoker.engine.dummy_load import checkpoint_layout, dummy_tensor
+    from stoker.engine.model_config import ModelConfig
 
-    def rand(*s: int) -> torch.Tensor:
-        return (
-            (torch.randn(*s, device=device, generator=gen, dtype=torch.float32) * 0.02)
-            .to(torch.bfloat16)
-            .cpu()
-        )
-
+    # The checkpoint the engine's --load-format dummy makes on `device` (the same names, shapes and values), written
+    # out in 4 shards by layer: the embedding first, the final norm and the LM head last.
     shards: list[dict[str, torch.Tensor]] = [{} for _ in range(4)]
-    shards[0]["model.embed_tokens.weight"] = rand(vocab, h)
-    for i in range(layers):
-        p, s = f"model.layers.{i}.", shards[i * 4 // layers]
-        s[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-        s[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-        s[p + "self_attn.q_proj.weight"] = rand(hq * d, h)
-        s[p + "self_attn.k_proj.weight"] = rand(hkv * d, h)
-        s[p + "self_attn.v_proj.weight"] = rand(hkv * d, h)
-        s[p + "self_attn.o_proj.weight"] = rand(h, hq * d)
-        s[p + "mlp.gate_proj.weight"] = rand(inter, h)
-        s[p + "mlp.up_proj.weight"] = rand(inter, h)
-        s[p + "mlp.down_proj.weight"] = rand(h, inter)
-    shards[3]["model.norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-    shards[3]["lm_head.weight"] = rand(vocab, h)
+    for name, dims, fill in checkpoint_layout(ModelConfig.from_folder(path)):
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        shard = int(layer.group(1)) * 4 // shape["num_hidden_layers"] if layer else 0 if "embed_tokens" in name else 3
+        shards[shard][name] = dummy_tensor(name, dims, fill, torch.bfloat16, device).cpu()
     names = [f"model-{i + 1:05d}-of-00004.safetensors" for i in range(4)]
     threads = [
         threading.Thread(target=save_file, args=(s, os.path.join(path, n), {"format": "pt"}))

@@ -6,6 +6,7 @@ import math
 import os
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 from stoker.engine.kernels import attention, decode_fp8_mma  # noqa: E402
@@ -108,3 +109,30 @@ def test_the_70b_shape_is_llama_3_70b(tmp_path) -> None:
         80, 8192, 64, 8, 28672)
     params = sum(math.prod(s) for _, s, _ in checkpoint_layout(mc))
     assert params == 70_553_706_496
+
+
+def test_the_written_bench_model_is_the_dummy_checkpoint(tmp_path) -> None:
+    """write_model's shards hold exactly the tensors engine/dummy_load.py makes for the same config (names, shapes,
+    bf16 values, on the same device), the embedding in the first shard and the LM head in the last, and the engine
+    loads the folder."""
+    from safetensors import safe_open
+    from stoker.engine import LLMEngine
+    from stoker.engine.dummy_load import checkpoint_layout, dummy_tensor
+    from stoker.engine.model_config import ModelConfig
+
+    path = str(tmp_path / "tiny")
+    bench.write_model(path, bench.SHAPES["tiny"], device="cpu")
+    shards = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    assert len(shards) == 4
+    tensors: dict[str, tuple[str, torch.Tensor]] = {}
+    for shard in shards:
+        with safe_open(os.path.join(path, shard), framework="pt") as f:
+            tensors.update({k: (shard, f.get_tensor(k)) for k in f.keys()})  # noqa: SIM118
+    layout = checkpoint_layout(ModelConfig.from_folder(path))
+    assert sorted(tensors) == sorted(name for name, _, _ in layout)
+    for name, shape, fill in layout:
+        assert torch.equal(tensors[name][1], dummy_tensor(name, shape, fill, torch.bfloat16, "cpu")), name
+    assert tensors["model.embed_tokens.weight"][0] == shards[0] and tensors["lm_head.weight"][0] == shards[-1]
+    config = bench.engine_config(path, 4, device="cpu")
+    config.num_kv_blocks = 64
+    LLMEngine(config).close()
