@@ -49,6 +49,11 @@ class EngineConfig:
     # Ranks (processes, one GPU each) the model is split over; > 1 spawns ranks 1.. beside this process
     # (engine/parallel). Whether the model's heads divide is checked when the model's config is read.
     tensor_parallel_size: int = 1
+    # Every rank on the first visible GPU, the forward's all-reduces over gloo (through host memory: NCCL refuses two
+    # ranks on one device): for developing and testing tensor parallelism on a machine with one GPU, never faster
+    # than one rank. Needs cuda_graphs=False (a graph cannot capture a gloo collective) and num_kv_blocks or
+    # kv_cache_memory_bytes (each rank would size its KV cache from the same GPU's free memory).
+    tensor_parallel_shared_gpu: bool = False
     # "fp8": the KV cache in float8_e4m3fn with per-layer k/v scales (the checkpoint's, else 1.0): half the bytes,
     # twice the blocks in the same budget. "auto": the model dtype.
     kv_cache_dtype: str = "auto"
@@ -56,7 +61,7 @@ class EngineConfig:
     # GEMVs with the rotary + KV-cache write, SiLU-mul and residual-add epilogues (engine/models/fused_decode.py);
     # "fused-folded" = the same with the RMSNorm weights folded into qkv / gate_up at load and the norm in their
     # prologue (no RMSNorm launches; BENCHMARKS.md); "cublas" = the unfused kernels (F.linear); "auto" =
-    # "fused-folded" on CUDA with Triton, "cublas" otherwise. FP8 and tensor-parallel linears keep their path.
+    # "fused-folded" on CUDA with Triton, "cublas" otherwise. FP8 tensor-parallel linears keep their path.
     decode_kernels: str = "auto"
     # The fused decode chain (GEMVs, norm kernels and the decode attention) launched with programmatic dependent
     # launch, each kernel's successor let in early (gemv.py's pdl). None: on for layers with FP8 weights, off for the
@@ -174,6 +179,8 @@ class EngineConfig:
                             f"got {self.prefill_graph_tokens}")
         if self.tensor_parallel_size < 1:
             problems.append(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        elif self.tensor_parallel_shared_gpu:
+            problems += self._shared_gpu_problems()
         elif self.tensor_parallel_size > 1 and self.device.startswith("cuda"):
             import torch
 
@@ -182,6 +189,19 @@ class EngineConfig:
                                 f"{torch.cuda.device_count()} visible (CUDA_VISIBLE_DEVICES picks them)")
         if problems:
             raise ValueError("EngineConfig: " + "; ".join(problems))
+
+    def _shared_gpu_problems(self) -> list[str]:
+        if self.device is None or not self.device.startswith("cuda"):
+            return [f"tensor_parallel_shared_gpu puts the ranks on one GPU; the device is {self.device!r} (on the CPU the "
+                    "ranks share the host anyway: leave it off)"]
+        problems = []
+        if self.cuda_graphs:
+            problems.append("tensor_parallel_shared_gpu runs the all-reduces over gloo, which a CUDA graph cannot "
+                            "capture: set cuda_graphs=False")
+        if self.num_kv_blocks is None and self.kv_cache_memory_bytes is None:
+            problems.append("tensor_parallel_shared_gpu: every rank would size its KV cache from the same GPU's free "
+                            "memory: give num_kv_blocks or kv_cache_memory_bytes")
+        return problems
 
     def _decode_kernel_problems(self) -> list[str]:
         if self.decode_kernels not in DECODE_KERNELS:

@@ -59,14 +59,14 @@ def rank_main(config: EngineConfig, rank: int, size: int, port: int, max_model_l
 
 
 def _join(config: EngineConfig, rank: int, size: int, port: int) -> RankComm:
-    device = rank_device(str(config.device), rank)
+    device = rank_device(str(config.device), rank, config.tensor_parallel_shared_gpu)
     if device.type == "cuda":  # config.device "cuda" then means this GPU (the current device)
         torch.cuda.set_device(device)
     else:  # the ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=STARTUP_TIMEOUT)
     store.set(f"joined/{rank}", "1")
-    return RankComm(rank, size, store, device)
+    return RankComm(rank, size, store, device, shared_gpu=config.tensor_parallel_shared_gpu)
 
 
 def _serve(runner: ModelRunner, comm: RankComm) -> None:

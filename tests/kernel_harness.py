@@ -1,6 +1,5 @@
-"""What the kernel test files share: `INTERPRET` (TRITON_INTERPRET=1, the CPU runs) with, under it, the one-line
-fix triton 3.6's interpreter needs with numpy >= 2.4 (it does int(array_of_shape_1) for runtime loop bounds, which
-numpy >= 2.4 rejects: triton-lang/triton#9171, fixed upstream by #9172 after 3.6); the dtype cases each file runs
+"""What the kernel test files share: `INTERPRET` (TRITON_INTERPRET=1, the CPU runs) with, under it, the fix triton
+3.6's interpreter needs with numpy >= 2.4 (engine/kernels/_triton.patch_interpreter_for_numpy); the dtype cases each file runs
 (fp32/fp16 in the interpreter, the GPU dtypes on CUDA), their tolerances, and the driver that re-runs a file
 under the interpreter. Import this after `pytest.importorskip("triton")`."""
 
@@ -12,28 +11,13 @@ from typing import Any
 import interpreter_runs
 import pytest
 import torch
+from stoker.engine.kernels._triton import patch_interpreter_for_numpy
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _patch_numpy_index() -> None:
-    import numpy as np
-    from triton.runtime import interpreter
-
-    if tuple(int(p) for p in np.__version__.split(".")[:2]) < (2, 4) or getattr(interpreter, "_stoker_patched", False):
-        return
-    original = interpreter._patch_lang_tensor
-
-    def patch_lang_tensor(tensor: Any, scope: Any) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patch_lang_tensor
-    interpreter._stoker_patched = True
-
-
-if INTERPRET:
-    _patch_numpy_index()
+if INTERPRET:  # engine/kernels/_triton.py applies it at import too; here for files that import no kernel first
+    patch_interpreter_for_numpy()
 
 
 def exact_fp8_casts(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -196,6 +196,37 @@ def test_fused_decode_greedy_matches_transformers_and_unfused(arch, mode: str, m
 
 
 @interpreted
+@pytest.mark.parametrize("mode", ["fused-folded", "fused-folded+pro0"])
+def test_tensor_parallel_ranks_take_the_fused_path(arch, mode: str) -> None:
+    """TP = 2 (two processes, gloo): each rank's qkv / attention on its heads, o_proj and the MLP on its columns as
+    partial sums (rank 0's with the residual added in the epilogue) that the all-reduce sums into the stream; no
+    carried norms (a rank's epilogue sees a partial sum). Every layer fused on rank 0, and greedy tokens and every
+    step's logprob equal to the TP = 1 fused engine's and transformers'. +pro0: the norm kernels at every step
+    (decode_prologue_norm_max_m 0) instead of the prologue norms at 1-2 tokens."""
+    name, path, hf = arch
+    if name == "qwen2":
+        pytest.skip("llama (both modes) and qwen3 (per-head q / k norms in a rank's qkv epilogue) keep the run short")
+    if name == "qwen3" and mode != "fused-folded":
+        pytest.skip("the norm kernels' form once (llama)")
+    mode, _, flag = mode.partition("+")
+    cap = {"decode_prologue_norm_max_m": 0} if flag == "pro0" else {}
+    want = generate(cpu_engine(path, mode, **cap), PROMPTS, MAX_TOKENS)
+    engine = cpu_engine(path, mode, tensor_parallel_size=2, **cap)
+    try:
+        report = engine.runner.startup["decode_kernels"]
+        assert report["fused_layers"] == 2 and "fallback" not in report and report["norm_carry"] is False, report
+        first = engine.runner.model.model.layers[0].fused_decode
+        assert first.shard is not None and (first.shard.rank, first.shard.size) == (0, 2)
+        got = generate(engine, PROMPTS, MAX_TOKENS)
+    finally:
+        engine.close()
+    for i, (p, n) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
+        tokens, logprobs, _ = got[f"r{i}"]
+        assert tokens == want[f"r{i}"][0] == hf_greedy(hf, p, n), f"prompt {i}"
+        torch.testing.assert_close(logprobs, want[f"r{i}"][1], atol=1e-4, rtol=0)
+
+
+@interpreted
 def test_folding_rewrites_the_weights_in_place(arch) -> None:
     """fused-folded: qkv / gate_up hold W diag(g) in their own storage (no second copy on the device), the norms
     hold ones, no other parameter changes, no byte is added; planning again folds nothing twice."""

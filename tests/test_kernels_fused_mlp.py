@@ -65,6 +65,28 @@ def test_fused_mlp_matches_the_two_gemvs(device: str, dtype: torch.dtype, num_ro
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("num_rows", [1, 3])
+def test_fused_mlp_without_residual_is_the_partial_sum(device: str, dtype: torch.dtype, num_rows: int) -> None:
+    """residual None (a tensor-parallel rank's row-parallel down, summed by the all-reduce): down(act) alone,
+    rounded as the residual form rounds before its add; the accumulator still left zero."""
+    x, gate_up, down, residual, g = _inputs(num_rows, device, dtype)
+    acc = torch.zeros(GEMV_MAX_M * HIDDEN, dtype=torch.float32, device=device)
+    out = fused_mlp_triton(x, fold_norm_weight(gate_up, g), down, None, eps=1e-5, accumulator=acc)
+    assert out.shape == x.shape and out.dtype == dtype and out.is_contiguous()
+    assert not acc.any()
+    act, _ = gemv_ref(x, gate_up, silu_mul=True, norm_weight=g, eps=1e-5)
+    ref = gemv_ref(act, down)[0]
+    wide = [t.double() for t in (x, gate_up, down, g)]
+    act64, _ = gemv_ref(wide[0], wide[1], silu_mul=True, norm_weight=wide[3], eps=1e-5)
+    _close_to_truth(out, ref, gemv_ref(act64, wide[2])[0], dtype)
+    # the same launch with the residual is this partial plus the residual, to the dtype's rounding
+    with_residual = fused_mlp_triton(x, fold_norm_weight(gate_up, g), down, residual, eps=1e-5, accumulator=acc)
+    torch.testing.assert_close(with_residual, (out.float() + residual.float()).to(dtype), atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])
+    assert fused_mlp_ref(x, fold_norm_weight(gate_up, g), down, None, eps=1e-5).shape == x.shape
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
 def test_fused_mlp_norm_is_per_row_and_rows_are_independent(device: str, dtype: torch.dtype) -> None:
     # Rows of very different scale: each normalised by its own rms; and a row's output is the one it gets alone.
     x, gate_up, down, residual, _ = _inputs(3, device, dtype)

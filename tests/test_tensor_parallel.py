@@ -374,6 +374,27 @@ def test_sizes_that_do_not_divide_the_model_are_refused_before_spawning(llama_pa
         EngineConfig(model_path=llama_path, device="cuda", tensor_parallel_size=more)
 
 
+def test_shared_gpu_mode_is_checked_and_puts_every_rank_on_the_first_gpu(llama_path: str):
+    """EngineConfig.tensor_parallel_shared_gpu: CUDA only, CUDA graphs off (gloo collectives), a fixed KV budget
+    (the ranks share one GPU's free memory); every rank on cuda:0 and its forward's collectives over gloo."""
+    from stoker.engine.parallel.comm import rank_device
+
+    def config(**kw: Any) -> EngineConfig:
+        return EngineConfig(model_path=llama_path, tensor_parallel_size=2, tensor_parallel_shared_gpu=True, **kw)
+
+    with pytest.raises(ValueError, match="tensor_parallel_shared_gpu puts the ranks on one GPU; the device is 'cpu'"):
+        config(device="cpu", num_kv_blocks=8)
+    with pytest.raises(ValueError, match=r"cannot capture: set cuda_graphs=False.*give num_kv_blocks or "
+                                         r"kv_cache_memory_bytes"):
+        config(device="cuda")
+    ok = config(device="cuda", cuda_graphs=False, num_kv_blocks=8)  # no "needs that many GPUs" on one GPU
+    assert ok.tensor_parallel_shared_gpu
+    config(device="cuda", cuda_graphs=False, kv_cache_memory_bytes=1 << 20)
+    assert [rank_device("cuda", r, shared_gpu=True) for r in range(3)] == [torch.device("cuda", 0)] * 3
+    assert [rank_device("cuda", r) for r in range(3)] == [torch.device("cuda", r) for r in range(3)]
+    assert rank_device("cpu", 1, shared_gpu=True) == torch.device("cpu")
+
+
 def test_block_fp8_needs_every_split_on_a_128_multiple():
     """shard_problems: a 128 x 128 block checkpoint splits only where every rank's q rows, KV rows and
     intermediate slice are multiples of 128 (they start its shards and its scale tiles); per-channel and
@@ -468,6 +489,86 @@ def test_cuda_tp2_bfloat16_logprobs_within_tolerance_of_tp1(llama_path: str):
     finally:
         engine.close()
     assert got == pytest.approx(want, abs=5e-2)  # bf16 sums in another order (the all-reduce): ~1e-2
+
+
+# ---- CUDA on one GPU: every rank on GPU 0, all-reduces over gloo, eager (tensor_parallel_shared_gpu) -----------
+# What a machine with one GPU can check of TP on CUDA: each rank's sharded Triton kernels (the fused decode path's
+# row-parallel partial sums, the rank's KV heads in the paged cache), the fast loader's rank reads, the step shipping
+# with CUDA tensors. Not NCCL, not graphs (the multi_gpu cases above).
+def _shared_gpu_engine(path: str, tp: int, dtype: str, **kw: Any) -> LLMEngine:
+    return LLMEngine(EngineConfig(model_path=path, device="cuda", dtype=dtype, num_kv_blocks=64, max_num_seqs=8,
+                                  max_num_batched_tokens=24, tensor_parallel_size=tp, cuda_graphs=False,
+                                  tensor_parallel_shared_gpu=tp > 1, **kw))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_cuda_tp2_on_one_gpu_float32_tokens_equal_tp1_and_transformers(tmp_path, arch: str):
+    """float32, the fused decode path at TP=2 (rank 0's report: every layer fused, no carried norms) and the
+    unfused path, both against TP=1 and transformers; synchronous and overlapped steps."""
+    path = str(tmp_path / arch)
+    hf = build_hf_model(arch, path)
+    want = [hf_greedy(hf, ids, MAX_NEW) for ids in PROMPTS]
+    assert _greedy_run(_shared_gpu_engine(path, 1, "float32"), "one", PROMPTS) == want
+    for kernels in ("auto", "cublas"):
+        engine = _shared_gpu_engine(path, 2, "float32", decode_kernels=kernels)
+        try:
+            report = engine.runner.startup["decode_kernels"]
+            assert report["fused_layers"] == (hf.config.num_hidden_layers if kernels == "auto" else 0), report
+            assert engine.runner.kv_caches[0][0].shape[2] == hf.config.num_key_value_heads // 2
+            assert _greedy_run(engine, f"two-{kernels}", PROMPTS) == want, kernels
+            engine.async_scheduling = True
+            assert _greedy_run(engine, f"two-{kernels}-overlap", PROMPTS) == want, kernels
+        finally:
+            engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tp2_on_one_gpu_bfloat16_logprobs_within_tolerance_of_tp1(llama_path: str):
+    """bf16 through the fused decode path (its bf16 kernels at a rank's shapes): the first decode steps' logprobs
+    of TP=2 against TP=1, within bf16's rounding of sums taken in another order."""
+    def logprobs(engine: LLMEngine) -> list[list[float]]:
+        try:
+            for i, ids in enumerate(PROMPTS):
+                engine.add_request(EngineRequest(f"lp{i}", prompt_token_ids=ids,
+                                                 params=SamplingParams(max_tokens=4, temperature=0, logprobs=3,
+                                                                       ignore_eos=True)))
+            found: dict[str, list[float]] = {}
+            while engine.has_unfinished():
+                for out in engine.step():
+                    found.setdefault(out.request_id, []).extend(lp.logprob for lp in out.logprobs or [])
+            return [found[f"lp{i}"] for i in range(len(PROMPTS))]
+        finally:
+            engine.close()
+
+    want = logprobs(_shared_gpu_engine(llama_path, 1, "bfloat16"))
+    got = logprobs(_shared_gpu_engine(llama_path, 2, "bfloat16"))
+    assert [len(g) for g in got] == [4] * len(PROMPTS)
+    # The first token comes from the prefill (unfused at both sizes); the next from the fused decode steps, whose
+    # greedy tokens may part ways where two are within bf16's rounding: compare the first two of each.
+    for g, w in zip(got, want, strict=True):
+        assert g[:2] == pytest.approx(w[:2], abs=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_rank_killed_on_one_gpu_makes_step_raise_promptly(llama_path: str):
+    engine = _shared_gpu_engine(llama_path, 2, "float32")
+    try:
+        engine.add_request(EngineRequest("long", prompt_token_ids=PROMPTS[1],
+                                         params=SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)))
+        for _ in range(3):
+            engine.step()
+        os.kill(engine.runner.ranks.procs[0].pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+            for _ in range(1000):
+                engine.step()
+        assert time.monotonic() - started < 15
+    finally:
+        engine.close()
 
 
 def _one_shot_vs_nccl(rank: int, size: int, comm, shapes: list[tuple[int, ...]]) -> dict[str, float]:

@@ -36,6 +36,30 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def patch_interpreter_for_numpy() -> None:
+    """The one-line fix triton 3.6's interpreter needs with numpy >= 2.4: it does int(array_of_shape_1) for runtime
+    loop bounds, which numpy >= 2.4 rejects (triton-lang/triton#9171, fixed upstream by #9172 after 3.6). Applied at
+    import under TRITON_INTERPRET=1, so every process that runs the kernels interpreted has it (the test process, and
+    the tensor-parallel ranks it spawns); a no-op with an older numpy or once applied."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    if tuple(int(p) for p in np.__version__.split(".")[:2]) < (2, 4) or getattr(interpreter, "_stoker_patched", False):
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor: Any, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    interpreter._stoker_patched = True
+
+
+if HAS_TRITON and interpreting():
+    patch_interpreter_for_numpy()
+
+
 def check_launchable(*tensors: Any) -> None:
     """Raise a clear error instead of a Triton crash when a kernel cannot run on these tensors."""
     if not HAS_TRITON:

@@ -50,10 +50,11 @@ from stoker.engine.kernels.gemv import (
 MLP_MAX_M = 16
 
 
-def fused_mlp_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, residual: torch.Tensor, *,
+def fused_mlp_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, residual: torch.Tensor | None, *,
                   eps: float, norm_folded: bool = True) -> torch.Tensor:
     """The two fused-decode GEMVs this replaces: act = silu-mul(gate_up(rms_norm(x))) (norm folded into gate_up:
-    a unit-weight norm), out = down(act) + residual. norm_folded=False: no norm at all (h = x)."""
+    a unit-weight norm), out = down(act) + residual. norm_folded=False: no norm at all (h = x). residual None:
+    down(act) alone (a tensor-parallel rank's partial sum, the residual added by rank 0)."""
     act, _ = gemv_ref(x, gate_up, silu_mul=True, norm_folded=norm_folded, eps=eps)
     return gemv_ref(act, down, add=residual)[0]
 
@@ -116,17 +117,17 @@ def _mlp_finish_kernel(
     acc_ptr, res_ptr, out_ptr, sums_out_ptr, sums_zero_ptr, H, res_stride, out_stride, BLOCK_H: tl.constexpr,
     SUMS_OUT: tl.constexpr = False, ZERO_SUMS: tl.constexpr = False, SUMS_ROWS: tl.constexpr = 16,
     NUM_SLOTS: tl.constexpr = 1, SLOT_STRIDE: tl.constexpr = 1, SUM_UNIT: tl.constexpr = 1048576.0,
-    PDL_GDC: tl.constexpr = False, TRIGGER_FIRST: tl.constexpr = False,
+    PDL_GDC: tl.constexpr = False, TRIGGER_FIRST: tl.constexpr = False, ADD_RESIDUAL: tl.constexpr = True,
 ):
-    # Program (column block, token): the accumulated down projection, rounded, plus the residual; the accumulator
-    # zeroed behind it for the next launch.
+    # Program (column block, token): the accumulated down projection, rounded, plus the residual (unless
+    # ADD_RESIDUAL is off: a tensor-parallel rank > 0's partial sum); the accumulator zeroed behind it.
     # PDL_GDC: launched while the streaming kernel runs, so nothing is read before it has finished; TRIGGER_FIRST: the
     # next kernel (the next layer's qkv) let in now, which reads this one's output after its own wait.
     _enter(PDL_GDC, TRIGGER_FIRST)
     pid = tl.program_id(0)
     cols = pid * BLOCK_H + tl.arange(0, BLOCK_H)
     row = tl.program_id(1)
-    share = _finish_cols(acc_ptr, res_ptr, out_ptr, row, cols, H, res_stride, out_stride, SUM_UNIT)
+    share = _finish_cols(acc_ptr, res_ptr, out_ptr, row, cols, H, res_stride, out_stride, SUM_UNIT, ADD_RESIDUAL)
     if SUMS_OUT:  # the next RMSNorm's first half (its g folded into the next qkv): this program's share of sum(s^2)
         tl.atomic_add(sums_out_ptr + row * (NUM_SLOTS * SLOT_STRIDE) + (pid % NUM_SLOTS) * SLOT_STRIDE, share,
                       sem="relaxed")
@@ -148,17 +149,21 @@ def _enter(WAIT: tl.constexpr, TRIGGER_FIRST: tl.constexpr):
 
 
 @triton.jit
-def _finish_cols(acc_ptr, res_ptr, out_ptr, row, cols, H, res_stride, out_stride, SUM_UNIT: tl.constexpr):
-    """Columns `cols` of token `row`: the accumulated down projection rounded, plus the residual, stored; the
-    accumulator zeroed behind it for the next launch. -> sum(s^2) of the stored columns in fixed point (gemv's
-    _fixed_point, as its CARRY)."""
+def _finish_cols(acc_ptr, res_ptr, out_ptr, row, cols, H, res_stride, out_stride, SUM_UNIT: tl.constexpr,
+                 ADD_RESIDUAL: tl.constexpr = True):
+    """Columns `cols` of token `row`: the accumulated down projection rounded, plus the residual (ADD_RESIDUAL),
+    stored; the accumulator zeroed behind it for the next launch. -> sum(s^2) of the stored columns in fixed point
+    (gemv's _fixed_point, as its CARRY)."""
     col_mask = cols < H
     acc = tl.load(acc_ptr + row * H + cols, mask=col_mask, other=0.0)
     tl.store(acc_ptr + row * H + cols, tl.zeros_like(acc), mask=col_mask)
     dtype = out_ptr.dtype.element_ty
     y = acc.to(dtype).to(tl.float32)  # down's output rounded, then the residual add (gemv.py's ADD epilogue)
-    r = tl.load(res_ptr + row * res_stride + cols, mask=col_mask, other=0.0).to(tl.float32)
-    s = (y + r).to(dtype)
+    if ADD_RESIDUAL:
+        r = tl.load(res_ptr + row * res_stride + cols, mask=col_mask, other=0.0).to(tl.float32)
+        s = (y + r).to(dtype)
+    else:
+        s = y.to(dtype)
     tl.store(out_ptr + row * out_stride + cols, s, mask=col_mask)
     s32 = tl.where(col_mask, s.to(tl.float32), 0.0)
     return _fixed_point(tl.sum(s32 * s32, axis=0), SUM_UNIT)
@@ -189,13 +194,14 @@ def mlp_config(on_gpu: bool, elem_bytes: int, inter: int) -> MlpConfig:
     return MlpConfig(bi=64, num_stages=4)
 
 
-def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, residual: torch.Tensor, *,
+def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, residual: torch.Tensor | None, *,
                      eps: float, norm_folded: bool = True, config: MlpConfig | None = None,
                      accumulator: torch.Tensor | None = None, norm_sums: torch.Tensor | None = None,
                      sums_out: torch.Tensor | None = None, zero_sums: torch.Tensor | None = None,
                      pdl: bool = False, finish_early: bool = False) -> torch.Tensor:
     """fused_mlp_ref in two launches. x, residual: [M, H]; gate_up [2I, H] ([gate; up] rows, the norm weight folded
-    in when norm_folded); down [H, I]; all the model dtype. accumulator: contiguous float32 of >= M * H elements,
+    in when norm_folded); down [H, I]; all the model dtype. residual None: no residual add (a tensor-parallel
+    rank's partial sum of the row-parallel down, rank 0 adding the residual before the all-reduce). accumulator: contiguous float32 of >= M * H elements,
     all zero (the second launch leaves it zero again, so a static one serves every layer and step); None allocates
     one.
 
@@ -213,15 +219,16 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                          f"{tuple(x.shape)}, {tuple(gate_up.shape)}, {tuple(down.shape)}")
     num_rows, hidden = x.shape
     inter = gate_up.shape[0] // 2
-    if gate_up.shape != (2 * inter, hidden) or down.shape != (hidden, inter) or residual.shape != x.shape:
+    res = residual if residual is not None else x  # shape and dtype as x's either way
+    if gate_up.shape != (2 * inter, hidden) or down.shape != (hidden, inter) or res.shape != x.shape:
         raise ValueError(f"fused_mlp: shapes disagree: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, down "
-                         f"{tuple(down.shape)}, residual {tuple(residual.shape)}")
-    if not (x.dtype == gate_up.dtype == down.dtype == residual.dtype):
+                         f"{tuple(down.shape)}, residual {tuple(res.shape)}")
+    if not (x.dtype == gate_up.dtype == down.dtype == res.dtype):
         raise ValueError(f"fused_mlp: one dtype expected, got x {x.dtype}, gate_up {gate_up.dtype}, down "
-                         f"{down.dtype}, residual {residual.dtype}")
+                         f"{down.dtype}, residual {res.dtype}")
     if not 1 <= num_rows <= 16:
         raise ValueError(f"fused_mlp: 1..16 tokens (the dot tile), got {num_rows}")
-    for name, t in (("x", x), ("gate_up", gate_up), ("down", down), ("residual", residual)):
+    for name, t in (("x", x), ("gate_up", gate_up), ("down", down), ("residual", res)):
         if t.stride(-1) != 1:
             raise ValueError(f"fused_mlp: {name} must be contiguous along its last dimension")
     if norm_sums is not None:
@@ -231,7 +238,7 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     if sums_out is not None:
         _check_norm_sums(sums_out, num_rows, x.device, "sums_out")
     _check_zero_sums(zero_sums, x)
-    check_launchable(x, gate_up, down, residual)
+    check_launchable(x, gate_up, down, res)
     cfg = config or mlp_config(x.is_cuda, x.element_size(), inter)
     need = num_rows * hidden
     if accumulator is None:
@@ -239,7 +246,7 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     elif accumulator.dtype != torch.float32 or accumulator.numel() < need or not accumulator.is_contiguous():
         raise ValueError(f"fused_mlp: the accumulator must be contiguous float32 of >= {need} elements, got "
                          f"{accumulator.dtype} {tuple(accumulator.shape)}")
-    out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    out = torch.empty_like(res, memory_format=torch.contiguous_format)
     on_gpu = not interpreting()  # griddepcontrol and the launch attribute: the GPU only
     gdc, early = pdl and on_gpu, finish_early and on_gpu
     slots = {"NUM_SLOTS": _gemv.NORM_SLOTS, "SLOT_STRIDE": _gemv.NORM_SLOT_STRIDE, "SUM_UNIT": _gemv.NORM_SUM_UNIT}
@@ -254,10 +261,10 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     )
     block_h = 256 if x.is_cuda else 32
     _mlp_finish_kernel[(triton.cdiv(hidden, block_h), num_rows)](
-        accumulator, residual, out, sums_out if sums_out is not None else placeholder,
-        zero_sums if zero_sums is not None else placeholder, hidden, residual.stride(0), out.stride(0),
+        accumulator, res, out, sums_out if sums_out is not None else placeholder,
+        zero_sums if zero_sums is not None else placeholder, hidden, res.stride(0), out.stride(0),
         BLOCK_H=block_h, SUMS_OUT=sums_out is not None, ZERO_SUMS=zero_sums is not None,
         SUMS_ROWS=zero_sums.shape[0] if zero_sums is not None else 16, PDL_GDC=gdc or early, TRIGGER_FIRST=early,
-        **slots, num_warps=4, **({"launch_pdl": True} if gdc or early else {}),
+        ADD_RESIDUAL=residual is not None, **slots, num_warps=4, **({"launch_pdl": True} if gdc or early else {}),
     )
     return out

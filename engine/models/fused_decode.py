@@ -71,6 +71,8 @@ from stoker.engine.kernels.gemv import (
 )
 from stoker.engine.kernels.kv_quant import FP8_KV_DTYPE, is_fp8_cache
 from stoker.engine.layers import (
+    ColumnParallelGateUp,
+    ColumnParallelQKV,
     Fp8GateUpLinear,
     Fp8Linear,
     Fp8QKVLinear,
@@ -80,7 +82,9 @@ from stoker.engine.layers import (
     QKVLinear,
     RMSNorm,
     RotaryEmbedding,
+    RowParallelLinear,
 )
+from stoker.engine.parallel.plan import ShardPlan
 from torch import nn
 
 _FOLD_ROWS = 1024  # rows folded per chunk: a 16 MB float32 temporary at hidden 4096
@@ -207,6 +211,10 @@ class FusedDecode:
     carry: NormCarry | None = None  # the model's carried-norm buffers (link_norm_carry), None: the norm kernels
     carry_in: bool = False  # the previous layer's down wrote this layer's normalised input's half (not layer 0)
     next_norm: RMSNorm | None = None  # the next layer's input norm, for down's carry (None: the last layer)
+    # Tensor parallel (bf16 twins): this rank's shard of o_proj / down (row-parallel). Their GEMVs give this rank's
+    # partial sums, rank 0's with the residual added in the epilogue, and the shard's all-reduce sums them into the
+    # stream (one collective after o_proj and one after the MLP, as the unfused twins). None: one GPU.
+    shard: ShardPlan | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,8 +253,8 @@ def link_norm_carry(fused: list[FusedDecode | None]) -> list[FusedDecode | None]
     """The layers' FusedDecode with the carried norms linked where every layer is fused and either (NORM_CARRY)
     normalises with norm kernels (no prologue norm) on FP8 weights, or (FOLDED_NORM_CARRY) has g folded into its
     weights and the fused MLP at every fused step; otherwise as given."""
-    if not fused or any(fd is None for fd in fused):
-        return fused
+    if not fused or any(fd is None or fd.shard is not None for fd in fused):
+        return fused  # tensor parallel: a rank's epilogue sees a partial sum, not the stream whose norm it would carry
     layers = cast(list[FusedDecode], fused)
     fp8 = NORM_CARRY and all(not fd.prologue_max_m and isinstance(fd.o_proj, Fp8Linear) for fd in layers)
     folded = FOLDED_NORM_CARRY and all(fd.folded and fd.mlp_max_m >= GEMV_MAX_M for fd in layers)
@@ -260,6 +268,7 @@ def link_norm_carry(fused: list[FusedDecode | None]) -> list[FusedDecode | None]
 
 
 _PLAIN_KINDS = (QKVLinear, Linear, GateUpLinear, Linear)
+_TP_KINDS = (ColumnParallelQKV, RowParallelLinear, ColumnParallelGateUp, RowParallelLinear)
 _FP8_KINDS = (Fp8QKVLinear, Fp8Linear, Fp8GateUpLinear, Fp8Linear)
 
 
@@ -290,9 +299,12 @@ def bind_fused_decode(
     # Exact types: the tensor-parallel twins are subclasses of the plain linears.
     kinds = (type(qkv), type(o_proj), type(gate_up), type(down))
     fp8 = kinds == _FP8_KINDS
+    tp = kinds == _TP_KINDS
     setting, pdl = pdl, fp8 if pdl is None else pdl
-    if kinds != _PLAIN_KINDS and not fp8:
-        return ("tensor-parallel (or partly FP8) linears keep their own GEMV / all-reduce path: "
+    if kinds != _PLAIN_KINDS and not fp8 and not tp:
+        # The FP8 tensor-parallel twins: their fused form (row scales, the carried norms' FP8 chain without a carry)
+        # is not built; they run the FP8 GEMVs / _scaled_mm and the all-reduce unfused.
+        return ("FP8 tensor-parallel (or partly FP8) linears keep their own GEMV / all-reduce path: "
                 + ", ".join(k.__name__ for k in kinds))
     linears = cast(QKVLinear, qkv), cast(Linear, o_proj), cast(GateUpLinear, gate_up), cast(Linear, down)
     dtype = input_norm.weight.dtype
@@ -318,7 +330,7 @@ def bind_fused_decode(
                                   device=input_norm.weight.device)
     return FusedDecode(folded, mlp_max_m, accumulator, prologue_max_m if prologue else 0, pdl, input_norm,
                        linears[0], q_norm, k_norm, rotary, attention, linears[1], post_norm, linears[2], linears[3],
-                       pdl_off=setting is False)
+                       pdl_off=setting is False, shard=cast(RowParallelLinear, o_proj).shard if tp else None)
 
 
 def _fp8_problem(linears: tuple[Fp8Linear, ...]) -> str | None:
@@ -432,8 +444,11 @@ def fused_decode_layer(
         o_carry = {"carry": NormCarryOut(fd.post_norm.weight if x_post is not None else None, x_post,
                                          carry.sums_post),
                    "zero_sums": carry.sums_next}
-    stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream, pdl=o_pdl, **o_carry,
+    # Tensor parallel: rank 0's partial sum takes the residual, the other ranks' do not, and the all-reduce sums them.
+    residual_here = fd.shard is None or fd.shard.rank == 0
+    stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream if residual_here else None, pdl=o_pdl, **o_carry,
                             **_fp8_args(fd.o_proj, "add", num_tokens))
+    stream = _all_reduce(fd, stream)
     mlp_pdl = fd.pdl or (MLP_PDL and not fd.pdl_off)
     finish_early = FINISH_EARLY and not fd.pdl_off
     if carry is not None and carry.x_post is None:  # folded: the fused MLP on the stream and the carried sums
@@ -452,15 +467,22 @@ def fused_decode_layer(
                                 **_fp8_args(fd.down, "add", num_tokens))
         return stream, None
     x = stream if prologue else fd.post_norm(stream, pdl=fd.pdl)[0]
+    residual = stream if residual_here else None
     if num_tokens <= fd.mlp_max_m:  # gate_up + SiLU-mul + down + residual: a streaming kernel, a finishing one
-        return fused_mlp_triton(x, fd.gate_up.weight, fd.down.weight, stream, eps=fd.post_norm.eps,
-                                norm_folded=fd.folded and prologue, accumulator=fd.mlp_accumulator,
-                                pdl=mlp_pdl, finish_early=finish_early), None
+        return _all_reduce(fd, fused_mlp_triton(x, fd.gate_up.weight, fd.down.weight, residual, eps=fd.post_norm.eps,
+                                                norm_folded=fd.folded and prologue, accumulator=fd.mlp_accumulator,
+                                                pdl=mlp_pdl, finish_early=finish_early)), None
     act, _ = gemv_triton(x, fd.gate_up.weight, silu_mul=True, norm_folded=fd.folded and prologue,
                          eps=fd.post_norm.eps, pdl=fd.pdl, **_fp8_args(fd.gate_up, "silu", num_tokens),
                          **_unfolded_norm(fd, fd.post_norm, prologue))
-    stream, _ = gemv_triton(act, fd.down.weight, add=stream, pdl=fd.pdl, **_fp8_args(fd.down, "add", num_tokens))
-    return stream, None
+    stream, _ = gemv_triton(act, fd.down.weight, add=residual, pdl=fd.pdl, **_fp8_args(fd.down, "add", num_tokens))
+    return _all_reduce(fd, stream), None
+
+
+def _all_reduce(fd: FusedDecode, partial: torch.Tensor) -> torch.Tensor:
+    """The stream from this rank's partial sum of a row-parallel GEMV (its shard's all-reduce, in place); on one
+    GPU the GEMV's output already is the stream."""
+    return partial if fd.shard is None else fd.shard.comm.all_reduce(partial)
 
 
 def _o_proj_pdl(fd: FusedDecode, num_tokens: int) -> bool:

@@ -4,7 +4,9 @@ process could hold several engines): every collective goes through a group objec
 - control (gloo, CPU tensors): step headers and packed inputs from rank 0, startup agreement. Ranks > 0
   wait on it between steps for as long as the engine is idle, so their receive has no practical timeout;
   they notice a dead rank 0 by its closed connection or its process sentinel (engine/rank_worker.py).
-- compute (nccl on CUDA, gloo on CPU): the all-reduces inside the forward, bounded by COLLECTIVE_TIMEOUT.
+- compute (nccl on CUDA, gloo on CPU): the all-reduces inside the forward, bounded by COLLECTIVE_TIMEOUT. With
+  every rank on one GPU (EngineConfig.tensor_parallel_shared_gpu) gloo on CUDA tensors: NCCL refuses two ranks on
+  one device.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ IDLE_WAIT = timedelta(days=3650)  # ranks > 0 between steps: the engine may idle
 
 class RankComm:
     def __init__(self, rank: int, size: int, store: dist.Store, device: torch.device,
-                 collective_timeout: timedelta = COLLECTIVE_TIMEOUT):
+                 collective_timeout: timedelta = COLLECTIVE_TIMEOUT, shared_gpu: bool = False):
         self.rank, self.size, self.device = rank, size, device
         self.timeout = collective_timeout
+        self.nccl = device.type == "cuda" and not shared_gpu
         self.control: Any = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, size, STARTUP_TIMEOUT)
         compute_store = dist.PrefixStore("compute", store)
-        if device.type == "cuda":
+        if self.nccl:
             # Backends (gloo, nccl) used directly: torch's stubs type them apart from ProcessGroup, hence Any.
             self.compute: Any = _nccl_group(compute_store, rank, size, device, collective_timeout)
         else:
@@ -61,14 +64,14 @@ class RankComm:
         """Unblock collectives stuck on a dead peer (NCCL waits on the GPU otherwise; gloo's peers see the
         closed connection by themselves)."""
         abort = getattr(self.compute, "abort", None)
-        if self.device.type == "cuda" and abort is not None:
+        if self.nccl and abort is not None:
             abort()
 
 
-def rank_device(device: str, rank: int) -> torch.device:
+def rank_device(device: str, rank: int, shared_gpu: bool = False) -> torch.device:
     """Rank r drives the r-th visible GPU (CUDA_VISIBLE_DEVICES picks the set: two TP=2 workers on a 4-GPU host
-    see 0,1 and 2,3); on the CPU every rank shares the host."""
-    return torch.device("cuda", rank) if device.startswith("cuda") else torch.device("cpu")
+    see 0,1 and 2,3), or with shared_gpu the first one, as every rank does; on the CPU every rank shares the host."""
+    return torch.device("cuda", 0 if shared_gpu else rank) if device.startswith("cuda") else torch.device("cpu")
 
 
 def _broadcast(group: Any, x: torch.Tensor, timeout: timedelta) -> torch.Tensor:

@@ -71,7 +71,9 @@ class RankGroup:
         self._watchdog.start()
         try:
             self._wait_joined()
-            self.comm = RankComm(0, self.size, self.store, rank_device(str(config.device), 0))
+            shared = config.tensor_parallel_shared_gpu
+            self.comm = RankComm(0, self.size, self.store, rank_device(str(config.device), 0, shared),
+                                 shared_gpu=shared)
             check_agreement(self.comm, fingerprint(config, max_model_len))
         except BaseException:
             self.close()
