@@ -28,6 +28,9 @@ class RankComm:
         self.rank, self.size, self.device = rank, size, device
         self.timeout = collective_timeout
         self.nccl = device.type == "cuda" and not shared_gpu
+        # gloo with CUDA tensors (shared_gpu): through a host copy of our own, since gloo's CUDA path writes the result
+        # back from its own thread, outside the forward's inference mode, which refuses that on an inference tensor.
+        self.staged = device.type == "cuda" and shared_gpu
         self.control: Any = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, size, STARTUP_TIMEOUT)
         compute_store = dist.PrefixStore("compute", store)
         if self.nccl:
@@ -40,11 +43,17 @@ class RankComm:
         """Sum over the ranks, in place (the row-parallel layers' one collective)."""
         opts = dist.AllreduceOptions()
         opts.timeout = self.timeout
+        if self.staged:
+            host = x.cpu()
+            self.compute.allreduce([host], opts).wait()
+            return x.copy_(host)
         self.compute.allreduce([x], opts).wait()
         return x
 
     def broadcast_compute(self, x: torch.Tensor) -> torch.Tensor:
         """rank 0's device tensor to every rank (a step's pending token ids), in place."""
+        if self.staged:
+            return x.copy_(_broadcast(self.compute, x.cpu(), self.timeout))
         return _broadcast(self.compute, x, self.timeout)
 
     def broadcast_control(self, x: torch.Tensor, timeout: timedelta | None = None) -> torch.Tensor:
