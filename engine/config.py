@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 _DTYPES = ("float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")
-KV_CACHE_DTYPES = ("auto", "fp8")  # auto = the model dtype; fp8 = float8_e4m3fn (engine/kernels/kv_quant.py)
+KV_CACHE_DTYPES = ("auto", "fp8")
+TP_ALL_REDUCES = ("nccl", "symm-mem")  # EngineConfig.tensor_parallel_all_reduce  # auto = the model dtype; fp8 = float8_e4m3fn (engine/kernels/kv_quant.py)
 # How decode steps of <= 16 sequences multiply (engine/models/fused_decode.py); see EngineConfig.decode_kernels.
 DECODE_KERNELS = ("auto", "fused", "fused-folded", "cublas")
 
@@ -54,6 +55,10 @@ class EngineConfig:
     # than one rank. Needs cuda_graphs=False (a graph cannot capture a gloo collective) and num_kv_blocks or
     # kv_cache_memory_bytes (each rank would size its KV cache from the same GPU's free memory).
     tensor_parallel_shared_gpu: bool = False
+    # The forward's all-reduces at tensor_parallel_size > 1 on CUDA: "nccl" (captured in the decode graphs), or
+    # "symm-mem": steps of up to 16 tokens (the fused decode path's) through the one-shot all-reduce over symmetric
+    # memory (engine/parallel/symm_mem.py: one kernel reading every peer's copy, no multicast), larger ones NCCL.
+    tensor_parallel_all_reduce: str = "nccl"
     # "fp8": the KV cache in float8_e4m3fn with per-layer k/v scales (the checkpoint's, else 1.0): half the bytes,
     # twice the blocks in the same budget. "auto": the model dtype.
     kv_cache_dtype: str = "auto"
@@ -177,6 +182,9 @@ class EngineConfig:
         if self.prefill_graph_tokens < 0:
             problems.append(f"prefill_graph_tokens must be >= 0 (0 = prefill steps run eagerly), "
                             f"got {self.prefill_graph_tokens}")
+        if self.tensor_parallel_all_reduce not in TP_ALL_REDUCES:
+            problems.append(f"tensor_parallel_all_reduce must be one of {TP_ALL_REDUCES}, "
+                            f"got {self.tensor_parallel_all_reduce!r}")
         if self.tensor_parallel_size < 1:
             problems.append(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         elif self.tensor_parallel_shared_gpu:

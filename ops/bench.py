@@ -189,6 +189,8 @@ def engine_config(path: str, max_num_seqs: int, device: str = "cuda", quantizati
     # torch references, STOKER_BLOCKING_SYNC=0 keeps CUDA's default (spinning) host waits.
     use_triton = os.environ.get("STOKER_TRITON", "1") != "0"
     blocking_sync = os.environ.get("STOKER_BLOCKING_SYNC", "1") != "0"
+    # STOKER_TP_ALL_REDUCE=symm-mem: the one-shot all-reduce for the small steps (EngineConfig.tensor_parallel_all_reduce)
+    tp_all_reduce = os.environ.get("STOKER_TP_ALL_REDUCE", "nccl")
     return EngineConfig(
         model_path=path,
         device=device,
@@ -202,6 +204,7 @@ def engine_config(path: str, max_num_seqs: int, device: str = "cuda", quantizati
         blocking_sync=blocking_sync,
         quantization=quantization,
         tensor_parallel_size=tensor_parallel_size,
+        tensor_parallel_all_reduce=tp_all_reduce,
         kv_cache_dtype=kv_cache_dtype,
         load_format=load_format,
         **decode_setting(decode),

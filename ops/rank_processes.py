@@ -34,7 +34,6 @@ def _rank(fn: Callable[..., Any], rank: int, size: int, port: int, device: str, 
             torch.cuda.set_device(dev)
         store = dist.TCPStore("127.0.0.1", port, size + 1, is_master=False, timeout=timedelta(seconds=60))
         comm = RankComm(rank, size, store, dev)
-        comm.store = store  # type: ignore[attr-defined]  # for functions that build more on the same store
         out.put((rank, True, fn(rank, size, comm, *args)))
     except BaseException:
         out.put((rank, False, traceback.format_exc()))

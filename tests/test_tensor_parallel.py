@@ -393,6 +393,8 @@ def test_shared_gpu_mode_is_checked_and_puts_every_rank_on_the_first_gpu(llama_p
     assert [rank_device("cuda", r, shared_gpu=True) for r in range(3)] == [torch.device("cuda", 0)] * 3
     assert [rank_device("cuda", r) for r in range(3)] == [torch.device("cuda", r) for r in range(3)]
     assert rank_device("cpu", 1, shared_gpu=True) == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"tensor_parallel_all_reduce must be one of \('nccl', 'symm-mem'\), got 'mpi'"):
+        EngineConfig(model_path=llama_path, device="cpu", tensor_parallel_all_reduce="mpi")
 
 
 def test_block_fp8_needs_every_split_on_a_128_multiple():
@@ -445,22 +447,26 @@ def _two_gpus() -> bool:
 _needs_two_gpus = pytest.mark.skipif(not _two_gpus(), reason="needs two CUDA GPUs (tensor parallelism over NCCL)")
 
 
-def _cuda_engine(path: str, tp: int, dtype: str) -> LLMEngine:
+def _cuda_engine(path: str, tp: int, dtype: str, all_reduce: str = "nccl") -> LLMEngine:
     return LLMEngine(EngineConfig(model_path=path, device="cuda", dtype=dtype, num_kv_blocks=64, max_num_seqs=8,
-                                  max_num_batched_tokens=24, tensor_parallel_size=tp))
+                                  max_num_batched_tokens=24, tensor_parallel_size=tp,
+                                  tensor_parallel_all_reduce=all_reduce))
 
 
 @pytest.mark.gpu
 @pytest.mark.multi_gpu
 @_needs_two_gpus
-def test_cuda_tp2_float32_tokens_equal_tp1_with_graphs_on_every_rank(llama_path: str):
-    """Every rank captures the same decode buckets (the NCCL all-reduce inside the graph) and replays the same
-    one each step; overlapped steps (the CUDA default) broadcast the pending ids over NCCL."""
+@pytest.mark.parametrize("all_reduce", ["nccl", "symm-mem"])
+def test_cuda_tp2_float32_tokens_equal_tp1_with_graphs_on_every_rank(llama_path: str, all_reduce: str):
+    """Every rank captures the same decode buckets (the all-reduce inside the graph: NCCL, or for the fused decode
+    steps the one-shot over symmetric memory) and replays the same one each step; overlapped steps (the CUDA
+    default) broadcast the pending ids over NCCL."""
     one = _cuda_engine(llama_path, 1, "float32")
     want = _greedy_run(one, "one", PROMPTS)
-    engine = _cuda_engine(llama_path, 2, "float32")
+    engine = _cuda_engine(llama_path, 2, "float32", all_reduce)
     try:
         assert engine.async_scheduling and engine.runner.graphs is not None
+        assert (engine.runner.comm.one_shot is not None) == (all_reduce == "symm-mem")
         assert _greedy_run(engine, "two", PROMPTS) == want
         assert engine.runner.graphs.replays > 0
     finally:
@@ -470,7 +476,8 @@ def test_cuda_tp2_float32_tokens_equal_tp1_with_graphs_on_every_rank(llama_path:
 @pytest.mark.gpu
 @pytest.mark.multi_gpu
 @_needs_two_gpus
-def test_cuda_tp2_bfloat16_logprobs_within_tolerance_of_tp1(llama_path: str):
+@pytest.mark.parametrize("all_reduce", ["nccl", "symm-mem"])
+def test_cuda_tp2_bfloat16_logprobs_within_tolerance_of_tp1(llama_path: str, all_reduce: str):
     def first_logprobs(engine: LLMEngine) -> list[float]:
         for i, ids in enumerate(PROMPTS):
             engine.add_request(EngineRequest(f"lp{i}", prompt_token_ids=ids,
@@ -483,7 +490,7 @@ def test_cuda_tp2_bfloat16_logprobs_within_tolerance_of_tp1(llama_path: str):
         return [found[f"lp{i}"] for i in range(len(PROMPTS))]
 
     want = first_logprobs(_cuda_engine(llama_path, 1, "bfloat16"))
-    engine = _cuda_engine(llama_path, 2, "bfloat16")
+    engine = _cuda_engine(llama_path, 2, "bfloat16", all_reduce)
     try:
         got = first_logprobs(engine)
     finally:

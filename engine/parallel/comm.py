@@ -25,8 +25,9 @@ IDLE_WAIT = timedelta(days=3650)  # ranks > 0 between steps: the engine may idle
 class RankComm:
     def __init__(self, rank: int, size: int, store: dist.Store, device: torch.device,
                  collective_timeout: timedelta = COLLECTIVE_TIMEOUT, shared_gpu: bool = False):
-        self.rank, self.size, self.device = rank, size, device
+        self.rank, self.size, self.device, self.store = rank, size, device, store
         self.timeout = collective_timeout
+        self.one_shot: Any = None  # enable_one_shot: small all-reduces over symmetric memory
         self.nccl = device.type == "cuda" and not shared_gpu
         # gloo with CUDA tensors (shared_gpu): through a host copy of our own, since gloo's CUDA path writes the result
         # back from its own thread, outside the forward's inference mode, which refuses that on an inference tensor.
@@ -43,6 +44,8 @@ class RankComm:
         """Sum over the ranks, in place (the row-parallel layers' one collective)."""
         opts = dist.AllreduceOptions()
         opts.timeout = self.timeout
+        if self.one_shot is not None and self.one_shot.fits(x):
+            return self.one_shot(x)
         if self.staged:
             host = x.cpu()
             self.compute.allreduce([host], opts).wait()
@@ -50,10 +53,21 @@ class RankComm:
         self.compute.allreduce([x], opts).wait()
         return x
 
+    def enable_one_shot(self, max_elements: int, dtype: torch.dtype) -> None:
+        """Collective (every rank at the same point): all-reduces of up to max_elements of `dtype` from now on through
+        the one-shot all-reduce over symmetric memory (EngineConfig.tensor_parallel_all_reduce "symm-mem"); larger
+        or other ones NCCL. CUDA (NCCL ranks) only."""
+        if not self.nccl:
+            raise ValueError("the one-shot all-reduce needs one GPU a rank (NCCL ranks)")
+        from stoker.engine.parallel.symm_mem import OneShotAllReduce
+
+        self.one_shot = OneShotAllReduce(self.store, self.rank, self.size, self.device, max_elements, dtype)
+
     def broadcast_compute(self, x: torch.Tensor) -> torch.Tensor:
         """rank 0's device tensor to every rank (a step's pending token ids), in place."""
-        if self.staged:
-            return x.copy_(_broadcast(self.compute, x.cpu(), self.timeout))
+        if self.staged:  # rank 0 sends its tensor as it is (an inference tensor, outside the forward here)
+            host = _broadcast(self.compute, x.cpu(), self.timeout)
+            return x if self.rank == 0 else x.copy_(host)
         return _broadcast(self.compute, x, self.timeout)
 
     def broadcast_control(self, x: torch.Tensor, timeout: timedelta | None = None) -> torch.Tensor:
