@@ -645,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="fp8: the FP8 KV cache (scales 1.0: the bench's model has no kv_cache_scheme); the floors "
                          "count 1 byte per cached element")
     ap.add_argument("--tensor-parallel", type=int, default=1,
-                    help="GPUs the engine splits the model over (issue 17; NOT yet run: no multi-GPU machine lent). "
+                    help="GPUs the engine splits the model over (issue 17; BENCHMARKS.md, session 24). "
                          "The weight-byte floors below count rank 0's shard")
     ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                     help="dummy: no weight files; the engine makes random weights of the same spread on the GPU "

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Issue 17's device calls on a machine with several GPUs (nvidia-h200-x2 and up), in two phases that each fit one
-# call's 600 s. Nothing here has run yet: no machine with several GPUs had been lent when it was written.
+# call's 600 s. First run on nvidia-h200-x2 in session 24 (BENCHMARKS.md), as .dev/s24's calls A and B.
 #
 #   run(command="bash ops/gpu_tp.sh correctness", kind="nvidia-h200-x2", carry=[".gpu-stack"], timeout_s=600)
 #   run(command="bash ops/gpu_tp.sh speed", kind="nvidia-h200-x2", carry=[".gpu-stack"], timeout_s=600)

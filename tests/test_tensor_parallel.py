@@ -439,7 +439,7 @@ def _proc_environ(pid: int) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in pairs}
 
 
-# ---- CUDA (NCCL, graphs with the all-reduce inside): NOT RUN here, no machine with two GPUs was lent -------------
+# ---- CUDA (NCCL, graphs with the all-reduce inside): two GPUs (first run on two H200s, session 24) ---------------
 def _two_gpus() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= 2
 
@@ -596,7 +596,7 @@ def _one_shot_vs_nccl(rank: int, size: int, comm, shapes: list[tuple[int, ...]])
 @pytest.mark.multi_gpu
 @_needs_two_gpus
 def test_one_shot_symm_mem_all_reduce_equals_nccl():
-    """NOT RUN here: the one-shot all-reduce (engine/parallel/symm_mem.py) sums like NCCL's, bf16, on the sizes
+    """The one-shot all-reduce (engine/parallel/symm_mem.py) sums like NCCL's, bf16, on the sizes
     of decode (1 and 8 tokens x hidden 4096) and an odd one."""
     for rank, errors in enumerate(run_ranks(_one_shot_vs_nccl, 2, [(1, 4096), (8, 4096), (3, 1000)], device="cuda")):
         assert all(e < 1e-2 for e in errors.values()), (rank, errors)

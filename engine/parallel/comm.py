@@ -105,7 +105,7 @@ def _broadcast(group: Any, x: torch.Tensor, timeout: timedelta) -> torch.Tensor:
 
 
 def _nccl_group(store: dist.Store, rank: int, size: int, device: torch.device, timeout: timedelta) -> Any:
-    """NOT RUN here (no machine with several GPUs was lent): the NCCL group of the compute collectives. The
+    """The NCCL group of the compute collectives (first run on two H200s in session 24: BENCHMARKS.md). The
     NVLink-multicast switches (NCCL_NVLS_ENABLE=0 ...) are in the environment before this runs (launcher)."""
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
