@@ -64,6 +64,16 @@ SHAPES: dict[str, dict[str, Any]] = {
         intermediate_size=28672,
         vocab_size=128256,
     ),
+    "8b-rank2": dict(  # what one rank of the 8B at TP = 2 computes (half the heads and intermediate, whole LM head):
+        # its W1 on one GPU is a rank's kernels without the all-reduces, beside the TP = 2 run's (issue 17)
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=128,
+        intermediate_size=7168,
+        vocab_size=128256,
+    ),
     "tiny": dict(
         hidden_size=512,
         num_hidden_layers=2,

@@ -111,6 +111,22 @@ def test_the_70b_shape_is_llama_3_70b(tmp_path) -> None:
     assert params == 70_553_706_496
 
 
+def test_the_8b_rank2_shape_is_one_rank_of_the_8b_at_tp2(tmp_path) -> None:
+    """--shape 8b-rank2 is what rank 0 of the 8B at TP = 2 holds (the engine's own split of the 8B's config): its
+    W1 on one GPU is that rank's kernels without the all-reduces."""
+    from stoker.engine.model_config import ModelConfig
+    from stoker.engine.parallel.plan import rank_model_config
+
+    def read(shape: str) -> ModelConfig:
+        bench.write_model(str(tmp_path / shape), bench.SHAPES[shape], device="cpu", weights=False)
+        return ModelConfig.from_folder(str(tmp_path / shape))
+
+    rank = rank_model_config(read("8b"), 0, 2, comm=None)
+    alone = read("8b-rank2")
+    fields = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size")
+    assert [getattr(alone, f) for f in fields] == [getattr(rank, f) for f in fields]
+
+
 def test_the_written_bench_model_is_the_dummy_checkpoint(tmp_path) -> None:
     """write_model's shards hold exactly the tensors engine/dummy_load.py makes for the same config (names, shapes,
     bf16 values, on the same device), the embedding in the first shard and the LM head in the last, and the engine
