@@ -553,10 +553,12 @@ def test_cuda_tp2_on_one_gpu_bfloat16_logprobs_within_tolerance_of_tp1(llama_pat
     want = logprobs(_shared_gpu_engine(llama_path, 1, "bfloat16"))
     got = logprobs(_shared_gpu_engine(llama_path, 2, "bfloat16"))
     assert [len(g) for g in got] == [4] * len(PROMPTS)
-    # The first token comes from the prefill (unfused at both sizes); the next from the fused decode steps, whose
-    # greedy tokens may part ways where two are within bf16's rounding: compare the first two of each.
+    # The first token comes from the prefill (unfused at both sizes), the second from a fused decode step; later
+    # ones may follow other tokens where two are within bf16's rounding, so only the first two are compared. At TP = 2
+    # each rank's partial sums are rounded to bf16 before the all-reduce adds them (TP = 1 sums in float32), which
+    # moved the decode step's logprob by up to 0.055 on the H200 (session 24; the float32 test above holds the tokens).
     for g, w in zip(got, want, strict=True):
-        assert g[:2] == pytest.approx(w[:2], abs=5e-2)
+        assert g[0] == pytest.approx(w[0], abs=5e-2) and g[1] == pytest.approx(w[1], abs=1e-1)
 
 
 @pytest.mark.gpu
