@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 17's device calls on a machine with several GPUs (nvidia-h200-x2 and up), in two phases that each fit one
+# Issue 17's device calls on a machine with several GPUs (nvidia-h200-x2 and up), in phases that each fit one
 # call's 600 s. First run on nvidia-h200-x2 in session 24 (BENCHMARKS.md), as .dev/s24's calls A and B.
 #
 #   run(command="bash ops/gpu_tp.sh correctness", kind="nvidia-h200-x2", carry=[".gpu-stack"], timeout_s=600)
@@ -11,6 +11,8 @@
 # speed:       the 8B shape at TP=2 (written weights: the fast loader's rank reads) beside TP=1 on the same
 #              machine, W1 and W2; then the 70B shape at TP=2 on dummy weights (its 131 GiB fit no disk), W1 and W2
 #              at 256 requests (the issue's figures).
+# all-reduce:  ops/bench_all_reduce.py, then W1 of the 8B at TP=2 with NCCL and with the one-shot all-reduce
+#              (EngineConfig.tensor_parallel_all_reduce), and --shape 8b-rank2 (a rank's kernels alone); ~300 s.
 # NVLink multicast stays off (the engine's ranks set it; the tests and the all-reduce bench set it too).
 # Everything lands under $OUT: one log per step and the benches' JSON.
 export PYTHONUNBUFFERED=1 PYTEST_ADDOPTS="-p no:warnings" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
@@ -43,6 +45,24 @@ case "${1:-}" in
     step 70b_tp2 $?
     grep -h "W1 TPOT\|W2 total\|W3 weights" "$OUT"/*.log
     ;;
+  all-reduce)
+    # Item 3's choice on the engine: W1 of the 8B at TP=2 (dummy weights) with NCCL and with the one-shot all-reduce
+    # over symmetric memory for the fused steps (STOKER_TP_ALL_REDUCE=symm-mem), and one rank's kernels alone
+    # (--shape 8b-rank2 on one GPU: what the all-reduces cost is the difference).
+    mkdir -p "$OUT/nccl" "$OUT/symm" "$OUT/rank"
+    timeout 60 python3 ops/bench_all_reduce.py --ranks 2 > "$OUT/all_reduce.log" 2>&1
+    step all_reduce $?
+    OUT=$OUT/nccl timeout 100 python3 ops/bench.py --skip-hf --skip-w2 --tensor-parallel 2 --load-format dummy \
+      > "$OUT/w1_nccl.log" 2>&1
+    step w1_nccl $?
+    OUT=$OUT/symm STOKER_TP_ALL_REDUCE=symm-mem timeout 100 python3 ops/bench.py --skip-hf --skip-w2 \
+      --tensor-parallel 2 --load-format dummy > "$OUT/w1_symm.log" 2>&1
+    step w1_symm $?
+    OUT=$OUT/rank timeout 100 python3 ops/bench.py --shape 8b-rank2 --skip-hf --skip-w2 --load-format dummy \
+      --max-num-seqs 1 > "$OUT/w1_rank.log" 2>&1
+    step w1_rank $?
+    grep "^|" "$OUT/all_reduce.log"; grep -h "W1 TPOT" "$OUT"/w1_*.log
+    ;;
   *)
-    echo "usage: ops/gpu_tp.sh correctness|speed" >&2; exit 2 ;;
+    echo "usage: ops/gpu_tp.sh correctness|speed|all-reduce" >&2; exit 2 ;;
 esac
