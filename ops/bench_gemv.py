@@ -62,6 +62,7 @@ from stoker.engine.kernels.gemv import (  # noqa: E402
 MODELS = {  # hidden, q heads, kv heads, head_dim, intermediate
     "8b": (4096, 32, 8, 128, 14336),
     "1b": (2048, 32, 8, 64, 8192),
+    "8b-rank2": (4096, 16, 4, 128, 7168),  # one rank of the 8B at TP = 2 (ops/bench.py --shape 8b-rank2)
     "tiny": (256, 4, 2, 32, 384),  # the CPU dry run's (--dry-run)
 }
 ROTATE_BYTES = 512 * 2**20
