@@ -266,7 +266,9 @@ def test_mlp_finish_in_qkv_matches_the_finishing_kernel(name: str, tmp_path, mon
                             "zeroing": 2 * steps}, counts[True]
     assert len(finals[True]) == len(finals[False]) > steps
     for on_input, off_input in zip(finals[True], finals[False], strict=True):
-        torch.testing.assert_close(on_input, off_input, atol=1e-5, rtol=1e-5)
+        # float32 rounding of the stream's scale (it reaches ~100 here; up to 3.6e-5 apart, a few ulps, when written)
+        scale = off_input.abs().max().item()
+        torch.testing.assert_close(on_input, off_input, atol=2e-6 * scale, rtol=1e-5)
     for i, (p, n) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
         tokens, logprobs, _ = runs[True][f"r{i}"]
         assert tokens == runs[False][f"r{i}"][0] == hf_greedy(hf, p, n), f"prompt {i}"

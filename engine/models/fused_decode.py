@@ -200,7 +200,9 @@ FINISH_EARLY = False
 MLP_FINISH_IN_QKV = False
 # With it on, steps of up to this many tokens take it (M is fixed per CUDA-graph bucket, so a bucket takes one form or
 # the other): x processed inside the loop is what made the tl.dot path slow before (gemv.py: the in-loop norm took
-# the 8B qkv 15 -> 35-57 us at M = 8), so the A/B may want it at 1 ("+set=fused_decode.MLP_FINISH_IN_QKV_MAX_M=1").
+# the 8B qkv 15 -> 35-57 us at M = 8), and on sm_90 this qkv's dot tile asks 57,344 bytes of shared memory a block
+# against the carried form's 8,192 (one token: 128 either way; tests/test_kernels_compile_sm90.py), so the A/B may
+# want it at 1 ("+set=fused_decode.MLP_FINISH_IN_QKV_MAX_M=1").
 MLP_FINISH_IN_QKV_MAX_M = GEMV_MAX_M
 
 
