@@ -195,6 +195,89 @@ def test_fused_decode_greedy_matches_transformers_and_unfused(arch, mode: str, m
         torch.testing.assert_close(logprobs, unfused[f"r{i}"][1], atol=1e-4, rtol=0)
 
 
+# Three layers (the middle one finishes the MLP before it and leaves its own unfinished), hidden 72 (not a power of
+# two) and Hq * D = 64 != hidden.
+PENDING_SHAPE: dict[str, Any] = {"num_hidden_layers": 3, "hidden_size": 72, "intermediate_size": 100, "head_dim": 16}
+
+
+def spy_pending(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts the fused path's launches of the MLP_FINISH_IN_QKV hand-off: MLPs left unfinished and finished, qkv
+    GEMVs on an accumulator, GEMVs zeroing one."""
+    seen = dict.fromkeys(("unfinished", "finished", "qkv_on_accumulator", "zeroing"), 0)
+    mlp, gemv, rope = fused_decode.fused_mlp_triton, fused_decode.gemv_triton, fused_decode.gemv_rotary_cache_triton
+
+    def spy_mlp(*args: Any, **kwargs: Any) -> Any:
+        seen["finished" if kwargs.get("finish", True) else "unfinished"] += 1
+        return mlp(*args, **kwargs)
+
+    def spy_gemv(*args: Any, **kwargs: Any) -> Any:
+        seen["zeroing"] += kwargs.get("zero_accumulator") is not None
+        return gemv(*args, **kwargs)
+
+    def spy_rope(*args: Any, **kwargs: Any) -> Any:
+        seen["qkv_on_accumulator"] += bool(kwargs.get("x_accumulator"))
+        return rope(*args, **kwargs)
+
+    monkeypatch.setattr(fused_decode, "fused_mlp_triton", spy_mlp)
+    monkeypatch.setattr(fused_decode, "gemv_triton", spy_gemv)
+    monkeypatch.setattr(fused_decode, "gemv_rotary_cache_triton", spy_rope)
+    return seen
+
+
+@interpreted
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_mlp_finish_in_qkv_matches_the_finishing_kernel(name: str, tmp_path, monkeypatch) -> None:
+    """fused_decode.MLP_FINISH_IN_QKV on ("fused-folded", float32, the carried norms): every layer's MLP but the last
+    launches its streaming kernel alone, the next layer's qkv takes its accumulator and the stream (x_accumulator)
+    and that layer's o_proj zeroes the accumulator, at every decode step (5, 3 and 1 tokens). Greedy tokens equal
+    transformers' and the switch-off engine's; every step's logprob and the final norm's input are within float32
+    rounding of the switch-off run's (not bitwise: qkv sums the finished stream's rms in float32 in its K loop where
+    the finishing kernel adds it into fixed-point slots); the carried slots, poisoned first, and every layer's
+    accumulator are zero after the run. Qwen3: its per-head q / k norm in qkv (one program a head)."""
+    hf = build_hf_model(name, str(tmp_path), shape=PENDING_SHAPE)
+    seen = spy_pending(monkeypatch)
+    runs, finals, counts = {}, {}, {}
+    for on in (False, True):
+        monkeypatch.setattr(fused_decode, "MLP_FINISH_IN_QKV", on)
+        engine = cpu_engine(str(tmp_path), "fused-folded")
+        layers = [layer.fused_decode for layer in engine.runner.model.model.layers]
+        assert [fd.mlp_pending_max_m for fd in layers] == ([16, 16, 0] if on else [0, 0, 0])
+        carry = layers[0].carry
+        assert carry is not None and carry.x_next is None  # the folded carried norms
+        carry.sums_post.fill_(12_345_678_901)  # as a step that stopped halfway leaves them
+        carry.sums_next.fill_(98_765_432_101)
+        final_norm, finals[on] = engine.runner.model.model.norm, []
+        original = final_norm.forward
+
+        def record(hidden: torch.Tensor, *args: Any, _inputs: list = finals[on], _original: Any = original,
+                   **kwargs: Any) -> Any:
+            _inputs.append(hidden.clone())
+            return _original(hidden, *args, **kwargs)
+
+        monkeypatch.setattr(final_norm, "forward", record)
+        seen.update(dict.fromkeys(seen, 0))
+        runs[on] = generate(engine, PROMPTS, MAX_TOKENS)
+        counts[on] = dict(seen)
+        assert not carry.sums_post.any() and not carry.sums_next.any()
+        assert not any(fd.mlp_accumulator.any() for fd in layers), "an accumulator left dirty"
+    steps = max(MAX_TOKENS) - 1  # three layers a step: two hand-offs where the switch is on
+    assert counts[False] == {"unfinished": 0, "finished": 3 * steps, "qkv_on_accumulator": 0, "zeroing": 0}
+    assert counts[True] == {"unfinished": 2 * steps, "finished": steps, "qkv_on_accumulator": 2 * steps,
+                            "zeroing": 2 * steps}, counts[True]
+    assert len(finals[True]) == len(finals[False]) > steps
+    for on_input, off_input in zip(finals[True], finals[False], strict=True):
+        # float32 rounding of the stream's scale (it reaches ~100 here; up to 3.6e-5 apart, a few ulps, when written)
+        scale = off_input.abs().max().item()
+        torch.testing.assert_close(on_input, off_input, atol=2e-6 * scale, rtol=1e-5)
+    for i, (p, n) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
+        tokens, logprobs, _ = runs[True][f"r{i}"]
+        assert tokens == runs[False][f"r{i}"][0] == hf_greedy(hf, p, n), f"prompt {i}"
+        torch.testing.assert_close(logprobs, runs[False][f"r{i}"][1], atol=1e-5, rtol=0)
+        hf_lp = torch.log_softmax(hf_logits(hf, p + tokens[:-1])[len(p) - 1 :], dim=-1)
+        torch.testing.assert_close(torch.tensor(logprobs), hf_lp[torch.arange(n), torch.tensor(tokens)], atol=2e-4,
+                                   rtol=0)
+
+
 @interpreted
 @pytest.mark.parametrize("mode", ["fused-folded", "fused-folded+pro0"])
 def test_tensor_parallel_ranks_take_the_fused_path(arch, mode: str) -> None:
@@ -563,6 +646,39 @@ def test_bf16_fused_decode_matches_cublas_with_cuda_graphs(tmp_path) -> None:
             _check_against_cublas_and_hf(hf, p, n, i, runs[key][rid], cublas)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("pdl", [None, True], ids=["pdl-default", "pdl-every-kernel"])
+def test_bf16_mlp_finish_in_qkv_matches_the_finishing_kernel_with_cuda_graphs(tmp_path, monkeypatch,
+                                                                              pdl: bool | None) -> None:
+    """fused_decode.MLP_FINISH_IN_QKV on against off, bf16 "fused-folded" with the fused MLP and the carried norms,
+    CUDA graphs on (buckets 1..4 here), 4 layers (three hand-offs a step): greedy tokens equal up to a near-tie, every
+    step's logprob within 3e-2 of the switch-off run's and no further from transformers float32 (as the fused paths
+    against cublas: _check_against_cublas_and_hf); the carried slots and every accumulator zero after the run. pdl
+    None: the engine's default chain (at this small shape no PDL launch in bf16: O_PROJ_PDL wants the 8B o_proj entry,
+    which tests/test_kernels_fused_mlp.py's CUDA-graph case runs); True (decode_pdl): every kernel with PDL, the MLP's
+    streaming kernel and the qkv that reads its accumulator included."""
+    hf = _hf_llama_gpu(str(tmp_path), 0.015).to("cuda")
+    ids = prompts(7, [5, 37, 70, 12])
+    max_tokens = [8, 8, 6, 4]
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(fused_decode, "MLP_FINISH_IN_QKV", on)
+        engine = _gpu_engine(str(tmp_path), "bfloat16", "fused-folded", pdl)
+        assert engine.runner.graphs is not None
+        layers = [layer.fused_decode for layer in engine.runner.model.model.layers]
+        assert [fd.mlp_pending_max_m for fd in layers] == ([16, 16, 16, 0] if on else [0] * 4)
+        before = engine.runner.graphs.replays
+        runs[on] = generate(engine, ids, max_tokens)
+        assert engine.runner.graphs.replays - before >= max(max_tokens) - 1
+        carry = layers[0].carry
+        assert carry is not None and not carry.sums_post.any() and not carry.sums_next.any()
+        assert not any(fd.mlp_accumulator.any() for fd in layers), "an accumulator left dirty"
+        engine.close()
+    for i, (p, n) in enumerate(zip(ids, max_tokens, strict=True)):
+        _check_against_cublas_and_hf(hf, p, n, i, runs[True][f"r{i}"], runs[False][f"r{i}"])
+
+
 def _check_against_cublas_and_hf(hf: Any, p: list[int], n: int, i: int, fused: Any, cublas: Any) -> None:
     """One prompt's fused-path run (tokens, logprobs, top-two gaps) against cublas's and transformers'."""
     # Greedy equal up to a near-tie: where the two bf16 paths part, cublas's top two were within bf16 noise.
@@ -583,12 +699,17 @@ def _check_against_cublas_and_hf(hf: Any, p: list[int], n: int, i: int, fused: A
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("mode", ["fused", "fused-folded", "fused-folded+pdl"])
-def test_fp32_fused_decode_greedy_matches_transformers_on_the_gpu(tmp_path, mode: str) -> None:
+@pytest.mark.parametrize("mode", ["fused", "fused-folded", "fused-folded+pdl", "fused-folded+finish-in-qkv"])
+def test_fp32_fused_decode_greedy_matches_transformers_on_the_gpu(tmp_path, mode: str, monkeypatch) -> None:
+    """+finish-in-qkv: fused_decode.MLP_FINISH_IN_QKV on (the MLP's finishing kernel folded into the next qkv)."""
+    mode, _, flag = mode.partition("+")
+    monkeypatch.setattr(fused_decode, "MLP_FINISH_IN_QKV", flag == "finish-in-qkv")
     hf = _hf_llama_gpu(str(tmp_path), 0.08).to("cuda")
     ids = prompts(8, [5, 17, 33, 1])
-    engine = _gpu_engine(str(tmp_path), "float32", mode.removesuffix("+pdl"), mode.endswith("+pdl"))
+    engine = _gpu_engine(str(tmp_path), "float32", mode, flag == "pdl")
     assert engine.runner.startup["decode_kernels"]["fused_layers"] == 4
+    layers = [layer.fused_decode for layer in engine.runner.model.model.layers]
+    assert (layers[0].mlp_pending_max_m > 0) == (flag == "finish-in-qkv")
     got = generate(engine, ids, [12] * len(ids))
     for i, p in enumerate(ids):
         with torch.no_grad():

@@ -216,3 +216,54 @@ def test_fused_mlp_pdl_forms_read_other_kernels_outputs_after_their_waits(carrie
     assert trigger < wait and _loads(finish[:wait]) == 0
     plain_stream, plain_finish = _mlp_ptx(carried, pdl=False)
     assert not any("griddepcontrol" in line for line in plain_stream + plain_finish)
+
+
+def _stores(lines: list[str]) -> int:
+    return sum(1 for line in lines if re.search(r"\b(st|red|atom)\.global", line))
+
+
+def _pending_ptx(kernel: str, pending: bool) -> list[str]:
+    """fused_decode.MLP_FINISH_IN_QKV's two GEMVs at the 8B shape, one token, as the engine launches them under PDL
+    (bf16): "qkv" on the previous MLP's float32 accumulator (else on the carried sums), "o_proj" with its residual
+    add adding the MLP's sums and zeroing the accumulator (ZERO_ACC; else without)."""
+    from stoker.engine.kernels import gemv
+    from test_kernels_compile_sm90 import pending_qkv_constexprs
+
+    names = list(inspect.signature(gemv._gemv_kernel.fn).parameters)
+    signature = _gemv_signature("bf16")
+    if kernel == "qkv":
+        cfg = gemv.gemv_config("rope-norm", 1, 3072, 4096, True)
+        constexprs = pending_qkv_constexprs(cfg, pending, pdl=True)
+        if pending:
+            signature["x_ptr"] = "*fp32"
+    else:
+        cfg = gemv.gemv_config("plain", 1, 4096, 4096, True)
+        w_vec = gemv._row_vec(cfg, 2, False)
+        constexprs = dict(BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=False, DOT_PRECISION="tf32",
+                          NORM=False, PRO_RESIDUAL=False, APPLY_G=False, HAS_BIAS=False, SILU_MUL=False, ADD=True,
+                          ROTARY=False, QK_NORM=False, HALF=64, SPLITS_PER_HEAD=1, PAIRED=False, USE_PDL=True,
+                          NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True), W_SCALED=False, W_CONVERT=0,
+                          W_VEC=w_vec, W_SUM=gemv.row_sum(w_vec, False), PDL_TILES=cfg.pdl_tiles, PDL_GDC=True,
+                          PDL_TRIGGER_FIRST=False, CARRY=True, CARRY_X=False, ZERO_SUMS=True,
+                          NUM_SLOTS=gemv.NORM_SLOTS, SUMS_ROWS=gemv.GEMV_MAX_M, SUM_UNIT=gemv.NORM_SUM_UNIT,
+                          SLOT_STRIDE=gemv.NORM_SLOT_STRIDE, SUMS_AT_END=gemv.NORM_SUMS_AT_END, ZERO_ACC=pending)
+    signature = {name: signature[name] for name in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
+               if name.endswith("_ptr") or name in ("K", "x_stride", "w_stride", "out_stride", "add_stride")}
+    return _ptx(gemv._gemv_kernel, signature, constexprs, cfg.num_warps, cfg.num_stages, aligned)
+
+
+@pytest.mark.parametrize("kernel", ["qkv", "o_proj"])
+def test_pending_mlp_gemvs_touch_other_kernels_buffers_after_their_waits(kernel: str) -> None:
+    """fused_decode.MLP_FINISH_IN_QKV under PDL (NormCarry's ordering argument rests on it): the qkv reading the
+    previous MLP's accumulator and the stream loads before griddepcontrol.wait only what the carried form loads
+    there (its first weight tile) and stores nothing before it (the stream, the zeroed slots come after); the o_proj
+    that zeroes the accumulator stores nothing before its wait (its K tiles load there), and its zeroing adds stores
+    after it."""
+    lines = {pending: _pending_ptx(kernel, pending) for pending in (False, True)}
+    wait = {pending: _index(lines[pending], "griddepcontrol.wait") for pending in lines}
+    for pending in lines:
+        assert _stores(lines[pending][: wait[pending]]) == 0, pending
+        assert wait[pending] < _index(lines[pending], "griddepcontrol.launch_dependents")
+    assert _loads(lines[True][: wait[True]]) == _loads(lines[False][: wait[False]]) > 0
+    assert _stores(lines[True]) > _stores(lines[False])

@@ -66,7 +66,7 @@ def test_token_bitmask_kernel_compiles_for_sm90(has_rows: bool) -> None:
 _GEMV_POINTERS = ("x_ptr", "w_ptr", "out_ptr", "bias_ptr", "norm_ptr", "hres_ptr", "res_out_ptr", "add_ptr",
                   "positions_ptr", "cos_sin_ptr", "k_cache_ptr", "v_cache_ptr", "slot_ptr", "q_norm_ptr",
                   "k_norm_ptr", "w_scale_ptr", "sums_in_ptr", "sums_out_ptr", "sums_zero_ptr", "carry_g_ptr",
-                  "carry_out_ptr", "k_scale_ptr", "v_scale_ptr")
+                  "carry_out_ptr", "k_scale_ptr", "v_scale_ptr", "acc_zero_ptr")
 _GEMV_INTS = ("M", "N_OUT", "K", "x_stride", "w_stride", "out_stride", "hres_stride", "res_out_stride",
               "add_stride", "carry_out_stride", "NUM_Q_HEADS", "NUM_KV_HEADS")
 
@@ -75,14 +75,14 @@ def _gemv_signature(dtype: str) -> dict[str, str]:
     signature = {name: f"*{dtype}" for name in _GEMV_POINTERS}
     signature.update(positions_ptr="*i64", slot_ptr="*i64", cos_sin_ptr="*fp32", w_scale_ptr="*fp32", eps="fp32",
                      sums_in_ptr="*i64", sums_out_ptr="*i64", sums_zero_ptr="*i64", k_scale_ptr="*fp32",
-                     v_scale_ptr="*fp32")
+                     v_scale_ptr="*fp32", acc_zero_ptr="*fp32")
     signature.update({name: "i32" for name in _GEMV_INTS})
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_DOT", "DOT_PRECISION", "NORM", "PRO_RESIDUAL", "APPLY_G",
                  "HAS_BIAS", "SILU_MUL", "ADD", "ROTARY", "QK_NORM", "HALF", "SPLITS_PER_HEAD", "PAIRED", "USE_PDL",
                  "NORM_CHUNK", "W_SCALED", "W_CONVERT", "W_VEC", "W_SUM", "PDL_TILES", "PDL_GDC",
                  "PDL_TRIGGER_FIRST", "NORM_SUMS", "CARRY", "CARRY_X", "ZERO_SUMS", "NUM_SLOTS", "SUMS_ROWS", "SUM_UNIT",
                  "SLOT_STRIDE",
-                 "SUMS_AT_END", "FP8_CACHE"):
+                 "SUMS_AT_END", "FP8_CACHE", "X_ACC", "ZERO_ACC"):
         signature[name] = "constexpr"
     return signature
 
@@ -445,3 +445,44 @@ def test_fp8_one_token_loop_sums_its_runs_in_registers_on_sm90(w_convert: int) -
                                 target=H200, options={"num_warps": 4, "num_stages": 3})
         registers[w_sum] = _registers(kernel)
     assert registers[True] <= 80 and registers[False] - registers[True] >= 32, registers
+
+
+def pending_qkv_constexprs(cfg: Any, pending: bool, pdl: bool) -> dict[str, Any]:
+    """The bf16 / fp32 qkv GEMV's constexprs at the 8B shape as fused_decode launches it in a layer after the first
+    with the folded carried norms: pending (MLP_FINISH_IN_QKV), on the previous MLP's float32 accumulator (X_ACC, the
+    residual add and the rms in the K loop, the stream stored, the MLP's slots zeroed); else on the carried sums."""
+    from stoker.engine.kernels import gemv
+
+    w_vec = gemv._row_vec(cfg, 2, False)
+    return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
+                DOT_PRECISION="tf32", NORM=True, PRO_RESIDUAL=pending, APPLY_G=False, HAS_BIAS=False,
+                SILU_MUL=False, ADD=False, ROTARY=True, QK_NORM=False, HALF=64, SPLITS_PER_HEAD=64 // cfg.block_n,
+                PAIRED=True, USE_PDL=pdl, NORM_CHUNK=gemv.norm_chunk(4096, cfg.num_warps, True), W_SCALED=False,
+                W_CONVERT=0, W_VEC=w_vec, W_SUM=gemv.row_sum(w_vec, False), PDL_TILES=cfg.pdl_tiles, PDL_GDC=pdl,
+                PDL_TRIGGER_FIRST=False, NORM_SUMS=not pending, ZERO_SUMS=pending, NUM_SLOTS=gemv.NORM_SLOTS,
+                SUMS_ROWS=gemv.GEMV_MAX_M, SUM_UNIT=gemv.NORM_SUM_UNIT, SLOT_STRIDE=gemv.NORM_SLOT_STRIDE,
+                SUMS_AT_END=gemv.NORM_SUMS_AT_END, X_ACC=pending)
+
+
+@pytest.mark.parametrize("dtype, elem_bytes", [("bf16", 2), ("fp32", 4)])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_qkv_on_a_pending_mlp_compiles_for_sm90(dtype: str, elem_bytes: int, rows: int) -> None:
+    """fused_decode.MLP_FINISH_IN_QKV's qkv (x the float32 accumulator, the residual and the stream in the model
+    dtype) at the configs gemv_config gives the 8B folded qkv, one token (the CUDA cores, PDL) and 2-16 (the tl.dot
+    tile), compiles for sm_90 and fits a block's shared memory. (Triton 3.6, bytes a block: one token 128 either
+    way; the bf16 dot tile 57,344 against the carried form's 8,192, the float32 x and the residual pipelined beside
+    the weights, so fewer blocks an SM at 2-16 tokens: one reason MLP_FINISH_IN_QKV_MAX_M exists; fp32 155,904
+    against 122,880.)"""
+    from stoker.engine.kernels import gemv
+
+    cfg = gemv.gemv_config("rope-norm", rows, 3072, 4096, True, elem_bytes)
+    signature = _gemv_signature(dtype)
+    signature["x_ptr"] = "*fp32"
+    shared = {}
+    for pending in (False, True):
+        constexprs = pending_qkv_constexprs(cfg, pending, pdl=rows == 1)
+        constexprs["DOT_PRECISION"] = "ieee" if dtype == "fp32" else "tf32"
+        kernel = _compile(gemv._gemv_kernel, signature if pending else _gemv_signature(dtype), constexprs,
+                          cfg.num_warps, cfg.num_stages)
+        shared[pending] = kernel.metadata.shared
+    assert shared[True] <= H200_SHARED_BYTES, (cfg, shared)

@@ -12,7 +12,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 from kernel_harness import GPU, INTERPRET, NO_CUDA, TOLERANCE, cases, run_under_interpreter  # noqa: E402
-from stoker.engine.kernels.fused_mlp import fused_mlp_ref, fused_mlp_triton  # noqa: E402
+from stoker.engine.kernels.fused_mlp import fused_mlp_finish_ref, fused_mlp_ref, fused_mlp_triton  # noqa: E402
 from stoker.engine.kernels.gemv import (  # noqa: E402
     GEMV_MAX_M,
     NORM_SUM_UNIT,
@@ -164,6 +164,33 @@ def test_fused_mlp_carried_sums(device: str, dtype: torch.dtype, num_rows: int, 
     assert poisoned.any(), "no zero_sums given: the slots must stay as they were"
 
 
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("num_rows", [1, 3])
+def test_fused_mlp_left_unfinished_hands_on_its_accumulator(device: str, dtype: torch.dtype, num_rows: int) -> None:
+    """finish=False (fused_decode.MLP_FINISH_IN_QKV): the streaming kernel alone. It returns the accumulator's first
+    M * H floats as [M, H], holding the down projection's float32 sums (left for the next layer's qkv to finish and
+    its o_proj to zero), and fused_mlp_finish_ref of them is what the finishing kernel stores: bit for bit under the
+    interpreter (its programs add in one order every run), within the dtype's rounding on the GPU (atomics land in
+    any order). The finishing kernel's arguments are refused with it."""
+    x, gate_up, down, residual, g = _inputs(num_rows, device, dtype)
+    folded = fold_norm_weight(gate_up, g)
+    buffer = torch.zeros(GEMV_MAX_M * HIDDEN, device=device)
+    acc = fused_mlp_triton(x, folded, down, residual, eps=1e-5, accumulator=buffer, finish=False)
+    assert acc.shape == (num_rows, HIDDEN) and acc.dtype == torch.float32 and acc.data_ptr() == buffer.data_ptr()
+    assert not buffer[num_rows * HIDDEN :].any()
+    act, _ = gemv_ref(x, gate_up, silu_mul=True, norm_weight=g, eps=1e-5)
+    wide = [t.double() for t in (x, gate_up, down, g)]
+    act64, _ = gemv_ref(wide[0], wide[1], silu_mul=True, norm_weight=wide[3], eps=1e-5)
+    _close_to_truth(acc, gemv_ref(act, down)[0], gemv_ref(act64, wide[2])[0], dtype)
+    finished = fused_mlp_triton(x, folded, down, residual, eps=1e-5)
+    tol = 0.0 if INTERPRET else TOLERANCE[dtype]
+    torch.testing.assert_close(fused_mlp_finish_ref(acc, residual), finished, atol=tol, rtol=tol)
+    sums = norm_sums_buffer(GEMV_MAX_M, device)
+    for finishing in ({"sums_out": sums}, {"zero_sums": sums}, {"finish_early": True}):
+        with pytest.raises(ValueError, match="finishing kernel's; finish=False launches none"):
+            fused_mlp_triton(x, folded, down, residual, eps=1e-5, finish=False, **finishing)
+
+
 def test_fused_mlp_refuses_bad_carried_sums() -> None:
     x, gate_up, down, residual, _ = _inputs(2, "cpu", torch.float32)
     sums = norm_sums_buffer(GEMV_MAX_M, "cpu")
@@ -235,6 +262,71 @@ def test_fused_mlp_bf16_engine_shapes_in_a_cuda_graph(inter: int, form: str) -> 
     if carried:
         torch.testing.assert_close(sums_next[0, 0].double() / NORM_SUM_UNIT, (out.double() ** 2).sum(),
                                    rtol=1e-6, atol=1e-4)
+
+
+@GPU
+@NO_CUDA
+@pytest.mark.parametrize("num_rows", [1, 5])
+@pytest.mark.parametrize("inter", [14336, 8192], ids=["8b", "1b"])
+def test_mlp_finished_by_the_next_qkv_in_a_cuda_graph(inter: int, num_rows: int) -> None:
+    """fused_decode.MLP_FINISH_IN_QKV's launches at the engine's shapes (bf16; qkv and o_proj with PDL, o_proj's K
+    tiles before its wait at one token on the 8B entry), captured in a CUDA graph and replayed on new inputs: o_proj
+    (its residual add and the MLP's sums) -> the MLP's streaming kernel alone -> the next qkv on its accumulator and
+    the stream (stores the new stream, zeroes the MLP's slots) -> the next o_proj (zeroes the accumulator), against
+    the chain with the finishing kernel (adding the next qkv's sums) and the carried qkv in a graph of its own: the
+    new stream, qkv and the last o_proj within bf16's tolerance (the atomics' order and the rms's two sums: not
+    bitwise), and the accumulator and both slot buffers zero after every replay."""
+    from stoker.engine.kernels import rope_cos_sin
+    from stoker.engine.kernels.gemv import NormCarryOut, gemv_rotary_cache_triton, gemv_triton
+
+    torch.manual_seed(0)
+    dt, dev = torch.bfloat16, "cuda"
+    hidden, heads, kv_heads = (4096, 32, 8) if inter == 14336 else (2048, 32, 8)
+    head_dim = hidden // heads
+    x, gate_up, down, _, g = _inputs(num_rows, dev, dt, hidden=hidden, inter=inter)
+    gate_up = fold_norm_weight(gate_up, g)
+    w_o = rand(hidden, hidden, device=dev, dtype=dt, scale=hidden**-0.5)
+    w_qkv = rand((heads + 2 * kv_heads) * head_dim, hidden, device=dev, dtype=dt, scale=hidden**-0.5)
+    h = rand(num_rows, hidden, device=dev, dtype=dt)
+    caches = [rand(64, 16, kv_heads, head_dim, device=dev, dtype=dt) for _ in range(2)]
+    rope = {"num_heads": heads, "num_kv_heads": kv_heads, "positions": torch.arange(num_rows, device=dev) + 100,
+            "cos_sin": rope_cos_sin(head_dim, 512, 500000.0, None, device=dev), "k_cache": caches[0],
+            "v_cache": caches[1], "slot_mapping": torch.arange(num_rows, device=dev) * 3, "eps": 1e-5, "pdl": True}
+    acc = torch.zeros(GEMV_MAX_M * hidden, device=dev)
+    sums_post, sums_next = norm_sums_buffer(GEMV_MAX_M, dev), norm_sums_buffer(GEMV_MAX_M, dev)
+
+    def chain(pending: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s, _ = gemv_triton(h, w_o, add=x, pdl=True, carry=NormCarryOut(None, None, sums_post), zero_sums=sums_next)
+        mlp = {"eps": 1e-5, "norm_folded": False, "norm_sums": sums_post, "accumulator": acc}
+        if pending:
+            sums = fused_mlp_triton(s, gate_up, down, s, **mlp, finish=False)
+            qkv, stream = gemv_rotary_cache_triton(sums, w_qkv, None, **rope, norm_residual=s, norm_folded=True,
+                                                   x_accumulator=True, zero_sums=sums_post)
+            zero = {"zero_accumulator": sums}
+        else:
+            stream = fused_mlp_triton(s, gate_up, down, s, **mlp, sums_out=sums_next, zero_sums=sums_post)
+            qkv, _ = gemv_rotary_cache_triton(stream, w_qkv, None, **rope, norm_sums=sums_next)
+            zero = {}
+        out, _ = gemv_triton(qkv[:, :hidden], w_o, add=stream, pdl=True, zero_sums=sums_next, **zero)
+        return stream, qkv, out
+
+    graphs, outputs = {}, {}
+    for pending in (False, True):
+        for _ in range(2):  # compile outside the capture
+            chain(pending)
+        graphs[pending] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[pending]):
+            outputs[pending] = chain(pending)
+    tol = TOLERANCE[dt]
+    for _ in range(3):
+        x.copy_(rand(num_rows, hidden, device=dev, dtype=dt, scale=2.0))
+        h.copy_(rand(num_rows, hidden, device=dev, dtype=dt))
+        for pending in (False, True):
+            graphs[pending].replay()
+            torch.cuda.synchronize()
+            assert not acc.any() and not sums_post.any() and not sums_next.any(), pending
+        for got, want in zip(outputs[True], outputs[False], strict=True):
+            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.skipif(INTERPRET, reason="this is the interpreter run itself")

@@ -483,6 +483,121 @@ def test_gemv_carried_norm_rejects_bad_buffers(device: str, dtype: torch.dtype) 
         gemv_triton(x, w, add=add, carry=NormCarryOut(g, None, sums))
 
 
+# ------------------------------------------------ the fused MLP finished by the next qkv (MLP_FINISH_IN_QKV)
+# (M, path) as M_PATHS, and "pdl4": four K tiles peeled before the (interpreter: absent) wait, against the loop
+PENDING_PATHS = [(1, "auto"), (1, "dot"), (1, "pdl4"), (7, "auto")]
+if not INTERPRET:
+    PENDING_PATHS += [(3, "cores"), (16, "auto")]
+
+
+def rope_case(num_rows: int, hkv: int, head_dim: int, block_size: int, device: str, dtype: torch.dtype,
+              num_blocks: int = 4) -> dict[str, Any]:
+    """A decode step's rotary and cache operands: positions, a llama3-scaled cos | sin table, slots (the second token
+    a padding one, slot -1), and random k / v caches."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    slots = torch.randperm(num_blocks * block_size, device=device)[:num_rows]
+    if num_rows > 1:
+        slots[1] = -1
+    return {"positions": torch.randint(1, 512, (num_rows,), device=device),
+            "cos_sin": rope_cos_sin(head_dim, 512, 500000.0, scaling, device=device), "slot_mapping": slots,
+            "k_cache": rand(num_blocks, block_size, hkv, head_dim, device=device, dtype=dtype),
+            "v_cache": rand(num_blocks, block_size, hkv, head_dim, device=device, dtype=dtype)}
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("hq,hkv,head_dim,block_size", ROPE_SHAPES)
+@pytest.mark.parametrize("num_rows,path", PENDING_PATHS)
+@pytest.mark.parametrize("variant", ["llama", "qwen_bias_qk_norm"])
+def test_gemv_rotary_cache_finishes_a_pending_mlp(
+    device: str, dtype: torch.dtype, hq: int, hkv: int, head_dim: int, block_size: int, num_rows: int, path: str,
+    variant: str,
+) -> None:
+    """fused_decode.MLP_FINISH_IN_QKV: the qkv GEMV on the previous MLP's float32 accumulator (x_accumulator) and the
+    stream it adds to (norm_residual), the norm folded into W. The stream it stores is the finishing kernel's rounding,
+    round(round(acc) + r) (fused_mlp_finish_ref), bit for bit; qkv and the caches equal the folded-norm reference on
+    that stream (the rms summed in the K loop); the carried slots it is given are zeroed. Then the o_proj GEMV after
+    it zeroes the accumulator's first M * H floats (zero_accumulator) and nothing past them, its output as without.
+    The accumulator holds values between the dtype's numbers (added unrounded, fp16 stores other bits) and rows far
+    from rms 1 (a missing norm shows). "qwen_bias_qk_norm": Qwen2's bias and Qwen3's per-head norm, one program a
+    head (another grid: each program still reads all of K, program 0 still stores the stream)."""
+    from stoker.engine.kernels.fused_mlp import fused_mlp_finish_ref
+
+    torch.manual_seed(11)
+    hidden = 136
+    n_total = (hq + 2 * hkv) * head_dim
+    qwen = variant == "qwen_bias_qk_norm"
+    acc_buf = torch.full((GEMV_MAX_M * hidden,), 5.0, device=device)  # past M * H: never touched
+    acc = acc_buf[: num_rows * hidden].view(num_rows, hidden)
+    acc.copy_(torch.randn(num_rows, hidden, device=device) * 3)
+    r = rand(num_rows, hidden, device=device, dtype=dtype, scale=2.0)
+    g = rand(hidden, device=device, dtype=dtype) + 1
+    weight = rand(n_total, hidden, device=device, dtype=dtype, scale=(3.0 if qwen else 1.0) * hidden**-0.5)
+    bias = rand(n_total, device=device, dtype=dtype) if qwen else None
+    case = rope_case(num_rows, hkv, head_dim, block_size, device, dtype)
+    caches = {"k_cache": case.pop("k_cache"), "v_cache": case.pop("v_cache")}
+    common: dict[str, Any] = {"num_heads": hq, "num_kv_heads": hkv, "eps": 1e-5, **case}
+    if qwen:
+        common["q_norm"] = rand(head_dim, device=device, dtype=dtype, scale=0.25) + 1
+        common["k_norm"] = rand(head_dim, device=device, dtype=dtype, scale=0.25) + 1
+    initial = {name: c.clone() for name, c in caches.items()}
+    ref_caches = {name: c.clone() for name, c in caches.items()}
+    cfg = {"dot": GemvConfig(16, 16, 64, True, 4, 2), "cores": GemvConfig(4, 8, 64, False, 4, 2),
+           "pdl4": GemvConfig(1, 8, 64, False, 4, 2, pdl_tiles=4)}.get(path)
+    sums = norm_sums_buffer(GEMV_MAX_M, device) + 7  # the slots the unfinished MLP read: to be zeroed
+    folded = fold_norm_weight(weight, g)
+    pending = {"norm_residual": r, "norm_folded": True, "x_accumulator": True}
+    out, s = gemv_rotary_cache_triton(acc, folded, bias, **caches, **common, **pending, zero_sums=sums,
+                                      pdl=path == "pdl4", config=cfg)
+    ref, ref_s = gemv_rotary_cache_ref(acc, weight, bias, **ref_caches, **common, norm_weight=g, norm_residual=r,
+                                       x_accumulator=True)
+    assert out.dtype == s.dtype == dtype and s.data_ptr() != r.data_ptr()
+    torch.testing.assert_close(s, fused_mlp_finish_ref(acc, r), rtol=0, atol=0)
+    torch.testing.assert_close(ref_s, s, rtol=0, atol=0)
+    assert not sums.any(), "the slots given as zero_sums were not zeroed"
+    # the float64 truth of the rest of the chain, from the stream (exactly defined above)
+    wide = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "cos_sin" else v
+            for k, v in common.items()}
+    true_caches = {name: c.double() for name, c in initial.items()}
+    truth, _ = gemv_rotary_cache_ref(s.double(), weight.double(), None if bias is None else bias.double(),
+                                     **true_caches, **wide, norm_weight=g.double())
+    close_to_truth(out, ref, truth, dtype)
+    for name in caches:
+        close_to_truth(caches[name], ref_caches[name], true_caches[name], dtype)
+    if path == "pdl4":  # the peeled tiles take the accumulator as the loop does: the same bits
+        loop, loop_s = gemv_rotary_cache_triton(acc, folded, bias, **initial, **common, **pending,
+                                                config=dataclasses.replace(cfg, pdl_tiles=1))
+        torch.testing.assert_close(out, loop, rtol=0, atol=0)
+        torch.testing.assert_close(s, loop_s, rtol=0, atol=0)
+    # the next GEMV (o_proj: the attention's output, plus the stream) zeroes the accumulator qkv read
+    attn = out[:, : hq * head_dim]  # (rows n_total apart: a row stride of its own)
+    w_o = rand(hidden, hq * head_dim, device=device, dtype=dtype, scale=(hq * head_dim) ** -0.5)
+    o_sums = norm_sums_buffer(GEMV_MAX_M, device)
+    o, _ = gemv_triton(attn, w_o, add=s, carry=NormCarryOut(None, None, o_sums), zero_accumulator=acc_buf)
+    torch.testing.assert_close(o, gemv_triton(attn, w_o, add=s)[0], rtol=0, atol=0)
+    assert not acc_buf[: num_rows * hidden].any(), "the accumulator was not zeroed"
+    assert bool((acc_buf[num_rows * hidden :] == 5.0).all()), "zeroed past M * H"
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_gemv_pending_mlp_arguments_are_checked(device: str, dtype: torch.dtype) -> None:
+    x, w = rand(2, K, device=device, dtype=dtype), rand(N, K, device=device, dtype=dtype)
+    acc = torch.zeros(2, K, device=device)
+    rope = {"num_heads": 1, "num_kv_heads": 1, "norm_folded": True, "x_accumulator": True,
+            **rope_case(2, 1, N // 3, 8, device, dtype)}
+    with pytest.raises(ValueError, match="x_accumulator rounds x and adds norm_residual"):
+        gemv_rotary_cache_triton(acc, w, None, **rope)
+    with pytest.raises(ValueError, match="x_accumulator means float32 x shaped as norm_residual"):
+        gemv_rotary_cache_triton(acc[:, :-1], w, None, **rope, norm_residual=x)
+    with pytest.raises(ValueError, match="x_accumulator means float32 x"):
+        gemv_rotary_cache_triton(acc.double(), w, None, **rope, norm_residual=x)
+    with pytest.raises(ValueError, match="pass it"):
+        gemv_rotary_cache_ref(acc, w, None, **rope)
+    for bad in (torch.zeros(2 * N - 1, device=device), torch.zeros(2 * N, device=device, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="zero_accumulator must be contiguous float32"):
+            gemv_triton(x, w, zero_accumulator=bad)
+
+
 # --------------------------------------------------------------------------------------- bad inputs
 @pytest.mark.parametrize("device,dtype", CASES)
 def test_gemv_rejects_bad_inputs(device: str, dtype: torch.dtype) -> None:

@@ -59,6 +59,12 @@ def fused_mlp_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, re
     return gemv_ref(act, down, add=residual)[0]
 
 
+def fused_mlp_finish_ref(accumulator: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """What the finishing kernel stores from the float32 down sums [M, H] and the residual [M, H]: the projection
+    rounded to the model dtype, then the residual add rounded (the unfused path's `down(act) + residual`)."""
+    return accumulator.to(residual.dtype) + residual
+
+
 @triton.jit
 def _mlp_kernel(
     x_ptr, wgu_ptr, wd_ptr, acc_ptr, sums_ptr,
@@ -198,7 +204,7 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                      eps: float, norm_folded: bool = True, config: MlpConfig | None = None,
                      accumulator: torch.Tensor | None = None, norm_sums: torch.Tensor | None = None,
                      sums_out: torch.Tensor | None = None, zero_sums: torch.Tensor | None = None,
-                     pdl: bool = False, finish_early: bool = False) -> torch.Tensor:
+                     pdl: bool = False, finish_early: bool = False, finish: bool = True) -> torch.Tensor:
     """fused_mlp_ref in two launches. x, residual: [M, H]; gate_up [2I, H] ([gate; up] rows, the norm weight folded
     in when norm_folded); down [H, I]; all the model dtype. residual None: no residual add (a tensor-parallel
     rank's partial sum of the row-parallel down, rank 0 adding the residual before the all-reduce). accumulator: contiguous float32 of >= M * H elements,
@@ -213,7 +219,12 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     launch and setup overlap that kernel's end); pdl or finish_early: the finishing kernel too. finish_early: the
     streaming kernel lets the finishing kernel launch as it starts, and the finishing kernel lets the kernel after
     it in before its own wait, so that one (the next layer's qkv, launched with PDL) is resident and loading its
-    first weight tile when the MLP ends. Every read of another kernel's output stays after a wait."""
+    first weight tile when the MLP ends. Every read of another kernel's output stays after a wait.
+
+    finish False: the streaming kernel alone; returns the accumulator's first M * H elements as [M, H] float32, the
+    down projection's sums, left for a later kernel to round, add the residual to and zero
+    (fused_decode.MLP_FINISH_IN_QKV: the next layer's qkv and o_proj); residual is not read, and the finishing
+    kernel's arguments (sums_out, zero_sums, finish_early) are refused."""
     if x.dim() != 2 or gate_up.dim() != 2 or down.dim() != 2:
         raise ValueError(f"fused_mlp: x [M, H], gate_up [2I, H], down [H, I] expected, got "
                          f"{tuple(x.shape)}, {tuple(gate_up.shape)}, {tuple(down.shape)}")
@@ -238,6 +249,9 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     if sums_out is not None:
         _check_norm_sums(sums_out, num_rows, x.device, "sums_out")
     _check_zero_sums(zero_sums, x)
+    if not finish and (sums_out is not None or zero_sums is not None or finish_early):
+        raise ValueError("fused_mlp: sums_out, zero_sums and finish_early are the finishing kernel's; finish=False "
+                         "launches none")
     check_launchable(x, gate_up, down, res)
     cfg = config or mlp_config(x.is_cuda, x.element_size(), inter)
     need = num_rows * hidden
@@ -246,7 +260,6 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     elif accumulator.dtype != torch.float32 or accumulator.numel() < need or not accumulator.is_contiguous():
         raise ValueError(f"fused_mlp: the accumulator must be contiguous float32 of >= {need} elements, got "
                          f"{accumulator.dtype} {tuple(accumulator.shape)}")
-    out = torch.empty_like(res, memory_format=torch.contiguous_format)
     on_gpu = not interpreting()  # griddepcontrol and the launch attribute: the GPU only
     gdc, early = pdl and on_gpu, finish_early and on_gpu
     slots = {"NUM_SLOTS": _gemv.NORM_SLOTS, "SLOT_STRIDE": _gemv.NORM_SLOT_STRIDE, "SUM_UNIT": _gemv.NORM_SUM_UNIT}
@@ -259,6 +272,9 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         NORM_SUMS=norm_sums is not None, WAIT_GDC=gdc, TRIGGER_GDC=early, **slots,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if gdc else {}),
     )
+    if not finish:
+        return accumulator[:need].view(num_rows, hidden)
+    out = torch.empty_like(res, memory_format=torch.contiguous_format)
     block_h = 256 if x.is_cuda else 32
     _mlp_finish_kernel[(triton.cdiv(hidden, block_h), num_rows)](
         accumulator, res, out, sums_out if sums_out is not None else placeholder,

@@ -13,7 +13,9 @@ constexpr flags of one kernel:
   gemv_config). Optionally with the residual add before it (`norm_residual`, an in-loop variant): s = x +
   residual, rounded to the model dtype like torch; program 0 writes s out exactly once (into a new buffer:
   other programs still read the old residual, so it must never be updated in place). The decode path does
-  not need it: the residual add lives in the o_proj / down epilogue.
+  not need it (the residual add lives in the o_proj / down epilogue) but where fused_decode.MLP_FINISH_IN_QKV
+  is on: there qkv's x is the fused MLP's float32 accumulator, rounded to the model dtype before the add
+  (`x_accumulator`, the X_ACC variant), and the launch after it zeroes that accumulator (`zero_accumulator`).
   Measured cost (H200, bf16, 2026-12-01) of the first pre-pass, BLOCK_K-wide slices of all BLOCK_M rows:
   K / BLOCK_K L2 round trips per program before its weight stream starts, +12 us on the 8B qkv (26.3 vs
   14.2 us plain at M = 1) and +21 us on gate_up (78.9 vs 57.7), slower than a separate RMSNorm kernel
@@ -200,12 +202,19 @@ def gemv_rotary_cache_ref(
     weight_scale: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    x_accumulator: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The QKV block of a Llama decoder layer up to attention: [norm ->] qkv = F.linear(h, W, b) -> (Qwen3)
     per-head RMSNorm of q and k -> rotary of q and k + k/v written into the paged caches. Returns (qkv, s)
     with qkv [M, (Hq + 2 Hkv) D] holding rotated q and k (the decode attention reads q from it).
     k_scale, v_scale: an FP8 cache's per-tensor scales (rotary_and_cache_ref stores quantize_kv of the rotated k
-    as qkv holds it, and of v); unused for a cache in the model dtype."""
+    as qkv holds it, and of v); unused for a cache in the model dtype.
+    x_accumulator: x is the float32 sums of the projection before, rounded to norm_residual's dtype first (then
+    s = x + norm_residual as ever: together fused_mlp_finish_ref's rounding)."""
+    if x_accumulator:
+        if norm_residual is None:
+            raise ValueError("gemv_rotary_cache: x_accumulator rounds x before norm_residual's add: pass it")
+        x = x.to(norm_residual.dtype)
     qkv, s = gemv_ref(x, weight, bias, norm_weight=norm_weight, eps=eps, norm_residual=norm_residual,
                       norm_folded=norm_folded, weight_scale=weight_scale)
     num_tokens = x.shape[0]
@@ -263,7 +272,7 @@ def _gemv_step(
     m, m_mask, ks, K, write_residual,
     PRO_RESIDUAL: tl.constexpr, APPLY_G: tl.constexpr, PAIRED: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, W_CONVERT: tl.constexpr, W_VEC: tl.constexpr,
-    W_SUM: tl.constexpr,
+    W_SUM: tl.constexpr, X_ACC: tl.constexpr,
 ):
     """One BLOCK_K slice: load (and norm-prepare) the x slice of every token, multiply-accumulate."""
     k = k0 + ks
@@ -272,7 +281,10 @@ def _gemv_step(
     x = tl.load(x_ptr + m[:, None] * x_stride + k[None, :], mask=xm, other=0.0)
     if PRO_RESIDUAL:
         r = tl.load(hres_ptr + m[:, None] * hres_stride + k[None, :], mask=xm, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # rounded like `x + r`
+        model_dtype = hres_ptr.dtype.element_ty  # the residual's: x's too, unless x is a float32 accumulator
+        if X_ACC:  # the previous projection's float32 sums: rounded to the model dtype first (fused_mlp's finish)
+            x = x.to(model_dtype)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(model_dtype)  # rounded like `x + r`
         tl.store(res_out_ptr + m[:, None] * res_out_stride + k[None, :], x, mask=xm & write_residual)
     if PRO_RESIDUAL or APPLY_G or not USE_DOT:
         x32 = x.to(tl.float32)
@@ -280,7 +292,7 @@ def _gemv_step(
             sumsq += tl.sum(x32 * x32, axis=1)
         if APPLY_G:  # an unfolded norm weight: scale x by it in the loop (slower, see gemv_config)
             x32 = x32 * tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        xo = x32.to(x_ptr.dtype.element_ty) if USE_DOT else x32  # the dot's operands in the model dtype
+        xo = x32.to(x.dtype) if USE_DOT else x32  # the dot's operands in the model dtype (x's after the add)
     else:
         xo = x  # straight from the pipelined load into the dot: the fast path
     acc_a = _accumulate(acc_a, xo, wa, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC, W_SUM)
@@ -339,7 +351,7 @@ def _zero_slots(sums_ptr, enabled, SUMS_ROWS: tl.constexpr, NUM_SLOTS: tl.conste
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, bias_ptr, norm_ptr, hres_ptr, res_out_ptr, add_ptr,
     positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_norm_ptr, k_norm_ptr, w_scale_ptr,
-    sums_in_ptr, sums_out_ptr, sums_zero_ptr, carry_g_ptr, carry_out_ptr, k_scale_ptr, v_scale_ptr,
+    sums_in_ptr, sums_out_ptr, sums_zero_ptr, carry_g_ptr, carry_out_ptr, k_scale_ptr, v_scale_ptr, acc_zero_ptr,
     M, N_OUT, K, eps,
     x_stride, w_stride, out_stride, hres_stride, res_out_stride, add_stride, carry_out_stride,
     NUM_Q_HEADS, NUM_KV_HEADS,
@@ -355,6 +367,7 @@ def _gemv_kernel(
     ZERO_SUMS: tl.constexpr = False,
     NUM_SLOTS: tl.constexpr = 16, SUMS_ROWS: tl.constexpr = 16, SUM_UNIT: tl.constexpr = 1048576.0,
     SLOT_STRIDE: tl.constexpr = 1, SUMS_AT_END: tl.constexpr = True, FP8_CACHE: tl.constexpr = False,
+    X_ACC: tl.constexpr = False, ZERO_ACC: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     j = tl.arange(0, BLOCK_N)
@@ -429,33 +442,33 @@ def _gemv_kernel(
         acc_a, acc_b, sumsq = _gemv_step(
             0, wa, wb, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
             res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
-            PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC, W_SUM)
+            PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC, W_SUM, X_ACC)
         k_start = BLOCK_K
     if USE_PDL:  # the other tiles loaded before the wait, in K order (the same sums as the loop's)
         if PDL_TILES > 1:
             acc_a, acc_b, sumsq = _gemv_step(
                 BLOCK_K, wa1, wb1, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
                 res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
-                PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC, W_SUM)
+                PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC, W_SUM, X_ACC)
             k_start = 2 * BLOCK_K
         if PDL_TILES > 2:
             acc_a, acc_b, sumsq = _gemv_step(
                 2 * BLOCK_K, wa2, wb2, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
                 res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
-                PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC, W_SUM)
+                PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC, W_SUM, X_ACC)
             k_start = 3 * BLOCK_K
         if PDL_TILES > 3:
             acc_a, acc_b, sumsq = _gemv_step(
                 3 * BLOCK_K, wa3, wb3, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
                 res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
-                PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC, W_SUM)
+                PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC, W_SUM, X_ACC)
             k_start = 4 * BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         wa, wb = _load_w(wa_ptrs, wb_ptrs, k0, col_mask, kw, K, PAIRED, W_CONVERT)
         acc_a, acc_b, sumsq = _gemv_step(
             k0, wa, wb, acc_a, acc_b, sumsq, x_ptr, x_stride, hres_ptr, hres_stride, res_out_ptr,
             res_out_stride, norm_ptr, m, m_mask, ks, K, write_residual,
-            PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC, W_SUM)
+            PRO_RESIDUAL, APPLY_G, PAIRED, USE_DOT, DOT_PRECISION, W_CONVERT, W_VEC, W_SUM, X_ACC)
     if W_VEC != 0:  # [BN, BK] (or [BN, BK / W_VEC]) -> [1, BN]
         acc_a = tl.sum(acc_a, axis=1)[None, :]
         if PAIRED:
@@ -503,6 +516,12 @@ def _gemv_kernel(
         # Put back to zero the slots an earlier kernel of the chain read (fused_decode.NormCarry says why they are
         # free by now), after the wait as every store here; program 0 only, SUMS_ROWS tokens' worth.
         _zero_slots(sums_zero_ptr, pid == 0, SUMS_ROWS, NUM_SLOTS, SLOT_STRIDE)
+    if ZERO_ACC:
+        # A float32 [M, N_OUT] buffer an earlier kernel of the chain read, set to zero (fused_decode.MLP_FINISH_IN_QKV:
+        # the previous layer's fused-MLP accumulator, which this layer's qkv read; fused_decode.NormCarry says why it
+        # is free by now): each program its own columns, after the wait as every store here.
+        tl.store(acc_zero_ptr + m[:, None] * N_OUT + rows_a[None, :], tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
+                 mask=out_mask)
     if ROTARY:
         b = acc_b.to(dtype).to(tl.float32)
         is_q = head < NUM_Q_HEADS
@@ -841,8 +860,12 @@ def _launch(
     carry: NormCarryOut | None = None,
     zero_sums: torch.Tensor | None = None,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    x_accumulator: bool = False,
+    zero_accumulator: torch.Tensor | None = None,
 ) -> None:
-    """kv_scales: (k_scale, v_scale) of an FP8 cache (with rotary), the kernel's FP8_CACHE store."""
+    """kv_scales: (k_scale, v_scale) of an FP8 cache (with rotary), the kernel's FP8_CACHE store. s: the stream in
+    the model dtype (x itself without norm_residual), so its dtype is the operands' where x is a float32
+    accumulator (x_accumulator, the kernel's X_ACC). zero_accumulator: ZERO_ACC's float32 [M, n_out] buffer."""
     num_rows, hidden = x.shape
     if cfg.use_dot and cfg.block_m < 16:
         raise ValueError("gemv: a tl.dot tile needs block_m >= 16")
@@ -855,7 +878,7 @@ def _launch(
     num_q_heads, num_kv_heads, half, splits = heads
     gdc = pdl and not interpreting()  # griddepcontrol and the launch attribute: the GPU only
     w_convert = _check_weight_convert(weight_convert, weight, weight_scale)
-    w_vec = _row_vec(cfg, x.element_size(), weight_scale is not None)
+    w_vec = _row_vec(cfg, s.element_size(), weight_scale is not None)
     paired = silu_mul or rotary is not None
     if w_convert:
         weight = weight.view(torch.int32)  # [N, K / 4]: four E4M3 codes a word (w_stride in words)
@@ -870,11 +893,11 @@ def _launch(
         hres, s, add_t, positions, cos_sin, k_cache, v_cache, slots, q_norm, k_norm,
         weight_scale if weight_scale is not None else x,
         norm_sums if norm_sums is not None else placeholder, sums_out, zero, carry_g, carry_x, k_scale, v_scale,
-        num_rows, n_out, hidden, eps,
+        zero_accumulator if zero_accumulator is not None else placeholder, num_rows, n_out, hidden, eps,
         x.stride(0), weight.stride(0), out.stride(0), hres.stride(0), s.stride(0), add_t.stride(0),
         carry_x.stride(0), num_q_heads, num_kv_heads,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        USE_DOT=cfg.use_dot, DOT_PRECISION=_dot_precision(x.dtype),
+        USE_DOT=cfg.use_dot, DOT_PRECISION=_dot_precision(s.dtype),
         NORM=norm_weight is not None or norm_folded or norm_sums is not None, PRO_RESIDUAL=norm_residual is not None,
         APPLY_G=norm_weight is not None, HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul, ADD=add is not None,
@@ -887,6 +910,7 @@ def _launch(
         ZERO_SUMS=zero_sums is not None,
         NUM_SLOTS=NORM_SLOTS, SUM_UNIT=NORM_SUM_UNIT, SLOT_STRIDE=NORM_SLOT_STRIDE, SUMS_AT_END=NORM_SUMS_AT_END,
         SUMS_ROWS=zero_sums.shape[0] if zero_sums is not None else GEMV_MAX_M, FP8_CACHE=kv_scales is not None,
+        X_ACC=x_accumulator, ZERO_ACC=zero_accumulator is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if gdc else {}),
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg is not None and not interpreting() else {}),
@@ -911,6 +935,7 @@ def gemv_triton(
     norm_sums: torch.Tensor | None = None,
     carry: NormCarryOut | None = None,
     zero_sums: torch.Tensor | None = None,
+    zero_accumulator: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv_ref's semantics for M <= GEMV_MAX_M in one kernel. pdl: launch with programmatic dependent
     launch (the previous kernel in the stream may still be running when this one starts loading weights).
@@ -921,10 +946,17 @@ def gemv_triton(
     each token's sum of squares of s spread over its slots in NORM_SUM_UNIT units, where x = s * g: the sums are
     scaled by 1 / sqrt(sum / K + eps) before the epilogue. carry (with add): the epilogue also writes carry.x = out *
     carry.norm_weight and adds each token's sum(out^2) into carry.sums. zero_sums: a norm_sums_buffer this launch
-    sets to zero after its PDL wait."""
+    sets to zero after its PDL wait. zero_accumulator: a contiguous float32 buffer whose first M * N elements (an
+    [M, N] accumulator in out's layout: fused_decode.MLP_FINISH_IN_QKV's) this launch sets to zero after its wait."""
     n_out = check_gemv_args(x, weight, bias, norm_weight, norm_residual, silu_mul, add, norm_folded, weight_scale)
     _check_carry(norm_sums, carry, zero_sums, x, n_out, add,
                  norm_weight is not None or norm_folded or norm_residual is not None)
+    if zero_accumulator is not None and (
+            zero_accumulator.dtype != torch.float32 or not zero_accumulator.is_contiguous()
+            or zero_accumulator.numel() < x.shape[0] * n_out or zero_accumulator.device != x.device):
+        raise ValueError(f"gemv: zero_accumulator must be contiguous float32 of >= M * N = {x.shape[0] * n_out} "
+                         f"elements on {x.device}, got {zero_accumulator.dtype} {tuple(zero_accumulator.shape)} "
+                         f"on {zero_accumulator.device}")
     tensors = [t for t in (x, weight, bias, norm_weight, norm_residual, add, weight_scale) if t is not None]
     check_launchable(*tensors)
     for name, t in (("x", x), ("weight", weight), ("bias", bias), ("norm_weight", norm_weight),
@@ -942,7 +974,8 @@ def gemv_triton(
                                 x.element_size())
     _launch(x, weight, out, n_out, triton.cdiv(n_out, cfg.block_n), cfg, bias, norm_weight, eps,
             norm_residual, s, silu_mul, add, pdl, norm_folded=norm_folded, weight_scale=weight_scale,
-            weight_convert=weight_convert, norm_sums=norm_sums, carry=carry, zero_sums=zero_sums)
+            weight_convert=weight_convert, norm_sums=norm_sums, carry=carry, zero_sums=zero_sums,
+            zero_accumulator=zero_accumulator)
     return out, s
 
 
@@ -973,6 +1006,7 @@ def gemv_rotary_cache_triton(
     zero_sums: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    x_accumulator: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv_rotary_cache_ref in one kernel. With q_norm/k_norm (Qwen3) a program must hold a whole head,
     so the grid is one program per head (fewer, longer programs: slower at batch 1 than without).
@@ -983,13 +1017,20 @@ def gemv_rotary_cache_triton(
     written by no kernel of this step that could still be running: when this kernel starts, its predecessor's
     predecessor has finished (every other kernel of the chain triggers after its wait), or, after a fused MLP
     whose finishing kernel lets this one in early (fused_decode.FINISH_EARLY), the two MLP kernels may still run,
-    and they write only the MLP's accumulator, the residual stream and the carried sums; the attention reads
+    and they write only the MLP's accumulator, the residual stream and the carried sums (under
+    fused_decode.MLP_FINISH_IN_QKV only the streaming kernel, which writes only the accumulator); the attention reads
     this kernel's outputs (q, the newest key and value) only after its own wait, which covers this kernel.
     norm_sums, zero_sums: the carried norm, as in gemv_triton (x = s * g).
     k_scale, v_scale: a float8_e4m3fn cache's per-tensor scales (kv_quant.py): the epilogue stores the rotated k as
-    `out` holds it over k_scale, and v over v_scale, as rotary_and_cache does; unused for a cache in x's dtype."""
-    check_gemv_args(x, weight, bias, norm_weight, norm_residual, False, None, norm_folded, weight_scale)
-    _check_carry(norm_sums, None, zero_sums, x, weight.shape[0], None,
+    `out` holds it over k_scale, and v over v_scale, as rotary_and_cache does; unused for a cache in x's dtype.
+    x_accumulator (with norm_residual and the prologue norm): x is a float32 accumulator of the projection before
+    (the fused MLP's down sums, fused_decode.MLP_FINISH_IN_QKV), rounded to norm_residual's dtype (the model's)
+    before the add, as fused_mlp's finishing kernel rounds: s = round(round(x) + norm_residual); the rms is summed
+    over these s in the K loop (every program reads all of K), program 0 stores s, returned with out."""
+    # x_accumulator: every check below is of the model-dtype operand the kernel makes of x (norm_residual's shape)
+    model_x = _check_accumulated_x(x, norm_residual) if x_accumulator else x
+    check_gemv_args(model_x, weight, bias, norm_weight, norm_residual, False, None, norm_folded, weight_scale)
+    _check_carry(norm_sums, None, zero_sums, model_x, weight.shape[0], None,
                  norm_weight is not None or norm_folded or norm_residual is not None)
     head_dim = k_cache.shape[-1]
     num_rows, hidden = x.shape
@@ -1007,18 +1048,18 @@ def gemv_rotary_cache_triton(
         raise ValueError(f"gemv_rotary_cache: weight_convert={weight_convert!r} with q_norm/k_norm is refused on CUDA "
                          "(NaN measured on the H200 with the per-head norm): use 'cast'")
     for t in (q_norm, k_norm):
-        if t is not None and (t.shape != (head_dim,) or t.dtype != x.dtype):
-            raise ValueError(f"gemv_rotary_cache: q_norm / k_norm must be [{head_dim}] {x.dtype}")
+        if t is not None and (t.shape != (head_dim,) or t.dtype != model_x.dtype):
+            raise ValueError(f"gemv_rotary_cache: q_norm / k_norm must be [{head_dim}] {model_x.dtype}")
     if positions.shape != (num_rows,) or slot_mapping.shape != (num_rows,):
         raise ValueError(f"gemv_rotary_cache: positions and slot_mapping must be [{num_rows}]")
     if cos_sin.dim() != 2 or cos_sin.shape[1] != head_dim or cos_sin.dtype != torch.float32:
         raise ValueError(f"gemv_rotary_cache: cos_sin must be float32 [max_pos, {head_dim}]")
     fp8_cache = is_fp8_cache(k_cache)
-    cache_dtype = k_cache.dtype if fp8_cache else x.dtype
+    cache_dtype = k_cache.dtype if fp8_cache else model_x.dtype
     if (k_cache.dim() != 4 or k_cache.shape[2:] != (num_kv_heads, head_dim) or v_cache.shape != k_cache.shape
             or k_cache.dtype != cache_dtype or v_cache.dtype != cache_dtype):
         raise ValueError(f"gemv_rotary_cache: caches must be [blocks, block_size, {num_kv_heads}, {head_dim}] "
-                         f"{x.dtype} or float8_e4m3fn, got {tuple(k_cache.shape)} {k_cache.dtype}, "
+                         f"{model_x.dtype} or float8_e4m3fn, got {tuple(k_cache.shape)} {k_cache.dtype}, "
                          f"{tuple(v_cache.shape)} {v_cache.dtype}")
     kv_scales = None
     if fp8_cache:
@@ -1037,13 +1078,13 @@ def gemv_rotary_cache_triton(
         _contiguous_last(name, t)
     if num_rows > GEMV_MAX_M:
         raise ValueError(f"gemv: M = {num_rows} > {GEMV_MAX_M}; use F.linear (cuBLAS) for larger batches")
-    out = torch.empty(num_rows, n_total, dtype=x.dtype, device=x.device)
-    s = x if norm_residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    out = torch.empty(num_rows, n_total, dtype=model_x.dtype, device=x.device)
+    s = x if norm_residual is None else torch.empty_like(norm_residual, memory_format=torch.contiguous_format)
     if num_rows == 0:
         return out, s
     half = head_dim // 2
     kind = "rope-norm" if norm_folded else "rope"
-    cfg = config or gemv_config(kind, num_rows, n_total // 2, hidden, x.is_cuda, x.element_size())
+    cfg = config or gemv_config(kind, num_rows, n_total // 2, hidden, x.is_cuda, model_x.element_size())
     block_n = min(cfg.block_n, triton.next_power_of_2(half))
     if q_norm is not None:
         block_n = triton.next_power_of_2(half)  # the per-head norm needs the whole head in one program
@@ -1060,5 +1101,16 @@ def gemv_rotary_cache_triton(
             False, None, pdl, rotary=(positions, cos_sin, k_cache, v_cache, slot_mapping),
             heads=(num_heads, num_kv_heads, half, splits), qk_norm=qk, norm_folded=norm_folded,
             weight_scale=weight_scale, weight_convert=weight_convert, trigger_first=pdl_trigger_first,
-            norm_sums=norm_sums, zero_sums=zero_sums, kv_scales=kv_scales)
+            norm_sums=norm_sums, zero_sums=zero_sums, kv_scales=kv_scales, x_accumulator=x_accumulator)
     return out, s
+
+
+def _check_accumulated_x(x: torch.Tensor, norm_residual: torch.Tensor | None) -> torch.Tensor:
+    """x_accumulator's x: float32 [M, K] beside norm_residual [M, K] in the model dtype -> norm_residual (what the
+    launcher's checks take for x: the operand the kernel rounds x to has its dtype and shape)."""
+    if norm_residual is None:
+        raise ValueError("gemv: x_accumulator rounds x and adds norm_residual before the prologue norm: pass both")
+    if x.dtype != torch.float32 or x.shape != norm_residual.shape:
+        raise ValueError(f"gemv: x_accumulator means float32 x shaped as norm_residual {tuple(norm_residual.shape)}, "
+                         f"got {x.dtype} {tuple(x.shape)}")
+    return norm_residual

@@ -24,7 +24,8 @@ Which layers take it (`bind_fused_decode`'s reasons; the answer is the same for 
   program per head, so a little slower at batch 1 than without it).
 - bf16 "fused-folded" with the fused MLP carries its norms (FOLDED_NORM_CARRY): o_proj's epilogue adds each token's
   sum(s^2) for the MLP, the MLP's finishing kernel for the next layer's qkv, and those scale by 1 / rms (g is in their
-  weights), so only the first layer's input norm is a prologue / kernel: 5 launches a layer.
+  weights), so only the first layer's input norm is a prologue / kernel: 5 launches a layer. MLP_FINISH_IN_QKV (off,
+  unmeasured) makes it 4 but in the last layer: the finishing kernel's work done by the next layer's qkv.
 - bf16 at one token: qkv, the attention and o_proj launch with PDL (QKV_PDL, O_PROJ_PDL) where o_proj's launch loads
   several K tiles before its wait, the rest of the chain without (MLP_PDL, FINISH_EARLY: measured slower).
 - FP8 linears with row scales (per-channel, per-tensor, `--quantization fp8`) run the same kernels as W8A16
@@ -184,6 +185,25 @@ MLP_PDL = False
 FINISH_EARLY = False
 # Tried: the MLP as one launch, its last program finishing through an arrival counter (session 19's MLP_FINISH_IN):
 # W1 4.082 against 4.030 ms on the H200 and wrong on the GPU in fp16 (session 20); removed.
+# The fused MLP's finishing kernel folded into the next layer's qkv GEMV, in the bf16 chain with the folded carried
+# norms (FOLDED_NORM_CARRY), every layer but the last: a layer launches the MLP's streaming kernel alone and hands on
+# its float32 accumulator and the stream it would have added (o_proj's output) as (hidden, residual), the form an
+# unfused layer hands on (MLP output, residual); the next layer's qkv rounds the accumulator to the model dtype, adds
+# the stream and rounds again in its K loop (the finishing kernel's rounding: gemv's x_accumulator), sums the rms of
+# those values there (every program reads all of K, so no carried sums for this qkv) and program 0 stores them, the
+# new stream, for o_proj's residual add; that o_proj zeroes the accumulator (NormCarry says why it may then). One
+# launch a layer fewer: the finishing kernel's 2.1 us on the H200's critical path (session 21's profile, W1 bf16 8B
+# 4.09 ms), against every qkv program reading the float32 accumulator and the stream (6 bytes an element from L2
+# where it read the stream's 2) and rounding, adding and squaring them in its K loop.
+# Unmeasured until the H200 A/B (ops/bench.py --decode-kernels auto,auto+set=fused_decode.MLP_FINISH_IN_QKV=True):
+# off. Read when the model plans its decode (link_norm_carry), as is the cap below.
+MLP_FINISH_IN_QKV = False
+# With it on, steps of up to this many tokens take it (M is fixed per CUDA-graph bucket, so a bucket takes one form or
+# the other): x processed inside the loop is what made the tl.dot path slow before (gemv.py: the in-loop norm took
+# the 8B qkv 15 -> 35-57 us at M = 8), and on sm_90 this qkv's dot tile asks 57,344 bytes of shared memory a block
+# against the carried form's 8,192 (one token: 128 either way; tests/test_kernels_compile_sm90.py), so the A/B may
+# want it at 1 ("+set=fused_decode.MLP_FINISH_IN_QKV_MAX_M=1").
+MLP_FINISH_IN_QKV_MAX_M = GEMV_MAX_M
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +235,9 @@ class FusedDecode:
     # partial sums, rank 0's with the residual added in the epilogue, and the shard's all-reduce sums them into the
     # stream (one collective after o_proj and one after the MLP, as the unfused twins). None: one GPU.
     shard: ShardPlan | None = None
+    # MLP_FINISH_IN_QKV: steps of up to this many tokens launch the MLP's streaming kernel alone and leave the rest to
+    # the next layer's qkv (0: never; the last layer, whose stream the model's final norm reads, finishes its own).
+    mlp_pending_max_m: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +255,20 @@ class NormCarry:
     done. Every kernel of the chain waits for its predecessor before it stores (PDL or not), so each of these
     orders holds, and both buffers are zero again after every step (the last layer adds into neither). The first
     layer's qkv zeroes sums_post as well, so a step starts clean even after one that stopped halfway. Each buffer
-    holds GEMV_MAX_M tokens; a step uses its first M rows."""
+    holds GEMV_MAX_M tokens; a step uses its first M rows.
+
+    MLP_FINISH_IN_QKV (the folded form; every layer's MLP but the last left unfinished): no finishing kernel adds
+    into sums_next (the next qkv sums its rms in its own K loop, and the last layer's finishing kernel has no next
+    norm), and o_proj still zeroes it. sums_post, read by the unfinished MLP, is zeroed by the next layer's qkv: that
+    qkv is launched after the MLP and, with PDL or without, stores only once the MLP has completed (its wait; a plain
+    launch starts after it), and that layer's o_proj adds into it only after its own wait. The MLP's float32
+    accumulator (one a layer), read by the next layer's qkv after its wait, is zeroed by that layer's o_proj after
+    its wait: o_proj waits for the attention, whose programs (every split-0 program at least) wait for qkv before
+    they read q, so the attention completes only after qkv has, and o_proj's stores follow every qkv program's
+    reads; the next add into that accumulator is the same layer's MLP a step later. So every slot and accumulator
+    is zero after a step (the last layer's finishing kernel zeroes its own accumulator and sums_post), as without
+    it; a step stopped between an MLP and the next layer's o_proj would leave its accumulator dirty, as a step
+    stopped between the two MLP kernels does without it."""
 
     x_post: torch.Tensor | None  # [GEMV_MAX_M, H] model dtype; None where g is folded (the consumer reads s)
     sums_post: torch.Tensor  # gemv.norm_sums_buffer(GEMV_MAX_M): zero between steps
@@ -262,8 +298,10 @@ def link_norm_carry(fused: list[FusedDecode | None]) -> list[FusedDecode | None]
         return fused
     weight = layers[0].input_norm.weight
     carry = NormCarry.allocate(weight.shape[0], weight.dtype, weight.device, folded=not fp8)
+    pending_max_m = MLP_FINISH_IN_QKV_MAX_M if MLP_FINISH_IN_QKV and not fp8 else 0  # the folded chain only
     return [dataclasses.replace(fd, carry=carry, carry_in=i > 0,
-                                next_norm=layers[i + 1].input_norm if i + 1 < len(layers) else None)
+                                next_norm=layers[i + 1].input_norm if i + 1 < len(layers) else None,
+                                mlp_pending_max_m=pending_max_m if i + 1 < len(layers) else 0)
             for i, fd in enumerate(layers)]
 
 
@@ -409,28 +447,42 @@ def fused_decode_layer(
     meta: AttentionMetadata,
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,
-) -> tuple[torch.Tensor, None]:
-    """LlamaDecoderLayer.forward's semantics for a decode step -> (the new residual stream [M, H], None)."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """LlamaDecoderLayer.forward's semantics for a decode step -> (the new residual stream [M, H], None); under
+    MLP_FINISH_IN_QKV (steps of up to fd.mlp_pending_max_m tokens) -> (the MLP's float32 down sums [M, H], the stream
+    they are to be added to), which the next layer's qkv finishes: a pending MLP comes in as (hidden, residual)."""
     num_tokens = hidden.shape[0]
     prologue = num_tokens <= fd.prologue_max_m
     carry = fd.carry
     qkv_sums = None
+    pending = None  # the previous layer's unfinished MLP: its float32 accumulator [M, H] (MLP_FINISH_IN_QKV)
     if carry is not None and fd.carry_in:  # the previous layer's down / MLP did the input norm's first half
-        if residual is not None:
-            raise ValueError("fused decode: a carried norm follows a fused layer, whose output is the stream itself")
-        # folded: g is in qkv's weights and x is the stream itself; else x = s * g, stored by the previous down
-        x = hidden if carry.x_next is None else carry.x_next[:num_tokens]
-        stream, qkv_sums = hidden, carry.sums_next
+        if residual is not None:  # (the previous MLP's down sums, the stream): this qkv finishes that MLP
+            if carry.x_next is not None or hidden.dtype != torch.float32:
+                raise ValueError("fused decode: after a fused layer only an unfinished MLP of the folded carried "
+                                 "norms (its float32 accumulator, and the stream as the residual) comes with a residual")
+            pending, x, stream = hidden, hidden, residual
+        else:
+            # folded: g is in qkv's weights and x is the stream itself; else x = s * g, stored by the previous down
+            x = hidden if carry.x_next is None else carry.x_next[:num_tokens]
+            stream, qkv_sums = hidden, carry.sums_next
     elif prologue:  # the qkv GEMV normalises the stream itself
         stream = hidden if residual is None else hidden + residual
         x = stream
     else:  # the norm kernel; a unit gain where g is folded into the weights (fused-folded)
         x, stream = fd.input_norm(hidden, residual, pdl=fd.pdl)
-    folded = fd.folded and prologue and qkv_sums is None  # the qkv prologue normalises with g folded into W
+    # the qkv prologue normalises with g folded into W; after an unfinished MLP it makes the stream itself (the
+    # rms summed in its K loop) whatever the step's size
+    folded = pending is not None or (fd.folded and prologue and qkv_sums is None)
     o_pdl = _o_proj_pdl(fd, num_tokens)  # the attention lets o_proj in early; o_proj loads tiles before its wait
-    first_zero = carry.sums_post if carry is not None and not fd.carry_in else None  # NormCarry: a clean start
-    qkv = _qkv_rotary_cache(fd, x, positions, meta, k_cache, v_cache, prologue, folded, qkv_sums,
-                            pdl=_qkv_pdl(fd, o_pdl), zero_sums=first_zero)
+    # NormCarry: the first layer's qkv zeroes sums_post for a clean start; after an unfinished MLP every qkv does (no
+    # finishing kernel zeroed the slots that MLP read)
+    first_zero = carry.sums_post if carry is not None and (not fd.carry_in or pending is not None) else None
+    qkv, qkv_stream = _qkv_rotary_cache(fd, x, positions, meta, k_cache, v_cache, prologue or pending is not None,
+                                        folded, qkv_sums, pdl=_qkv_pdl(fd, o_pdl), zero_sums=first_zero,
+                                        pending_stream=stream if pending is not None else None)
+    if pending is not None:
+        stream = qkv_stream  # round(round(acc) + stream), stored by qkv's program 0: o_proj's residual
     num_heads, head_dim = fd.attention.num_heads, fd.attention.head_dim
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     # The decode attention takes PDL on an FP8 cache too (decode_pdl.py converts its early tile as the loop does)
@@ -444,6 +496,8 @@ def fused_decode_layer(
         o_carry = {"carry": NormCarryOut(fd.post_norm.weight if x_post is not None else None, x_post,
                                          carry.sums_post),
                    "zero_sums": carry.sums_next}
+        if pending is not None:  # the previous MLP's accumulator, read by qkv: zeroed (NormCarry says why now)
+            o_carry["zero_accumulator"] = pending
     # Tensor parallel: rank 0's partial sum takes the residual, the other ranks' do not, and the all-reduce sums them.
     residual_here = fd.shard is None or fd.shard.rank == 0
     stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream if residual_here else None, pdl=o_pdl, **o_carry,
@@ -452,6 +506,10 @@ def fused_decode_layer(
     mlp_pdl = fd.pdl or (MLP_PDL and not fd.pdl_off)
     finish_early = FINISH_EARLY and not fd.pdl_off
     if carry is not None and carry.x_post is None:  # folded: the fused MLP on the stream and the carried sums
+        if num_tokens <= fd.mlp_pending_max_m:  # MLP_FINISH_IN_QKV: the streaming kernel alone; the next qkv finishes
+            return fused_mlp_triton(stream, fd.gate_up.weight, fd.down.weight, stream, eps=fd.post_norm.eps,
+                                    norm_folded=False, accumulator=fd.mlp_accumulator, norm_sums=carry.sums_post,
+                                    pdl=mlp_pdl, finish=False), stream
         return fused_mlp_triton(stream, fd.gate_up.weight, fd.down.weight, stream, eps=fd.post_norm.eps,
                                 norm_folded=False, accumulator=fd.mlp_accumulator, norm_sums=carry.sums_post,
                                 sums_out=carry.sums_next if fd.next_norm is not None else None,
@@ -515,12 +573,16 @@ def _qkv_rotary_cache(
     norm_sums: torch.Tensor | None = None,
     pdl: bool = False,
     zero_sums: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """qkv [M, (Hq + 2 Hkv) D] with q and k rotated; k and v written to the caches (slot -1: padding). prologue: x is
-    the stream, normalised in the GEMV's prologue (folded: with g in the weights); norm_sums: x is s * g of a carried
-    norm (NormCarry), these its slots; else x is already normalised. pdl: launch with programmatic dependent launch.
-    zero_sums: a carried norm's slots this launch zeroes after its wait. An FP8 cache stores k / k_scale and
-    v / v_scale with the attention module's scales (the kernel reads them only for a float8_e4m3fn cache)."""
+    pending_stream: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qkv [M, (Hq + 2 Hkv) D] with q and k rotated, the stream); k and v written to the caches (slot -1: padding).
+    prologue: x is the stream, normalised in the GEMV's prologue (folded: with g in the weights); norm_sums: x is
+    s * g of a carried norm (NormCarry), these its slots; else x is already normalised. pending_stream (with prologue
+    and folded): x is the previous MLP's float32 accumulator and this the stream it adds to (MLP_FINISH_IN_QKV); the
+    returned stream is then the new one, round(round(x) + pending_stream), else x. pdl: launch with programmatic
+    dependent launch. zero_sums: a carried norm's slots this launch zeroes after its wait. An FP8 cache stores
+    k / k_scale and v / v_scale with the attention module's scales (the kernel reads them only for a float8_e4m3fn
+    cache)."""
     q_norm = fd.q_norm.weight if fd.q_norm is not None else None
     k_norm = fd.k_norm.weight if fd.k_norm is not None else None
     # One eps serves the prologue norm and Qwen3's q/k norm: the model builds all of them from rms_norm_eps.
@@ -528,12 +590,13 @@ def _qkv_rotary_cache(
     fp8 = _fp8_args(fd.qkv, "rope", x.shape[0])
     if q_norm is not None and fp8.get("weight_convert", "cast") != "cast" and gemv.REFUSE_WORDS_WITH_QK_NORM:
         fp8["weight_convert"] = "cast"  # refused with the q/k norm on CUDA (see gemv_rotary_cache_triton)
-    qkv, _ = gemv_rotary_cache_triton(
+    qkv, stream = gemv_rotary_cache_triton(
         x, fd.qkv.weight, fd.qkv.bias, num_heads=fd.attention.num_heads, num_kv_heads=fd.attention.num_kv_heads,
         positions=positions, cos_sin=fd.rotary.cos_sin, k_cache=k_cache, v_cache=v_cache,
         slot_mapping=meta.slot_mapping, eps=eps, q_norm=q_norm, k_norm=k_norm, pdl=pdl,
         pdl_trigger_first=pdl and QKV_TRIGGER_FIRST,
         norm_folded=folded, norm_sums=norm_sums, zero_sums=zero_sums, k_scale=fd.attention.k_scale,
-        v_scale=fd.attention.v_scale, **fp8, **_unfolded_norm(fd, fd.input_norm, prologue),
+        v_scale=fd.attention.v_scale, norm_residual=pending_stream, x_accumulator=pending_stream is not None,
+        **fp8, **_unfolded_norm(fd, fd.input_norm, prologue),
     )
-    return qkv
+    return qkv, stream
