@@ -37,15 +37,14 @@ def test_set_items_change_a_module_constant_for_their_item_only() -> None:
 def test_set_items_switch_the_mlp_finish_into_the_next_qkv() -> None:
     """The A/B of fused_decode.MLP_FINISH_IN_QKV (and its token cap), which the model reads when it plans its decode,
     i.e. after the item's flags are applied: set for that item's engine, back to the module's values for the next."""
-    assert fused_decode.MLP_FINISH_IN_QKV is False  # off by default until the H200 A/B
-    cap = fused_decode.MLP_FINISH_IN_QKV_MAX_M
-    item = "auto+set=fused_decode.MLP_FINISH_IN_QKV=True+set=fused_decode.MLP_FINISH_IN_QKV_MAX_M=1"
+    assert fused_decode.MLP_FINISH_IN_QKV is True and fused_decode.MLP_FINISH_IN_QKV_MAX_M == 1  # the H200's pick
+    item = "auto+set=fused_decode.MLP_FINISH_IN_QKV=False+set=fused_decode.MLP_FINISH_IN_QKV_MAX_M=16"
     try:
         bench.apply_kernel_flags(item)
-        assert fused_decode.MLP_FINISH_IN_QKV is True and fused_decode.MLP_FINISH_IN_QKV_MAX_M == 1
+        assert fused_decode.MLP_FINISH_IN_QKV is False and fused_decode.MLP_FINISH_IN_QKV_MAX_M == 16
         assert bench.decode_setting(item) == {"decode_kernels": "auto"}
         bench.apply_kernel_flags("auto")
-        assert fused_decode.MLP_FINISH_IN_QKV is False and cap == fused_decode.MLP_FINISH_IN_QKV_MAX_M
+        assert fused_decode.MLP_FINISH_IN_QKV is True and fused_decode.MLP_FINISH_IN_QKV_MAX_M == 1
     finally:
         bench.apply_kernel_flags("auto")
 

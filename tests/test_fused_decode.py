@@ -130,6 +130,9 @@ def test_fused_decode_greedy_matches_transformers_and_unfused(arch, mode: str, m
     pdl = flag == "pdl"
     carry = mode == "fused-folded" and flag != "nocarry"
     monkeypatch.setattr(fused_decode, "FOLDED_NORM_CARRY", flag != "nocarry")
+    # the finishing kernel at every step (the spies below count it); its fold into the next qkv, the default at one
+    # token, is test_mlp_finish_in_qkv_matches_the_finishing_kernel's
+    monkeypatch.setattr(fused_decode, "MLP_FINISH_IN_QKV", False)
     cap = {"decode_prologue_norm_max_m": int(flag[3:])} if flag.startswith("pro") else {}  # else the default
     spy = SpyCalls(monkeypatch)
     qkv_carried: list[bool] = []
@@ -236,6 +239,7 @@ def test_mlp_finish_in_qkv_matches_the_finishing_kernel(name: str, tmp_path, mon
     accumulator are zero after the run. Qwen3: its per-head q / k norm in qkv (one program a head)."""
     hf = build_hf_model(name, str(tmp_path), shape=PENDING_SHAPE)
     seen = spy_pending(monkeypatch)
+    monkeypatch.setattr(fused_decode, "MLP_FINISH_IN_QKV_MAX_M", 16)  # every step of this test (the default: 1)
     runs, finals, counts = {}, {}, {}
     for on in (False, True):
         monkeypatch.setattr(fused_decode, "MLP_FINISH_IN_QKV", on)

@@ -486,3 +486,26 @@ def test_qkv_on_a_pending_mlp_compiles_for_sm90(dtype: str, elem_bytes: int, row
                           cfg.num_warps, cfg.num_stages)
         shared[pending] = kernel.metadata.shared
     assert shared[True] <= H200_SHARED_BYTES, (cfg, shared)
+
+
+@pytest.mark.parametrize("dtype, elem_bytes", [("bf16", 2), ("fp32", 4)])
+@pytest.mark.parametrize("pending", [False, True])
+def test_qkv_with_the_per_head_norm_fits_at_2_to_16_tokens(dtype: str, elem_bytes: int, pending: bool) -> None:
+    """Qwen3's per-head q / k norm widens a program to the whole head (gemv.rope_launch_config): head_dim 80 on
+    the 2-16-token tensor-core tile, with the residual add in the loop (and on a pending MLP's accumulator). In
+    float32 that asked 254,208 bytes of shared memory on the H200 (session 24's GPU tests) until the K slice
+    shrank with the widening; bf16 keeps its shape."""
+    from stoker.engine.kernels import gemv
+
+    base = gemv.gemv_config("rope-norm", 7, 3 * 80, 4096, True, elem_bytes)
+    cfg = gemv.rope_launch_config(base, 40, True, elem_bytes)
+    assert cfg.block_n == 64 and cfg.use_dot
+    assert cfg.block_k == (base.block_k // 2 if elem_bytes == 4 else base.block_k)
+    signature = _gemv_signature(dtype)
+    if pending:
+        signature["x_ptr"] = "*fp32"
+    constexprs = pending_qkv_constexprs(cfg, pending, pdl=False)
+    constexprs.update(DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", QK_NORM=True, HALF=40, SPLITS_PER_HEAD=1,
+                      PRO_RESIDUAL=True, NORM_SUMS=False, HAS_BIAS=True)
+    kernel = _compile(gemv._gemv_kernel, signature, constexprs, cfg.num_warps, cfg.num_stages)
+    assert kernel.metadata.shared <= H200_SHARED_BYTES, (cfg, kernel.metadata.shared)

@@ -1084,16 +1084,10 @@ def gemv_rotary_cache_triton(
         return out, s
     half = head_dim // 2
     kind = "rope-norm" if norm_folded else "rope"
-    cfg = config or gemv_config(kind, num_rows, n_total // 2, hidden, x.is_cuda, model_x.element_size())
-    block_n = min(cfg.block_n, triton.next_power_of_2(half))
-    if q_norm is not None:
-        block_n = triton.next_power_of_2(half)  # the per-head norm needs the whole head in one program
-    block_k = cfg.block_k
-    if cfg.use_dot:
-        block_n = max(block_n, 16)
-    else:  # two [BLOCK_N, BLOCK_K] float32 accumulators live in registers: keep them at <= 4096 elements
-        block_k = min(block_k, max(32, 4096 // block_n))
-    cfg = dataclasses.replace(cfg, block_n=block_n, block_k=block_k)
+    cfg = rope_launch_config(config or gemv_config(kind, num_rows, n_total // 2, hidden, x.is_cuda,
+                                                   model_x.element_size()), half, q_norm is not None,
+                             model_x.element_size())
+    block_n = cfg.block_n
     splits = triton.cdiv(half, block_n)
     num_total_heads = num_heads + 2 * num_kv_heads
     qk = (q_norm, k_norm) if q_norm is not None and k_norm is not None else None
@@ -1103,6 +1097,26 @@ def gemv_rotary_cache_triton(
             weight_scale=weight_scale, weight_convert=weight_convert, trigger_first=pdl_trigger_first,
             norm_sums=norm_sums, zero_sums=zero_sums, kv_scales=kv_scales, x_accumulator=x_accumulator)
     return out, s
+
+
+def rope_launch_config(cfg: GemvConfig, half: int, qk_norm: bool, elem_bytes: int) -> GemvConfig:
+    """gemv_rotary_cache_triton's launch shape from gemv_config's: a program's rows are pairs (d, d + half) of one
+    head, so at most half of them; with the per-head q / k norm the whole head's (the norm needs it in one program).
+    Where that widens a float32 tensor-core tile, its K slice shrinks by as much, so a pipeline stage keeps the
+    bytes the config was sized for (a 64-row float32 tile at 2-16 tokens asked 254,208 bytes of shared memory, the
+    H200 has 232,448: Qwen3's head_dim 80 in the GPU tests, session 24)."""
+    block_n = min(cfg.block_n, triton.next_power_of_2(half))
+    block_k = cfg.block_k
+    if qk_norm:
+        wide = triton.next_power_of_2(half)
+        if cfg.use_dot and elem_bytes > 2 and wide > block_n:
+            block_k = max(16, block_k * block_n // wide)
+        block_n = wide
+    if cfg.use_dot:
+        block_n = max(block_n, 16)
+    else:  # two [BLOCK_N, BLOCK_K] float32 accumulators live in registers: keep them at <= 4096 elements
+        block_k = min(block_k, max(32, 4096 // block_n))
+    return dataclasses.replace(cfg, block_n=block_n, block_k=block_k)
 
 
 def _check_accumulated_x(x: torch.Tensor, norm_residual: torch.Tensor | None) -> torch.Tensor:

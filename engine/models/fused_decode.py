@@ -195,15 +195,17 @@ FINISH_EARLY = False
 # launch a layer fewer: the finishing kernel's 2.1 us on the H200's critical path (session 21's profile, W1 bf16 8B
 # 4.09 ms), against every qkv program reading the float32 accumulator and the stream (6 bytes an element from L2
 # where it read the stream's 2) and rounding, adding and squaring them in its K loop.
-# Unmeasured until the H200 A/B (ops/bench.py --decode-kernels auto,auto+set=fused_decode.MLP_FINISH_IN_QKV=True):
-# off. Read when the model plans its decode (link_norm_carry), as is the cap below.
-MLP_FINISH_IN_QKV = False
+# H200, W1 bf16 8B (session 24, one machine, interleaved: ops/bench.py --skip-w2 --max-num-seqs 1 --decode-kernels
+# auto,auto+set=fused_decode.MLP_FINISH_IN_QKV=True x2): 4.002 / 4.017 ms on against 4.069 / 4.067 off. So on, at one
+# token (the cap below). Read when the model plans its decode (link_norm_carry), as is the cap.
+MLP_FINISH_IN_QKV = True
 # With it on, steps of up to this many tokens take it (M is fixed per CUDA-graph bucket, so a bucket takes one form or
 # the other): x processed inside the loop is what made the tl.dot path slow before (gemv.py: the in-loop norm took
 # the 8B qkv 15 -> 35-57 us at M = 8), and on sm_90 this qkv's dot tile asks 57,344 bytes of shared memory a block
-# against the carried form's 8,192 (one token: 128 either way; tests/test_kernels_compile_sm90.py), so the A/B may
-# want it at 1 ("+set=fused_decode.MLP_FINISH_IN_QKV_MAX_M=1").
-MLP_FINISH_IN_QKV_MAX_M = GEMV_MAX_M
+# against the carried form's 8,192 (one token: 128 either way; tests/test_kernels_compile_sm90.py). Only one token
+# was measured (session 24), so 2-16 keep the finishing kernel until an A/B at those sizes says otherwise
+# ("+set=fused_decode.MLP_FINISH_IN_QKV_MAX_M=16").
+MLP_FINISH_IN_QKV_MAX_M = 1
 
 
 @dataclass(frozen=True, slots=True)
