@@ -666,6 +666,7 @@ def test_bf16_mlp_finish_in_qkv_matches_the_finishing_kernel_with_cuda_graphs(tm
     ids = prompts(7, [5, 37, 70, 12])
     max_tokens = [8, 8, 6, 4]
     runs = {}
+    monkeypatch.setattr(fused_decode, "MLP_FINISH_IN_QKV_MAX_M", 16)  # every bucket (the default: one token)
     for on in (False, True):
         monkeypatch.setattr(fused_decode, "MLP_FINISH_IN_QKV", on)
         engine = _gpu_engine(str(tmp_path), "bfloat16", "fused-folded", pdl)
