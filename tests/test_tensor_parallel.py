@@ -613,7 +613,15 @@ def test_worker_flag_and_variable_reach_the_engine_config(llama_path: str, capsy
     built: list[EngineConfig] = []
     monkeypatch.setattr(stoker.engine, "LLMEngine", built.append)  # the config build_engine makes, no engine
     worker_main.build_engine(cfg)
-    assert built[0].tensor_parallel_size == 2
+    assert built[0].tensor_parallel_size == 2 and built[0].tensor_parallel_all_reduce == "nccl"
+    cfg = worker_main.parse_config(["--model", llama_path, "--tensor-parallel", "2", "--no-warmup"],
+                                   {"STOKER_TENSOR_PARALLEL_ALL_REDUCE": "symm-mem"})
+    worker_main.build_engine(cfg)
+    assert built[1].tensor_parallel_all_reduce == "symm-mem"
+    with pytest.raises(SystemExit) as exit_:
+        worker_main.parse_config(["--model", llama_path, "--tensor-parallel-all-reduce", "mpi"], {})
+    assert exit_.value.code == 2 and "--tensor-parallel-all-reduce must be nccl or symm-mem, got 'mpi'" in \
+        capsys.readouterr().err
     assert worker_main.parse_config(["--model", llama_path], {"STOKER_TENSOR_PARALLEL": "4"}).tensor_parallel == 4
     with pytest.raises(SystemExit) as exit_:
         worker_main.parse_config(["--model", llama_path, "--tensor-parallel", "0"], {})

@@ -46,6 +46,7 @@ class WorkerConfig:
     quantization: str | None = None  # "fp8": quantize an unquantized checkpoint at load (EngineConfig's field)
     load_format: str = "auto"  # "dummy": random weights from config.json alone (EngineConfig.load_format)
     tensor_parallel: int = 1  # GPUs (ranks) the model is split over (EngineConfig.tensor_parallel_size)
+    tensor_parallel_all_reduce: str = "nccl"  # nccl | symm-mem (EngineConfig.tensor_parallel_all_reduce)
     kv_cache_dtype: str = "auto"  # "fp8": the FP8 KV cache (EngineConfig.kv_cache_dtype)
     decode_kernels: str = "auto"  # auto | fused | fused-folded | cublas (EngineConfig.decode_kernels)
     decode_pdl: bool = False  # the fused decode kernels with programmatic dependent launch in every layer
@@ -145,6 +146,9 @@ class WorkerConfig:
         # The engine checks its settings again (EngineConfig); these fail before the model loads.
         if self.tensor_parallel < 1:
             problems.append(f"--tensor-parallel must be >= 1, got {self.tensor_parallel}")
+        if self.tensor_parallel_all_reduce not in ("nccl", "symm-mem"):
+            problems.append(f"--tensor-parallel-all-reduce must be nccl or symm-mem, "
+                            f"got {self.tensor_parallel_all_reduce!r}")
         if self.quantization not in (None, "fp8"):
             problems.append(f"quantization must be fp8 or unset, got {self.quantization!r}")
         if self.load_format not in ("auto", "dummy"):
