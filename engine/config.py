@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 _DTYPES = ("float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")
-KV_CACHE_DTYPES = ("auto", "fp8")
-TP_ALL_REDUCES = ("nccl", "symm-mem")  # EngineConfig.tensor_parallel_all_reduce  # auto = the model dtype; fp8 = float8_e4m3fn (engine/kernels/kv_quant.py)
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto = the model dtype; fp8 = float8_e4m3fn (engine/kernels/kv_quant.py)
+TP_ALL_REDUCES = ("nccl", "symm-mem")  # EngineConfig.tensor_parallel_all_reduce
 # How decode steps of <= 16 sequences multiply (engine/models/fused_decode.py); see EngineConfig.decode_kernels.
 DECODE_KERNELS = ("auto", "fused", "fused-folded", "cublas")
 
@@ -58,6 +58,8 @@ class EngineConfig:
     # The forward's all-reduces at tensor_parallel_size > 1 on CUDA: "nccl" (captured in the decode graphs), or
     # "symm-mem": steps of up to 16 tokens (the fused decode path's) through the one-shot all-reduce over symmetric
     # memory (engine/parallel/symm_mem.py: one kernel reading every peer's copy, no multicast), larger ones NCCL.
+    # Not yet measured, and a rank that dies while its peers wait inside a one-shot all-reduce is not yet handled:
+    # their kernel waits on its signal with no timeout (NCCL's waits are aborted by the launcher's watchdog).
     tensor_parallel_all_reduce: str = "nccl"
     # "fp8": the KV cache in float8_e4m3fn with per-layer k/v scales (the checkpoint's, else 1.0): half the bytes,
     # twice the blocks in the same budget. "auto": the model dtype.

@@ -71,8 +71,8 @@ class ModelRunner:
             load_weights(self.model, config.model_path)
         self.model.eval()
         if comm is not None and comm.nccl and config.tensor_parallel_all_reduce == "symm-mem":
-            # the fused decode steps' messages ([<= 16 tokens, hidden]); every rank here, before any capture
-            comm.enable_one_shot(16 * model_config.hidden_size, self.dtype)
+            # the fused decode steps' messages ([<= GEMV_MAX_M tokens, hidden]); every rank here, before any capture
+            comm.enable_one_shot(kernels.GEMV_MAX_M * model_config.hidden_size, self.dtype)
         # Decode steps of <= 16 sequences: the fused GEMVs or the unfused kernels (models/fused_decode.py).
         self.startup["decode_kernels"] = self.model.plan_decode(
             resolve_decode_kernels(config), config.decode_pdl, kv_cache_dtype(config), config.decode_fused_mlp,

@@ -69,7 +69,7 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
      "GPUs (one process each) the model is split over: the first N that CUDA_VISIBLE_DEVICES shows"),
     ("--tensor-parallel-all-reduce", "STOKER_TENSOR_PARALLEL_ALL_REDUCE", str, "nccl",
      "with --tensor-parallel > 1: nccl, or symm-mem (steps of up to 16 tokens through a one-shot all-reduce over "
-     "symmetric memory, larger ones NCCL; not yet measured)"),
+     "symmetric memory, larger ones NCCL; not yet measured, and a rank dying inside one can hang the others)"),
     ("--block-size", "STOKER_BLOCK_SIZE", int, 16, "tokens per KV block (a power of two)"),
     ("--num-kv-blocks", "STOKER_NUM_KV_BLOCKS", int, None, "KV blocks (default: as many as the budget allows)"),
     ("--gpu-memory-utilization", "STOKER_GPU_MEMORY_UTILIZATION", float, 0.9,

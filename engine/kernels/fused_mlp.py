@@ -207,9 +207,9 @@ def fused_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                      pdl: bool = False, finish_early: bool = False, finish: bool = True) -> torch.Tensor:
     """fused_mlp_ref in two launches. x, residual: [M, H]; gate_up [2I, H] ([gate; up] rows, the norm weight folded
     in when norm_folded); down [H, I]; all the model dtype. residual None: no residual add (a tensor-parallel
-    rank's partial sum of the row-parallel down, rank 0 adding the residual before the all-reduce). accumulator: contiguous float32 of >= M * H elements,
-    all zero (the second launch leaves it zero again, so a static one serves every layer and step); None allocates
-    one.
+    rank's partial sum of the row-parallel down, rank 0 adding the residual before the all-reduce). accumulator:
+    contiguous float32 of >= M * H elements, all zero (the second launch leaves it zero again, so a static one
+    serves every layer and step); None allocates one.
 
     The carried norms (fused_decode.NormCarry in its folded form; gemv.norm_sums_buffer layouts): norm_sums (instead
     of norm_folded) holds each token's sum of x^2, added by the o_proj epilogue, and replaces the rms pass over x;

@@ -24,8 +24,8 @@ Which layers take it (`bind_fused_decode`'s reasons; the answer is the same for 
   program per head, so a little slower at batch 1 than without it).
 - bf16 "fused-folded" with the fused MLP carries its norms (FOLDED_NORM_CARRY): o_proj's epilogue adds each token's
   sum(s^2) for the MLP, the MLP's finishing kernel for the next layer's qkv, and those scale by 1 / rms (g is in their
-  weights), so only the first layer's input norm is a prologue / kernel: 5 launches a layer. MLP_FINISH_IN_QKV (off,
-  unmeasured) makes it 4 but in the last layer: the finishing kernel's work done by the next layer's qkv.
+  weights), so only the first layer's input norm is a prologue / kernel: 5 launches a layer. MLP_FINISH_IN_QKV (on at
+  one token) makes it 4 but in the last layer: the finishing kernel's work done by the next layer's qkv.
 - bf16 at one token: qkv, the attention and o_proj launch with PDL (QKV_PDL, O_PROJ_PDL) where o_proj's launch loads
   several K tiles before its wait, the rest of the chain without (MLP_PDL, FINISH_EARLY: measured slower).
 - FP8 linears with row scales (per-channel, per-tensor, `--quantization fp8`) run the same kernels as W8A16
