@@ -10,8 +10,10 @@ static [max_batch, V] buffer. A decode step of n sequences replays the smallest 
 padding that write their K/V nowhere (slot -1), attend over one key and whose logits nobody reads. The
 attention's split-K grid is fixed per bucket because the decode launcher picks num_splits from the batch
 and the static block table's width (max_model_len), never from context_lens values (splits past a short
-context exit at once). Sampling stays outside the graph (its stages depend on per-batch settings); mixed
-and prefill steps run eagerly, a mixed step's decode rows with the split count and combine of the bucket that
+context exit at once). Sampling stays outside the graph (its stages depend on per-batch settings), but for
+buckets of up to GREEDY_IN_GRAPH_MAX rows the graph ends with the greedy argmax of every row (one kernel,
+engine/kernels/argmax.py) into a static buffer, which the sampler takes instead of launching its own where nothing
+changes the logits before the argmax (greedy_for). Mixed and prefill steps run eagerly, a mixed step's decode rows with the split count and combine of the bucket that
 would hold them (ModelRunner._decode_launch): only variants the capture compiled.
 """
 
@@ -26,9 +28,14 @@ from typing import Any
 
 import torch
 from stoker.engine.batch import AttentionMetadata, ModelInput, resolve_pending
+from stoker.engine.kernels.argmax import GreedyArgmax
 from stoker.engine.models.base import CausalLM
 
 FINE_BUCKETS_FROM = 64  # powers of two up to here, then a bucket every FINE_BUCKETS_FROM rows or more
+# Buckets of up to this many rows end with the greedy argmax of every row (a few us at batch 1, against ~20 us for
+# the sampler's four kernels and their launch gaps outside the graph; above it a step is tens of ms and the argmax
+# of rows that sample at random would be work for nothing).
+GREEDY_IN_GRAPH_MAX = 64
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -188,6 +195,12 @@ class DecodeGraphs:
         # capture() (the warm-up's logits give V: this rank's LM head may not be the config's).
         self.logits: torch.Tensor | None = None
         self.hidden: dict[int, torch.Tensor] = {}  # bucket -> static hidden states (ranks without logits)
+        # The greedy ids of buckets <= GREEDY_IN_GRAPH_MAX rows, written by each replay's last kernel (capture()
+        # makes the argmax's scratch once the vocabulary is known); greedy_for hands them to the sampler.
+        self.greedy_rows = min(max_batch, GREEDY_IN_GRAPH_MAX) if with_logits else 0
+        self.greedy_ids = torch.zeros(max(1, self.greedy_rows), dtype=torch.int64, device=dev)
+        self._argmax: GreedyArgmax | None = None
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (logits, greedy ids) of the last replay
         self.replays = 0  # decode steps served from a graph (tests and stats read it)
         self.capture_s = 0.0
 
@@ -196,7 +209,10 @@ class DecodeGraphs:
         hidden = self.model(input_ids, self.positions[:b], self._meta[b], self.kv_caches)
         if not self.with_logits:
             return hidden
-        return self.model.compute_logits(hidden, out=None if self.logits is None else self.logits[:b])
+        logits = self.model.compute_logits(hidden, out=None if self.logits is None else self.logits[:b])
+        if self._argmax is not None and b <= self.greedy_rows:
+            self._argmax(logits, self.greedy_ids[:b])
+        return logits
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -214,6 +230,9 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         if self.with_logits:  # on the current stream, which replays use (not the side stream's pool)
             self.logits = torch.empty(self.max_batch, out.shape[1], dtype=out.dtype, device=self.device)
+            if self.greedy_rows:  # its scratch, and its compile outside the captures
+                self._argmax = GreedyArgmax(self.greedy_rows, out.shape[1], self.device)
+                self._argmax(self.logits[:1].zero_(), self.greedy_ids[:1])
         with collector_paused():
             for b in reversed(self.sizes):
                 graph = torch.cuda.CUDAGraph()
@@ -251,9 +270,21 @@ class DecodeGraphs:
             self.context_lens[n:b].fill_(1)
         self.graphs[b].replay()
         self.replays += 1
+        self._last = None
         if self.logits is None:  # (no LM head on this tensor-parallel rank)
             return self.hidden[b]
         logits = self.logits[:b]
         if inp.sample_indices.shape[0] == n:  # a decode step samples every row (the usual case)
-            return logits[:n]
+            out = logits[:n]
+            if self._argmax is not None and b <= self.greedy_rows:
+                self._last = (out, self.greedy_ids[:n])
+            return out
         return logits[inp.sample_indices]
+
+    def greedy_for(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The argmax of every row of `logits` computed inside the graph, where `logits` is the very tensor the
+        last replay returned; else None. The ids are a view of a static buffer that the next replay overwrites:
+        valid for the work queued before that replay (the sampler's, the host copy, the next step's pending-token
+        gather, which reads them before the replay it belongs to)."""
+        last = self._last
+        return last[1] if last is not None and last[0] is logits else None

@@ -327,7 +327,7 @@ class ModelRunner:
         """Launch sampling; the result's token_ids stay on the device (the next step reads them) and host
         copies arrive behind them. Nothing here waits for the GPU."""
         batch = SamplingBatch.build(rows, logits.shape[-1], self.device)
-        out = self.sampler(logits, batch)
+        out = self.sampler(logits, batch, greedy=self.graphs.greedy_for(logits) if self.graphs is not None else None)
         if self.device.type != "cuda":
             return PendingSample(out.token_ids, out, None)
         return PendingSample(out.token_ids, *_to_host_async(out))

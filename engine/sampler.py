@@ -235,15 +235,18 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
-        """logits: [N, V] float32 (fresh; may be modified) -> sampled ids and, when asked, logprobs."""
+    def __call__(self, logits: torch.Tensor, b: SamplingBatch, greedy: torch.Tensor | None = None) -> SamplerOutput:
+        """logits: [N, V] float32 (fresh; may be modified) -> sampled ids and, when asked, logprobs. greedy: the
+        argmax of every row of these logits as they came (the decode graph's, cuda_graphs.GREEDY_IN_GRAPH_MAX), taken
+        instead of greedy_argmax where no penalty, ban or grammar mask changes the logits first."""
+        unchanged = b.output_counts is None and b.banned is None and b.grammar_bitmask is None
         raw_logprobs = logits.log_softmax(dim=-1) if b.num_logprobs else None
         logits = apply_penalties(logits, b)
         if b.banned is not None:
             logits = logits.masked_fill(b.banned, float("-inf"))
         if b.grammar_bitmask is not None:  # after the logprobs: those report the model's own distribution
             apply_token_bitmask(logits, b.grammar_bitmask, b.grammar_rows)
-        token_ids = greedy_argmax(logits)
+        token_ids = greedy if greedy is not None and unchanged else greedy_argmax(logits)
         if not b.all_greedy:
             assert b.temperature is not None and b.min_p is not None
             assert b.seeds is not None and b.positions is not None

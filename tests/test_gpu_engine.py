@@ -300,6 +300,12 @@ def test_fp32_greedy_tokens_match_transformers(llama, cuda_graphs: bool) -> None
     path, hf = llama
     hf = hf.to("cuda")
     engine = _engine(path, "float32", cuda_graphs=cuda_graphs)
+    # which sampling calls took the greedy ids the decode graph computed (cuda_graphs.GREEDY_IN_GRAPH_MAX)
+    taken: list[bool] = []
+    sampler = engine.runner.sampler
+    engine.runner.sampler = lambda logits, b, greedy=None: taken.append(greedy is not None) or sampler(
+        logits, b, greedy=greedy)
+    replays0 = engine.runner.graphs.replays if cuda_graphs else 0
     gen = torch.Generator().manual_seed(2)
     prompts = {f"r{n}": torch.randint(2, VOCAB, (n,), generator=gen).tolist() for n in (5, 17, 33, 64, 1)}
     for rid, ids in prompts.items():
@@ -315,11 +321,12 @@ def test_fp32_greedy_tokens_match_transformers(llama, cuda_graphs: bool) -> None
         with torch.no_grad():
             want = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=24, do_sample=False)
         assert got[rid] == want[0, len(ids) :].tolist(), rid
-    if cuda_graphs:
+    if cuda_graphs:  # every replayed step sampled from the graph's own argmax (all rows sample, <= 8 rows)
         assert engine.runner.graphs is not None and engine.runner.graphs.replays >= 20
+        assert sum(taken) == engine.runner.graphs.replays - replays0
         assert engine.runner.startup["graph_capture_s"] > 0 and engine.runner.startup["load_s"] > 0
     else:
-        assert engine.runner.graphs is None
+        assert engine.runner.graphs is None and not any(taken)
 
 
 _GPU_HOG = """

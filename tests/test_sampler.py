@@ -226,3 +226,26 @@ def test_greedy_argmax_two_stage_keeps_the_first_maximum():
         assert torch.equal(greedy_argmax(x), x.argmax(dim=-1)), (n, v)
         coarse = torch.randint(0, 3, (n, v), generator=gen).float()  # many ties across pieces
         assert torch.equal(greedy_argmax(coarse), coarse.argmax(dim=-1)), (n, v)
+
+
+def test_the_decode_graphs_greedy_ids_are_taken_only_where_nothing_changes_the_logits():
+    """Sampler(greedy=...): the argmax the decode graph computed (cuda_graphs.GREEDY_IN_GRAPH_MAX) stands for
+    greedy_argmax when the logits reach the argmax as they came; a penalty, a min_tokens ban or a grammar mask
+    changes them first, and then the sampler takes its own argmax. Given ids that are not the argmax, so which one
+    was taken shows; random rows still sample and the greedy rows of a mixed batch get the given ids."""
+    logits = torch.zeros(2, V)
+    logits[:, 3] = 50.0
+    given = torch.tensor([7, 8])
+    plain = SamplingBatch.build(rows_for([SamplingParams(temperature=0)] * 2, [0, 0]), V, "cpu")
+    assert Sampler()(logits.clone(), plain, greedy=given).token_ids.tolist() == [7, 8]
+    assert Sampler()(logits.clone(), plain).token_ids.tolist() == [3, 3]
+    mixed = SamplingBatch.build(rows_for([SamplingParams(temperature=0), SamplingParams(temperature=1.0)], [0, 5]),
+                                V, "cpu")
+    assert Sampler()(logits.clone(), mixed, greedy=given).token_ids.tolist() == [7, 3]  # row 1 draws 3 (50 logits)
+    changed = [
+        rows_for([SamplingParams(temperature=0, frequency_penalty=0.1)] * 2, [0, 0], outputs=[[1], [1]]),
+        rows_for([SamplingParams(temperature=0, min_tokens=3)] * 2, [0, 0], stop_ids=(9,)),
+    ]
+    for rows in changed:
+        batch = SamplingBatch.build(rows, V, "cpu")
+        assert Sampler()(logits.clone(), batch, greedy=given).token_ids.tolist() == [3, 3]
