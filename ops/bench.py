@@ -405,8 +405,8 @@ class StepProbe:
                 self.pairs.append([ev, None])
             return self._orig_forward(inp)
 
-        def sampler(logits, batch):
-            out = self._orig_sampler(logits, batch)
+        def sampler(logits, batch, greedy=None):
+            out = self._orig_sampler(logits, batch, greedy=greedy)
             if self._decode:
                 ev = torch.cuda.Event(enable_timing=True)
                 ev.record()
