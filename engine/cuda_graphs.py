@@ -1,10 +1,11 @@
 """CUDA graphs for decode-only steps.
 
 At startup we capture, per batch-size bucket (bucket_sizes: 1, 2, 4, .., 64, then every 64 rows up to
-max_num_seqs), one graph of the whole decode forward (pending-token gather -> embedding -> layers -> final
-norm -> lm_head -> float32 logits) over static buffers: input_ids (with pending tokens encoded as -1 - row
-of prev_tokens, resolved inside the graph), prev_tokens, positions, slot_mapping, block_tables,
-context_lens (and query_start_loc, which the decode kernel never reads). All graphs share one memory pool
+max_num_seqs), one graph of the whole decode forward (embedding -> layers -> final norm -> lm_head -> float32
+logits) over static buffers: input_ids, positions, slot_mapping, block_tables, context_lens (and
+query_start_loc, which the decode kernel never reads). A step's inputs go into them in one kernel launched before
+the replay (engine/kernels/graph_inputs.py), which also resolves its pending token ids (-1 - row of the previous
+step's sampled ids). All graphs share one memory pool
 and are captured largest first, so the smaller ones reuse its blocks; all write their logits into one
 static [max_batch, V] buffer. A decode step of n sequences replays the smallest bucket >= n: rows n.. are
 padding that write their K/V nowhere (slot -1), attend over one key and whose logits nobody reads. The
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 from stoker.engine.batch import AttentionMetadata, ModelInput, resolve_pending
 from stoker.engine.kernels.argmax import GreedyArgmax
+from stoker.engine.kernels.graph_inputs import decode_inputs_triton
 from stoker.engine.models.base import CausalLM
 
 FINE_BUCKETS_FROM = 64  # powers of two up to here, then a bucket every FINE_BUCKETS_FROM rows or more
@@ -171,9 +173,7 @@ class DecodeGraphs:
         self.max_batch = max_batch
         dev = device
         max_blocks = -(-max_model_len // block_size)
-        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=dev)  # < 0: -1 - row of prev_tokens
-        # The previous step's sampled ids (at most max_batch: every step samples <= max_num_seqs rows).
-        self.prev_tokens = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=dev)  # resolved ids (graph_inputs)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=dev)
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=dev)
@@ -205,8 +205,7 @@ class DecodeGraphs:
         self.capture_s = 0.0
 
     def _forward(self, b: int) -> torch.Tensor:
-        input_ids = resolve_pending(self.input_ids[:b], self.prev_tokens)
-        hidden = self.model(input_ids, self.positions[:b], self._meta[b], self.kv_caches)
+        hidden = self.model(self.input_ids[:b], self.positions[:b], self._meta[b], self.kv_caches)
         if not self.with_logits:
             return hidden
         logits = self.model.compute_logits(hidden, out=None if self.logits is None else self.logits[:b])
@@ -254,20 +253,15 @@ class DecodeGraphs:
         )
 
     def run(self, inp: ModelInput) -> torch.Tensor:
-        """Copy the step's tensors (already on the device) into the static buffers, replay, and return
-        float32 logits of the sampled rows. Device-side copies only: no host sync."""
-        n, width = inp.input_ids.shape[0], inp.meta.block_tables.shape[1]
-        b = pick_bucket(self.sizes, n)
-        self.input_ids[:n].copy_(inp.input_ids, non_blocking=True)
-        if inp.prev_tokens is not None:  # pending ids: the graph reads them from here
-            self.prev_tokens[: inp.prev_tokens.shape[0]].copy_(inp.prev_tokens, non_blocking=True)
-        self.positions[:n].copy_(inp.positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(inp.meta.slot_mapping, non_blocking=True)
-        self.context_lens[:n].copy_(inp.meta.context_lens, non_blocking=True)
-        self.block_tables[:n, :width].copy_(inp.meta.block_tables, non_blocking=True)
-        if n < b:  # padding rows: write no K/V, read one key (a real, finite cache row), ignored outputs
-            self.slot_mapping[n:b].fill_(-1)
-            self.context_lens[n:b].fill_(1)
+        """Put the step's tensors (already on the device) into the static buffers (one kernel; padding rows write
+        no K/V and read one key, a real, finite cache row), replay, and return float32 logits of the sampled rows.
+        No host sync."""
+        b = pick_bucket(self.sizes, inp.input_ids.shape[0])
+        meta = inp.meta
+        decode_inputs_triton((inp.input_ids, inp.positions, meta.slot_mapping, meta.context_lens, meta.block_tables),
+                             inp.prev_tokens, (self.input_ids, self.positions, self.slot_mapping, self.context_lens,
+                                               self.block_tables), b)
+        n = inp.input_ids.shape[0]
         self.graphs[b].replay()
         self.replays += 1
         self._last = None
