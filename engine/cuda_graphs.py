@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from stoker.engine.batch import AttentionMetadata, ModelInput, resolve_pending
 from stoker.engine.kernels.argmax import GreedyArgmax
-from stoker.engine.kernels.graph_inputs import decode_inputs_triton
+from stoker.engine.kernels.graph_inputs import decode_inputs_ref, decode_inputs_triton
 from stoker.engine.models.base import CausalLM
 
 FINE_BUCKETS_FROM = 64  # powers of two up to here, then a bucket every FINE_BUCKETS_FROM rows or more
@@ -38,6 +38,9 @@ FINE_BUCKETS_FROM = 64  # powers of two up to here, then a bucket every FINE_BUC
 # the sampler's four kernels and their launch gaps outside the graph; above it a step is tens of ms and the argmax
 # of rows that sample at random would be work for nothing).
 GREEDY_IN_GRAPH_MAX = 64
+# A step's inputs into the static buffers by one kernel (graph_inputs.decode_inputs_triton); False: by the copies,
+# fills and resolve_pending it replaced (decode_inputs_ref: the A/B's other side, ops/bench.py "+set=cuda_graphs.").
+GRAPH_INPUTS_KERNEL = True
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -258,9 +261,9 @@ class DecodeGraphs:
         No host sync."""
         b = pick_bucket(self.sizes, inp.input_ids.shape[0])
         meta = inp.meta
-        decode_inputs_triton((inp.input_ids, inp.positions, meta.slot_mapping, meta.context_lens, meta.block_tables),
-                             inp.prev_tokens, (self.input_ids, self.positions, self.slot_mapping, self.context_lens,
-                                               self.block_tables), b)
+        fill = decode_inputs_triton if GRAPH_INPUTS_KERNEL else decode_inputs_ref
+        fill((inp.input_ids, inp.positions, meta.slot_mapping, meta.context_lens, meta.block_tables), inp.prev_tokens,
+             (self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.block_tables), b)
         n = inp.input_ids.shape[0]
         self.graphs[b].replay()
         self.replays += 1
