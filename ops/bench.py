@@ -848,7 +848,10 @@ def measure_w1(eng, args: argparse.Namespace, vocab: int, floor_ms: float) -> tu
     """W1 on `eng` -> (TPOT, TTFT, tok/s, wall and floor; the GPU idle probe's figures)."""
     run_requests(eng, random_prompts(args.w1_batch, args.prompt, vocab, 1), 16, "warm")  # compile prefill shapes
     probe = StepProbe(eng)
-    w1 = run_requests(eng, random_prompts(args.w1_batch, args.prompt, vocab, 2), args.new, "w1")
+    from stoker.ops.gpu_clock import ClockLog
+
+    with ClockLog() as clocks:  # W1's GPU clock too: the same code ran 3.93-4.25 ms on fresh H200s (session 25)
+        w1 = run_requests(eng, random_prompts(args.w1_batch, args.prompt, vocab, 2), args.new, "w1")
     gpu = probe.close()
     st = w1.pop("stamps")
     return {
@@ -858,12 +861,14 @@ def measure_w1(eng, args: argparse.Namespace, vocab: int, floor_ms: float) -> tu
         "wall_s": w1["wall_s"],
         "floor_ms": floor_ms,
         "batch": args.w1_batch,
+        "clock": clocks.summary(),
     }, gpu
 
 
 def w1_summary(w1: dict[str, Any], startup: dict[str, Any]) -> dict[str, Any]:
     return {"tpot_ms": w1["tpot_ms"], "x_floor": w1["tpot_ms"] / w1["floor_ms"], "ttft_ms": w1["ttft_ms"],
-            "decode": startup.get("decode_kernels"), "graph_capture_s": startup.get("graph_capture_s")}
+            "decode": startup.get("decode_kernels"), "graph_capture_s": startup.get("graph_capture_s"),
+            "sm_mhz_median": w1.get("clock", {}).get("sm_mhz_median")}
 
 
 def close_engine(eng) -> None:
@@ -914,7 +919,9 @@ def w1_decode_rows(r: dict[str, Any]) -> list[tuple[str, ...]]:
     return [(f"W1 TPOT, decode {name}", ", ".join(f"{v['tpot_ms']:.3f}" for v in runs) + " ms",
              f"{r['w1']['floor_ms']:.2f} ms", "",
              ", ".join(f"{v['x_floor']:.3f}" for v in runs)
-             + f"x floor; fused layers {(runs[0]['decode'] or {}).get('fused_layers')}")
+             + f"x floor; fused layers {(runs[0]['decode'] or {}).get('fused_layers')}"
+             + ("; SM MHz " + ", ".join(f"{v['sm_mhz_median']:.0f}" if v.get("sm_mhz_median") else "-" for v in runs)
+                if any(v.get("sm_mhz_median") for v in runs) else ""))
             for name, runs in by.items()]
 
 
@@ -962,7 +969,7 @@ def w2_rows(r: dict[str, Any], args: argparse.Namespace) -> list[tuple[str, ...]
             "",
             "must be 0" + "".join(f"; !!! {k} +{n} (had {b})" for k, (b, n) in midrun_compiles(r).items()),
         ),
-        w2_clock_row(r.get("w2_clock", {})),
+        clock_row("W2", r.get("w2_clock", {})),
         (
             "W2 GPU idle between decode steps",
             f"{100 * g['idle_share']:.1f} %",
@@ -973,13 +980,14 @@ def w2_rows(r: dict[str, Any], args: argparse.Namespace) -> list[tuple[str, ...]
     ]
 
 
-def w2_clock_row(clock: dict[str, Any]) -> tuple[str, ...]:
-    """The SM clock and power through W2 (ops/gpu_clock.py): the H200 runs it at its power cap, below the clock of
-    the floors' burst."""
+def clock_row(workload: str, clock: dict[str, Any]) -> tuple[str, ...]:
+    """The SM clock and power through W1 or W2 (ops/gpu_clock.py): the H200 runs W2 at its power cap, below the
+    clock of the floors' burst; W1's clock says whether a slow W1 was a slow GPU."""
+    label = f"{workload} SM clock / power (nvidia-smi)"
     if "sm_mhz_median" not in clock:
-        return ("W2 SM clock / power (nvidia-smi)", "-", "", "", str(clock.get("error", "not sampled")))
+        return (label, "-", "", "", str(clock.get("error", "not sampled")))
     reasons = ", ".join(f"{k}: {n}" for k, n in clock["throttle_reasons"].items())
-    return ("W2 SM clock / power (nvidia-smi)", f"{clock['sm_mhz_median']:.0f} MHz / {clock['power_w_median']:.0f} W",
+    return (label, f"{clock['sm_mhz_median']:.0f} MHz / {clock['power_w_median']:.0f} W",
             "", "", f"median of {clock['samples']}; clock p10-p90 {clock['sm_mhz_p10']:.0f}-{clock['sm_mhz_p90']:.0f}, "
             f"max {clock['sm_mhz_max']:.0f}; power max {clock['power_w_max']:.0f} W; throttle reasons {reasons} "
             "(0x4: SW power cap)")
@@ -1024,6 +1032,7 @@ def w1_rows(r: dict[str, Any], hf: dict[str, Any]) -> list[tuple[str, ...]]:
             f"GPU busy {r['w1_gpu']['decode_busy_ms'] / max(1, r['w1_gpu']['decode_steps']):.2f} ms/step, "
             f"mean gap {r['w1_gpu']['mean_gap_ms']:.2f} ms",
         ),
+        clock_row("W1", w1.get("clock", {})),
     ]
 
 

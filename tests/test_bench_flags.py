@@ -76,14 +76,16 @@ def test_gemv_shapes_parse_with_their_options() -> None:
 def test_repeated_decode_items_keep_every_run_in_the_table() -> None:
     """An A/B that repeats its items (auto,X,auto,X) shows each run's TPOT in its row, in run order: the table kept
     only the last run of a repeated item before (session 19's A/Bs had to be read from the log)."""
-    def run(tpot: float) -> dict:
-        return {"tpot_ms": tpot, "x_floor": tpot / 3.5, "decode": {"fused_layers": 32}}
+    def run(tpot: float, mhz: float | None = None) -> dict:
+        return {"tpot_ms": tpot, "x_floor": tpot / 3.5, "decode": {"fused_layers": 32}, "sm_mhz_median": mhz}
 
-    r = {"w1": {"floor_ms": 3.5}, "w1_by_decode": {"auto": [run(4.061), run(4.064)], "auto+nocarry": [run(4.09)]}}
+    r = {"w1": {"floor_ms": 3.5}, "w1_by_decode": {"auto": [run(4.061), run(4.064)],
+                                                   "auto+nocarry": [run(4.09, 1980.0), run(4.2)]}}
     rows = bench.w1_decode_rows(r)
     assert [row[:2] for row in rows] == [("W1 TPOT, decode auto", "4.061, 4.064 ms"),
-                                         ("W1 TPOT, decode auto+nocarry", "4.090 ms")]
-    assert rows[0][4] == "1.160, 1.161x floor; fused layers 32"
+                                         ("W1 TPOT, decode auto+nocarry", "4.090, 4.200 ms")]
+    assert rows[0][4] == "1.160, 1.161x floor; fused layers 32"  # no clock sampled: none shown
+    assert rows[1][4] == "1.169, 1.200x floor; fused layers 32; SM MHz 1980, -"  # each run's W1 clock
     assert bench.w1_decode_rows({"w1": {"floor_ms": 3.5}, "w1_by_decode": {"auto": [run(4.0), run(4.1)]}})
     assert not bench.w1_decode_rows({"w1": {"floor_ms": 3.5}, "w1_by_decode": {"auto": [run(4.0)]}})
 
