@@ -10,7 +10,6 @@ import re
 from typing import Any
 
 import pytest
-import torch
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiling for sm_90 needs Triton's JIT, not its interpreter", allow_module_level=True)
@@ -136,37 +135,6 @@ def test_gemv_pdl_tiles_all_load_before_the_wait(tiles: int) -> None:
     assert one > 0 and many == tiles * one, (one, many)
     wait = _index(lines, "griddepcontrol.wait")
     assert wait < _index(lines, "griddepcontrol.launch_dependents")
-
-
-@pytest.mark.parametrize("ahead, own", [(0, False), (512, False), (0, True), (384, True)])
-def test_gemv_l2_prefetch_hints_sit_before_the_wait(ahead: int, own: bool) -> None:
-    """gemv.L2Prefetch on the bf16 8B o_proj under PDL (1 x 4 x 1024, 4 warps): one bulk L2 prefetch a thread for
-    each form asked (own: the rows past the early tiles; ahead: program p + ahead's rows, behind a check that the
-    program exists), all before griddepcontrol.wait and none after; none without the hints. Own at pdl_tiles 1
-    (three tiles' worth a row), ahead at pdl_tiles 4 (the tuned entry: nothing of its own left to prefetch)."""
-    from stoker.engine.kernels import gemv
-
-    cfg = gemv.GemvConfig(1, 4, 1024, False, 4, 3, pdl_tiles=1 if own else 4)
-    weight = torch.empty(4096, 4096, dtype=torch.bfloat16)
-    ahead_chunk, own_chunk = gemv.L2Prefetch(ahead, own).chunks(cfg, weight, 4096)
-    assert (ahead_chunk, own_chunk) == ((4096 // 32) if ahead else 0, (3 * 1024 // 32) if own else 0)
-    w_vec = gemv._row_vec(cfg, 2, False)
-    names = list(inspect.signature(gemv._gemv_kernel.fn).parameters)
-    signature = {name: _gemv_signature("bf16")[name] for name in names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
-               if name.endswith("_ptr") or name in ("K", "x_stride", "w_stride", "out_stride", "add_stride")}
-    constexprs = dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, USE_DOT=False, DOT_PRECISION="tf32", NORM=False,
-                      PRO_RESIDUAL=False, APPLY_G=False, HAS_BIAS=False, SILU_MUL=False, ADD=True, ROTARY=False,
-                      QK_NORM=False, HALF=64, SPLITS_PER_HEAD=1, PAIRED=False, USE_PDL=True, W_SCALED=False,
-                      W_CONVERT=0, NORM_CHUNK=gemv.norm_chunk(4096, 4, True), W_VEC=w_vec,
-                      W_SUM=gemv.row_sum(w_vec, False), PDL_TILES=cfg.pdl_tiles, PDL_GDC=True,
-                      PDL_TRIGGER_FIRST=False, L2_AHEAD=ahead, L2_AHEAD_CHUNK=ahead_chunk, L2_OWN_CHUNK=own_chunk,
-                      L2_THREADS=128)
-    lines = _ptx(gemv._gemv_kernel, signature, constexprs, 4, 3, aligned)
-    wait = _index(lines, "griddepcontrol.wait")
-    hints = [i for i, line in enumerate(lines) if "cp.async.bulk.prefetch.L2" in line]
-    assert len(hints) == int(bool(ahead)) + int(own), hints
-    assert all(i < wait for i in hints)
 
 
 def test_rms_norm_pdl_waits_before_reading_x() -> None:

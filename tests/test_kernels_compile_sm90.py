@@ -82,8 +82,7 @@ def _gemv_signature(dtype: str) -> dict[str, str]:
                  "NORM_CHUNK", "W_SCALED", "W_CONVERT", "W_VEC", "W_SUM", "PDL_TILES", "PDL_GDC",
                  "PDL_TRIGGER_FIRST", "NORM_SUMS", "CARRY", "CARRY_X", "ZERO_SUMS", "NUM_SLOTS", "SUMS_ROWS", "SUM_UNIT",
                  "SLOT_STRIDE",
-                 "SUMS_AT_END", "FP8_CACHE", "X_ACC", "ZERO_ACC", "L2_AHEAD", "L2_AHEAD_CHUNK", "L2_OWN_CHUNK",
-                 "L2_THREADS"):
+                 "SUMS_AT_END", "FP8_CACHE", "X_ACC", "ZERO_ACC"):
         signature[name] = "constexpr"
     return signature
 

@@ -30,7 +30,6 @@ from stoker.engine.kernels.gemv import (  # noqa: E402
     GEMV_MAX_M,
     NORM_SUM_UNIT,
     GemvConfig,
-    L2Prefetch,
     NormCarryOut,
     fold_norm_weight,
     gemv_carried_ref,
@@ -667,61 +666,7 @@ def test_gemv_config_pdl_tiles_are_bounded() -> None:
             GemvConfig(1, 4, 1024, False, 4, 3, pdl_tiles=bad)
 
 
-def test_gemv_l2_prefetch_is_checked() -> None:
-    """gemv.L2Prefetch: the run lengths a thread gets (a row split over num_warps * 32 / block_n threads, whole 16
-    bytes each), and clear errors where a launch cannot take the hints (without pdl, on silu_mul or FP8 weights, a
-    row count the program rows do not divide, runs that are not whole 16 bytes, a negative ahead)."""
-    cfg = GemvConfig(1, 4, 1024, False, 4, 3, pdl_tiles=2)
-    weight = torch.empty(4096, 4096, dtype=torch.bfloat16)
-    assert L2Prefetch(512, True).chunks(cfg, weight, 4096) == (128, 64)  # 4096 / 32 a thread; 2048 left / 32
-    assert L2Prefetch(512, False).chunks(cfg, weight, 4096) == (128, 0)
-    assert L2Prefetch(0, True).chunks(dataclasses.replace(cfg, pdl_tiles=4), weight, 4096) == (0, 0)  # all early
-    with pytest.raises(ValueError, match="divide"):
-        L2Prefetch(8).chunks(cfg, torch.empty(4094, 4096, dtype=torch.bfloat16), 4096)
-    with pytest.raises(ValueError, match="whole 16 bytes"):
-        L2Prefetch(8).chunks(cfg, torch.empty(64, 1000, dtype=torch.bfloat16), 1000)
-    with pytest.raises(ValueError, match="ahead must be >= 0"):
-        L2Prefetch(-1)
-    x = torch.randn(1, 64)
-    with pytest.raises(ValueError, match="l2 prefetch hints are for pdl launches"):
-        gemv_triton(x, torch.randn(64, 64), l2=L2Prefetch(1))
-    with pytest.raises(ValueError, match="l2 prefetch hints are for pdl launches"):
-        gemv_triton(x, torch.randn(128, 64), silu_mul=True, pdl=True, l2=L2Prefetch(1))
-
-
 # ------------------------------------------------------------------------------------ GPU only: PDL
-@GPU
-@NO_CUDA
-@pytest.mark.parametrize("hints", [L2Prefetch(64), L2Prefetch(0, True), L2Prefetch(200, True)],
-                         ids=["ahead", "own", "both"])
-def test_gemv_l2_prefetch_hints_change_no_value(hints: L2Prefetch) -> None:
-    """L2 hints before the PDL wait (fused_decode.O_PROJ_L2_*) on an o_proj-like launch (residual add, the carried
-    sums' zeroing aside): the output is bitwise the launch's without them, plain and in a replayed CUDA graph behind
-    a kernel that writes x (the attention's place), where the hints run while that kernel may still run."""
-    torch.manual_seed(5)
-    dt, hidden = torch.bfloat16, 1024
-    cfg = GemvConfig(1, 4, 256, False, 4, 3, pdl_tiles=1 if hints.own else 4)
-    w = rand(hidden, hidden, device="cuda", dtype=dt, scale=hidden**-0.5)
-    src = rand(1, hidden, device="cuda", dtype=dt)
-    res = rand(1, hidden, device="cuda", dtype=dt)
-    x = torch.empty_like(src)
-
-    def step(l2: L2Prefetch | None) -> torch.Tensor:
-        torch.mul(src, 2.0, out=x)  # x written by the kernel before (the graph orders the GEMV after it)
-        return gemv_triton(x, w, add=res, pdl=True, config=cfg, l2=l2)[0]
-
-    plain = step(None)
-    torch.testing.assert_close(step(hints), plain, rtol=0, atol=0)
-    stream = torch.cuda.Stream()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        static_out = step(hints)
-    for _ in range(3):
-        src.copy_(rand(1, hidden, device="cuda", dtype=dt))
-        graph.replay()
-        torch.testing.assert_close(static_out, step(None), rtol=0, atol=0)
-
-
 @GPU
 @NO_CUDA
 @pytest.mark.parametrize("num_rows", [1, 5])

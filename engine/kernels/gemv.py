@@ -348,36 +348,6 @@ def _zero_slots(sums_ptr, enabled, SUMS_ROWS: tl.constexpr, NUM_SLOTS: tl.conste
 
 
 @triton.jit
-def _bulk_l2_hint(ptrs, nbytes):
-    """One bulk L2 prefetch (Hopper's cp.async.bulk.prefetch.L2) of nbytes from each element's address: a hint with
-    no result and nothing waiting on it; inline PTX, so never under the interpreter."""
-    return tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                                     [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _l2_prefetch_rows(w_ptr, pid, w_stride, num_programs, BLOCK_N: tl.constexpr, K_EARLY: tl.constexpr,
-                      AHEAD: tl.constexpr, AHEAD_CHUNK: tl.constexpr, OWN_CHUNK: tl.constexpr,
-                      THREADS: tl.constexpr):
-    """A program's L2 hints, one bulk request a thread (THREADS // BLOCK_N threads a row, each a contiguous run of
-    CHUNK elements): OWN_CHUNK > 0, its own rows' K from K_EARLY on (what its early tiles did not load); AHEAD_CHUNK
-    > 0, the whole rows of program pid + AHEAD where that program exists. The launcher checked the runs' sizes
-    (multiples of 16 bytes, covering the row) and the alignment."""
-    t = tl.arange(0, THREADS)
-    per_row = THREADS // BLOCK_N
-    row = (t // per_row).to(tl.int64)
-    part = t % per_row
-    elem_bytes: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    if OWN_CHUNK:
-        own = w_ptr + (pid * BLOCK_N + row) * w_stride + K_EARLY + part * OWN_CHUNK
-        _bulk_l2_hint(own, tl.full([THREADS], OWN_CHUNK * elem_bytes, tl.int32))
-    if AHEAD_CHUNK:  # noqa: SIM102 (a constexpr branch around a runtime one)
-        if pid + AHEAD < num_programs:
-            ahead = w_ptr + ((pid + AHEAD) * BLOCK_N + row) * w_stride + part * AHEAD_CHUNK
-            _bulk_l2_hint(ahead, tl.full([THREADS], AHEAD_CHUNK * elem_bytes, tl.int32))
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, bias_ptr, norm_ptr, hres_ptr, res_out_ptr, add_ptr,
     positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_norm_ptr, k_norm_ptr, w_scale_ptr,
@@ -398,8 +368,6 @@ def _gemv_kernel(
     NUM_SLOTS: tl.constexpr = 16, SUMS_ROWS: tl.constexpr = 16, SUM_UNIT: tl.constexpr = 1048576.0,
     SLOT_STRIDE: tl.constexpr = 1, SUMS_AT_END: tl.constexpr = True, FP8_CACHE: tl.constexpr = False,
     X_ACC: tl.constexpr = False, ZERO_ACC: tl.constexpr = False,
-    L2_AHEAD: tl.constexpr = 0, L2_AHEAD_CHUNK: tl.constexpr = 0, L2_OWN_CHUNK: tl.constexpr = 0,
-    L2_THREADS: tl.constexpr = 128,
 ):
     pid = tl.program_id(0)
     j = tl.arange(0, BLOCK_N)
@@ -455,12 +423,6 @@ def _gemv_kernel(
         if PDL_TILES > 3:
             wa3, wb3 = _load_w(wa_ptrs, wb_ptrs, 3 * BLOCK_K, col_mask, kw, K, PAIRED, W_CONVERT)
         if PDL_GDC:
-            if L2_AHEAD_CHUNK or L2_OWN_CHUNK:  # (constexpr ints; 0 or unset: none)
-                # L2 prefetch hints before the wait (the attention before o_proj leaves the memory bus idle):
-                # program pid's rows' K past its early tiles, and/or the whole rows of program pid + L2_AHEAD, a
-                # program of the grid's second wave that is not resident yet (see L2_PREFETCH_* above).
-                _l2_prefetch_rows(w_ptr, pid, w_stride, tl.num_programs(0), BLOCK_N, PDL_TILES * BLOCK_K,
-                                  L2_AHEAD, L2_AHEAD_CHUNK, L2_OWN_CHUNK, L2_THREADS)
             gdc_wait()
             if not PDL_TRIGGER_FIRST:
                 gdc_launch_dependents()
@@ -717,47 +679,6 @@ class GemvConfig:
                 + (f" r{self.maxnreg}" if self.maxnreg is not None else ""))
 
 
-@dataclass(frozen=True, slots=True)
-class L2Prefetch:
-    """L2 prefetch hints a PDL GEMV launch issues before griddepcontrol.wait, while its predecessor (the decode
-    attention before o_proj: latency-bound, ~3 MB read) leaves HBM idle. Nothing waits for them and no value
-    changes; a line not there yet is read from HBM by the program's own load.
-    own: each program's rows past its pdl_tiles early K tiles (those it holds in registers already).
-    ahead: program p also prefetches the whole rows of program p + ahead: with all of K early (o_proj's pdl_tiles
-    4 needs 128 registers a thread: 4 blocks an SM, 528 of its 1,024 programs resident), the grid's second wave is
-    not resident during the attention, and its rows would otherwise come from HBM after it."""
-
-    ahead: int = 0
-    own: bool = False
-
-    def __post_init__(self) -> None:
-        if self.ahead < 0:
-            raise ValueError(f"L2Prefetch: ahead must be >= 0, got {self.ahead}")
-
-    def chunks(self, cfg: GemvConfig, weight: torch.Tensor, hidden: int) -> tuple[int, int]:
-        """(ahead, own) run lengths in elements a thread (0: none) for this launch shape; a ValueError where the
-        runs cannot be whole 16-byte multiples, the rows are not 16-byte aligned or the last program's rows would
-        run past the weight (a hint must not name memory outside it)."""
-        threads = 32 * cfg.num_warps
-        elem = weight.element_size()
-        if (threads % cfg.block_n or weight.shape[0] % cfg.block_n or weight.data_ptr() % 16
-                or weight.stride(0) * elem % 16):
-            raise ValueError(f"L2Prefetch: {cfg.label()} on a {tuple(weight.shape)} weight: needs block_n to divide "
-                             f"the {threads} threads and the rows, and 16-byte aligned rows")
-        per_row = threads // cfg.block_n
-
-        def run(span: int) -> int:
-            if span <= 0:
-                return 0
-            if span % per_row or span // per_row * elem % 16:
-                raise ValueError(f"L2Prefetch: {span} columns do not split into {per_row} runs of whole 16 bytes "
-                                 f"({cfg.label()})")
-            return span // per_row
-
-        own = run(hidden - cfg.pdl_tiles * cfg.block_k) if self.own else 0
-        return (run(hidden) if self.ahead else 0), own
-
-
 # M = 1 launch shapes per (kind, n_out, hidden) as gemv_config sees them, each the fastest candidate of
 # ops/bench_gemv.py --sweep-fused for that projection (H200, bf16, 2026-12-01 14:43 UTC; us per call in
 # CUDA-graph chains, the rule below -> this entry). Listed where the gain passed 0.3 us; the rule below was
@@ -875,7 +796,10 @@ ROW_SUM_BF16 = True
 # 128.6; BENCHMARKS.md 21:07 UTC): in the graph the plain kernels are already back to back, and a successor resident
 # before its predecessor ends slows it. The other forms measured there (bulk L2 prefetches before the wait, the
 # trigger after all or part of the weight loop, the next projection's rows prefetched into L2 after the stores)
-# all lost too and were removed; the record is BENCHMARKS.md and the git history.
+# all lost too and were removed; the record is BENCHMARKS.md and the git history. So did, in session 25, bulk L2
+# prefetches from o_proj's programs before their wait while the attention runs (their own rows past the early tiles,
+# or the rows of the grid's not-yet-resident second wave): the attention's charge on the critical path went 8.07 ->
+# 10.04 us a layer and o_proj's 7.46 -> 7.05, W1 3.953 -> 3.98-4.02 ms (commit 4b323db, reverted).
 
 
 def _row_vec(cfg: GemvConfig, elem_bytes: int, fp8: bool) -> int:
@@ -941,7 +865,6 @@ def _launch(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     x_accumulator: bool = False,
     zero_accumulator: torch.Tensor | None = None,
-    l2: L2Prefetch | None = None,
 ) -> None:
     """kv_scales: (k_scale, v_scale) of an FP8 cache (with rotary), the kernel's FP8_CACHE store. s: the stream in
     the model dtype (x itself without norm_residual), so its dtype is the operands' where x is a float32
@@ -968,7 +891,6 @@ def _launch(
     carry_g = carry.norm_weight if carry is not None and carry.norm_weight is not None else placeholder
     carry_x = carry.x if carry is not None and carry.x is not None else x
     k_scale, v_scale = kv_scales if kv_scales is not None else (placeholder, placeholder)
-    ahead_chunk, own_chunk = l2.chunks(cfg, weight, hidden) if l2 is not None and gdc else (0, 0)
     _gemv_kernel[(grid,)](
         x, weight, out, bias if bias is not None else x, norm_weight if norm_weight is not None else x,
         hres, s, add_t, positions, cos_sin, k_cache, v_cache, slots, q_norm, k_norm,
@@ -992,8 +914,6 @@ def _launch(
         NUM_SLOTS=NORM_SLOTS, SUM_UNIT=NORM_SUM_UNIT, SLOT_STRIDE=NORM_SLOT_STRIDE, SUMS_AT_END=NORM_SUMS_AT_END,
         SUMS_ROWS=zero_sums.shape[0] if zero_sums is not None else GEMV_MAX_M, FP8_CACHE=kv_scales is not None,
         X_ACC=x_accumulator, ZERO_ACC=zero_accumulator is not None,
-        L2_AHEAD=l2.ahead if l2 is not None else 0, L2_AHEAD_CHUNK=ahead_chunk, L2_OWN_CHUNK=own_chunk,
-        L2_THREADS=32 * cfg.num_warps,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if gdc else {}),
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg is not None and not interpreting() else {}),
@@ -1019,7 +939,6 @@ def gemv_triton(
     carry: NormCarryOut | None = None,
     zero_sums: torch.Tensor | None = None,
     zero_accumulator: torch.Tensor | None = None,
-    l2: L2Prefetch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv_ref's semantics for M <= GEMV_MAX_M in one kernel. pdl: launch with programmatic dependent
     launch (the previous kernel in the stream may still be running when this one starts loading weights).
@@ -1031,11 +950,7 @@ def gemv_triton(
     scaled by 1 / sqrt(sum / K + eps) before the epilogue. carry (with add): the epilogue also writes carry.x = out *
     carry.norm_weight and adds each token's sum(out^2) into carry.sums. zero_sums: a norm_sums_buffer this launch
     sets to zero after its PDL wait. zero_accumulator: a contiguous float32 buffer whose first M * N elements (an
-    [M, N] accumulator in out's layout: fused_decode.MLP_FINISH_IN_QKV's) this launch sets to zero after its wait.
-    l2: L2 prefetch hints issued before the PDL wait (L2Prefetch; pdl launches of 16/32-bit weights without silu_mul;
-    they change no value, and the interpreter runs without them)."""
-    if l2 is not None and (not pdl or silu_mul or weight_scale is not None):
-        raise ValueError("gemv: l2 prefetch hints are for pdl launches of 16/32-bit weights without silu_mul")
+    [M, N] accumulator in out's layout: fused_decode.MLP_FINISH_IN_QKV's) this launch sets to zero after its wait."""
     n_out = check_gemv_args(x, weight, bias, norm_weight, norm_residual, silu_mul, add, norm_folded, weight_scale)
     _check_carry(norm_sums, carry, zero_sums, x, n_out, add,
                  norm_weight is not None or norm_folded or norm_residual is not None)
@@ -1063,7 +978,7 @@ def gemv_triton(
     _launch(x, weight, out, n_out, triton.cdiv(n_out, cfg.block_n), cfg, bias, norm_weight, eps,
             norm_residual, s, silu_mul, add, pdl, norm_folded=norm_folded, weight_scale=weight_scale,
             weight_convert=weight_convert, norm_sums=norm_sums, carry=carry, zero_sums=zero_sums,
-            zero_accumulator=zero_accumulator, l2=l2)
+            zero_accumulator=zero_accumulator)
     return out, s
 
 

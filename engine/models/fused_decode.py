@@ -140,12 +140,6 @@ FP8_FUSED_DOT: dict[str, tuple[GemvConfig, str]] = {
 # runs. H200, W1 bf16 8B (session 17, three machines, same-call A/Bs): 4.186 -> 4.151, 4.154 -> 4.106, 4.192 ->
 # 4.141 ms; with the tensor-core o config (one small tile early) it lost (4.138 -> 4.253).
 O_PROJ_PDL = True
-# L2 prefetch hints from o_proj's PDL launch before its wait, while the attention leaves HBM idle (gemv.L2Prefetch):
-# O_PROJ_L2_AHEAD > 0, program p prefetches program p + O_PROJ_L2_AHEAD's rows (the grid's second wave, not resident
-# yet); O_PROJ_L2_OWN, each program its rows past its early tiles (and O_PROJ_PDL then holds at one early tile).
-# bf16 weights only. Not measured yet: off.
-O_PROJ_L2_AHEAD = 0
-O_PROJ_L2_OWN = False
 # Under PDL the qkv GEMV lets the decode attention in before its own wait (gemv_rotary_cache_triton's
 # pdl_trigger_first says why that is sound), so the attention's older keys load while qkv streams. Off until
 # measured (ops/bench.py "+qkvfirst").
@@ -508,8 +502,6 @@ def fused_decode_layer(
             o_carry["zero_accumulator"] = pending
     # Tensor parallel: rank 0's partial sum takes the residual, the other ranks' do not, and the all-reduce sums them.
     residual_here = fd.shard is None or fd.shard.rank == 0
-    if o_pdl and not isinstance(fd.o_proj, Fp8Linear) and (O_PROJ_L2_AHEAD or O_PROJ_L2_OWN):
-        o_carry["l2"] = gemv.L2Prefetch(O_PROJ_L2_AHEAD, O_PROJ_L2_OWN)
     stream, _ = gemv_triton(out, fd.o_proj.weight, add=stream if residual_here else None, pdl=o_pdl, **o_carry,
                             **_fp8_args(fd.o_proj, "add", num_tokens))
     stream = _all_reduce(fd, stream)
@@ -562,8 +554,7 @@ def _o_proj_pdl(fd: FusedDecode, num_tokens: int) -> bool:
         return False
     weight = fd.o_proj.weight
     n, k = weight.shape
-    return O_PROJ_L2_OWN or gemv.gemv_config("plain", num_tokens, n, k, weight.is_cuda,
-                                            weight.element_size()).pdl_tiles > 1
+    return gemv.gemv_config("plain", num_tokens, n, k, weight.is_cuda, weight.element_size()).pdl_tiles > 1
 
 
 def _qkv_pdl(fd: FusedDecode, o_pdl: bool) -> bool:
