@@ -846,7 +846,10 @@ def mixed_split_summary(w2: dict[str, Any]) -> dict[str, Any]:
 
 def measure_w1(eng, args: argparse.Namespace, vocab: int, floor_ms: float) -> tuple[dict[str, Any], dict[str, Any]]:
     """W1 on `eng` -> (TPOT, TTFT, tok/s, wall and floor; the GPU idle probe's figures)."""
-    run_requests(eng, random_prompts(args.w1_batch, args.prompt, vocab, 1), 16, "warm")  # compile prefill shapes
+    # Compile the prefill shapes, and a whole W1's worth of decode steps first: on a freshly started H200 the first
+    # engine's first ~second of decode ran 6-8 % slow at full clocks (BENCHMARKS.md 2026-12-04, session 25), so a
+    # 16-token warm-up left that in the figure.
+    run_requests(eng, random_prompts(args.w1_batch, args.prompt, vocab, 1), args.new, "warm")
     probe = StepProbe(eng)
     from stoker.ops.gpu_clock import ClockLog
 
