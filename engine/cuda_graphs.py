@@ -261,7 +261,8 @@ class DecodeGraphs:
         No host sync."""
         b = pick_bucket(self.sizes, inp.input_ids.shape[0])
         meta = inp.meta
-        fill = decode_inputs_triton if GRAPH_INPUTS_KERNEL else decode_inputs_ref
+        # (the copies on the CPU too: tests fake the replays there, tests/test_decode_step_ops.py)
+        fill = decode_inputs_triton if GRAPH_INPUTS_KERNEL and self.input_ids.is_cuda else decode_inputs_ref
         fill((inp.input_ids, inp.positions, meta.slot_mapping, meta.context_lens, meta.block_tables), inp.prev_tokens,
              (self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.block_tables), b)
         n = inp.input_ids.shape[0]

@@ -75,7 +75,8 @@ class _Replay:
 def test_decode_graph_bookkeeping_gives_the_eager_tokens(tmp_path) -> None:
     """Overlapped greedy decoding through DecodeGraphs.run (replays faked on the CPU) gives the tokens of the
     eager engine: batches of 1..5 sequences replay buckets 1, 2, 4, 8 with padding rows, and every decode
-    input holds pending tokens that only the graph's gather resolves."""
+    input holds pending tokens that only the step's fill of the static buffers resolves (on the CPU its copies,
+    graph_inputs.decode_inputs_ref; the kernel is tested against them in tests/test_kernels_graph_inputs.py)."""
     from engine_models import build_hf_model, prompts
     from stoker.engine import EngineRequest, SamplingParams
     from stoker.engine.config import EngineConfig
