@@ -4,6 +4,7 @@
 #
 #   run(command="bash ops/gpu_tp.sh correctness", kind="nvidia-h200-x2", carry=[".gpu-stack"], timeout_s=600)
 #   run(command="bash ops/gpu_tp.sh speed", kind="nvidia-h200-x2", carry=[".gpu-stack"], timeout_s=600)
+#   run(command="bash ops/gpu_tp.sh first", kind="nvidia-h200-x2", carry=[".gpu-stack"], timeout_s=600)
 #
 # correctness: the GPU and multi-GPU tests of tensor parallelism (TP=2 against TP=1, graphs on every rank, the
 #              one-shot all-reduce against NCCL) and of the loaders' rank paths; then the all-reduce at decode's
@@ -13,6 +14,9 @@
 #              at 256 requests (the issue's figures).
 # all-reduce:  ops/bench_all_reduce.py, then W1 of the 8B at TP=2 with NCCL and with the one-shot all-reduce
 #              (EngineConfig.tensor_parallel_all_reduce), and --shape 8b-rank2 (a rank's kernels alone); ~300 s.
+# first:       for a short lending window: the two-GPU engine tests (TP=2 against TP=1 with graphs on every rank,
+#              NCCL and the one-shot symm-mem all-reduce; the one-shot against NCCL), then the all-reduce phase;
+#              ~450 s.
 # NVLink multicast stays off (the engine's ranks set it; the tests and the all-reduce bench set it too).
 # Everything lands under $OUT: one log per step and the benches' JSON.
 export PYTHONUNBUFFERED=1 PYTEST_ADDOPTS="-p no:warnings" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
@@ -63,6 +67,13 @@ case "${1:-}" in
     step w1_rank $?
     grep "^|" "$OUT/all_reduce.log"; grep -h "W1 TPOT" "$OUT"/w1_*.log
     ;;
+  first)
+    timeout 150 python3 -m pytest -v -rfEs -p no:cacheprovider -m gpu tests/test_tensor_parallel.py \
+      -k "cuda_tp2_float32 or cuda_tp2_bfloat16 or one_shot" > "$OUT/tp2_tests.log" 2>&1
+    step tp2_tests $?
+    tail -12 "$OUT/tp2_tests.log"
+    bash "$0" all-reduce
+    ;;
   *)
-    echo "usage: ops/gpu_tp.sh correctness|speed|all-reduce" >&2; exit 2 ;;
+    echo "usage: ops/gpu_tp.sh correctness|speed|all-reduce|first" >&2; exit 2 ;;
 esac
