@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from stoker.engine.batch import AttentionMetadata, ModelInput, resolve_pending
 from stoker.engine.kernels.argmax import GreedyArgmax
-from stoker.engine.kernels.graph_inputs import decode_inputs_ref, decode_inputs_triton
+from stoker.engine.kernels.graph_inputs import decode_inputs, decode_inputs_ref
 from stoker.engine.models.base import CausalLM
 
 FINE_BUCKETS_FROM = 64  # powers of two up to here, then a bucket every FINE_BUCKETS_FROM rows or more
@@ -38,7 +38,7 @@ FINE_BUCKETS_FROM = 64  # powers of two up to here, then a bucket every FINE_BUC
 # the sampler's four kernels and their launch gaps outside the graph; above it a step is tens of ms and the argmax
 # of rows that sample at random would be work for nothing).
 GREEDY_IN_GRAPH_MAX = 64
-# A step's inputs into the static buffers by one kernel (graph_inputs.decode_inputs_triton); False: by the copies,
+# A step's inputs into the static buffers by one kernel on CUDA (graph_inputs.decode_inputs); False: by the copies,
 # fills and resolve_pending it replaced (decode_inputs_ref: the A/B's other side, ops/bench.py "+set=cuda_graphs.").
 GRAPH_INPUTS_KERNEL = True
 
@@ -259,13 +259,12 @@ class DecodeGraphs:
         """Put the step's tensors (already on the device) into the static buffers (one kernel; padding rows write
         no K/V and read one key, a real, finite cache row), replay, and return float32 logits of the sampled rows.
         No host sync."""
-        b = pick_bucket(self.sizes, inp.input_ids.shape[0])
+        n = inp.input_ids.shape[0]
+        b = pick_bucket(self.sizes, n)
         meta = inp.meta
-        # (the copies on the CPU too: tests fake the replays there, tests/test_decode_step_ops.py)
-        fill = decode_inputs_triton if GRAPH_INPUTS_KERNEL and self.input_ids.is_cuda else decode_inputs_ref
+        fill = decode_inputs if GRAPH_INPUTS_KERNEL else decode_inputs_ref
         fill((inp.input_ids, inp.positions, meta.slot_mapping, meta.context_lens, meta.block_tables), inp.prev_tokens,
              (self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.block_tables), b)
-        n = inp.input_ids.shape[0]
         self.graphs[b].replay()
         self.replays += 1
         self._last = None

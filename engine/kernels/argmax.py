@@ -24,7 +24,6 @@ import torch
 from stoker.engine.kernels._triton import check_launchable, tl, triton
 
 PIECE = 2048  # logits a program: 63 programs a row at a 128,256 vocabulary
-_INT32_MAX = 2**31 - 1
 
 
 @triton.jit
@@ -51,7 +50,8 @@ def _argmax_kernel(
     first = tl.min(tl.where(key == best, offs, 2147483647), axis=0)
     packed = (best.to(tl.int64) << 32) | (2147483647 - first).to(tl.int64)
     tl.store(part_ptr + row * PIECES + piece, packed)
-    # The release below is one thread's and must follow the store (one thread's too, but keep the order explicit).
+    # The store above and the release below may be issued by different threads: the barrier orders them (as the
+    # decode attention's fused combine does).
     tl.debug_barrier()
     arrived = tl.atomic_add(tickets_ptr + row, 1, sem="acq_rel", scope="gpu")
     if arrived == PIECES - 1:  # every piece's pair is visible here (their release, this acquire)

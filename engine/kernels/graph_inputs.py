@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 from stoker.engine.batch import resolve_pending
-from stoker.engine.kernels._triton import check_launchable, tl, triton
+from stoker.engine.kernels._triton import HAS_TRITON, check_launchable, tl, triton
 
 TABLE_BLOCK = 64  # block-table columns a step of a row's copy loop
 
@@ -47,7 +47,8 @@ def _decode_inputs_kernel(
         tl.store(s_ctx_ptr + r, 1)
 
 
-def _check(inp: tuple[torch.Tensor, ...], static: tuple[torch.Tensor, ...], bucket: int) -> None:
+def _check(inp: tuple[torch.Tensor, ...], prev_tokens: torch.Tensor | None, static: tuple[torch.Tensor, ...],
+           bucket: int) -> None:
     ids, positions, slots, ctx, tables = inp
     s_ids, s_pos, s_slots, s_ctx, s_tables = static
     n, width = ids.shape[0], tables.shape[1]
@@ -62,13 +63,17 @@ def _check(inp: tuple[torch.Tensor, ...], static: tuple[torch.Tensor, ...], buck
         if a.dtype != dt or b.dtype != dt or a.stride(-1) != 1 or b.stride(-1) != 1:
             raise ValueError(f"decode inputs: {name} must be contiguous {dt} (and its static buffer), got {a.dtype} / "
                              f"{b.dtype}")
+    if prev_tokens is not None and (prev_tokens.dtype != torch.int64 or prev_tokens.dim() != 1
+                                    or not prev_tokens.shape[0]):
+        raise ValueError(f"decode inputs: prev_tokens must be a non-empty int64 vector, got {prev_tokens.dtype} "
+                         f"{tuple(prev_tokens.shape)}")
 
 
 def decode_inputs_ref(inp: tuple[torch.Tensor, ...], prev_tokens: torch.Tensor | None,
                       static: tuple[torch.Tensor, ...], bucket: int) -> None:
     """The definition (and the path before the kernel): (ids, positions, slots, context_lens, tables) of n rows
     into the static buffers' first n rows (ids resolved against prev_tokens), rows n .. bucket padding."""
-    _check(inp, static, bucket)
+    _check(inp, prev_tokens, static, bucket)
     ids, positions, slots, ctx, tables = inp
     s_ids, s_pos, s_slots, s_ctx, s_tables = static
     n, width = ids.shape[0], tables.shape[1]
@@ -84,11 +89,7 @@ def decode_inputs_ref(inp: tuple[torch.Tensor, ...], prev_tokens: torch.Tensor |
 def decode_inputs_triton(inp: tuple[torch.Tensor, ...], prev_tokens: torch.Tensor | None,
                          static: tuple[torch.Tensor, ...], bucket: int) -> None:
     """decode_inputs_ref in one launch of `bucket` programs (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
-    _check(inp, static, bucket)
-    if prev_tokens is not None and (prev_tokens.dtype != torch.int64 or prev_tokens.dim() != 1
-                                    or not prev_tokens.shape[0]):
-        raise ValueError(f"decode inputs: prev_tokens must be a non-empty int64 vector, got {prev_tokens.dtype} "
-                         f"{tuple(prev_tokens.shape)}")
+    _check(inp, prev_tokens, static, bucket)
     ids, positions, slots, ctx, tables = inp
     s_ids, s_pos, s_slots, s_ctx, s_tables = static
     check_launchable(*inp, *static, *(() if prev_tokens is None else (prev_tokens,)))
@@ -100,3 +101,11 @@ def decode_inputs_triton(inp: tuple[torch.Tensor, ...], prev_tokens: torch.Tenso
         s_ids, s_pos, s_slots, s_ctx, s_tables, s_tables.stride(0),
         HAS_PREV=prev_tokens is not None, BLOCK_W=TABLE_BLOCK, num_warps=1,
     )
+
+
+def decode_inputs(inp: tuple[torch.Tensor, ...], prev_tokens: torch.Tensor | None,
+                  static: tuple[torch.Tensor, ...], bucket: int) -> None:
+    """The kernel on CUDA, the copies elsewhere (the CPU runs of the graphs' bookkeeping, which fake the replays:
+    tests/test_decode_step_ops.py)."""
+    fill = decode_inputs_triton if inp[0].is_cuda and HAS_TRITON else decode_inputs_ref
+    fill(inp, prev_tokens, static, bucket)
