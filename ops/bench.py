@@ -249,20 +249,22 @@ _SET_DEFAULTS: dict[tuple[str, str], Any] = {}  # the values "+set=" items repla
 def _kernel_module(name: str):
     from stoker.engine import cuda_graphs
     from stoker.engine.kernels import attention, decode_fp8_mma, gemv
+    from stoker.engine.layers import linear
     from stoker.engine.models import fused_decode
 
     return {"gemv": gemv, "fused_decode": fused_decode, "attention": attention, "decode_fp8_mma": decode_fp8_mma,
-            "cuda_graphs": cuda_graphs}[name]
+            "cuda_graphs": cuda_graphs, "linear": linear}[name]
 
 
 def _set_flag(text: str) -> tuple[str, str, Any]:
     """"set=MODULE.NAME=VALUE" -> (module, name, value): any int / float / True / False module constant of gemv,
-    fused_decode, attention, decode_fp8_mma or cuda_graphs (e.g. set=attention.DECODE_TILE_N=32), for that item's
-    engine only."""
-    m = re.fullmatch(r"set=(gemv|fused_decode|attention|decode_fp8_mma|cuda_graphs)\.([A-Z][A-Z0-9_]*)=(.+)", text)
+    fused_decode, attention, decode_fp8_mma, cuda_graphs or linear (e.g. set=attention.DECODE_TILE_N=32), for that
+    item's engine only."""
+    m = re.fullmatch(r"set=(gemv|fused_decode|attention|decode_fp8_mma|cuda_graphs|linear)\.([A-Z][A-Z0-9_]*)=(.+)",
+                     text)
     if m is None:
         raise ValueError(f"--decode-kernels '+set=MODULE.NAME=VALUE' expected (MODULE gemv, fused_decode, attention, "
-                         f"decode_fp8_mma or cuda_graphs), got {text!r}")
+                         f"decode_fp8_mma, cuda_graphs or linear), got {text!r}")
     module, name, raw = m.groups()
     current = getattr(_kernel_module(module), name)  # AttributeError for a name the module lacks
     if isinstance(current, bool):

@@ -169,3 +169,17 @@ def test_the_written_bench_model_is_the_dummy_checkpoint(tmp_path) -> None:
     config = bench.engine_config(path, 4, device="cpu")
     config.num_kv_blocks = 64
     LLMEngine(config).close()
+
+
+def test_set_item_turns_the_epilogue_residual_add_off() -> None:
+    """W2's A/B of Linear.forward_add's epilogue add: off for the item's engine, on again for the next."""
+    from stoker.engine.layers import linear
+
+    assert linear.EPILOGUE_ADD is True
+    try:
+        bench.apply_kernel_flags("auto+set=linear.EPILOGUE_ADD=False")
+        assert linear.EPILOGUE_ADD is False
+        bench.apply_kernel_flags("auto")
+        assert linear.EPILOGUE_ADD is True
+    finally:
+        bench.apply_kernel_flags("auto")

@@ -154,6 +154,14 @@ class Fp8Linear(WeightModule):
             return self._finish(out)
         return self(kernels.silu_and_mul(gate_up))
 
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Linear.forward_add's pair, the residual left for the norm to add (scaled_mm has no add of its own)."""
+        return self(x), residual
+
+    def forward_after_silu_add(self, gate_up: torch.Tensor, residual: torch.Tensor | None
+                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.forward_after_silu(gate_up), residual
+
     def forward_after_norm(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,11 @@ from stoker.engine import kernels
 from stoker.engine.layers.weights import WeightModule, copy_into, empty_param
 
 
+# Linear.forward_add's add in cuBLAS's epilogue; False: every linear leaves the residual to the norm after it (the
+# bench's A/B: ops/bench.py --decode-kernels auto+set=linear.EPILOGUE_ADD=False).
+EPILOGUE_ADD = True
+
+
 class Linear(WeightModule):
     def __init__(self, input_size: int, output_size: int, *, bias: bool = False, dtype: torch.dtype):
         super().__init__()
@@ -36,6 +41,25 @@ class Linear(WeightModule):
         """[T, 2 in] (gate | up) -> this layer on silu(gate) * up: the gated MLP's down projection. A twin that
         takes quantized activations fuses the two (Fp8Linear)."""
         return self(kernels.silu_and_mul(gate_up))
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[T, in] and the running sum [T, out] -> (hidden, residual) for the next norm, whose sum is residual +
+        this layer on x. Here the add is in cuBLAS's epilogue (`residual.addmm_`, beta = 1) and the pair comes back
+        as (the sum, None): the norm after it then reads one [T, out] tensor and writes one, instead of reading
+        two and writing two (W2's 8,192-token step: 1.7 % of a layer's projections and norms under the power cap,
+        ops/bench_epilogue_fusion.py, which found the layer's output unchanged on the H200 bit for bit). `residual` is
+        overwritten: the caller hands it over, as the norms' sum it is.
+        Elsewhere (a bias, a twin that reduces across ranks or quantizes, no residual yet) (this layer on x,
+        residual), added in the norm."""
+        if (not EPILOGUE_ADD or residual is None or self.bias is not None or residual.dtype != x.dtype or x.dtype != self.weight.dtype
+                or residual.shape != (x.shape[0], self.output_size) or not residual.is_contiguous()):
+            return self(x), residual
+        return residual.addmm_(x, self.weight.t()), None
+
+    def forward_after_silu_add(self, gate_up: torch.Tensor, residual: torch.Tensor | None
+                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward_after_silu with forward_add's residual: the down projection's (hidden, residual)."""
+        return self.forward_add(kernels.silu_and_mul(gate_up), residual)
 
 
 class MergedLinear(Linear):

@@ -84,6 +84,10 @@ class RowParallelLinear(Linear):
         out = self.shard.comm.all_reduce(F.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # The residual is added once, after the sum over the ranks: in the norm, as without the epilogue add.
+        return self(x), residual
+
 
 _TP_TWINS: dict[type[Linear], type[Linear]] = {
     QKVLinear: ColumnParallelQKV, GateUpLinear: ColumnParallelGateUp,

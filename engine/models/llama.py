@@ -121,10 +121,11 @@ class LlamaMLP(nn.Module):
         return cast(Linear, self.down_proj).forward_after_silu(self.gate_up_proj(x))
 
     def forward_after_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward(norm(hidden, residual)) and the sum, the norm in gate_up's call (as the attention's)."""
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward(norm(hidden, residual)) and the sum, the norm in gate_up's call (as the attention's), as the
+        (hidden, residual) pair of Linear.forward_add: down_proj may add the sum in its GEMM."""
         gate_up, residual = cast(Linear, self.gate_up_proj).forward_after_norm(hidden, residual, norm.weight, norm.eps)
-        return cast(Linear, self.down_proj).forward_after_silu(gate_up), residual
+        return cast(Linear, self.down_proj).forward_after_silu_add(gate_up, residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -165,10 +166,14 @@ class LlamaDecoderLayer(nn.Module):
         return self.self_attn.project_after_norm(hidden, residual, self.input_layernorm, positions, meta, k_cache,
                                                  v_cache, q_out)
 
-    def after_attention(self, attention: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def after_attention(self, attention: torch.Tensor, residual: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """attention [T, Hq, D] (or [T, Hq * D]) -> o_proj, post-attention norm (+ residual), the MLP -> (hidden,
-        the sum)."""
-        hidden = self.self_attn.o_proj(attention.reshape(attention.shape[0], self.self_attn.q_size))
+        residual): their sum is the layer's output (residual None: hidden is the sum, Linear.forward_add).
+        `residual` is consumed (o_proj and down_proj may add into it in place)."""
+        attn = self.self_attn
+        hidden, residual = cast(Linear, attn.o_proj).forward_add(attention.reshape(attention.shape[0], attn.q_size),
+                                                                 residual)
         return self.mlp.forward_after_norm(hidden, residual, self.post_attention_layernorm)
 
 
@@ -209,7 +214,6 @@ class LlamaModel(nn.Module):
         if i == 0:
             hidden = self.embed_tokens(x)
         else:
-            assert residual is not None  # every piece after the first gets the running sum
             hidden, residual = cast(LlamaDecoderLayer, self.layers[i - 1]).after_attention(x, residual)
         if i == len(self.layers):
             return self.norm(hidden, residual)

@@ -1,17 +1,15 @@
-"""Does W2's batch step get faster under the H200's power cap when the elementwise kernels between its GEMMs go into
-the GEMMs? Two fusions, timed as one 8B layer's projections and norms run them (attention left out):
+"""Does W2's batch step get faster under the H200's power cap when the residual add goes into the GEMM before it?
+`addmm`: o_proj and down add their product into the running sum in cuBLAS's epilogue (`residual.addmm_(x, W.t())`,
+beta = 1; Linear.forward_add), so the RMSNorm after each reads one tensor and writes one instead of adding two and
+writing two (67 MB each at 8,192 tokens of the 8B shape). Timed as one 8B layer's projections and norms run them
+(attention left out), against the unfused layer.
 
-- `silu`: the gate|up GEMM with SiLU-and-mul in its epilogue (engine/kernels/gated_gemm.py, Triton) instead of
-  cuBLAS's gate_up then silu_and_mul (0.7 GB written and reread a layer at 8,192 tokens);
-- `addmm`: o_proj and down add their product into the residual in cuBLAS's epilogue (`residual.addmm_(x, W.t())`,
-  beta = 1), so the next RMSNorm reads one tensor and writes one instead of adding two and writing two.
+W2 runs at the 700 W cap (SM ~1,500 MHz): what a change saves there is energy as much as time, so the variants run
+in alternating rounds on one hot GPU for a while, the SM clock and power logged beside them (ops/gpu_clock.py).
+(Session 26 also timed a Triton gate|up GEMM with SiLU-and-mul in its epilogue here, 63d0973: 13 % slower than
+cuBLAS's GEMM at full clock, +9 % a layer under the cap; dropped, BENCHMARKS.md.)
 
-W2 runs at the 700 W cap (SM ~1,500 MHz): a fused kernel that is faster at full clock can still lose if its GEMM
-spends more energy a FLOP than cuBLAS's. So the variants run in alternating rounds on one hot GPU for a while, the
-SM clock and power logged beside them (ops/gpu_clock.py). First a burst table of the gate|up step alone (cuBLAS +
-the activation against each config of gated_gemm.GATED_GEMM_SWEEP), which picks the config the rounds use.
-
-    PYTHONPATH=. python3 ops/bench_mlp_fusion.py [--tokens 8192,1024] [--seconds 30]
+    PYTHONPATH=. python3 ops/bench_epilogue_fusion.py [--tokens 8192,1024] [--seconds 30]
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from stoker.engine.kernels.activation import silu_and_mul_triton
-from stoker.engine.kernels.gated_gemm import GATED_GEMM_SWEEP, GatedGemmConfig, gate_up_silu_triton
 from stoker.engine.kernels.rmsnorm import rms_norm_triton
 from stoker.ops.gpu_clock import ClockLog
 
@@ -57,14 +54,14 @@ class Layer:
         self.tokens = tokens
         self.flops = 2.0 * tokens * HIDDEN * (HIDDEN + 2 * INTER + INTER + QKV)
 
-    def run(self, silu: GatedGemmConfig | None, addmm: bool) -> torch.Tensor:
+    def run(self, addmm: bool) -> torch.Tensor:
         residual = self.residual0.clone()  # the engine's residual is a fresh tensor each layer (the norm's sum)
         if addmm:
             residual.addmm_(self.attn, self.w_o.t())
             h = rms_norm_triton(residual, self.norm, EPS)[0]
         else:
             h, residual = rms_norm_triton(F.linear(self.attn, self.w_o), self.norm, EPS, residual)
-        act = silu_and_mul_triton(F.linear(h, self.w_gu)) if silu is None else gate_up_silu_triton(h, self.w_gu, silu)
+        act = silu_and_mul_triton(F.linear(h, self.w_gu))
         if addmm:
             residual.addmm_(act, self.w_down.t())
             h = rms_norm_triton(residual, self.norm, EPS)[0]
@@ -73,49 +70,18 @@ class Layer:
         return F.linear(h, self.w_qkv)
 
 
-def burst_gate_up(layer: Layer, calls: int) -> tuple[list[str], GatedGemmConfig]:
-    """Rows of the gate|up table and the fastest config."""
-    h = torch.randn(layer.tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    flops = 2.0 * layer.tokens * HIDDEN * 2 * INTER
-    base = ms_per_call(lambda: silu_and_mul_triton(F.linear(h, layer.w_gu)), 3)
-    base = ms_per_call(lambda: silu_and_mul_triton(F.linear(h, layer.w_gu)), calls)
-    gemm = ms_per_call(lambda: F.linear(h, layer.w_gu), calls)
-    rows = [f"| cuBLAS gate_up + silu_and_mul | {base:.3f} | {flops / base / 1e9:.0f} | (the GEMM alone {gemm:.3f} ms, "
-            f"{flops / gemm / 1e9:.0f} TFLOP/s) |"]
-    best: tuple[float, GatedGemmConfig] | None = None
-    expected = silu_and_mul_triton(F.linear(h, layer.w_gu)).float()
-    for cfg in GATED_GEMM_SWEEP:
-        try:
-            out = gate_up_silu_triton(h, layer.w_gu, cfg)
-            err = (out.float() - expected).abs().max().item()
-            t = ms_per_call(partial(gate_up_silu_triton, h, layer.w_gu, cfg), calls)
-        except Exception as e:  # a config that does not compile here (shared memory): say so, keep going
-            rows.append(f"| fused {cfg.label} | failed: {type(e).__name__}: {str(e)[:80]} | | |")
-            continue
-        rows.append(f"| fused {cfg.label} | {t:.3f} | {flops / t / 1e9:.0f} | max diff vs the pair {err:.2e} |")
-        if best is None or t < best[0]:
-            best = (t, cfg)
-    assert best is not None, "no gated GEMM config ran"
-    return rows, best[1]
-
-
 def bench_tokens(tokens: int, seconds: float) -> None:
     layer = Layer(tokens)
-    rows, best = burst_gate_up(layer, 20 if tokens >= 4096 else 100)
-    print(f"\n## gate|up at {tokens} tokens, burst (a cool-ish GPU)\n")
-    print("| step | ms | TFLOP/s | note |\n|---|---|---|---|")
-    print("\n".join(rows))
-    variants = {"unfused": (None, False), "addmm": (None, True), f"silu {best.label}": (best, False),
-                f"both {best.label}": (best, True)}
-    reference = layer.run(None, False).float()
-    errors = {name: (layer.run(*v).float() - reference).abs().max().item() for name, v in variants.items()}
-    per_round = max(1, int(0.3e3 / ms_per_call(lambda: layer.run(None, False), 3)))
+    variants = {"unfused": False, "addmm": True}
+    reference = layer.run(False).float()
+    errors = {name: (layer.run(v).float() - reference).abs().max().item() for name, v in variants.items()}
+    per_round = max(1, int(0.3e3 / ms_per_call(partial(layer.run, False), 3)))
     times: dict[str, list[float]] = {name: [] for name in variants}
     with ClockLog() as clocks:
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < seconds:
-            for name, (silu, addmm) in variants.items():
-                times[name].append(ms_per_call(partial(layer.run, silu, addmm), per_round))
+            for name, addmm in variants.items():
+                times[name].append(ms_per_call(partial(layer.run, addmm), per_round))
     c = clocks.summary()
     base = statistics.median(times["unfused"])
     print(f"\n## one layer's projections and norms at {tokens} tokens, sustained: {seconds:.0f} s of "
