@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from stoker.engine import kernels
 from stoker.engine.layers.weights import WeightModule, copy_into, empty_param
 
-
 # Linear.forward_add's add in cuBLAS's epilogue; False: every linear leaves the residual to the norm after it (the
 # bench's A/B: ops/bench.py --decode-kernels auto+set=linear.EPILOGUE_ADD=False).
 EPILOGUE_ADD = True
