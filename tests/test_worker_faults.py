@@ -261,3 +261,51 @@ async def test_cancel_published_while_the_cancel_subscription_is_down_lands_at_o
         # The renew loop (every 10 s here) would find the key only much later.
         assert time.monotonic() - sent < 3.0
     assert isinstance(results["c1"].terminal, Done) and results["c1"].terminal.finish_reason == "cancelled"
+
+
+# -- 5. a hung engine step: the worker hands its jobs back and exits ------------------------------------------
+@pytest.mark.timeout(150)
+async def test_worker_whose_engine_step_hangs_hands_its_jobs_back_and_exits(space, r, tmp_path):
+    """The stand-in engine's step after its 40th never returns, as on a hung GPU (or a tensor-parallel peer gone
+    inside a one-shot all-reduce). Before the step watchdog the worker sat there renewing its jobs' claims for
+    good, so no other worker could take them. Now it exits 1 by itself a few seconds past its 2 s limit, its
+    claims already released (well inside their 3 s TTL, which the renewals would have kept alive forever), and a
+    second worker then finishes every job, each stream in order with one terminal event."""
+    names = space.names
+    ids = [f"s{i}" for i in range(6)]
+    env = space.worker_env(STOKER_FAKE_STEP_DELAY_S="0.02")
+    hung_log = tmp_path / "a.log"
+    first = start_worker_process({**env, "STOKER_FAKE_HANG_AFTER_STEPS": "40", "STOKER_STEP_STALL_TIMEOUT_S": "2"},
+                                 log_path=hung_log)
+    second = None
+    try:
+        await produce(space.bootstrap, names.jobs_topic, [job(i, max_tokens=300) for i in ids])
+        for _ in range(600):  # the first worker runs them (300 tokens at 20 ms a step: still running at step 40)
+            if any(await asyncio.gather(*(r.exists(names.stream(i)) for i in ids))):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail("the first worker never streamed a job")
+        started = time.monotonic()
+        try:
+            code = await asyncio.to_thread(first.wait, 40)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the worker with the hung step did not exit: {hung_log.read_text()[-3000:]}")
+        text = hung_log.read_text()
+        assert code == 1, text[-3000:]
+        assert time.monotonic() - started < 30, text[-3000:]
+        assert "event=engine_step_stalled" in text, text[-3000:]
+        failed = [line for line in text.splitlines() if "event=worker_failed" in line]
+        assert len(failed) == 1 and "engine step has run for" in failed[0], text[-3000:]
+        # handed back: no claim of ours is left to wait out
+        assert not any(await asyncio.gather(*(r.exists(names.claim(i)) for i in ids)))
+        second = start_worker_process(env, log_path=tmp_path / "b.log")
+        results = await wait_results(r, names, ids, timeout=60)
+    finally:
+        stop_process(first, signal.SIGKILL)
+        if second is not None:
+            stop_process(second)
+    for outcome in results.values():
+        assert isinstance(outcome.terminal, Done), outcome.terminal
+        check_attempt_order(outcome)
+        check_sequence(outcome)

@@ -12,7 +12,7 @@ import pytest
 from stoker.engine import EngineRequest, SamplingParams
 from stoker.engine.outputs import EngineRequestError, RequestOutput
 from stoker.worker.config import WorkerConfig
-from stoker.worker.driver import EngineDriver
+from stoker.worker.driver import EngineDriver, EngineStalled
 from stoker.worker.fake_engine import FAIL_MARKER, FakeEngine, fake_token_id, fake_token_text
 from stoker.worker.main import parse_config
 from stoker.worker.metrics import TenantLabels
@@ -190,6 +190,54 @@ async def test_driver_reports_an_engine_whose_stats_fail_instead_of_dying_silent
         driver.stop()
 
 
+async def test_driver_declares_a_step_past_the_limit_stalled_and_drops_its_late_outputs():
+    """A step that never ends by itself (the stand-in's hang hook, a hung GPU's stand-in): stalled() says
+    nothing while the step is young or no step runs, then returns EngineStalled and marks the engine broken; if
+    the step does come back after all, its outputs go nowhere."""
+
+    class Hangs(FakeEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.release = threading.Event()
+
+        def step(self):  # type: ignore[override]
+            if self.steps >= 2:
+                self.release.wait()
+            return super().step()
+
+    loop = asyncio.get_running_loop()
+    got: list[int] = []
+
+    def sink(outputs, stats, step_ms):
+        got.append(len(outputs))
+        driver.published()
+
+    engine = Hangs()
+    driver = EngineDriver(engine, loop, sink)
+    assert driver.stalled(0.1) is None  # no step yet
+    driver.start()
+    try:
+        driver.add_request(EngineRequest("a", prompt="p", params=SamplingParams(max_tokens=50)))
+        for _ in range(100):
+            if driver.step_started is not None and driver.steps == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert driver.steps == 2 and driver.step_started is not None  # the third step is in, and stays
+        assert driver.stalled(5.0) is None and driver.fatal is None  # young still
+        assert driver.stalled(0) is None  # 0 = the watchdog is off
+        await asyncio.sleep(0.3)
+        stalled = driver.stalled(0.2)
+        assert isinstance(stalled, EngineStalled) and driver.fatal is stalled
+        assert "step_stall_timeout_s 0.2" in str(stalled)
+        delivered = len(got)
+        engine.release.set()  # it comes back after all: the thread ends without handing its outputs over
+        await asyncio.sleep(0.2)
+        assert len(got) == delivered and driver.steps == 2
+    finally:
+        engine.release.set()
+        driver.stop()
+
+
 def test_driver_thread_is_idle_without_work():
     loop = asyncio.new_event_loop()
     driver = EngineDriver(FakeEngine(), loop, lambda *a: None)
@@ -297,6 +345,8 @@ def test_a_model_reloaded_in_the_same_process_gets_the_light_warm_up(tmp_path, m
     ({"fake_engine": True, "block_size": 24}, "block_size must be a power of two"),
     ({"fake_engine": True, "dtype": "int8"}, "dtype"),
     ({"fake_engine": True, "max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+    ({"fake_engine": True, "step_stall_timeout_s": -1}, "step_stall_timeout_s"),
+    ({"fake_engine": True, "fake_hang_after_steps": -1}, "fake_hang_after_steps"),
 ])
 def test_config_rejects_bad_values_with_a_reason(kwargs, needle):
     with pytest.raises(ValueError, match=needle):

@@ -38,6 +38,7 @@ class WorkerConfig:
     model_idle_unload_s: float | None = None  # unload a model with no job this long; None = never
     fake_engine: bool = False  # the deterministic stand-in (benchmarks, tests)
     fake_step_delay_s: float = 0.0  # stand-in only: time one step takes
+    fake_hang_after_steps: int = 0  # stand-in only: its step after this many never returns (a hung GPU); 0 = never
     device: str | None = None  # "cuda", "cpu"; None = cuda when available
     kv_cache_memory_bytes: int | None = None  # memory budget for the KV cache; None = the engine's default
     max_num_seqs: int = 256  # requests in the running batch at most
@@ -117,6 +118,11 @@ class WorkerConfig:
     min_free_kv_fraction: float = 0.02  # pause intake below this share of free KV blocks
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     drain_timeout_s: float = 30.0
+    # One engine step running longer than this is a hung GPU (or a tensor-parallel peer gone inside a one-shot
+    # all-reduce, which nothing interrupts): the worker hands its jobs back and exits 1 instead of renewing their
+    # claims forever. 0 = never. A step is milliseconds; the generous default leaves room for a cold Triton
+    # compile or a model loading inside a step (SGLang's watchdog default is the same 300 s).
+    step_stall_timeout_s: float = 300.0
     # Structured output (worker.grammar_gate): a response_format not compiled yet compiles on one of these
     # threads; one that takes longer ends its request with `invalid_response_format`
     grammar_compile_threads: int = 2
@@ -202,6 +208,10 @@ class WorkerConfig:
             problems.append(f"grammar_compile_timeout_s must be > 0 seconds, got {self.grammar_compile_timeout_s}")
         if self.drain_timeout_s < 0:
             problems.append(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.step_stall_timeout_s < 0:
+            problems.append(f"step_stall_timeout_s must be >= 0 (0 = never), got {self.step_stall_timeout_s}")
+        if self.fake_hang_after_steps < 0:
+            problems.append(f"fake_hang_after_steps must be >= 0, got {self.fake_hang_after_steps}")
         if not 0 < self.switch_interval_s <= 0.1:
             problems.append(f"switch_interval_s must be in (0, 0.1] seconds, got {self.switch_interval_s}")
         if not -1 <= self.metrics_port <= 65535:

@@ -37,6 +37,12 @@ class EngineLike(Protocol):
     def stats(self) -> EngineStats: ...
 
 
+class EngineStalled(RuntimeError):
+    """One engine step has run past the worker's step_stall_timeout_s: a GPU kernel that never ends (a hung
+    device, a tensor-parallel peer gone in the middle of a one-shot all-reduce). The step's thread cannot be
+    stopped, so the worker stops without it and the process exits (worker/main.py)."""
+
+
 # Receives (outputs, engine stats after the step, step_end_epoch_ms) on the loop thread. Empty outputs
 # with driver.fatal set mean the engine broke.
 OutputSink = Callable[[list[RequestOutput], EngineStats | None, float], None]
@@ -54,7 +60,8 @@ class EngineDriver:
         self._unpublished = 0  # steps handed to the loop and not yet acknowledged by the publisher
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.fatal: BaseException | None = None  # set when step() itself raised: the engine is broken
+        self.fatal: BaseException | None = None  # set when step() itself raised (or stalled): the engine is broken
+        self.step_started: float | None = None  # time.monotonic() when the step in progress began; None between
         self.steps = 0
         self.busy_s = 0.0  # time spent inside step(), for metrics
         self.last_stats: EngineStats | None = None
@@ -83,6 +90,21 @@ class EngineDriver:
         if self._thread is not None:
             self._thread.join(timeout)
         self._release_waiters()
+
+    def stalled(self, limit_s: float) -> EngineStalled | None:
+        """The step in progress has run longer than limit_s (on the loop's watchdog, worker.service): mark the
+        engine broken (aborts and further steps stop reaching it) and return the error; else None."""
+        started = self.step_started
+        if started is None or limit_s <= 0:
+            return None
+        running_s = time.monotonic() - started
+        if running_s <= limit_s:
+            return None
+        exc = EngineStalled(f"an engine step has run for {running_s:.0f} s (step_stall_timeout_s {limit_s:g}): "
+                            "the GPU or a tensor-parallel peer is not finishing it")
+        if self.fatal is None:
+            self.fatal = exc
+        return exc
 
     def notify(self) -> None:
         """New work (a request added or aborted): wake the thread if it sleeps."""
@@ -131,6 +153,7 @@ class EngineDriver:
                 if self._stopping:
                     return
             started = time.perf_counter()
+            self.step_started = time.monotonic()
             try:
                 outputs = engine.step()
                 # Read here, on the engine's thread, so the loop never touches the engine. Inside the try:
@@ -139,8 +162,13 @@ class EngineDriver:
             except BaseException as exc:  # the engine is broken, not one request: the worker must stop
                 log.exception("event=engine_step_failed")
                 self.fatal = exc
-                self._loop.call_soon_threadsafe(self._sink, [], None, time.time() * 1000)
+                with contextlib.suppress(RuntimeError):  # the loop may be gone (a stalled step came back late)
+                    self._loop.call_soon_threadsafe(self._sink, [], None, time.time() * 1000)
                 self._release_waiters()
+                return
+            finally:
+                self.step_started = None
+            if self.fatal is not None:  # declared stalled (stalled()) while it ran: its outputs go nowhere
                 return
             self.busy_s += time.perf_counter() - started
             self.steps += 1

@@ -5,9 +5,10 @@ measured and tested without a model. Token i of a request is derived from (reque
 its text is one word per token, so any two runs of the same request produce the same completion.
 Priority order, max_tokens, stop strings, deadlines and aborts behave as in the real engine.
 
-Two test hooks (only here, never in the real engine): a prompt containing FAIL_MARKER makes the request
+Three test hooks (only here, never in the real engine): a prompt containing FAIL_MARKER makes the request
 fail alone with error_code "internal" on its first step; `step_delay_s` stretches each step to
-stand in for GPU time.
+stand in for GPU time; `hang_after_steps` makes the step after that many never return, as a hung GPU's
+would (the worker's step watchdog, worker.service).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ class FakeEngine:
         num_kv_blocks: int = 16384,
         vocab_size: int = 32000,
         step_delay_s: float = 0.0,
+        hang_after_steps: int = 0,
     ):
         if max_num_seqs < 1 or max_model_len < 2 or num_kv_blocks < 1:
             raise ValueError("FakeEngine needs max_num_seqs >= 1, max_model_len >= 2, num_kv_blocks >= 1")
@@ -101,6 +103,8 @@ class FakeEngine:
         self.num_kv_blocks = num_kv_blocks
         self.vocab_size = vocab_size
         self.step_delay_s = step_delay_s
+        self.hang_after_steps = hang_after_steps
+        self.steps = 0
         self.tokenizer = FakeTokenizer(vocab_size)
         self._lock = threading.Lock()
         self._inbox: list[_FakeRequest] = []
@@ -173,6 +177,9 @@ class FakeEngine:
 
     # -- the loop: apply the inbox and aborts, end expired, admit by priority, one token each ---------------
     def step(self) -> list[RequestOutput]:
+        self.steps += 1
+        if self.hang_after_steps and self.steps > self.hang_after_steps:
+            threading.Event().wait()  # never set: the step never returns (its thread lets go of the GIL)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         now_ms = time.time() * 1000

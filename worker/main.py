@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -19,6 +20,7 @@ from typing import Any
 import click
 from stoker.engine import settle_heap
 from stoker.worker.config import WorkerConfig, default_worker_id
+from stoker.worker.driver import EngineStalled
 from stoker.worker.model_specs import ModelSpec
 
 # (flag, env var, type, default, help): click options built by _command(). bool flags are switches; their
@@ -34,6 +36,8 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
     ("--served-model-name", "STOKER_SERVED_MODEL_NAME", str, None, "model name jobs may ask for"),
     ("--fake-engine", "STOKER_FAKE_ENGINE", bool, False, "use the deterministic stand-in engine"),
     ("--fake-step-delay-s", "STOKER_FAKE_STEP_DELAY_S", float, 0.0, "stand-in engine: seconds per step"),
+    ("--fake-hang-after-steps", "STOKER_FAKE_HANG_AFTER_STEPS", int, 0,
+     "stand-in engine: its step after this many never returns, as on a hung GPU (tests; 0: never)"),
     ("--device", "STOKER_DEVICE", str, None, "cuda or cpu (default: cuda when available)"),
     ("--kv-cache-memory-bytes", "STOKER_KV_CACHE_MEMORY_BYTES", int, None, "KV cache memory budget"),
     ("--max-num-seqs", "STOKER_MAX_NUM_SEQS", int, 256, "max concurrent requests in the batch"),
@@ -133,6 +137,8 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
     ("--max-attempts", "STOKER_MAX_ATTEMPTS", int, 3, "starts before a job is dead-lettered as poison"),
     ("--max-waiting", "STOKER_MAX_WAITING", int, None, "queued requests before intake pauses"),
     ("--drain-timeout-s", "STOKER_DRAIN_TIMEOUT_S", float, 30.0, "SIGTERM: wait this long for running requests"),
+    ("--step-stall-timeout-s", "STOKER_STEP_STALL_TIMEOUT_S", float, 300.0,
+     "an engine step running longer than this is a hung GPU: hand the jobs back and exit 1 (0: never)"),
     ("--grammar-compile-threads", "STOKER_GRAMMAR_COMPILE_THREADS", int, 2,
      "threads compiling new response_format grammars (off the event loop); more wait, intake pauses"),
     ("--grammar-compile-timeout-s", "STOKER_GRAMMAR_COMPILE_TIMEOUT_S", float, 5.0,
@@ -313,7 +319,8 @@ def _build_one(cfg: WorkerConfig, spec: ModelSpec | None) -> Any:
 
         name = spec.served_name if spec is not None else cfg.served_model_name or "fake"
         return FakeEngine(name, max_num_seqs=cfg.max_num_seqs,
-                          max_model_len=cfg.max_model_len or 4096, step_delay_s=cfg.fake_step_delay_s)
+                          max_model_len=cfg.max_model_len or 4096, step_delay_s=cfg.fake_step_delay_s,
+                          hang_after_steps=cfg.fake_hang_after_steps)
     from stoker.engine import EngineConfig, LLMEngine
 
     engine = LLMEngine(EngineConfig(**engine_settings(cfg, spec)))
@@ -368,6 +375,11 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve(cfg))
     except RuntimeError as exc:
         logging.getLogger("stoker.worker").error("event=worker_failed error=%r", str(exc))
+        if isinstance(exc.__cause__, EngineStalled):
+            # The stalled step's thread is still inside the engine, and the interpreter's teardown (CUDA, NCCL)
+            # would wait on it: leave now. The jobs are already handed back.
+            logging.shutdown()
+            os._exit(1)
         return 1
     return 0
 

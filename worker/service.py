@@ -56,7 +56,7 @@ from stoker.worker.admission import BATCH, LIVE
 from stoker.worker.admitter import Admitter
 from stoker.worker.config import WorkerConfig
 from stoker.worker.dead_letters import DeadLetter
-from stoker.worker.driver import EngineDriver, EngineLike
+from stoker.worker.driver import EngineDriver, EngineLike, EngineStalled
 from stoker.worker.grammar_gate import CompileResult, GrammarGate, Outcome
 from stoker.worker.membership import heartbeat, join_checked, leave, recheck, served_model_names
 from stoker.worker.metrics import HealthServer, WorkerMetrics
@@ -208,7 +208,8 @@ class Worker:
         self.consumer.subscribe(self._topics(), listener=_Rebalance(self))
         await self.consumer.start()
         for loop_fn in (self._poll_loop, self._admit_loop, self._publish_loop, self._commit_loop, self._renew_loop,
-                        self._parked_loop, self._cancel_loop, self._redis_watch_loop, self._membership_loop):
+                        self._parked_loop, self._cancel_loop, self._redis_watch_loop, self._membership_loop,
+                        self._stall_loop):
             task = asyncio.create_task(loop_fn(), name=loop_fn.__name__)
             task.add_done_callback(self._on_task_done)
             self._tasks.append(task)
@@ -351,8 +352,9 @@ class Worker:
             await _reaped(task)
         if self.grammars is not None:
             await self.grammars.close()
-        if self.driver is not None:
-            await asyncio.to_thread(self.driver.stop)
+        if self.driver is not None:  # a stalled step's thread does not come back: don't wait for it
+            stalled = isinstance(self.driver.fatal, EngineStalled)
+            await asyncio.to_thread(self.driver.stop, 1.0 if stalled else 10.0)
         if self.consumer is not None:
             with _stop_step("consumer_close"):
                 await asyncio.wait_for(self.consumer.stop(), _CLOSE_TIMEOUT_S)
@@ -376,6 +378,22 @@ class Worker:
         dlq_stuck = any(now - since >= DLQ_UNHEALTHY_AFTER_S for since in list(self._dlq_failing.values()))
         running = bool(self._tasks) and all(not t.done() for t in self._tasks)
         return self.fatal is None and running and not dlq_stuck and not self._left_group
+
+    async def _stall_loop(self) -> None:
+        """The step watchdog: a step that runs past step_stall_timeout_s never ends by itself (a hung GPU, a
+        tensor-parallel peer gone inside a one-shot all-reduce), while this loop would go on renewing its jobs'
+        claims, so no other worker could take them. It raises EngineStalled: the worker stops (claims released,
+        jobs handed back) and exits 1 (worker/main.py)."""
+        limit = self.cfg.step_stall_timeout_s
+        if limit <= 0:  # off; the task still lives until the stop (the health check counts every loop)
+            await self._stopping.wait()
+            return
+        while not self._stopping.is_set():
+            await asyncio.sleep(min(5.0, limit / 4))
+            if self.driver is not None and (stalled := self.driver.stalled(limit)) is not None:
+                log.critical("event=engine_step_stalled worker=%s limit_s=%g running=%d", self.cfg.worker_id, limit,
+                             self.requests.count(RUNNING))
+                raise stalled
 
     # -- intake -------------------------------------------------------------------------------------------
     async def _poll_loop(self) -> None:
