@@ -23,9 +23,14 @@ if [ $# -eq 0 ] && [ -n "${GPU_TEST_SHARD:-}" ]; then
     set -- "${files[@]}"
 fi
 [ $# -eq 0 ] && set -- tests
-# --durations: the slowest tests at the log's end, to balance the shards by
-python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu -n "${GPU_TEST_WORKERS:-12}" --dist loadfile --durations=25 \
-  "$@" > "$OUT/gpu_tests.log" 2>&1
+# --durations: the slowest tests at the log's end, to balance the shards by. pytest runs in its own process group,
+# killed whole when this script is (a call's `timeout`): session 26's cut run left its xdist workers on the GPU,
+# under the next call on that warm machine.
+setsid python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu -n "${GPU_TEST_WORKERS:-12}" --dist loadfile \
+  --durations=25 "$@" > "$OUT/gpu_tests.log" 2>&1 &
+pytest_pid=$!
+trap 'kill -TERM -- -$pytest_pid 2>/dev/null; sleep 2; kill -KILL -- -$pytest_pid 2>/dev/null' TERM INT
+wait $pytest_pid
 rc=$?
 tail -70 "$OUT/gpu_tests.log"
 exit $rc
