@@ -202,6 +202,14 @@ class LLMEngine:
             generation_tokens_total=self._generation_tokens_total,
         )
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot go on, known outside its step (a tensor-parallel rank that died, named by the
+        ranks' watchdog thread); None while it can. Readable from any thread: the worker's step watchdog asks it
+        while a step is stuck (a one-shot all-reduce waiting on the dead rank, which nothing interrupts)."""
+        ranks = getattr(self.runner, "ranks", None)
+        return None if ranks is None else ranks.failure
+
     def close(self) -> None:
         """Free the model's weights and KV cache now (call from the thread that steps it, between steps); the
         engine cannot step after. A worker unloading an idle model (worker/models.py) calls it, and the worker

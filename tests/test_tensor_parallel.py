@@ -8,6 +8,7 @@ graphs with an all-reduce inside) is at the end, marked gpu and multi_gpu."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from typing import Any
@@ -286,6 +287,7 @@ def test_killed_rank_makes_step_raise_promptly(llama_path: str):
                                          params=SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)))
         for _ in range(3):
             engine.step()
+        assert engine.failure is None
         os.kill(ranks.procs[0].pid, signal.SIGKILL)
         started = time.monotonic()
         with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code -9"):
@@ -294,6 +296,8 @@ def test_killed_rank_makes_step_raise_promptly(llama_path: str):
         assert time.monotonic() - started < 15, "a dead rank must fail the step well before any collective timeout"
         with pytest.raises(TensorParallelError, match="rank 1"):  # and every step after it
             engine.step()
+        # what the worker's step watchdog reads from its own thread (worker.driver.EngineDriver.stalled)
+        assert engine.failure is not None and re.search(r"rank 1 \(pid \d+\) exited with code -9", engine.failure)
     finally:
         started = time.monotonic()
         engine.close()

@@ -238,6 +238,40 @@ async def test_driver_declares_a_step_past_the_limit_stalled_and_drops_its_late_
         driver.stop()
 
 
+async def test_driver_ends_a_stuck_step_soon_once_the_engine_reports_a_failure():
+    """A tensor-parallel rank dies inside a one-shot all-reduce: the engine knows (LLMEngine.failure, from the
+    ranks' watchdog) but its step never returns. stalled() then gives up after the short grace, not the whole
+    stall limit, and names the failure."""
+
+    class DeadPeer(FakeEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.release = threading.Event()
+            self.failure: str | None = None
+
+        def step(self):  # type: ignore[override]
+            self.release.wait()
+            return super().step()
+
+    engine = DeadPeer()
+    driver = EngineDriver(engine, asyncio.get_running_loop(), lambda *a: driver.published())
+    driver.start()
+    try:
+        driver.add_request(EngineRequest("a", prompt="p", params=SamplingParams(max_tokens=5)))
+        for _ in range(100):
+            if driver.step_started is not None:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        assert driver.stalled(300, failed_grace_s=0.1) is None  # stuck, but the engine has not failed
+        engine.failure = "tensor-parallel rank 1 (pid 7) exited with code -9"
+        stalled = driver.stalled(300, failed_grace_s=0.1)
+        assert isinstance(stalled, EngineStalled) and "rank 1 (pid 7) exited" in str(stalled)
+    finally:
+        engine.release.set()
+        driver.stop()
+
+
 def test_driver_thread_is_idle_without_work():
     loop = asyncio.new_event_loop()
     driver = EngineDriver(FakeEngine(), loop, lambda *a: None)

@@ -37,6 +37,11 @@ class EngineLike(Protocol):
     def stats(self) -> EngineStats: ...
 
 
+# A step still running this long after the engine reported a failure (EngineDriver.stalled) is stuck on it: NCCL's
+# abort ends a collective waiting on a dead rank within seconds (the ranks' watchdog), a one-shot all-reduce never.
+FAILED_STEP_GRACE_S = 10.0
+
+
 class EngineStalled(RuntimeError):
     """One engine step has run past the worker's step_stall_timeout_s: a GPU kernel that never ends (a hung
     device, a tensor-parallel peer gone in the middle of a one-shot all-reduce). The step's thread cannot be
@@ -91,17 +96,23 @@ class EngineDriver:
             self._thread.join(timeout)
         self._release_waiters()
 
-    def stalled(self, limit_s: float) -> EngineStalled | None:
-        """The step in progress has run longer than limit_s (on the loop's watchdog, worker.service): mark the
-        engine broken (aborts and further steps stop reaching it) and return the error; else None."""
+    def stalled(self, limit_s: float, failed_grace_s: float = FAILED_STEP_GRACE_S) -> EngineStalled | None:
+        """The step in progress has run longer than limit_s, or longer than failed_grace_s while the engine says
+        it has failed (LLMEngine.failure: a tensor-parallel rank died; a step that the failure does not end by
+        itself by then never ends). Called on the loop's watchdog (worker.service): marks the engine broken
+        (aborts and further steps stop reaching it) and returns the error; else None."""
         started = self.step_started
         if started is None or limit_s <= 0:
             return None
         running_s = time.monotonic() - started
-        if running_s <= limit_s:
+        failure = getattr(self.engine, "failure", None)
+        if failure and running_s > failed_grace_s:
+            exc = EngineStalled(f"an engine step has run for {running_s:.0f} s and the engine has failed: {failure}")
+        elif running_s > limit_s:
+            exc = EngineStalled(f"an engine step has run for {running_s:.0f} s (step_stall_timeout_s {limit_s:g}): "
+                                "the GPU or a tensor-parallel peer is not finishing it")
+        else:
             return None
-        exc = EngineStalled(f"an engine step has run for {running_s:.0f} s (step_stall_timeout_s {limit_s:g}): "
-                            "the GPU or a tensor-parallel peer is not finishing it")
         if self.fatal is None:
             self.fatal = exc
         return exc
