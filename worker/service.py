@@ -381,9 +381,9 @@ class Worker:
 
     async def _stall_loop(self) -> None:
         """The step watchdog: a step that runs past step_stall_timeout_s never ends by itself (a hung GPU, a
-        tensor-parallel peer gone inside a one-shot all-reduce), while this loop would go on renewing its jobs'
-        claims, so no other worker could take them. It raises EngineStalled: the worker stops (claims released,
-        jobs handed back) and exits 1 (worker/main.py)."""
+        tensor-parallel peer gone inside a one-shot all-reduce), while the renew loop would go on renewing its
+        jobs' claims, so no other worker could take them. It raises EngineStalled: the worker stops (claims
+        released, jobs handed back) and exits 1 (worker/main.py)."""
         limit = self.cfg.step_stall_timeout_s
         if limit <= 0:  # off; the task still lives until the stop (the health check counts every loop)
             await self._stopping.wait()
