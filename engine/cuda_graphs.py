@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from stoker.engine import kernels
 from stoker.engine.batch import AttentionMetadata, ModelInput, resolve_pending
 from stoker.engine.kernels.argmax import GreedyArgmax
 from stoker.engine.kernels.graph_inputs import decode_inputs, decode_inputs_ref
@@ -232,7 +233,7 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         if self.with_logits:  # on the current stream, which replays use (not the side stream's pool)
             self.logits = torch.empty(self.max_batch, out.shape[1], dtype=out.dtype, device=self.device)
-            if self.greedy_rows:  # its scratch, and its compile outside the captures
+            if self.greedy_rows and kernels.use_triton(self.logits):  # its scratch, its compile outside the captures
                 self._argmax = GreedyArgmax(self.greedy_rows, out.shape[1], self.device)
                 self._argmax(self.logits[:1].zero_(), self.greedy_ids[:1])
         with collector_paused():

@@ -207,7 +207,7 @@ class LLMEngine:
         """Why the engine cannot go on, known outside its step (a tensor-parallel rank that died, named by the
         ranks' watchdog thread); None while it can. Readable from any thread: the worker's step watchdog asks it
         while a step is stuck (a one-shot all-reduce waiting on the dead rank, which nothing interrupts)."""
-        ranks = getattr(self.runner, "ranks", None)
+        ranks = self.runner.ranks
         return None if ranks is None else ranks.failure
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 from kernel_harness import GPU, INTERPRET, NO_CUDA, run_under_interpreter  # noqa: E402
+from stoker.engine.kernels import graph_inputs  # noqa: E402
 from stoker.engine.kernels.graph_inputs import TABLE_BLOCK, decode_inputs_ref, decode_inputs_triton  # noqa: E402
 
 DEVICES = ["cpu"] if INTERPRET else [pytest.param("cuda", marks=[GPU, NO_CUDA])]
@@ -70,6 +71,19 @@ def test_decode_inputs_are_checked(device: str) -> None:
         decode_inputs_triton((*inp[:3], inp[3].long(), inp[4]), None, static, 2)
     with pytest.raises(ValueError, match="prev_tokens"):
         decode_inputs_triton(inp, torch.zeros(0, dtype=torch.int64, device=device), static, 2)
+
+
+@pytest.mark.parametrize("switch", [True, False])
+def test_dispatcher_follows_the_engines_triton_switch(switch: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """decode_inputs takes the kernel only where kernels.use_triton says so (CUDA, Triton importable, and not
+    EngineConfig(use_triton=False)), like every op of engine/kernels; the copies otherwise."""
+    calls: list[tuple[str, object]] = []
+    monkeypatch.setattr(graph_inputs, "decode_inputs_triton", lambda *a: calls.append(("kernel", a)))
+    monkeypatch.setattr(graph_inputs, "decode_inputs_ref", lambda *a: calls.append(("copies", a)))
+    monkeypatch.setattr(graph_inputs.kernels, "use_triton", lambda x: switch)
+    args = ((torch.zeros(1, dtype=torch.int64),), None, (), 1)
+    graph_inputs.decode_inputs(*args)
+    assert calls == [("kernel" if switch else "copies", args)]
 
 
 @pytest.mark.slow

@@ -57,6 +57,25 @@ def test_kernel_refuses_what_it_cannot_mask(device: str, dtype: torch.dtype) -> 
         apply_token_bitmask_triton(logits.t().contiguous().t(), bitmask, None)
 
 
+@pytest.mark.parametrize("switch", [True, False])
+def test_op_takes_the_kernel_only_where_the_engines_triton_switch_says(switch: bool, monkeypatch) -> None:
+    """apply_token_bitmask launches the kernel only where kernels.use_triton says so (CUDA, Triton importable, and
+    not EngineConfig(use_triton=False)); the torch path otherwise, which masks the same tokens."""
+    from stoker.engine.kernels import token_bitmask
+
+    launched: list[bool] = []
+    monkeypatch.setattr(token_bitmask, "apply_token_bitmask_triton", lambda *a: launched.append(True))
+    monkeypatch.setattr(token_bitmask.kernels, "use_triton", lambda x: switch)
+    logits = torch.zeros(2, 40)
+    bitmask = torch.tensor([[0b101, 0], [-1, 0]], dtype=torch.int32)
+    apply_token_bitmask(logits, bitmask, None)
+    assert launched == ([True] if switch else [])
+    if not switch:
+        expected = torch.zeros(2, 40)
+        apply_token_bitmask_ref(expected, bitmask, None)
+        assert torch.equal(logits, expected)
+
+
 @GPU
 @NO_CUDA
 @pytest.mark.parametrize("every_row", [True, False])

@@ -13,8 +13,9 @@ resolved, tables of real blocks), as the copies left them before.
 from __future__ import annotations
 
 import torch
+from stoker.engine import kernels
 from stoker.engine.batch import resolve_pending
-from stoker.engine.kernels._triton import HAS_TRITON, check_launchable, tl, triton
+from stoker.engine.kernels._triton import check_launchable, tl, triton
 
 TABLE_BLOCK = 64  # block-table columns a step of a row's copy loop
 
@@ -106,6 +107,6 @@ def decode_inputs_triton(inp: tuple[torch.Tensor, ...], prev_tokens: torch.Tenso
 def decode_inputs(inp: tuple[torch.Tensor, ...], prev_tokens: torch.Tensor | None,
                   static: tuple[torch.Tensor, ...], bucket: int) -> None:
     """The kernel on CUDA, the copies elsewhere (the CPU runs of the graphs' bookkeeping, which fake the replays:
-    tests/test_decode_step_ops.py)."""
-    fill = decode_inputs_triton if inp[0].is_cuda and HAS_TRITON else decode_inputs_ref
+    tests/test_decode_step_ops.py) and under EngineConfig(use_triton=False) (kernels.use_triton)."""
+    fill = decode_inputs_triton if kernels.use_triton(inp[0]) else decode_inputs_ref
     fill(inp, prev_tokens, static, bucket)

@@ -12,7 +12,8 @@ apply column), on the step's critical path between the forward and the next one.
 from __future__ import annotations
 
 import torch
-from stoker.engine.kernels._triton import HAS_TRITON, check_launchable, tl, triton
+from stoker.engine import kernels
+from stoker.engine.kernels._triton import check_launchable, tl, triton
 
 WORDS_PER_PROGRAM = 64  # 2,048 tokens a program: 63 programs a row at a 128,256 vocabulary
 
@@ -95,8 +96,9 @@ def apply_token_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor, rows
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
     """logits [N, V] float, bitmask [R, ceil(V/32)+] int32 on the logits' device, rows [R] int64 (or None: every
     row, R = N, masked in place without gathering them and scattering them back: [256, 32000] float32 on one
-    CPU thread, best of 3 on the loaded 2-core VM, 91 -> 69 ms): in place. The Triton kernel on CUDA."""
-    if logits.is_cuda and HAS_TRITON:
+    CPU thread, best of 3 on the loaded 2-core VM, 91 -> 69 ms): in place. The Triton kernel on CUDA (unless
+    EngineConfig(use_triton=False): kernels.use_triton)."""
+    if kernels.use_triton(logits):
         apply_token_bitmask_triton(logits, bitmask, rows)
         return
     _check(logits, bitmask, rows)

@@ -50,7 +50,8 @@ class Linear(WeightModule):
         overwritten: the caller hands it over, as the norms' sum it is.
         Elsewhere (a bias, a twin that reduces across ranks or quantizes, no residual yet) (this layer on x,
         residual), added in the norm."""
-        if (not EPILOGUE_ADD or residual is None or self.bias is not None or residual.dtype != x.dtype or x.dtype != self.weight.dtype
+        if (not EPILOGUE_ADD or residual is None or self.bias is not None
+                or not residual.dtype == x.dtype == self.weight.dtype
                 or residual.shape != (x.shape[0], self.output_size) or not residual.is_contiguous()):
             return self(x), residual
         return residual.addmm_(x, self.weight.t()), None
