@@ -7,8 +7,9 @@
 #   run(command="bash ops/gpu_tests.sh", carry=[".gpu-stack"], timeout_s=400)
 #   run(command="bash ops/gpu_tests.sh tests/test_capture_collector.py tests/test_gpu_engine.py", ...)
 #
-# Arguments go to pytest in place of `tests` (GPU_TEST_SHARD=K/N, without arguments: every Nth file from the K-th). GPU_TEST_WORKERS sets the workers (default 12: the whole suite, 1,258
-# tests, took 318 s on 16 cores in session 23; 8 workers no longer fit 280 s). The collection
+# Arguments go to pytest in place of `tests` (GPU_TEST_SHARD=K/N, without arguments: every Nth file from the K-th).
+# GPU_TEST_WORKERS sets the workers (default 12: the whole suite, 1,258 tests, took 318 s on 16 cores in session 23;
+# 8 workers no longer fit 280 s). The collection
 # imports the worker's modules, so the packed stack's wheels come first (ops/gpu_stack_env). Writes
 # $OUT/gpu_tests.log (a line per failure, error and skip reason at its end).
 export PYTHONUNBUFFERED=1 PYTEST_ADDOPTS="-p no:warnings"
