@@ -17,7 +17,10 @@ decode attention pay, on the 8B shape (bf16, random weights, no model folder)?
 (d) the engine's own decode layers (LlamaModel, `--layers` of them) over a whole decode step in one CUDA graph:
     the plain order, the two halves in sequence on one stream (the cost of splitting alone), the two halves
     overlapped on two streams (engine/models/nano_batches.py), and the overlap with the GEMMs' SM count target
-    lowered so attention keeps some SMs. (d) is the deciding figure.
+    lowered so attention keeps some SMs. (d) is the deciding figure at full clock;
+(e) `--sustained S`: (d)'s graphs (plain, halves, overlapped at each carve-out) replayed in alternating rounds for
+    S seconds on one hot GPU, the SM clock and power logged (ops/gpu_clock.py): W2 runs at the 700 W cap, where a
+    memory-bound kernel beside a power-bound GEMM may pay although it does not at full clock.
 --w2 auto,auto+overlap instead runs ops/bench.py's W2 once per setting on fresh engines (see w2_ab).
 Each section prints its rows as it finishes and the JSON (--json, or $OUT/bench_overlap.json) is rewritten after
 each, so a run cut short keeps what it measured.
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -115,17 +119,7 @@ def graph_ms(fn: Callable[[], Any], device: torch.device, reps: int, keep: list[
         for _ in range(reps):
             fn()
         return (time.perf_counter() - t0) / reps * 1e3
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture stream (compiles, cuBLAS picks algorithms)
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    graph.replay()
-    torch.cuda.synchronize(device)
+    graph, out = capture(fn, device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
@@ -136,6 +130,23 @@ def graph_ms(fn: Callable[[], Any], device: torch.device, reps: int, keep: list[
         keep.append(out.clone())
     del graph
     return start.elapsed_time(end) / reps
+
+
+def capture(fn: Callable[[], Any], device: torch.device) -> tuple[Any, Any]:
+    """fn warmed up off the capture stream (compiles, cuBLAS picks algorithms), then captured -> (graph, its
+    output tensor, rewritten by each replay)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    return graph, out
 
 
 def stream_ms(fn: Callable[[], Any], device: torch.device, reps: int, stream: Any = None) -> float:
@@ -261,6 +272,64 @@ def section_d(rep: Report, model: LlamaModel, cfg: ModelConfig, batch: Batch, de
         # The final hidden states against the plain order's (bf16: the halves' GEMMs round differently).
         diff = float((outs[0].float() - plain[1]).abs().max())
         rep.row("d", f"B={rows} {name}", ms, per_layer_ms=ms / layers, vs_plain=plain[0] / ms, max_diff=diff)
+
+
+def section_e(rep: Report, model: LlamaModel, batch: Batch, device: torch.device, seconds: float,
+              carveouts: list[int], round_s: float = 0.4) -> None:
+    """(d)'s variants (the persistent grid aside) sustained: every graph captured first, then replayed in
+    alternating rounds of ~round_s each for `seconds`, so that each variant sees the same clock, power and heat.
+    Per variant: the median (min-max) of its rounds' mean replay time, and that median against the plain
+    order's; the SM clock and power over the whole run."""
+    from stoker.ops.gpu_clock import ClockLog
+
+    def step() -> Any:
+        return model(batch.input_ids, batch.positions, batch.meta, batch.kv_caches)
+
+    rows, layers = batch.rows, len(model.layers)
+    side = torch.cuda.Stream(device)
+    two, one = NanoBatchPlan(2, side), NanoBatchPlan(2, None)
+    variants: list[tuple[str, NanoBatchPlan | None, int | None]] = [
+        ("plain order", None, None), ("plain order, cublasLt", None, 0), ("two halves, one stream", one, None),
+        ("two halves overlapped (2 streams)", two, None)]
+    variants += [(f"overlapped, cublasLt, GEMMs leave {c} SMs", two, c) for c in carveouts]
+    graphs: dict[str, tuple[Any, torch.Tensor]] = {}
+    for name, plan, carveout in variants:
+        model.nano_batches = plan
+        try:
+            with gemm_carveout(carveout):
+                graphs[name] = capture(step, device)
+        except Exception as e:
+            rep.row("e", f"B={rows} {name}", None, error=repr(e)[:160])
+        finally:
+            model.nano_batches = None
+    if "plain order" not in graphs:
+        return
+    reference = graphs["plain order"][1].float().clone()
+    diffs = {name: float((out.float() - reference).abs().max()) for name, (_, out) in graphs.items()}
+
+    def replay_ms(graph: Any, n: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / n
+
+    per_round = max(2, int(round_s * 1e3 / replay_ms(graphs["plain order"][0], 3)))
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    with ClockLog() as clocks:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for name, (graph, _) in graphs.items():
+                times[name].append(replay_ms(graph, per_round))
+    c = clocks.summary()
+    rep.note("e_clock", c)
+    base = statistics.median(times["plain order"])
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        rep.row("e", f"B={rows} sustained {name}", med, per_layer_ms=med / layers, vs_plain=base / med,
+                min_ms=min(ts), max_ms=max(ts), rounds=len(ts), replays_a_round=per_round, max_diff=diffs[name])
 
 
 class persistent_attention:
@@ -413,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--carveouts", default="0,16,32,48", help="(d): SMs the GEMMs leave to attention")
     ap.add_argument("--programs", default="32,48,64",
                     help="(d): attention on this many persistent programs while the GEMMs leave as many SMs")
+    ap.add_argument("--sustained", type=float, default=0.0, metavar="S",
+                    help="(e): the step's variants in alternating rounds for S seconds (CUDA; 0 = off)")
     ap.add_argument("--skip", default="", help="sections to skip, e.g. 'c'")
     ap.add_argument("--w2", default=None, metavar="SETTINGS",
                     help="instead of the sections: W2 once per comma-separated --decode-kernels setting of ops/bench.py "
@@ -446,6 +517,8 @@ def main(argv: list[str] | None = None) -> int:
             if "d" not in args.skip:
                 section_d(rep, model, cfg, batch, device, max(3, args.reps // 2), carveouts,
                           [int(k) for k in args.programs.split(",") if k] if device.type == "cuda" else [2])
+            if args.sustained > 0 and device.type == "cuda":
+                section_e(rep, model, batch, device, args.sustained, carveouts)
         # Last: green contexts are beta; a failure that poisons the CUDA context then costs nothing above.
         if "c" not in args.skip:
             section_c(rep, model, cfg, {b.rows: b for b in batches}, dtype, device, max(3, args.reps // 4),
