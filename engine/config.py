@@ -98,7 +98,8 @@ class EngineConfig:
     decode_prologue_norm_max_m: int = 2
     # Two-nano-batch decode (engine/models/nano_batches.py): decode-only steps of >= decode_overlap_min_rows
     # sequences run as two halves whose GEMMs and attention interleave on two CUDA streams (in the graphs).
-    # Off: measured 3.7 % slower at batch 1,024 and 13 % at 512 (8B, H200; BENCHMARKS.md, 14:44 UTC).
+    # Off: measured 3.7 % slower at batch 1,024 and 13 % at 512 (8B, H200; BENCHMARKS.md, 14:44 UTC), and 3.6 %
+    # slower at 1,024 sustained under the 700 W cap (2026-12-04 18:50 UTC).
     decode_overlap: bool = False
     decode_overlap_min_rows: int = 512
     # With decode_overlap on CUDA: > 0 splits the SMs instead of sharing them: attention on this many

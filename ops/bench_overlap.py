@@ -344,8 +344,10 @@ class persistent_attention:
             n = self.n
             self.saved = kernels.paged_decode_attention
 
-            def attend(q: Any, k: Any, v: Any, tables: Any, lens: Any, scale: float, *_: Any) -> Any:
-                return paged_decode_attention_persistent(q, k, v, tables, lens, scale, n)
+            def attend(q: Any, k: Any, v: Any, tables: Any, lens: Any, scale: float, *_: Any,
+                       out: Any = None, **__: Any) -> Any:  # the engine's other keywords (pdl, splits): n/a here
+                result = paged_decode_attention_persistent(q, k, v, tables, lens, scale, n)
+                return result if out is None else out.copy_(result)
 
             kernels.paged_decode_attention = attend  # type: ignore[assignment]
 

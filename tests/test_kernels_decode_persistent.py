@@ -43,3 +43,26 @@ def test_persistent_decode_attention_rejects_no_programs() -> None:
 @pytest.mark.skipif(INTERPRET, reason="this is the interpreter run itself")
 def test_persistent_decode_attention_under_triton_interpreter() -> None:
     run_under_interpreter(__file__)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_bench_overlap_patch_takes_the_attention_layers_keywords(device: str, dtype: torch.dtype) -> None:
+    """ops/bench_overlap.py puts this kernel in place of the engine's decode attention, which the attention layer
+    calls with pdl= and out= (session 27's GPU run failed there): the result lands in out, and the engine's own
+    function is back afterwards."""
+    from stoker.engine import kernels
+    from stoker.ops.bench_overlap import persistent_attention
+
+    lens = [3, 40, 17]
+    k_cache, v_cache, block_tables = paged_batch(lens, 2, 32, 8, device, dtype)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(lens), 4, 32, device=device, dtype=dtype)
+    out = torch.full_like(q, float("nan"))
+    engine_fn = kernels.paged_decode_attention
+    with persistent_attention(2):
+        assert kernels.paged_decode_attention is not engine_fn
+        got = kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.2, None, None, None,
+                                             pdl=True, out=out)
+    assert kernels.paged_decode_attention is engine_fn
+    assert got is out
+    close(out, paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, 0.2), dtype)

@@ -18,7 +18,9 @@ the same stages run in the same order, in sequence: the code path the CPU tests 
 Measured (ops/bench_overlap.py, BENCHMARKS.md 14:44 UTC): 3.7 % SLOWER than the plain order at batch 1,024, so
 EngineConfig.decode_overlap is off. Each kernel already fills the chip (attention needs about half the SMs for
 3 TB/s; the GEMMs lose time near-linearly with SMs), so the two lanes run one after the other anyway and the split
-itself costs 3.5 %. Kept behind the switch for other shapes and GPUs (re-measure there with ops/bench_overlap.py).
+itself costs 3.5 %. Under the 700 W cap, where W2 runs, it loses 3.6 % as well (`--sustained`, BENCHMARKS.md
+2026-12-04 18:50 UTC): both lanes draw from one power budget. Kept behind the switch for other shapes and GPUs
+(re-measure there with ops/bench_overlap.py).
 """
 
 from __future__ import annotations
