@@ -429,3 +429,73 @@ def test_a_request_past_its_deadline_while_its_model_loads_ends_deadline_without
     outputs = drain(models)
     assert set(outputs) == {"patient"} and outputs["patient"][-1].completion_tokens == 2
     models.close()
+
+
+async def test_a_step_waiting_for_an_exclusive_load_is_not_stalled_but_a_load_past_its_limit_is():
+    """On CUDA with graphs a reload holds the GPU and another model's step waits for it (exclusive_load). The
+    worker's watchdog (EngineDriver.stalled) must not take that wait for a hung step: a large model from slow
+    storage may load for minutes, and the worker would exit and, restarted, load and exit again. The load itself
+    is timed against its own limit (model_load_timeout_s), also when no step waits for it."""
+    import asyncio
+
+    from stoker.worker.driver import EngineDriver, EngineStalled
+
+    clock = Clock()
+    gate = threading.Event()
+    gate.set()
+    built: dict[str, list[CountingEngine]] = {}
+
+    def load(name: str) -> CountingEngine:
+        if built.get(name):  # a reload, not the startup load
+            assert gate.wait(20)
+        built.setdefault(name, []).append(CountingEngine(name, []))
+        return built[name][-1]
+
+    models = ModelSet(["a", "b"], load, idle_unload_s=30, exclusive_load=True, clock=clock)  # type: ignore[arg-type]
+    clock.now += 31
+    models.step()  # both idle out
+    models.add_request(request("a1", "a", max_tokens=3))
+    wait_for(lambda: models.model_state("a") == "loaded")
+    gate.clear()
+    models.add_request(request("b1", "b", max_tokens=2))  # b's reload takes the GPU and blocks on the gate
+    wait_for(lambda: models.step_watch()[1] is not None)
+    finished: list[str] = []
+
+    def sink(outputs, stats, step_ms):  # noqa: ANN001
+        finished.extend(o.request_id for o in outputs if o.finished)
+        driver.published()
+
+    driver = EngineDriver(models, asyncio.get_running_loop(), sink)
+    driver.start()
+    try:
+        for _ in range(200):  # the driver's step of a1 starts and waits for the GPU
+            if driver.step_started is not None and models.step_watch()[0] is None:
+                break
+            await asyncio.sleep(0.01)
+        assert driver.step_started is not None and models.step_watch()[0] is None
+        await asyncio.sleep(0.4)
+        assert driver.stalled(0.2) is None and driver.stalled(0.2, load_limit_s=30) is None
+        assert driver.fatal is None and built["a"][-1].steps == 0
+        gate.set()  # the load ends: a's step gets the GPU, then b runs too
+        for _ in range(500):
+            if {"a1", "b1"} <= set(finished):
+                break
+            await asyncio.sleep(0.01)
+        assert {"a1", "b1"} <= set(finished) and driver.fatal is None
+        assert models.step_watch()[1] is None
+        # A load that never ends is declared stuck past its own limit, with no step waiting for it.
+        clock.now += 31
+        driver.notify()
+        wait_for(lambda: models.model_state("b") == "unloaded")
+        gate.clear()
+        models.add_request(request("b2", "b", max_tokens=2))
+        wait_for(lambda: models.step_watch()[1] is not None)
+        await asyncio.sleep(0.3)
+        assert driver.stalled(300, load_limit_s=30) is None
+        stalled = driver.stalled(300, load_limit_s=0.2)
+        assert isinstance(stalled, EngineStalled) and driver.fatal is stalled
+        assert "model_load_timeout_s 0.2" in str(stalled)
+    finally:
+        gate.set()
+        driver.stop()
+        models.close()

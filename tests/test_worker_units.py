@@ -380,6 +380,7 @@ def test_a_model_reloaded_in_the_same_process_gets_the_light_warm_up(tmp_path, m
     ({"fake_engine": True, "dtype": "int8"}, "dtype"),
     ({"fake_engine": True, "max_num_batched_tokens": 0}, "max_num_batched_tokens"),
     ({"fake_engine": True, "step_stall_timeout_s": -1}, "step_stall_timeout_s"),
+    ({"fake_engine": True, "model_load_timeout_s": -1}, "model_load_timeout_s"),
     ({"fake_engine": True, "fake_hang_after_steps": -1}, "fake_hang_after_steps"),
 ])
 def test_config_rejects_bad_values_with_a_reason(kwargs, needle):

@@ -123,6 +123,10 @@ class WorkerConfig:
     # claims forever. 0 = never. A step is milliseconds; the generous default leaves room for a cold Triton
     # compile or a model loading inside a step (SGLang's watchdog default is the same 300 s).
     step_stall_timeout_s: float = 300.0
+    # Several models in one worker: a model's load (on demand, after an idle unload) running longer than this is
+    # as stuck; a step of another model waiting for that load does not count against step_stall_timeout_s.
+    # 0 = never.
+    model_load_timeout_s: float = 1800.0
     # Structured output (worker.grammar_gate): a response_format not compiled yet compiles on one of these
     # threads; one that takes longer ends its request with `invalid_response_format`
     grammar_compile_threads: int = 2
@@ -210,6 +214,8 @@ class WorkerConfig:
             problems.append(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.step_stall_timeout_s < 0:
             problems.append(f"step_stall_timeout_s must be >= 0 (0 = never), got {self.step_stall_timeout_s}")
+        if self.model_load_timeout_s < 0:
+            problems.append(f"model_load_timeout_s must be >= 0 (0 = never), got {self.model_load_timeout_s}")
         if self.fake_hang_after_steps < 0:
             problems.append(f"fake_hang_after_steps must be >= 0, got {self.fake_hang_after_steps}")
         if not 0 < self.switch_interval_s <= 0.1:

@@ -96,15 +96,25 @@ class EngineDriver:
             self._thread.join(timeout)
         self._release_waiters()
 
-    def stalled(self, limit_s: float, failed_grace_s: float = FAILED_STEP_GRACE_S) -> EngineStalled | None:
+    def stalled(self, limit_s: float, failed_grace_s: float = FAILED_STEP_GRACE_S,
+                load_limit_s: float = 0.0) -> EngineStalled | None:
         """The step in progress has run longer than limit_s, or longer than failed_grace_s while the engine says
         it has failed (LLMEngine.failure: a tensor-parallel rank died; a step that the failure does not end by
-        itself by then never ends). Called on the loop's watchdog (worker.service): marks the engine broken
-        (aborts and further steps stop reaching it) and returns the error; else None."""
+        itself by then never ends), or a model load (a ModelSet's reload) has run longer than load_limit_s.
+        A ModelSet's step waiting for another model's exclusive load is not running yet: its time counts from
+        when it got the GPU (step_watch). Limits <= 0 are off. Called on the loop's watchdog (worker.service):
+        marks the engine broken (aborts and further steps stop reaching it) and returns the error; else None."""
         started = self.step_started
-        if started is None or limit_s <= 0:
+        now = time.monotonic()
+        watch = getattr(self.engine, "step_watch", None)
+        on_gpu_since, load_since = watch() if callable(watch) else (started, None)
+        if load_limit_s > 0 and load_since is not None and now - load_since > load_limit_s:
+            return self._declare(EngineStalled(
+                f"a model load has run for {now - load_since:.0f} s (model_load_timeout_s {load_limit_s:g}): "
+                "the GPU or the model's storage is not finishing it"))
+        if started is None or limit_s <= 0 or on_gpu_since is None:  # no step, off, or waiting for a load
             return None
-        running_s = time.monotonic() - started
+        running_s = now - max(started, on_gpu_since)
         failure = getattr(self.engine, "failure", None)
         if failure and running_s > failed_grace_s:
             exc = EngineStalled(f"an engine step has run for {running_s:.0f} s and the engine has failed: {failure}")
@@ -113,6 +123,9 @@ class EngineDriver:
                                 "the GPU or a tensor-parallel peer is not finishing it")
         else:
             return None
+        return self._declare(exc)
+
+    def _declare(self, exc: EngineStalled) -> EngineStalled:
         if self.fatal is None:
             self.fatal = exc
         return exc

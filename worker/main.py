@@ -139,6 +139,8 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
     ("--drain-timeout-s", "STOKER_DRAIN_TIMEOUT_S", float, 30.0, "SIGTERM: wait this long for running requests"),
     ("--step-stall-timeout-s", "STOKER_STEP_STALL_TIMEOUT_S", float, 300.0,
      "an engine step running longer than this is a hung GPU: hand the jobs back and exit 1 (0: never)"),
+    ("--model-load-timeout-s", "STOKER_MODEL_LOAD_TIMEOUT_S", float, 1800.0,
+     "several models: a model load running longer than this is stuck, as a hung step (0: never)"),
     ("--grammar-compile-threads", "STOKER_GRAMMAR_COMPILE_THREADS", int, 2,
      "threads compiling new response_format grammars (off the event loop); more wait, intake pauses"),
     ("--grammar-compile-timeout-s", "STOKER_GRAMMAR_COMPILE_TIMEOUT_S", float, 5.0,

@@ -13,6 +13,9 @@ that failed, comes back from step() as a failed output, the way the engine repor
 On CUDA with graphs, `exclusive_load` makes a load and the steps of other models take turns on the GPU:
 torch.cuda.graph captures in "global" error mode, where another thread's allocation during the capture
 invalidates it. Loading is fast (engine/fast_load.py), so the pause is short; on the CPU loads run alongside.
+The worker's step watchdog (EngineDriver.stalled) asks step_watch() what it sees: a step waiting for another
+model's load has not started running (a large model from slow storage may take minutes), and a load is timed
+against its own limit (model_load_timeout_s) instead.
 """
 
 from __future__ import annotations
@@ -70,6 +73,10 @@ class ModelSet:
         self.idle_unload_s = idle_unload_s
         self._lock = threading.Lock()  # guards every _Model's state, engine, backlog and last_used
         self._gpu = threading.Lock() if exclusive_load else None
+        # For step_watch(), time.monotonic() as the driver's step clock: when the step in progress got the GPU
+        # (None while it waits for a load to let go of it), and each load in progress by model name.
+        self._step_on_gpu_since: float | None = 0.0
+        self._loads_since: dict[str, float] = {}
         self._models: list[_Model] = []
         for name in names:  # at startup: load each in turn (the caller runs this off the event loop)
             started = clock()
@@ -157,7 +164,9 @@ class ModelSet:
         model = self._next_busy()
         if model is not None and model.engine is not None:
             if self._gpu is not None:
+                self._step_on_gpu_since = None
                 with self._gpu:
+                    self._step_on_gpu_since = time.monotonic()
                     outputs += model.engine.step()
             else:
                 outputs += model.engine.step()
@@ -170,6 +179,14 @@ class ModelSet:
                     if out.finished:
                         self._owner.pop(out.request_id, None)
         return outputs
+
+    def step_watch(self) -> tuple[float | None, float | None]:
+        """For the worker's step watchdog, in time.monotonic(): (when the step in progress got the GPU, None
+        while it waits for another model's exclusive load; the start of the oldest load in progress, None when
+        none runs). A step that began earlier counts from its own start."""
+        with self._lock:
+            oldest = min(self._loads_since.values(), default=None)
+        return self._step_on_gpu_since, oldest
 
     def _next_busy(self) -> _Model | None:
         count = len(self._models)
@@ -276,9 +293,9 @@ class ModelSet:
         try:
             if self._gpu is not None:
                 with self._gpu:
-                    engine = self._load(model.name)
+                    engine = self._timed_load(model.name)
             else:
-                engine = self._load(model.name)
+                engine = self._timed_load(model.name)
         except Exception as exc:  # noqa: BLE001 -- the jobs waiting for it fail; the next job tries again
             log.exception("event=model_load_failed model=%s", model.name)
             self._fail_backlog(model, f"model {model.name!r} could not be loaded: {type(exc).__name__}: {exc}")
@@ -290,6 +307,16 @@ class ModelSet:
         model.last_load_s = self._clock() - started
         log.info("event=model_loaded model=%s load_s=%.2f", model.name, model.last_load_s)
         self._wake()
+
+    def _timed_load(self, name: str) -> EngineLike:
+        """The loader, with its start visible to step_watch() while it runs (from when it holds the GPU)."""
+        with self._lock:
+            self._loads_since[name] = time.monotonic()
+        try:
+            return self._load(name)
+        finally:
+            with self._lock:
+                self._loads_since.pop(name, None)
 
     def _replay_backlog(self, model: _Model, engine: EngineLike) -> bool:
         """Hand the held requests to the new engine in order; then it takes requests directly (True). After

@@ -383,14 +383,16 @@ class Worker:
         """The step watchdog: a step that runs past step_stall_timeout_s never ends by itself (a hung GPU, a
         tensor-parallel peer gone inside a one-shot all-reduce), while the renew loop would go on renewing its
         jobs' claims, so no other worker could take them. It raises EngineStalled: the worker stops (claims
-        released, jobs handed back) and exits 1 (worker/main.py)."""
-        limit = self.cfg.step_stall_timeout_s
-        if limit <= 0:  # off; the task still lives until the stop (the health check counts every loop)
+        released, jobs handed back) and exits 1 (worker/main.py). So does a model load (several models in one
+        worker) running past model_load_timeout_s."""
+        limit, load_limit = self.cfg.step_stall_timeout_s, self.cfg.model_load_timeout_s
+        limits = [x for x in (limit, load_limit) if x > 0]
+        if not limits:  # off; the task still lives until the stop (the health check counts every loop)
             await self._stopping.wait()
             return
         while not self._stopping.is_set():
-            await asyncio.sleep(min(5.0, limit / 4))
-            if self.driver is not None and (stalled := self.driver.stalled(limit)) is not None:
+            await asyncio.sleep(min(5.0, min(limits) / 4))
+            if self.driver is not None and (stalled := self.driver.stalled(limit, load_limit_s=load_limit)) is not None:
                 log.critical("event=engine_step_stalled worker=%s limit_s=%g running=%d", self.cfg.worker_id, limit,
                              self.requests.count(RUNNING))
                 raise stalled
