@@ -309,3 +309,41 @@ async def test_worker_whose_engine_step_hangs_hands_its_jobs_back_and_exits(spac
         assert isinstance(outcome.terminal, Done), outcome.terminal
         check_attempt_order(outcome)
         check_sequence(outcome)
+
+
+# -- 6. a worker stopped and resumed with a step in flight is not a hung one --------------------------------------
+@pytest.mark.timeout(120)
+async def test_worker_stopped_longer_than_its_step_limit_goes_on_after_it_resumes(space, r, tmp_path):
+    """SIGSTOP with an engine step in flight (the stand-in's steps sleep 20 ms each, so the stop nearly always
+    lands inside one), for 3 s against a 1 s step limit, then SIGCONT. Before, the watchdog's first tick after
+    the resume saw a step "running" for 3 s and the worker exited 1, to be restarted and reload its model; now
+    the gap in its own ticks is taken for the pause it is, and the worker finishes every job as attempt 1.
+    (Claims live 30 s here: the pause must not cost them.)"""
+    names = space.names
+    ids = [f"z{i}" for i in range(4)]
+    env = space.worker_env(STOKER_FAKE_STEP_DELAY_S="0.02", STOKER_STEP_STALL_TIMEOUT_S="1", STOKER_CLAIM_TTL_S="30")
+    log_path = tmp_path / "w.log"
+    worker = start_worker_process(env, log_path=log_path)
+    try:
+        await produce(space.bootstrap, names.jobs_topic, [job(i, max_tokens=300) for i in ids])
+        for _ in range(600):
+            if all(await asyncio.gather(*(r.exists(names.stream(i)) for i in ids))):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail(f"the worker never streamed every job: {log_path.read_text()[-3000:]}")
+        worker.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(3.0)
+        worker.send_signal(signal.SIGCONT)
+        results = await wait_results(r, names, ids, timeout=60)
+        await asyncio.sleep(1.5)  # a watchdog that took the pause for a hung step would have fired by now
+        assert worker.poll() is None, log_path.read_text()[-3000:]
+        assert "event=engine_step_stalled" not in log_path.read_text()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            worker.send_signal(signal.SIGCONT)
+        stop_process(worker)
+    for outcome in results.values():
+        assert isinstance(outcome.terminal, Done), outcome.terminal
+        check_sequence(outcome)
+        assert {e.attempt for e in outcome.events} == {1}

@@ -238,6 +238,42 @@ async def test_driver_declares_a_step_past_the_limit_stalled_and_drops_its_late_
         driver.stop()
 
 
+async def test_driver_does_not_count_a_noted_pause_as_a_steps_time():
+    """A process stopped (SIGSTOP, a frozen VM) with a step in flight: the watchdog notes the gap in its ticks,
+    and stalled() counts only the time the step could run, so a resumed worker is not taken for a hung one."""
+
+    class Holds(FakeEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.release = threading.Event()
+
+        def step(self):  # type: ignore[override]
+            self.release.wait()
+            return super().step()
+
+    engine = Holds()
+    driver = EngineDriver(engine, asyncio.get_running_loop(), lambda *a: driver.published())
+    driver.start()
+    try:
+        driver.add_request(EngineRequest("a", prompt="p", params=SamplingParams(max_tokens=5)))
+        for _ in range(100):
+            if driver.step_started is not None:
+                break
+            await asyncio.sleep(0.01)
+        started = driver.step_started
+        assert started is not None
+        await asyncio.sleep(0.5)
+        driver.note_pause(started - 5.0, started + 0.1)  # partly before the step: only its overlap counts
+        driver.note_pause(started + 0.15, started + 0.45)
+        assert driver.stalled(0.3) is None and driver.fatal is None  # ran ~0.1 s of its ~0.5
+        await asyncio.sleep(0.35)
+        stalled = driver.stalled(0.3)  # now ~0.45 s of running time: stalled
+        assert isinstance(stalled, EngineStalled) and driver.fatal is stalled
+    finally:
+        engine.release.set()
+        driver.stop()
+
+
 async def test_driver_ends_a_stuck_step_soon_once_the_engine_reports_a_failure():
     """A tensor-parallel rank dies inside a one-shot all-reduce: the engine knows (LLMEngine.failure, from the
     ranks' watchdog) but its step never returns. stalled() then gives up after the short grace, not the whole

@@ -8,6 +8,7 @@ stop advancing, intake pauses, and memory stays bounded instead of queueing toke
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import threading
@@ -67,6 +68,8 @@ class EngineDriver:
         self._thread: threading.Thread | None = None
         self.fatal: BaseException | None = None  # set when step() itself raised (or stalled): the engine is broken
         self.step_started: float | None = None  # time.monotonic() when the step in progress began; None between
+        # (start, end) in time.monotonic() when the whole process did not run (note_pause): not a step's time
+        self._pauses: collections.deque[tuple[float, float]] = collections.deque(maxlen=32)
         self.steps = 0
         self.busy_s = 0.0  # time spent inside step(), for metrics
         self.last_stats: EngineStats | None = None
@@ -108,13 +111,13 @@ class EngineDriver:
         now = time.monotonic()
         watch = getattr(self.engine, "step_watch", None)
         on_gpu_since, load_since = watch() if callable(watch) else (started, None)
-        if load_limit_s > 0 and load_since is not None and now - load_since > load_limit_s:
+        if load_limit_s > 0 and load_since is not None and (load_s := self._ran(load_since, now)) > load_limit_s:
             return self._declare(EngineStalled(
-                f"a model load has run for {now - load_since:.0f} s (model_load_timeout_s {load_limit_s:g}): "
+                f"a model load has run for {load_s:.0f} s (model_load_timeout_s {load_limit_s:g}): "
                 "the GPU or the model's storage is not finishing it"))
         if started is None or limit_s <= 0 or on_gpu_since is None:  # no step, off, or waiting for a load
             return None
-        running_s = now - max(started, on_gpu_since)
+        running_s = self._ran(max(started, on_gpu_since), now)
         failure = getattr(self.engine, "failure", None)
         if failure and running_s > failed_grace_s:
             exc = EngineStalled(f"an engine step has run for {running_s:.0f} s and the engine has failed: {failure}")
@@ -124,6 +127,17 @@ class EngineDriver:
         else:
             return None
         return self._declare(exc)
+
+    def note_pause(self, start: float, end: float) -> None:
+        """The whole process did not run from start to end (time.monotonic()): SIGSTOP, a frozen VM or cgroup.
+        The watchdog sees it as a gap in its own ticks; stalled() does not count it as a step's (or a load's)
+        time, so a worker resumed after a pause longer than the limit goes on instead of exiting."""
+        self._pauses.append((start, end))
+
+    def _ran(self, since: float, now: float) -> float:
+        """Seconds from since to now, less the pauses noted within them."""
+        paused = sum(max(0.0, min(end, now) - max(start, since)) for start, end in list(self._pauses))
+        return now - since - paused
 
     def _declare(self, exc: EngineStalled) -> EngineStalled:
         if self.fatal is None:

@@ -384,14 +384,22 @@ class Worker:
         tensor-parallel peer gone inside a one-shot all-reduce), while the renew loop would go on renewing its
         jobs' claims, so no other worker could take them. It raises EngineStalled: the worker stops (claims
         released, jobs handed back) and exits 1 (worker/main.py). So does a model load (several models in one
-        worker) running past model_load_timeout_s."""
+        worker) running past model_load_timeout_s. A gap in its own ticks (the process stopped) is noted
+        with the driver and not counted."""
         limit, load_limit = self.cfg.step_stall_timeout_s, self.cfg.model_load_timeout_s
         limits = [x for x in (limit, load_limit) if x > 0]
         if not limits:  # off; the task still lives until the stop (the health check counts every loop)
             await self._stopping.wait()
             return
+        interval = min(5.0, min(limits) / 4)
+        last = time.monotonic()
         while not self._stopping.is_set():
-            await asyncio.sleep(min(5.0, min(limits) / 4))
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            # A tick far later than asked: the process was stopped (SIGSTOP, a frozen VM); not the step's time.
+            if now - last > 2 * interval + 0.5 and self.driver is not None:
+                self.driver.note_pause(last + interval, now)
+            last = now
             if self.driver is not None and (stalled := self.driver.stalled(limit, load_limit_s=load_limit)) is not None:
                 log.critical("event=engine_step_stalled worker=%s limit_s=%g running=%d", self.cfg.worker_id, limit,
                              self.requests.count(RUNNING))
