@@ -35,8 +35,6 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="2 prompts of 24 (the CPU dry run under the interpreter)")
     parser.add_argument("--ahead", action="store_true", help="each tile choice with the block numbers loaded in the "
                         "loop and a tile ahead (attention.PREFILL_TABLE_AHEAD)")
-    parser.add_argument("--forms", action="store_true", help="instead of the tile sweep: the default tiles with each "
-                        "tile order and mask form (attention.PREFILL_HEAVY_FIRST, PREFILL_SPLIT_MASK), in 3 rounds")
     parser.add_argument("--json", default=None, help="where to write the rows (default $OUT/bench_prefill_attention.json)")
     opts = parser.parse_args()
     cuda = torch.cuda.is_available()
@@ -54,18 +52,10 @@ def main() -> None:
           f"({num_seqs}x{prompt}) Hq {HQ} D {HEAD_DIM}\n| tiles | us a layer | TFLOP/s | err |\n|---|---|---|---|")
     rows, baseline = [], None
     aheads = (False, True) if opts.ahead else (None,)
-    forms: list[tuple[bool | None, bool | None]] = [(None, None)]
-    items = [(t, a) for t in SWEEP for a in aheads]
-    if opts.forms:  # (heavy_first, split_mask), the defaults' tiles; rounds interleave them against drift
-        forms = [(False, False), (True, False), (False, True), (True, True)]
-        items = [(PREFILL_TILES, None)] * 3
-    for (tiles, ahead), (heavy, split) in [(i, f) for i in items for f in forms]:
-        label = tiles.label + AHEAD_LABEL[ahead] + ("" if heavy is None else
-                                                    f" heavy-first {'on' if heavy else 'off'}, split mask {'on' if split else 'off'}")
-        def call(tiles: PrefillTiles = tiles, ahead: bool | None = ahead, heavy: bool | None = heavy,
-                 split: bool | None = split) -> torch.Tensor:
-            return paged_attention_triton(q, k, v, tables, qsl, lens, HEAD_DIM**-0.5, tiles=tiles, table_ahead=ahead,
-                                          heavy_first=heavy, split_mask=split)
+    for tiles, ahead in [(t, a) for t in SWEEP for a in aheads]:
+        label = tiles.label + AHEAD_LABEL[ahead]
+        def call(tiles: PrefillTiles = tiles, ahead: bool | None = ahead) -> torch.Tensor:
+            return paged_attention_triton(q, k, v, tables, qsl, lens, HEAD_DIM**-0.5, tiles=tiles, table_ahead=ahead)
         try:
             out = call().float()
             us = time_us(call, 2 * k.numel() * k.element_size())

@@ -356,31 +356,3 @@ def test_dispatch_uses_triton_on_cuda_and_reference_with_stoker_triton_0(monkeyp
 @pytest.mark.skipif(INTERPRET, reason="this is the interpreter run itself")
 def test_kernels_under_triton_interpreter() -> None:
     run_under_interpreter(__file__)
-
-
-@pytest.mark.parametrize("device,dtype", CASES)
-@pytest.mark.parametrize("table_ahead", [True, False])
-def test_prefill_attention_tile_order_and_split_mask_are_the_same_attention(
-    device: str, dtype: torch.dtype, table_ahead: bool
-) -> None:
-    """The prefill kernel's heaviest query tiles first (attention.PREFILL_HEAVY_FIRST) and its causal mask only on
-    the diagonal key tiles (PREFILL_SPLIT_MASK) change the order programs start in and which tiles skip the
-    masks, not the arithmetic: every combination gives the same bits, and the reference's within the dtype.
-    Chunks after cached prefixes put the diagonal mid-table; unowned blocks hold NaN, so a full tile reaching
-    past the context shows; batch padding rows must still be zeros."""
-    shapes = [(17, 17), (5, 40), (1, 100), (0, 9), (3, 3), (37, 50), (16, 32), (40, 40), (9, 73)]
-    k_cache, v_cache, block_tables = paged_batch([c for _, c in shapes], 2, 32, 8, device, dtype)
-    query_start_loc = torch.tensor([0] + [n for n, _ in shapes], device=device).cumsum(0).to(torch.int32)
-    context_lens = torch.tensor([c for _, c in shapes], dtype=torch.int32, device=device)
-    num_real = int(query_start_loc[-1])
-    q = torch.randn(num_real + 5, 6, 32, device=device, dtype=dtype)
-    outs = {(heavy, split): paged_attention_triton(
-        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, 0.2, out=torch.full_like(q, float("nan")),
-        table_ahead=table_ahead, heavy_first=heavy, split_mask=split)
-        for heavy in (True, False) for split in (True, False)}
-    plain = outs[(False, False)]
-    for key, out in outs.items():
-        assert torch.equal(out, plain), key
-    ref = paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, 0.2)
-    close(plain[:num_real], ref[:num_real], dtype)
-    assert torch.equal(plain[num_real:], torch.zeros_like(plain[num_real:]))

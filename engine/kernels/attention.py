@@ -470,11 +470,6 @@ DECODE_MAX_SPLITS = 64
 DECODE_TABLE_AHEAD = True
 DECODE_AHEAD_MIN_TILES = 8
 PREFILL_TABLE_AHEAD = True
-# The prefill kernel's tile order and causal mask (_prefill_kernel's HEAVY_FIRST / SPLIT_MASK): its query tiles
-# in reverse (a sequence's heaviest first, so the grid does not end on its longest programs), and the mask only on
-# the diagonal key tiles. Flags so that ops/bench_prefill_attention.py --variants can A/B them.
-PREFILL_HEAVY_FIRST = True
-PREFILL_SPLIT_MASK = True
 
 
 def decode_table_ahead(num_splits: int, max_context: int, tile_n: int) -> bool:
@@ -702,7 +697,6 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     PAD_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_CACHE: tl.constexpr,
     FP8_MODE: tl.constexpr = 0, DOT_FP16: tl.constexpr = False, TABLE_AHEAD: tl.constexpr = False,
-    HEAVY_FIRST: tl.constexpr = False, SPLIT_MASK: tl.constexpr = False,
 ):
     # Program (query tile, kv head). A tile is up to BLOCK_Q consecutive tokens of ONE sequence times the
     # GROUP query heads of this kv head: BLOCK_M = BLOCK_Q * GROUP rows (padded to a power of two), so
@@ -710,12 +704,8 @@ def _prefill_kernel(
     # query_start_loc[b] // BLOCK_Q + b on, which leaves gaps but needs no host-side prefix sum: the grid
     # is sized by the bound T // BLOCK_Q + B and a binary search finds each tile's sequence.
     # Programs past num_tiles write the batch padding's rows instead (the output is allocated empty).
-    # HEAVY_FIRST (PREFILL_HEAVY_FIRST): the tiles in reverse, so that a sequence's last query tiles (the most
-    # keys under the causal mask) start first and the grid ends on short programs instead of long ones.
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    if HEAVY_FIRST and tile < num_tiles:
-        tile = num_tiles - 1 - tile
     if tile >= num_tiles:
         _zero_padding_rows(out_ptr, query_start_loc_ptr, num_seqs, num_tokens, tile - num_tiles, kv_head,
                            out_token_stride, out_head_stride, GROUP, HEAD_DIM, BLOCK_D, PAD_ROWS)
@@ -754,59 +744,30 @@ def _prefill_kernel(
         key_end = tl.minimum(context_len - num_queries + first_query + BLOCK_Q, context_len)
         table_row = block_tables_ptr + seq * block_table_stride
         block_next = _first_blocks_ahead(table_row, 0, key_end, BLOCK_SIZE, TILE_N, TABLE_AHEAD)
-        # SPLIT_MASK (PREFILL_SPLIT_MASK): the key tiles that every query of the tile sees in full (keys up to the
-        # first query's position) run without the causal and end masks; the diagonal tiles after them with both.
-        # The same operations on the same values either way: the output is the same bits.
-        full_end = 0
-        if SPLIT_MASK:
-            full_end = tl.minimum((context_len - num_queries + first_query + 1) // TILE_N * TILE_N, key_end)
-        for tile_start in range(0, full_end, TILE_N):
-            running_max, running_sum, acc, block_next = _prefill_key_tile(
-                q, k_cache_ptr, v_cache_ptr, table_row, tile_start, key_end, query_pos, block_next, kv_head, dims,
-                dim_mask, qk_scale, running_max, running_sum, acc, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, TILE_N,
-                DOT_PRECISION, FP8_MODE, TABLE_AHEAD, False)
-        for tile_start in range(full_end, key_end, TILE_N):
-            running_max, running_sum, acc, block_next = _prefill_key_tile(
-                q, k_cache_ptr, v_cache_ptr, table_row, tile_start, key_end, query_pos, block_next, kv_head, dims,
-                dim_mask, qk_scale, running_max, running_sum, acc, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, TILE_N,
-                DOT_PRECISION, FP8_MODE, TABLE_AHEAD, True)
+        for tile_start in range(0, key_end, TILE_N):
+            pos = tile_start + tl.arange(0, TILE_N)
+            key_mask = pos < key_end
+            block, block_next = _tile_blocks(table_row, pos, key_end, block_next, BLOCK_SIZE, TILE_N, TABLE_AHEAD)
+            slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+            kv_offset = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
+            k = kv_for_dots(tl.load(k_cache_ptr + kv_offset, mask=key_mask[:, None] & dim_mask, other=0.0), q.dtype,
+                            FP8_MODE)
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            visible = key_mask[None, :] & (pos[None, :] <= query_pos[:, None])
+            scores = tl.where(visible, scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            correction = tl.exp2(running_max - new_max)
+            probs = tl.exp2(scores - new_max[:, None])
+            running_sum = running_sum * correction + tl.sum(probs, axis=1)
+            v = kv_for_dots(tl.load(v_cache_ptr + kv_offset, mask=key_mask[:, None] & dim_mask, other=0.0), q.dtype,
+                            FP8_MODE)
+            acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+            running_max = new_max
         out = acc / running_sum[:, None]
         if FP8_CACHE:
             out = out * (tl.load(v_scale_ptr) * fp8_unit(FP8_MODE))
         tl.store(out_ptr + token[:, None] * out_token_stride + heads[:, None] * out_head_stride + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask)
-
-
-@triton.jit
-def _prefill_key_tile(q, k_cache_ptr, v_cache_ptr, table_row, tile_start, key_end, query_pos, block_next, kv_head,
-                      dims, dim_mask, qk_scale, running_max, running_sum, acc, NUM_KV_HEADS: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, FP8_MODE: tl.constexpr, TABLE_AHEAD: tl.constexpr,
-                      MASKED: tl.constexpr):
-    """One key tile of the prefill kernel's online softmax -> (running_max, running_sum, acc, block_next).
-    MASKED: keys past key_end and the causal mask (query_pos); without, every key of the tile is visible to
-    every row (the caller's full tiles)."""
-    pos = tile_start + tl.arange(0, TILE_N)
-    block, block_next = _tile_blocks(table_row, pos, key_end, block_next, BLOCK_SIZE, TILE_N, TABLE_AHEAD)
-    slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-    kv_offset = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
-    if MASKED:
-        key_mask = pos < key_end
-        kv_mask = key_mask[:, None] & dim_mask
-    else:
-        kv_mask = (pos >= 0)[:, None] & dim_mask  # the head-dim padding only (all true at a power-of-two dim)
-    k = kv_for_dots(tl.load(k_cache_ptr + kv_offset, mask=kv_mask, other=0.0), q.dtype, FP8_MODE)
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    if MASKED:
-        visible = key_mask[None, :] & (pos[None, :] <= query_pos[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-    correction = tl.exp2(running_max - new_max)
-    probs = tl.exp2(scores - new_max[:, None])
-    running_sum = running_sum * correction + tl.sum(probs, axis=1)
-    v = kv_for_dots(tl.load(v_cache_ptr + kv_offset, mask=kv_mask, other=0.0), q.dtype, FP8_MODE)
-    acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return new_max, running_sum, acc, block_next
 
 
 @dataclass(frozen=True, slots=True)
@@ -846,15 +807,12 @@ def paged_attention_triton(
     fp8_config: Fp8AttentionConfig | None = None,
     tiles: PrefillTiles | None = None,
     table_ahead: bool | None = None,
-    heavy_first: bool | None = None,
-    split_mask: bool | None = None,
 ) -> torch.Tensor:
     """out: where to write [T, Hq, D] (every row is written, padding rows with zeros); None allocates.
     fp8_config: as for paged_decode_attention_triton (None: kv_fp8_tiles.DEFAULT_PREFILL). tiles: the CUDA
     launch's tiles for a cache in q's dtype (None: PREFILL_TILES; benches sweep others); an FP8 cache takes its
     key tile, warps and stages from fp8_config, its query rows from tiles. table_ahead: as the decode kernel's
-    (None: PREFILL_TABLE_AHEAD). heavy_first, split_mask: the tile order and causal-mask forms (None:
-    PREFILL_HEAVY_FIRST, PREFILL_SPLIT_MASK)."""
+    (None: PREFILL_TABLE_AHEAD)."""
     _check_cache(q, k_cache, v_cache, k_scale, v_scale)
     _check_batch(q.shape[0], block_tables, query_start_loc, context_lens)
     _check_kernel_inputs(q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
@@ -892,8 +850,6 @@ def paged_attention_triton(
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
         PAD_ROWS=pad_rows, DOT_PRECISION=_dot_precision(q.dtype), FP8_CACHE=fp8,
-        TABLE_AHEAD=PREFILL_TABLE_AHEAD if table_ahead is None else table_ahead,
-        HEAVY_FIRST=PREFILL_HEAVY_FIRST if heavy_first is None else heavy_first,
-        SPLIT_MASK=PREFILL_SPLIT_MASK if split_mask is None else split_mask, **fp8_args, **launch,
+        TABLE_AHEAD=PREFILL_TABLE_AHEAD if table_ahead is None else table_ahead, **fp8_args, **launch,
     )
     return out
