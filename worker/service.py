@@ -401,8 +401,8 @@ class Worker:
                 self.driver.note_pause(last + interval, now)
             last = now
             if self.driver is not None and (stalled := self.driver.stalled(limit, load_limit_s=load_limit)) is not None:
-                log.critical("event=engine_step_stalled worker=%s limit_s=%g running=%d", self.cfg.worker_id, limit,
-                             self.requests.count(RUNNING))
+                log.critical("event=engine_step_stalled worker=%s running=%d detail=%r", self.cfg.worker_id,
+                             self.requests.count(RUNNING), str(stalled))
                 raise stalled
 
     # -- intake -------------------------------------------------------------------------------------------
