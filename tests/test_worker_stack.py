@@ -882,3 +882,45 @@ async def test_the_stacks_default_dead_letter_topic_is_the_one_worker_and_client
         await produce(space.bootstrap, topic, [(b"junk", b"not json", [])])
         letters = await dead_letters(space.bootstrap, cfg.dlq_topic)
     assert [rec.key for rec in letters] == [b"junk"]
+
+
+async def test_job_that_breaks_the_engine_before_its_first_event_ends_as_poison(space, r):
+    """A job whose first step breaks the engine (a kernel fault on its input; here the stand-in raises when it is
+    in the batch) makes each worker that runs it fatal. Its attempt was given back on the way out (no event of it
+    yet), so the count never grew: every worker died on it in turn and it never reached the dead-letter topic.
+    Now a broken engine keeps the attempts it counted: the fourth worker dead-letters the job as poison_job and
+    its requester gets the error, without running it."""
+    names = space.names
+
+    class BreaksOnKiller(FakeEngine):
+        def __init__(self) -> None:
+            super().__init__(step_delay_s=0.01)
+            self.armed = False
+
+        def add_request(self, request):  # type: ignore[no-untyped-def,override]
+            self.armed = self.armed or request.request_id == "killer"
+            return super().add_request(request)
+
+        def step(self):  # type: ignore[no-untyped-def,override]
+            if self.armed:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return super().step()
+
+    await produce(space.bootstrap, names.jobs_topic, [job("killer", max_tokens=5)])
+    for attempt in (1, 2, 3):
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            async with running_worker(space, engine=BreaksOnKiller()) as w:
+                for _ in range(600):
+                    if w.fatal is not None:
+                        break
+                    await asyncio.sleep(0.02)
+        assert int(await r.get(f"{names.redis_prefix}:attempts:killer")) == attempt
+        assert await r.exists(names.result("killer")) == 0
+    engine = BreaksOnKiller()
+    async with running_worker(space, engine=engine) as w:
+        results = await wait_results(r, names, ["killer"], timeout=30)
+        assert w.fatal is None and not engine.armed  # never handed to the engine
+    err = results["killer"].terminal
+    assert isinstance(err, Error) and err.code == "poison_job" and err.attempt == 4
+    letters = await dead_letters(space.bootstrap, names.dlq_topic)
+    assert [dict(m.headers)["stoker-error-code"] for m in letters] == [b"poison_job"]

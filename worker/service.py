@@ -72,6 +72,8 @@ CLAIMING, PARKED, RUNNING, FINISHING = (RequestState.CLAIMING, RequestState.PARK
                                         RequestState.FINISHING)
 QUEUED = RequestState.QUEUED
 _CLOSE_TIMEOUT_S = 10.0  # at shutdown, how long the last commit and each Kafka client's close may take
+_END_OFFSETS_TIMEOUT_S = 2.0  # at a rebalance, how long the new partitions' end offsets may take (else no early start)
+_NEVER = float("inf")
 # A dead letter refused this long turns /healthz unhealthy: its record (and its partition's commits) is stuck
 # until an operator acts. Not at once: a broker restart refuses sends for a few seconds and heals by itself.
 DLQ_UNHEALTHY_AFTER_S = 10.0
@@ -123,6 +125,7 @@ class _Rebalance(ConsumerRebalanceListener):
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         self.worker.on_assigned(set(assigned))
+        await self.worker.note_fresh_offsets(set(assigned))
 
 
 class Worker:
@@ -151,6 +154,9 @@ class Worker:
         self._admit_wakeup = asyncio.Event()
         self._left_group = False  # left the consumer group during a long Redis outage (rejoins after it)
         self._assigned: set[TopicPartition] = set()
+        # Per partition, the log end offset when we were given it: records from there on were produced while we
+        # owned the partition, so no earlier owner ran them (note_fresh_offsets, _start_early).
+        self._fresh_from: dict[TopicPartition, int] = {}
         self._tasks: list[asyncio.Task[Any]] = []
         self._side_tasks: set[asyncio.Task[Any]] = set()  # short ones (dead letters), awaited in stop()
         self._dlq_failing: dict[object, float] = {}  # dead-letter sends being retried -> when first refused
@@ -337,10 +343,15 @@ class Worker:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._commit_now(), _CLOSE_TIMEOUT_S)
         if self.rio is not None:
+            # seq 0: no event of this attempt was made, so a drain gives its attempt back. Not when the engine
+            # broke (a step raised or stalled): one of these jobs may be what broke it, and a job whose attempt
+            # came back every time would take down every worker that ran it without ever reaching
+            # max_attempts and the dead-letter topic. Its companions pay one attempt each.
+            engine_broke = self.driver is not None and self.driver.fatal is not None
             for req in self.requests.of(RUNNING):
-                with _stop_step("claim_release", req.request_id):  # seq 0: no event of this attempt was made
+                with _stop_step("claim_release", req.request_id):
                     await asyncio.wait_for(self.rio.release(req.request_id, req.attempt,
-                                                            give_back_attempt=req.seq == 0), 2)
+                                                            give_back_attempt=req.seq == 0 and not engine_broke), 2)
             for req in self.requests.of(RUNNING):
                 self.admitter.settle(req.request_id)
             with _stop_step("tenant_release"):
@@ -645,9 +656,14 @@ class Worker:
         outputs wait in `entry.early` until _admitted adopts them or aborts the job. Not for a job that would
         not run anyway (cancelled, past its deadline, of a model not served) nor one whose grammar compiles
         first; one the engine refuses now takes the usual path (and gets the same answer after the claim).
+        Nor a job read from before the log's end when we got its partition: an earlier owner may have run it,
+        and if it broke that owner's engine (a kernel fault, an OOM kill), running it before the claim tells its
+        attempt would break ours too before max_attempts could dead-letter it.
         Returns the driver's future of the launch when the job woke an idle engine (see _until_launched)."""
         assert self.driver is not None and self.grammars is not None
         job = entry.job
+        if not all(offset >= self._fresh_from.get(tp, _NEVER) for tp, offset in entry.records):
+            return None
         if entry.state is not CLAIMING or entry.request_id in self._early_cancels or \
                 (job.deadline_ms is not None and now_ms() >= job.deadline_ms) or \
                 (job.model is not None and job.model not in self.model_names):
@@ -1030,6 +1046,7 @@ class Worker:
         self._assigned -= revoked
         for tp in revoked:
             self.tracker.forget(tp)
+            self._fresh_from.pop(tp, None)
         self.admitter.drop(revoked)
         # Not CLAIMING ones (the intake, mid claim round trip, settles them) nor the records a FINISHING
         # request was read in (they finish with its terminal event, a no-op on a partition forgotten here).
@@ -1042,6 +1059,18 @@ class Worker:
         for req in self.requests.of(FINISHING):
             req.late_records = [r for r in req.late_records if r[0] not in revoked]
         log.info("event=partitions_revoked partitions=%s", sorted(f"{tp.topic}-{tp.partition}" for tp in revoked))
+
+    async def note_fresh_offsets(self, assigned: set[TopicPartition]) -> None:
+        """Where each new partition's fresh records begin (its end offset now). A partition whose end the broker
+        does not tell in time has none: its jobs all wait for their claims (_start_early)."""
+        if self.consumer is None or not assigned:
+            return
+        try:
+            ends = await asyncio.wait_for(self.consumer.end_offsets(sorted(assigned)), _END_OFFSETS_TIMEOUT_S)
+        except (KafkaError, OSError, TimeoutError) as exc:
+            log.warning("event=end_offsets_unknown partitions=%d error=%r", len(assigned), exc)
+            return
+        self._fresh_from.update({tp: off for tp, off in ends.items() if tp in self._assigned})
 
     def on_assigned(self, assigned: set[TopicPartition]) -> None:
         self._assigned |= assigned
