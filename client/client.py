@@ -638,8 +638,7 @@ class Client:
         through the worker index (one ZRANGE and one MGET at any keyspace size). A SCAN, which walks every
         key, also looks for workers older than the index, at most every `unindexed_scan_s` (and whenever the
         index is empty), so such a worker shows up that much later."""
-        ids = [i.decode() if isinstance(i, bytes) else str(i)
-               for i in await self.redis.zrange(self.names.workers_index, 0, -1)]
+        ids = _text_ids(await self.redis.zrange(self.names.workers_index, 0, -1))
         if not ids or time.monotonic() - self._scanned_at >= self.unindexed_scan_s:
             self._scanned_at = time.monotonic()
             indexed = set(ids)
@@ -650,7 +649,22 @@ class Client:
 
     async def _scanned_ids(self) -> list[str]:
         pattern = f"{self.prefix}:worker:*"
-        return [key.decode()[len(pattern) - 1:] async for key in self.redis.scan_iter(match=pattern, count=500)]
+        keys = _text_ids([key async for key in self.redis.scan_iter(match=pattern, count=500)])
+        return [key[len(pattern) - 1:] for key in keys]
+
+
+def _text_ids(members: Iterable[Any]) -> list[str]:
+    """Worker ids from the index (or heartbeat key names); bytes that are not UTF-8 are no worker's id and are
+    skipped, so one bad entry anyone could write does not fail the whole listing."""
+    ids = []
+    for member in members:
+        if isinstance(member, bytes):
+            try:
+                member = member.decode()
+            except UnicodeDecodeError:
+                continue
+        ids.append(str(member))
+    return ids
 
 
 def _worker_infos(found: Iterable[tuple[str, bytes | str | None]]) -> list[WorkerInfo]:
@@ -662,7 +676,7 @@ def _worker_infos(found: Iterable[tuple[str, bytes | str | None]]) -> list[Worke
             continue
         try:
             info = msgspec.json.decode(value)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # RecursionError: JSON nested past the decoder's limit
             continue
         if isinstance(info, dict):
             infos.append(WorkerInfo.from_heartbeat(worker_id, info))

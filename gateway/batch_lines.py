@@ -46,7 +46,7 @@ def check_jsonl(data: bytes, max_lines: int) -> int:
             continue
         try:
             value = msgspec.json.decode(line)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: nested past the decoder's limit
             raise NotJSONL(f"line {number} is not JSON ({exc}): upload one JSON object per line") from None
         if not isinstance(value, dict):
             raise NotJSONL(f"line {number} is a JSON {type(value).__name__}, not an object: one request object "
@@ -141,7 +141,7 @@ def parse_line(text: str, line: int, batch_id: str, endpoint: str, deadline_ms: 
         return None
     try:
         raw = msgspec.json.decode(text)
-    except msgspec.DecodeError as exc:  # check_jsonl passed it; kept for files written by other means
+    except (msgspec.DecodeError, RecursionError) as exc:  # check_jsonl passed it; kept for files written by other means
         return LineError(line, None, "invalid_json", f"line {line} is not JSON: {exc}")
     if not isinstance(raw, dict):
         return LineError(line, None, "invalid_request", f"line {line} is not a JSON object")

@@ -131,7 +131,7 @@ def read_outcomes(storage: Storage, batch_id: str) -> dict[int, Outcome]:
     """The log's answered lines by line number; a line logged twice (a takeover raced a write) counts once."""
     found: dict[int, Outcome] = {}
     for raw in storage.read_log(batch_id):
-        with contextlib.suppress(msgspec.DecodeError, KeyError, TypeError, ValueError):
+        with contextlib.suppress(msgspec.DecodeError, RecursionError, KeyError, TypeError, ValueError):
             entry = msgspec.json.decode(raw)
             prompt, completion, cached = entry["usage"]
             found.setdefault(entry["line"], Outcome(entry["line"], entry["ok"], entry["record"], prompt,

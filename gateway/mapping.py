@@ -46,7 +46,7 @@ def json_object(data: bytes) -> dict[str, Any]:
     """A request body that must be a JSON object (every POST route's), or the 400 that says what it is not."""
     try:
         body = msgspec.json.decode(data)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: nested past the decoder's limit
         raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object")

@@ -53,6 +53,7 @@ def test_check_jsonl_counts_requests_and_allows_blank_lines() -> None:
 @pytest.mark.parametrize("data, says", [
     (b'{"a": 1}\n{"a": \n', "line 2 is not JSON"),
     (b'{"a": 1}\n"text"\n', "line 2 is a JSON str"),
+    (b'{"a": 1}\n' + b"[" * 200_000 + b"]" * 200_000 + b"\n", "line 2 is not JSON"),  # past the recursion limit
     (b"\xff\xfe", "not UTF-8"),
     (b"\n \n", "no requests"),
     (b'{}\n{}\n{}\n', "more than 2 requests"),
@@ -112,6 +113,7 @@ def test_a_completions_line_takes_a_prompt_and_the_legacy_default_max_tokens() -
     (line(messages=[]), "invalid_value", "messages"),
     ("[1]", "invalid_request", "not a JSON object"),
     ("{oops", "invalid_json", "not JSON"),
+    ("[" * 200_000 + "]" * 200_000, "invalid_json", "not JSON"),  # nested past the decoder's recursion limit
 ])
 def test_a_bad_line_is_an_error_line_naming_what_is_wrong(text: str, code: str, says: str) -> None:
     parsed = parse(text, number=9)

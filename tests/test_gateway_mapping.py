@@ -185,7 +185,9 @@ def test_text_format_is_no_constraint_and_others_are_400s():
 
 
 @pytest.mark.parametrize("data,says", [(b"{not json", "not valid JSON"), (b"[1, 2]", "must be a JSON object"),
-                                       (b'"text"', "must be a JSON object"), (b"", "not valid JSON")])
+                                       (b'"text"', "must be a JSON object"), (b"", "not valid JSON"),
+                                       # nested past the decoder's recursion limit: was a RecursionError, a 500
+                                       (b'{"a": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", "not valid JSON")])
 def test_a_post_body_that_is_not_a_json_object_is_a_400_saying_so(data: bytes, says: str) -> None:
     with pytest.raises(APIError) as err:
         json_object(data)

@@ -270,3 +270,21 @@ async def test_another_model_set_appearing_in_the_group_later_is_logged_and_coun
                 break
             await asyncio.sleep(0.1)
         assert conflicts_now() == 0
+
+
+async def test_garbage_in_the_worker_index_neither_stops_workers_nor_hides_them(space: Space,
+                                                                               r: aioredis.Redis) -> None:
+    """The worker index and the heartbeat keys are writable by anyone who writes the prefix's keys (clients do,
+    for cancels). A member that is not UTF-8 and a heartbeat nested past the JSON parser's recursion limit made
+    the worker's group check raise: a running worker turned fatal within a claim TTL, and no worker could start
+    until someone cleaned Redis; the client's listing failed whole. Now both are skipped as no heartbeat of ours."""
+    prefix = space.names.redis_prefix
+    now_ms = time.time() * 1000
+    await r.zadd(f"{prefix}:workers", {b"\xff\xfe-not-text": now_ms, "deep": now_ms})
+    await r.set(f"{prefix}:worker:deep", "[" * 200_000 + "]" * 200_000, ex=60)
+    await r.set(f"{prefix}:worker:\xff".encode("latin-1"), b"{}", ex=60)  # a key name that is not UTF-8 either
+    async with running_worker(space) as w:  # the join's check reads the index first
+        await asyncio.sleep(2.5 * w.cfg.claim_ttl_s)  # two or more of the running group checks
+        assert w.fatal is None and w.ready
+        async with Client(space.bootstrap, space.redis_url, prefix=prefix, unindexed_scan_s=0) as c:
+            assert [x.worker_id for x in await c.workers()] == [w.cfg.worker_id]

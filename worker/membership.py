@@ -81,10 +81,12 @@ def heartbeat(worker_id: str, topic: str, group: str, models: list[str], *, capa
 
 
 def parse_beat(worker_id: str, raw: bytes | str) -> Beat | None:
-    """A heartbeat's topic, group and model set; None for a value that is no heartbeat of ours."""
+    """A heartbeat's topic, group and model set; None for a value that is no heartbeat of ours (anyone who may
+    write the prefix's keys can put anything there: bytes that are not UTF-8 or JSON, JSON nested past the
+    parser's recursion limit)."""
     try:
         info = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(info, dict):
         return None
@@ -149,10 +151,24 @@ class JoinLock:
         await self._unlock(keys=[self.key], args=[self.token])
 
 
+def index_ids(members: Iterable[Any]) -> list[str]:
+    """The worker index's members as worker ids; one that is not UTF-8 is no worker's (ids are text) and is
+    skipped, not fatal: the index is writable by whoever writes the prefix's keys."""
+    ids = []
+    for member in members:
+        if isinstance(member, bytes):
+            try:
+                member = member.decode()
+            except UnicodeDecodeError:
+                continue
+        ids.append(str(member))
+    return ids
+
+
 async def live_beats(client: aioredis.Redis, prefix: str) -> list[Beat]:
     """The live heartbeats of the workers in the index (one ZRANGE, one MGET); a worker older than the index
     is not in it, and its heartbeat could not be placed anyway (no topic, no group)."""
-    ids = [i.decode() if isinstance(i, bytes) else str(i) for i in await client.zrange(worker_index(prefix), 0, -1)]
+    ids = index_ids(await client.zrange(worker_index(prefix), 0, -1))
     values = await client.mget([f"{prefix}:worker:{worker_id}" for worker_id in ids]) if ids else []
     beats = []
     for worker_id, value in zip(ids, values, strict=True):
