@@ -12,7 +12,7 @@ Pieces (see ../shared/notes/queue-on-a-gpu-machine.md for why each is as it is):
   redis.tar.xz          Debian's redis-server with the shared libraries it needs beyond glibc (lib/) and
                         the rest of its ldd closure (lib-spare/: gpu_stack_env copies in only those the
                         target machine lacks, so none of them shadow the machine's own)
-  wheels/               msgspec, aiokafka, redis, async-timeout, llguidance, starlette, uvicorn,
+  wheels/               msgspec, aiokafka, cramjam, redis, async-timeout, llguidance, starlette, uvicorn,
                         python-multipart, and the GPU tests' jsonschema and openai with what they need,
                         for cp312 manylinux x86_64 (wheels/spare:
                         packaging and typing_extensions, installed only when the target lacks them)
@@ -44,13 +44,14 @@ JLINK_MODULES = (
 NATIVE_SUFFIXES = (".so", ".dll", ".dylib", ".jnilib", ".a")
 KEEP_PLATFORMS = ("linux/amd64/", "linux/x86_64/")  # compared lower-case: snappy says Linux/x86_64
 # The Python packages the GPU image lacks (its torch stack brings packaging and typing_extensions, which
-# aiokafka needs: those travel as spares): the worker's (msgspec, aiokafka, redis), constrained decoding's
-# (llguidance) and the gateway's (starlette, uvicorn, python-multipart: ops/bench_batch.py runs it).
+# aiokafka needs: those travel as spares): the worker's (msgspec, aiokafka with its codecs' cramjam, redis),
+# constrained decoding's (llguidance) and the gateway's (starlette, uvicorn, python-multipart: ops/bench_batch.py runs it).
 # Versions follow the project's venv when it has them.
 # Then what the GPU tests import that the image lacks (ops/gpu_tests.sh: test_gateway, test_structured_output and
 # test_worker_engine import jsonschema; test_batch_api the official openai client; test_fp8 and test_fp8_kv_cache
 # write their FP8 checkpoints with compressed-tensors, which needs loguru), with what those need.
-WHEELS = ("msgspec", "aiokafka", "redis", "async-timeout", "llguidance", "starlette", "uvicorn", "python-multipart",
+WHEELS = ("msgspec", "aiokafka", "cramjam", "redis", "async-timeout", "llguidance", "starlette", "uvicorn",
+          "python-multipart",
           "jsonschema", "jsonschema-specifications", "referencing", "rpds-py",
           "openai", "pydantic", "pydantic-core", "typing-inspection", "annotated-types", "jiter", "distro", "sniffio",
           "httpx2", "httpcore2", "truststore", "compressed-tensors", "loguru")
@@ -277,10 +278,8 @@ redis_exe=$(readlink "/proc/$(cat "$STOKER_STACK_DIR/redis/redis.pid")/exe")
 echo "broker runs $kafka_exe; redis runs $redis_exe"
 case "$kafka_exe" in "$GPU_STACK_DIR"/*) ;; *) exit 1;; esac
 case "$redis_exe" in "$GPU_STACK_DIR"/*) ;; *) exit 1;; esac
-# The codecs' natives run in the broker when it validates a compressed batch. aiokafka compresses with
-# cramjam, which the worker does not need (the GPU machine gets no cramjam): here only, from the registry.
-python3 -m pip install -q --disable-pip-version-check --target "$TMP/cramjam" cramjam \
-    && export PYTHONPATH="$PYTHONPATH:$TMP/cramjam" || echo "check: no cramjam, compressed produce untested"
+# The codecs' natives run in the broker when it validates a compressed batch; aiokafka (de)compresses with
+# cramjam, packed with the wheels (the worker must read compressed records).
 python3 "$ROOT/ops/pack_gpu_stack.py" --produce-consume
 echo "codec natives the broker has loaded: $(grep -o -E '[^/]*(zstd|snappy|lz4)[^/]*\.so' \
     "/proc/$(cat "$STOKER_STACK_DIR/kafka/kafka.pid")/maps" | sort -u | tr '\n' ' ')"

@@ -924,3 +924,29 @@ async def test_job_that_breaks_the_engine_before_its_first_event_ends_as_poison(
     assert isinstance(err, Error) and err.code == "poison_job" and err.attempt == 4
     letters = await dead_letters(space.bootstrap, names.dlq_topic)
     assert [dict(m.headers)["stoker-error-code"] for m in letters] == [b"poison_job"]
+
+
+@pytest.mark.parametrize("codec", ["zstd", "lz4", "snappy", "gzip"])
+async def test_jobs_in_compressed_record_batches_run(space, r, codec):
+    """Producers in any language may compress their batches (Java's compression.type, librdkafka's
+    compression.codec). Without aiokafka's codec extras the worker could not decompress a zstd, lz4 or snappy
+    batch: its poll failed on it again and again, so no job of any of its partitions ran, and nothing was
+    dead-lettered. Each codec's batch of jobs, beside an uncompressed one on the same topic, now runs."""
+    from aiokafka import AIOKafkaProducer
+
+    names = space.names
+    ids = [f"{codec}-{i}" for i in range(6)]
+    producer = AIOKafkaProducer(bootstrap_servers=space.bootstrap, acks="all", compression_type=codec, linger_ms=50)
+    await producer.start()
+    try:
+        sent = [await producer.send(names.jobs_topic, msgspec.json.encode(job(i, max_tokens=3)), key=i.encode())
+                for i in ids]
+        await asyncio.gather(*sent)
+    finally:
+        await producer.stop()
+    await produce(space.bootstrap, names.jobs_topic, [job("plain", max_tokens=3)])
+    async with running_worker(space):
+        results = await wait_results(r, names, [*ids, "plain"], timeout=30)
+    for rid, outcome in results.items():
+        assert isinstance(outcome.terminal, Done), (rid, outcome.terminal)
+        assert outcome.terminal.text == expected_text(rid, 3)
