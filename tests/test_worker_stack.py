@@ -13,6 +13,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 import uuid
@@ -950,3 +951,57 @@ async def test_jobs_in_compressed_record_batches_run(space, r, codec):
     for rid, outcome in results.items():
         assert isinstance(outcome.terminal, Done), (rid, outcome.terminal)
         assert outcome.terminal.text == expected_text(rid, 3)
+
+
+_PRODUCE_BAD_HEADER = r'''
+import asyncio, sys
+import msgspec
+from aiokafka import AIOKafkaProducer
+
+class Undecodable(str):  # the pure-Python record builder encodes header keys with .encode(): these bytes
+    def encode(self, *args, **kwargs):
+        return b"\xff\xfe"
+
+async def main(bootstrap, topic):
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await producer.start()
+    try:
+        for rid, headers in (("hb-before", []), ("hb-bad", [(Undecodable("x"), b"v")]), ("hb-after", [])):
+            job = {"type": "job", "request_id": rid, "prompt": "hello", "max_tokens": 3}
+            await producer.send_and_wait(topic, msgspec.json.encode(job), key=rid.encode(), headers=headers,
+                                         partition=0)
+    finally:
+        await producer.stop()
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+'''
+
+
+async def test_a_record_the_kafka_client_cannot_parse_is_dead_lettered_and_skipped(space, r):
+    """aiokafka decodes header keys as UTF-8: a record whose key is not (any producer library can write one)
+    made every poll raise UnicodeDecodeError, which killed the worker, and each restarted worker died on the same
+    uncommitted record. Now the poll finds the record (its partition read one record at a time), dead-letters a
+    stub naming where it is, skips it, and the jobs before and after it, and on the other partitions, run."""
+    names = space.names
+    env = {**os.environ, "AIOKAFKA_NO_EXTENSIONS": "1"}  # the pure-Python builder, whose encode() we hook
+    subprocess.run([sys.executable, "-c", _PRODUCE_BAD_HEADER, space.bootstrap, names.jobs_topic], env=env,
+                   check=True, timeout=60)
+    await produce(space.bootstrap, names.jobs_topic, [job(f"hb-other-{i}", max_tokens=3) for i in range(4)])
+    ids = ["hb-before", "hb-after", *(f"hb-other-{i}" for i in range(4))]
+    async with running_worker(space) as w:
+        results = await wait_results(r, names, ids, timeout=30)
+        assert w.fatal is None
+        for _ in range(200):  # every record, the skipped one included, committed
+            committed, end = await committed_offsets(space.bootstrap, space.group, names.jobs_topic)
+            if committed == end == 7:
+                break
+            await asyncio.sleep(0.05)
+        assert (committed, end) == (7, 7)
+    for rid in ids:
+        assert isinstance(results[rid].terminal, Done), results[rid].terminal
+    assert await r.exists(names.result("hb-bad")) == 0  # its id was never readable
+    letters = await dead_letters(space.bootstrap, names.dlq_topic)
+    assert len(letters) == 1
+    headers = dict(letters[0].headers)
+    assert headers["stoker-error-code"] == b"invalid_job"
+    assert f"{names.jobs_topic}-0 offset 1".encode() in headers["stoker-error-message"]

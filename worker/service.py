@@ -32,7 +32,12 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import KafkaError, MessageSizeTooLargeError
+from aiokafka.errors import (
+    CorruptRecordException,
+    KafkaError,
+    MessageSizeTooLargeError,
+    UnsupportedCodecError,
+)
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -74,6 +79,9 @@ QUEUED = RequestState.QUEUED
 _CLOSE_TIMEOUT_S = 10.0  # at shutdown, how long the last commit and each Kafka client's close may take
 _END_OFFSETS_TIMEOUT_S = 2.0  # at a rebalance, how long the new partitions' end offsets may take (else no early start)
 _NEVER = float("inf")
+# What the Kafka client raises while parsing one record it fetched, the same on every poll: a header key that
+# is not UTF-8 (aiokafka decodes them as text), a batch in a codec it cannot decompress, a failed checksum.
+_UNREADABLE = (UnicodeDecodeError, UnsupportedCodecError, CorruptRecordException)
 # A dead letter refused this long turns /healthz unhealthy: its record (and its partition's commits) is stuck
 # until an operator acts. Not at once: a broker restart refuses sends for a few seconds and heals by itself.
 DLQ_UNHEALTHY_AFTER_S = 10.0
@@ -157,6 +165,10 @@ class Worker:
         # Per partition, the log end offset when we were given it: records from there on were produced while we
         # owned the partition, so no earlier owner ran them (note_fresh_offsets, _start_early).
         self._fresh_from: dict[TopicPartition, int] = {}
+        # Per partition, the offset after the last record the intake received: where a failed poll rewinds to
+        # (_rewind: aiokafka advances a partition's position as it drains it, and a poll that raises on another
+        # partition afterwards drops what it drained).
+        self._next_read: dict[TopicPartition, int] = {}
         self._tasks: list[asyncio.Task[Any]] = []
         self._side_tasks: set[asyncio.Task[Any]] = set()  # short ones (dead letters), awaited in stop()
         self._dlq_failing: dict[object, float] = {}  # dead-letter sends being retried -> when first refused
@@ -425,8 +437,13 @@ class Worker:
                 continue
             try:
                 batches = await self.consumer.getmany(timeout_ms=200, max_records=self.cfg.max_poll_records)
+            except _UNREADABLE as exc:  # before KafkaError: two of them are KafkaErrors a retry never gets past
+                await self._rewind()
+                await self._skip_unreadable(exc)
+                continue
             except (KafkaError, OSError, TimeoutError) as exc:  # broker restart: aiokafka reconnects; keep polling
                 log.warning("event=kafka_poll_error error=%r", str(exc))
+                await self._rewind()
                 await asyncio.sleep(0.5)
                 continue
             if not self.ready and self.consumer.assignment():
@@ -435,6 +452,61 @@ class Worker:
             if records:
                 await self._intake(records, now_ms())
             self._apply_backpressure()
+
+    async def _rewind(self) -> None:
+        """After a poll that raised: every partition back to the record after the last one the intake received
+        (or its committed offset, when it received none). aiokafka moves a partition's position as it drains its
+        records into the poll's result; when another partition then raises, the result, and those records, are
+        gone, and the position past them would skip them for good."""
+        assert self.consumer is not None
+        for tp in sorted(self.consumer.assignment() & self._assigned):
+            expected: int | None = self._next_read.get(tp)
+            if expected is None:
+                try:
+                    expected = await asyncio.wait_for(self.consumer.committed(tp), _END_OFFSETS_TIMEOUT_S)
+                except (KafkaError, OSError, TimeoutError):
+                    continue  # the broker is away: it fetched nothing for this partition to drop either
+                if expected is None:  # nothing committed: auto_offset_reset="earliest" starts at the log's start
+                    await self.consumer.seek_to_beginning(tp)
+                    continue
+            self.consumer.seek(tp, expected)
+
+    async def _skip_unreadable(self, exc: BaseException) -> None:
+        """A poll failed on a record the Kafka client cannot parse, and would fail on it forever: no job of any
+        of our partitions would run again. Find it: each partition's records one at a time (the good ones before
+        it go through the intake as usual); the unreadable one is dead-lettered as a stub naming where it is
+        (the client hands over none of its bytes) and skipped, so that it stops neither its partition nor the
+        worker. A partition that is not the culprit yields its records or nothing."""
+        assert self.consumer is not None
+        log.error("event=kafka_record_unreadable error=%r", str(exc))
+        for tp in sorted(self.consumer.assignment() & self._assigned):
+            highwater = self.consumer.highwater(tp)  # from the last fetch: a partition read to its end is not it
+            if highwater is not None and await self.consumer.position(tp) >= highwater:
+                continue
+            for _ in range(self.cfg.max_poll_records):
+                try:  # (the failed poll dropped what it had fetched: this fetches again, hence the wait)
+                    got = await self.consumer.getmany(tp, timeout_ms=500, max_records=1)
+                except _UNREADABLE as found:
+                    await self._dead_letter_unreadable(tp, await self.consumer.position(tp), found)
+                    break
+                records = got.get(tp, [])
+                if not records:
+                    break
+                await self._intake(records, now_ms())
+
+    async def _dead_letter_unreadable(self, tp: TopicPartition, offset: int, exc: BaseException) -> None:
+        assert self.consumer is not None
+        message = (f"the worker's Kafka client could not read the record at {tp.topic}-{tp.partition} offset "
+                   f"{offset}: {type(exc).__name__}: {exc} (a header key that is not UTF-8 text, a compression "
+                   "codec it lacks or a corrupt batch); skipped, its bytes are not in this letter")
+        log.error("event=kafka_record_skipped topic=%s partition=%d offset=%d error=%r", tp.topic, tp.partition,
+                  offset, str(exc))
+        self.metrics.records_failed.inc()
+        self.tracker.track(tp, offset)
+        await self._dead_letter(None, None, [], ErrorCode.INVALID_JOB, message, 0)
+        self._finish_records([(tp, offset)])
+        self._next_read[tp] = offset + 1
+        self.consumer.seek(tp, offset + 1)
 
     def _observe(self, stage: str, record_ms: float, at_ms: float, request_id: str | None = None) -> None:
         self._stage[stage].observe(max(0.0, at_ms - record_ms) / 1000)
@@ -448,6 +520,7 @@ class Worker:
             if tp not in self._assigned:
                 continue  # revoked while the batch was in hand: the new owner reads it
             self.tracker.track(tp, rec.offset)
+            self._next_read[tp] = max(self._next_read.get(tp, 0), rec.offset + 1)
             record: Record = (tp, rec.offset)
             record_ms = float(rec.timestamp) if rec.timestamp and rec.timestamp > 0 else polled_ms
             self._observe("polled", record_ms, polled_ms)
@@ -1047,6 +1120,7 @@ class Worker:
         for tp in revoked:
             self.tracker.forget(tp)
             self._fresh_from.pop(tp, None)
+            self._next_read.pop(tp, None)
         self.admitter.drop(revoked)
         # Not CLAIMING ones (the intake, mid claim round trip, settles them) nor the records a FINISHING
         # request was read in (they finish with its terminal event, a no-op on a partition forgotten here).
