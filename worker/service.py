@@ -459,11 +459,12 @@ class Worker:
         records into the poll's result; when another partition then raises, the result, and those records, are
         gone, and the position past them would skip them for good."""
         assert self.consumer is not None
+        deadline = time.monotonic() + _END_OFFSETS_TIMEOUT_S  # for all the committed-offset lookups together
         for tp in sorted(self.consumer.assignment() & self._assigned):
             expected: int | None = self._next_read.get(tp)
             if expected is None:
                 try:
-                    expected = await asyncio.wait_for(self.consumer.committed(tp), _END_OFFSETS_TIMEOUT_S)
+                    expected = await asyncio.wait_for(self.consumer.committed(tp), max(0.0, deadline - time.monotonic()))
                 except (KafkaError, OSError, TimeoutError):
                     continue  # the broker is away: it fetched nothing for this partition to drop either
                 if expected is None:  # nothing committed: auto_offset_reset="earliest" starts at the log's start
