@@ -28,7 +28,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 from aiokafka import AIOKafkaProducer
 from redis.asyncio.client import PubSub
-from stoker.schemas import Cancel, Chunk, ContractError, Done, ErrorCode, Job, Names
+from stoker.schemas import Cancel, Chunk, ContractError, Done, ErrorCode, Job, Names, worker_ids
 from stoker.schemas import Error as ErrorEvent
 
 from stoker import schemas
@@ -638,7 +638,7 @@ class Client:
         through the worker index (one ZRANGE and one MGET at any keyspace size). A SCAN, which walks every
         key, also looks for workers older than the index, at most every `unindexed_scan_s` (and whenever the
         index is empty), so such a worker shows up that much later."""
-        ids = _text_ids(await self.redis.zrange(self.names.workers_index, 0, -1))
+        ids = worker_ids(await self.redis.zrange(self.names.workers_index, 0, -1))
         if not ids or time.monotonic() - self._scanned_at >= self.unindexed_scan_s:
             self._scanned_at = time.monotonic()
             indexed = set(ids)
@@ -649,22 +649,8 @@ class Client:
 
     async def _scanned_ids(self) -> list[str]:
         pattern = f"{self.prefix}:worker:*"
-        keys = _text_ids([key async for key in self.redis.scan_iter(match=pattern, count=500)])
+        keys = worker_ids([key async for key in self.redis.scan_iter(match=pattern, count=500)])
         return [key[len(pattern) - 1:] for key in keys]
-
-
-def _text_ids(members: Iterable[Any]) -> list[str]:
-    """Worker ids from the index (or heartbeat key names); bytes that are not UTF-8 are no worker's id and are
-    skipped, so one bad entry anyone could write does not fail the whole listing."""
-    ids = []
-    for member in members:
-        if isinstance(member, bytes):
-            try:
-                member = member.decode()
-            except UnicodeDecodeError:
-                continue
-        ids.append(str(member))
-    return ids
 
 
 def _worker_infos(found: Iterable[tuple[str, bytes | str | None]]) -> list[WorkerInfo]:

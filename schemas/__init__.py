@@ -65,6 +65,7 @@ from stoker.schemas.names import (
     default_dlq_topic,
     dlq_headers,
     is_valid_request_id,
+    worker_ids,
 )
 
 __all__ = [
@@ -76,5 +77,5 @@ __all__ = [
     "JsonSchemaFormat", "JsonSchemaSpec", "Names", "RegexFormat", "ResponseFormat", "Role", "Terminal", "Timings",
     "TokenLogprob", "TopLogprob", "Usage", "content_type_for", "content_type_of", "decode_cancel", "decode_event",
     "decode_job", "default_batch_topic", "default_dlq_topic", "dlq_headers", "encode", "encode_cancel", "encode_event", "encode_job", "event_encoder",
-    "is_msgpack", "is_valid_request_id",
+    "is_msgpack", "is_valid_request_id", "worker_ids",
 ]

@@ -1,7 +1,9 @@
 """Topic, Redis key and header names of the wire contract, shared by the worker and the client."""
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 JOBS_TOPIC = "stoker.jobs"
 DLQ_SUFFIX = ".dlq"
@@ -28,6 +30,21 @@ DLQ_HEADERS = (DLQ_ERROR_CODE, DLQ_ERROR_MESSAGE, DLQ_FAILED_AT, DLQ_WORKER, DLQ
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _KAFKA_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
+
+
+def worker_ids(members: Iterable[Any]) -> list[str]:
+    """The worker index's members (or heartbeat key suffixes) as worker ids, which are text: bytes that are not
+    UTF-8 are no worker's and are skipped. Whoever may write the prefix's keys can put anything there, and one bad
+    member must fail neither a worker's group check nor a client's listing."""
+    ids = []
+    for member in members:
+        if isinstance(member, bytes):
+            try:
+                member = member.decode()
+            except UnicodeDecodeError:
+                continue
+        ids.append(str(member))
+    return ids
 
 
 def default_dlq_topic(jobs_topic: str) -> str:

@@ -548,3 +548,9 @@ def test_json_schema_carries_ranges_and_rules() -> None:
     assert len(job["oneOf"]) == 3
     event = json.loads((generate.SCHEMA_DIR / "event.schema.json").read_text())
     assert set(event["$defs"]) >= {"Chunk", "Done", "Error", "Usage", "Timings", "TokenLogprob", "TopLogprob"}
+
+
+def test_worker_ids_skip_index_members_that_are_not_text() -> None:
+    """The worker index is writable by anyone who writes the prefix's keys: a member that is not UTF-8 is no
+    worker's id and is skipped, str members pass as they are (tests/test_routing_stack.py has the whole path)."""
+    assert schemas.worker_ids([b"w-1", "w-2", b"\xff\xfe", b"caf\xc3\xa9"]) == ["w-1", "w-2", "café"]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from stoker.schemas import Names, default_batch_topic
+from stoker.schemas import Names, default_batch_topic, worker_ids
 
 log = logging.getLogger("stoker.worker.membership")
 
@@ -151,24 +151,10 @@ class JoinLock:
         await self._unlock(keys=[self.key], args=[self.token])
 
 
-def index_ids(members: Iterable[Any]) -> list[str]:
-    """The worker index's members as worker ids; one that is not UTF-8 is no worker's (ids are text) and is
-    skipped, not fatal: the index is writable by whoever writes the prefix's keys."""
-    ids = []
-    for member in members:
-        if isinstance(member, bytes):
-            try:
-                member = member.decode()
-            except UnicodeDecodeError:
-                continue
-        ids.append(str(member))
-    return ids
-
-
 async def live_beats(client: aioredis.Redis, prefix: str) -> list[Beat]:
     """The live heartbeats of the workers in the index (one ZRANGE, one MGET); a worker older than the index
     is not in it, and its heartbeat could not be placed anyway (no topic, no group)."""
-    ids = index_ids(await client.zrange(worker_index(prefix), 0, -1))
+    ids = worker_ids(await client.zrange(worker_index(prefix), 0, -1))
     values = await client.mget([f"{prefix}:worker:{worker_id}" for worker_id in ids]) if ids else []
     beats = []
     for worker_id, value in zip(ids, values, strict=True):
