@@ -190,21 +190,37 @@ async def test_driver_reports_an_engine_whose_stats_fail_instead_of_dying_silent
         driver.stop()
 
 
+class _HeldStep(FakeEngine):
+    """The stand-in whose steps from the `hold_from`-th on wait for `release` (a hung GPU's stand-in); `failure`
+    as LLMEngine.failure reports a dead tensor-parallel rank."""
+
+    def __init__(self, hold_from: int = 0) -> None:
+        super().__init__()
+        self.hold_from = hold_from
+        self.release = threading.Event()
+        self.failure: str | None = None
+
+    def step(self):  # type: ignore[no-untyped-def,override]
+        if self.steps >= self.hold_from:
+            self.release.wait()
+        return super().step()
+
+
+async def _step_in_flight(driver: EngineDriver, steps_done: int = 0) -> float:
+    """Wait until the driver's step after `steps_done` finished ones is in progress -> when it started."""
+    for _ in range(100):
+        if driver.step_started is not None and driver.steps == steps_done:
+            break
+        await asyncio.sleep(0.01)
+    started = driver.step_started
+    assert started is not None and driver.steps == steps_done
+    return started
+
+
 async def test_driver_declares_a_step_past_the_limit_stalled_and_drops_its_late_outputs():
     """A step that never ends by itself (the stand-in's hang hook, a hung GPU's stand-in): stalled() says
     nothing while the step is young or no step runs, then returns EngineStalled and marks the engine broken; if
     the step does come back after all, its outputs go nowhere."""
-
-    class Hangs(FakeEngine):
-        def __init__(self) -> None:
-            super().__init__()
-            self.release = threading.Event()
-
-        def step(self):  # type: ignore[override]
-            if self.steps >= 2:
-                self.release.wait()
-            return super().step()
-
     loop = asyncio.get_running_loop()
     got: list[int] = []
 
@@ -212,17 +228,13 @@ async def test_driver_declares_a_step_past_the_limit_stalled_and_drops_its_late_
         got.append(len(outputs))
         driver.published()
 
-    engine = Hangs()
+    engine = _HeldStep(hold_from=2)
     driver = EngineDriver(engine, loop, sink)
     assert driver.stalled(0.1) is None  # no step yet
     driver.start()
     try:
         driver.add_request(EngineRequest("a", prompt="p", params=SamplingParams(max_tokens=50)))
-        for _ in range(100):
-            if driver.step_started is not None and driver.steps == 2:
-                break
-            await asyncio.sleep(0.01)
-        assert driver.steps == 2 and driver.step_started is not None  # the third step is in, and stays
+        await _step_in_flight(driver, steps_done=2)  # the third step is in, and stays
         assert driver.stalled(5.0) is None and driver.fatal is None  # young still
         assert driver.stalled(0) is None  # 0 = the watchdog is off
         await asyncio.sleep(0.3)
@@ -241,27 +253,12 @@ async def test_driver_declares_a_step_past_the_limit_stalled_and_drops_its_late_
 async def test_driver_does_not_count_a_noted_pause_as_a_steps_time():
     """A process stopped (SIGSTOP, a frozen VM) with a step in flight: the watchdog notes the gap in its ticks,
     and stalled() counts only the time the step could run, so a resumed worker is not taken for a hung one."""
-
-    class Holds(FakeEngine):
-        def __init__(self) -> None:
-            super().__init__()
-            self.release = threading.Event()
-
-        def step(self):  # type: ignore[override]
-            self.release.wait()
-            return super().step()
-
-    engine = Holds()
+    engine = _HeldStep()
     driver = EngineDriver(engine, asyncio.get_running_loop(), lambda *a: driver.published())
     driver.start()
     try:
         driver.add_request(EngineRequest("a", prompt="p", params=SamplingParams(max_tokens=5)))
-        for _ in range(100):
-            if driver.step_started is not None:
-                break
-            await asyncio.sleep(0.01)
-        started = driver.step_started
-        assert started is not None
+        started = await _step_in_flight(driver)
         await asyncio.sleep(0.5)
         driver.note_pause(started - 5.0, started + 0.1)  # partly before the step: only its overlap counts
         driver.note_pause(started + 0.15, started + 0.45)
@@ -278,26 +275,12 @@ async def test_driver_ends_a_stuck_step_soon_once_the_engine_reports_a_failure()
     """A tensor-parallel rank dies inside a one-shot all-reduce: the engine knows (LLMEngine.failure, from the
     ranks' watchdog) but its step never returns. stalled() then gives up after the short grace, not the whole
     stall limit, and names the failure."""
-
-    class DeadPeer(FakeEngine):
-        def __init__(self) -> None:
-            super().__init__()
-            self.release = threading.Event()
-            self.failure: str | None = None
-
-        def step(self):  # type: ignore[override]
-            self.release.wait()
-            return super().step()
-
-    engine = DeadPeer()
+    engine = _HeldStep()
     driver = EngineDriver(engine, asyncio.get_running_loop(), lambda *a: driver.published())
     driver.start()
     try:
         driver.add_request(EngineRequest("a", prompt="p", params=SamplingParams(max_tokens=5)))
-        for _ in range(100):
-            if driver.step_started is not None:
-                break
-            await asyncio.sleep(0.01)
+        await _step_in_flight(driver)
         await asyncio.sleep(0.3)
         assert driver.stalled(300, failed_grace_s=0.1) is None  # stuck, but the engine has not failed
         engine.failure = "tensor-parallel rank 1 (pid 7) exited with code -9"
