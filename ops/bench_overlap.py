@@ -120,16 +120,22 @@ def graph_ms(fn: Callable[[], Any], device: torch.device, reps: int, keep: list[
             fn()
         return (time.perf_counter() - t0) / reps * 1e3
     graph, out = capture(fn, device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
+    ms = replay_ms(graph, reps)
     if keep is not None:
         keep.append(out.clone())
     del graph
-    return start.elapsed_time(end) / reps
+    return ms
+
+
+def replay_ms(graph: Any, n: int) -> float:
+    """Mean time of n back-to-back replays of a captured graph (CUDA events on the current stream)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
 
 
 def capture(fn: Callable[[], Any], device: torch.device) -> tuple[Any, Any]:
@@ -306,15 +312,6 @@ def section_e(rep: Report, model: LlamaModel, batch: Batch, device: torch.device
         return
     reference = graphs["plain order"][1].float().clone()
     diffs = {name: float((out.float() - reference).abs().max()) for name, (_, out) in graphs.items()}
-
-    def replay_ms(graph: Any, n: int) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(n):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / n
 
     per_round = max(2, int(round_s * 1e3 / replay_ms(graphs["plain order"][0], 3)))
     times: dict[str, list[float]] = {name: [] for name in graphs}
